@@ -1,0 +1,195 @@
+"""The fail-fast gate: decide who compiles what before anything compiles.
+
+A pure function of every host's report and the recipe. It either returns a
+`Plan` (host -> keys to compile and to download, workers, predicted seconds)
+or raises `GateRefused` naming each short host, by how many MiB, and what
+would fix it. No prefect, torch or boto3 import: unit-tested on paper layouts.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from kiln.errors import GateRefused
+from kiln.recipe import Recipe
+from kiln.sizing import floor_admitting_one, required_mib, worker_capacity
+
+
+@dataclass(frozen=True)
+class HostReport:
+    """What one host says about itself before compilation."""
+
+    name: str
+    ranks: tuple[int, ...]
+    available_mib: int
+    """Host memory available now (psutil), or the user's assumed figure."""
+    num_cpus: int
+    target: str
+    """Compile target fingerprint: hosts of one target can compile for each other."""
+    unified: bool = True
+    device_free_mib: int | None = None
+    local_keys: frozenset[str] = frozenset()
+    """Forward keys the host's local cache already holds."""
+    available_assumed: bool = False
+    compile_s: float | None = None
+    """Measured seconds per forward on this host, when known."""
+
+
+@dataclass
+class HostPlan:
+    name: str
+    target: str
+    available_mib: int
+    required_one_mib: int
+    """Memory one worker needs on this host."""
+    capacity: int
+    """Workers memory and CPUs allow."""
+    workers: int = 0
+    """Workers the plan starts: capacity capped by the work assigned."""
+    compile: list[str] = field(default_factory=list)
+    download: list[str] = field(default_factory=list)
+    predicted_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("name", "target", "available_mib", "required_one_mib",
+                                               "capacity", "workers", "compile", "download", "predicted_s")}
+
+
+@dataclass
+class Plan:
+    decision: str
+    """'compile' or 'nothing_to_do'."""
+    policy: str
+    hosts: dict[str, HostPlan]
+    predicted_s: float
+    message: str
+
+    @property
+    def assignments(self) -> dict[str, list[str]]:
+        return {name: list(h.compile) for name, h in self.hosts.items()}
+
+    def to_dict(self) -> dict:
+        return {"decision": self.decision, "policy": self.policy, "predicted_s": self.predicted_s,
+                "assignments": self.assignments, "message": self.message,
+                "hosts": {n: h.to_dict() for n, h in self.hosts.items()}}
+
+
+def decide(hosts: list[HostReport], recipe: Recipe, needed: dict[str, list[str]],
+           store_keys: set[str] | frozenset[str], *, compile_s: dict[str, float] | None = None,
+           page_size_bytes: int | None = None) -> Plan:
+    """Plan the compile phase or refuse it.
+
+    `needed` maps each target to the forward keys its ranks need; `store_keys`
+    are keys already in the store; `compile_s` holds measured seconds per key.
+    """
+    if not hosts:
+        raise GateRefused("no hosts reported; start at least one host (Dask worker) and try again.")
+    names = [h.name for h in hosts]
+    if len(set(names)) != len(names):
+        raise GateRefused(f"host names must be distinct, got {names}.")
+    compile_s = compile_s or {}
+    plans = {h.name: HostPlan(
+        name=h.name, target=h.target, available_mib=h.available_mib,
+        required_one_mib=required_mib(recipe, 1, h.unified),
+        capacity=worker_capacity(recipe, available_mib=h.available_mib, unified=h.unified,
+                                 num_cpus=h.num_cpus, device_free_mib=h.device_free_mib))
+        for h in sorted(hosts, key=lambda h: h.name)}
+    by_name = {h.name: h for h in hosts}
+
+    # Which hosts lack which keys, and which keys nobody has yet.
+    short: list[HostReport] = []
+    missing_by_target: dict[str, list[str]] = {}
+    for h in hosts:
+        want = needed.get(h.target, []) if h.ranks else []
+        plans[h.name].download = sorted(k for k in want if k in store_keys and k not in h.local_keys)
+        lacks = [k for k in want if k not in store_keys and k not in h.local_keys]
+        if lacks and plans[h.name].capacity == 0 and recipe.policy == "fail":
+            short.append(h)
+    for target, keys in needed.items():
+        missing = sorted({k for k in keys if k not in store_keys})
+        if not missing:
+            continue
+        missing_by_target[target] = missing
+        if not any(p.capacity > 0 for p in plans.values() if p.target == target):
+            short.extend(h for h in hosts if h.target == target and h not in short)
+    if short:
+        raise GateRefused(_refusal(short, plans, by_name, recipe, page_size_bytes))
+
+    for target, missing in missing_by_target.items():
+        _assign(missing, [p for p in plans.values() if p.target == target and p.capacity > 0],
+                by_name, compile_s, recipe.compile_s_estimate)
+    for p in plans.values():
+        # A key this host compiles is not downloaded by it; a key it lacks that
+        # another host compiles is downloaded after the outcome check.
+        lacking = [k for k in needed.get(p.target, []) if by_name[p.name].ranks
+                   and k not in by_name[p.name].local_keys and k not in p.compile]
+        p.download = sorted(set(lacking))
+    predicted = max((p.predicted_s for p in plans.values()), default=0.0)
+    todo = sum(len(p.compile) for p in plans.values())
+    decision = "compile" if todo else "nothing_to_do"
+    message = (f"compile {todo} forward(s) on {sum(1 for p in plans.values() if p.compile)} host(s), "
+               f"about {predicted:.0f} s" if todo else "every forward is already in the store")
+    return Plan(decision, recipe.policy, plans, predicted, message)
+
+
+def _assign(keys: list[str], compilers: list[HostPlan], by_name: dict[str, HostReport],
+            compile_s: dict[str, float], estimate_s: float) -> None:
+    """Longest-first list scheduling over every compiler slot: each key goes where it finishes first."""
+    slots = [(0.0, p.name, i) for p in compilers for i in range(p.capacity)]
+    heapq.heapify(slots)
+    used: dict[str, set[int]] = {p.name: set() for p in compilers}
+    plans = {p.name: p for p in compilers}
+    for key in sorted(keys, key=lambda k: (-compile_s.get(k, estimate_s), k)):
+        finish, name, slot = heapq.heappop(slots)
+        seconds = compile_s.get(key) or by_name[name].compile_s or estimate_s
+        finish += seconds
+        plans[name].compile.append(key)
+        plans[name].predicted_s = max(plans[name].predicted_s, finish)
+        used[name].add(slot)
+        heapq.heappush(slots, (finish, name, slot))
+    for p in compilers:
+        p.compile.sort()
+        p.workers = len(used[p.name])
+
+
+def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[str, HostReport],
+             recipe: Recipe, page_size_bytes: int | None) -> str:
+    lines = []
+    for h in sorted(short, key=lambda h: h.name):
+        p = plans[h.name]
+        assumed = " (assumed)" if h.available_assumed else ""
+        gap = p.required_one_mib - h.available_mib
+        if gap > 0:
+            lines.append(f"{h.name} has {h.available_mib} MiB available{assumed} but one compile worker "
+                         f"needs {p.required_one_mib} MiB: {gap} MiB short")
+        elif h.device_free_mib is not None and not h.unified:
+            lines.append(f"{h.name} has {h.device_free_mib} MiB free on its device but one compile worker "
+                         f"needs {recipe.worker_device_mib} MiB there")
+        else:
+            lines.append(f"{h.name} can run no compile worker ({h.num_cpus} CPUs)")
+    fixes = []
+    floors = [floor_admitting_one(recipe, available_mib=h.available_mib, unified=h.unified) for h in short]
+    if all(f is not None for f in floors) and any(plans[h.name].required_one_mib > h.available_mib for h in short):
+        fixes.append(f"--set headroom_floor_mib={min(floors)} would admit one worker on every short host")
+    lenders = {p.name: p.capacity for p in plans.values() if p.capacity > 0
+               and any(p.target == h.target for h in short)}
+    if recipe.policy == "fail" and lenders:
+        who = ", ".join(f"{n} ({c} worker{'s' if c > 1 else ''})" for n, c in sorted(lenders.items()))
+        fixes.append(f"--policy borrow lets them lend their forwards to {who}")
+    frees = []
+    for h in short:
+        gap = plans[h.name].required_one_mib - h.available_mib
+        if gap > 0:
+            text = f"{gap} MiB on {h.name}"
+            if page_size_bytes and h.ranks:
+                pages = math.ceil(gap * 2**20 / page_size_bytes / len(h.ranks))
+                text += f" ({pages} fewer KV pages per rank)"
+            frees.append(text)
+    if frees:
+        fixes.append("free " + ", ".join(frees))
+    if not lenders:
+        fixes.append("add a host of the same target with memory for a compile worker")
+    return ("export refused before compiling: " + "; ".join(lines) + ". "
+            + "To fix: " + "; or ".join(fixes) + ".")

@@ -1,0 +1,66 @@
+"""Forward keys: what determines a compiled forward's code, hashed.
+
+A key hashes the graph fingerprint, the input specs, the compiler options, the
+torch version and the target. Not the weights (they are loaded at run time)
+and not the KV page count (a dynamic dimension), so every rank of an export
+shares one artifact per bucket and a new KV plan reuses every forward.
+Pure: no torch import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from kiln.recipe import Bucket
+
+KEY_HEX_CHARS = 32
+
+
+def canonical_json(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def digest(obj, chars: int = KEY_HEX_CHARS) -> str:
+    """sha256 of the canonical JSON of `obj`, truncated to `chars` hex characters."""
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()[:chars]
+
+
+@dataclass(frozen=True)
+class ForwardSpec:
+    """Everything a compile worker needs to build one forward, and nothing else."""
+
+    key: str
+    bucket: Bucket
+    target: str
+    graph: dict
+    """Model config (as config.json), tp and the model code's fingerprint."""
+    inputs: dict
+    """Static input dims of the forward; the page count is dynamic and absent."""
+    compiler: dict
+    """Inductor options that change the generated code."""
+
+    def to_dict(self) -> dict:
+        return {"key": self.key, "bucket": str(self.bucket), "target": self.target,
+                "graph": self.graph, "inputs": self.inputs, "compiler": self.compiler}
+
+
+def forward_spec(*, bucket: Bucket, graph: dict, target: str, torch_version: str,
+                 page_tokens: int, pages_per_seq: int, compiler: dict) -> ForwardSpec:
+    """The spec of one bucket's forward with its key."""
+    inputs = {"batch": bucket.batch, "tokens": bucket.tokens, "page_tokens": page_tokens,
+              "pages_per_seq": pages_per_seq, "num_pages": "dynamic"}
+    key = digest({"graph": graph, "inputs": inputs, "compiler": compiler,
+                  "torch": torch_version, "target": target})
+    return ForwardSpec(key=key, bucket=bucket, target=target, graph=graph, inputs=inputs,
+                       compiler=compiler)
+
+
+def artifact_key(key: str) -> str:
+    """Where a forward's package lives in the store."""
+    return f"forwards/{key}.pt2"
+
+
+def manifest_key(export_id: str) -> str:
+    return f"exports/{export_id}/manifest.json"

@@ -1,0 +1,169 @@
+"""The recipe: every per-cluster, per-run choice of an export, validated up front.
+
+Pure: no torch, prefect or boto3 import. `Recipe.with_overrides` applies
+`--set NAME=VALUE` strings; `parse_buckets` reads `--buckets 1x16,4x64`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from kiln.errors import BadInput
+
+POLICIES = ("borrow", "fail")
+TUNING_MODES = ("off", "cached", "full")
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """One input shape class the serving engine needs: `batch` sequences of `tokens` new tokens."""
+
+    batch: int
+    tokens: int
+
+    def __str__(self) -> str:
+        return f"{self.batch}x{self.tokens}"
+
+
+def parse_buckets(spec: str) -> tuple[Bucket, ...]:
+    """Parse `BxT,BxT,...` into sorted, distinct buckets; BadInput on anything else."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise BadInput("--buckets is empty; give at least one bucket as BATCHxTOKENS, e.g. 1x16,4x64.")
+    out = set()
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", part)
+        if not m or int(m[1]) <= 0 or int(m[2]) <= 0:
+            raise BadInput(f"bucket {part.strip()!r} is not BATCHxTOKENS with positive integers; "
+                           "write buckets like 1x16,4x64.")
+        out.add(Bucket(int(m[1]), int(m[2])))
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Choices of one export. Memory settings are MiB; see DESIGN.md 'Worker sizing'."""
+
+    buckets: tuple[Bucket, ...] = (Bucket(1, 16), Bucket(2, 16), Bucket(4, 32), Bucket(8, 64))
+    """Shape classes to compile, one forward each."""
+    headroom_floor_mib: int = 2048
+    """Memory a host keeps free whatever else runs (the incident's fixed 8 GiB floor)."""
+    recipe_headroom_mib: int = 1024
+    """Memory the recipe's own preparation needs; the larger of this and the floor applies."""
+    worker_host_mib: int = 1024
+    """Host memory one compile worker takes at its peak, its compiler children included."""
+    worker_device_mib: int = 0
+    """Device memory one compile worker takes (its CUDA context); 0 on CPU-only hosts."""
+    activation_reserve_mib: int = 256
+    """Memory each rank keeps for activations when serving; not given to the KV cache."""
+    unified_memory: bool | None = None
+    """Whether device memory is the host's pool (GB10, CPU-only); None: as probed."""
+    page_tokens: int = 16
+    """Tokens per KV-cache page."""
+    max_context_tokens: int = 256
+    """Longest context a sequence can attend to; pages per sequence = this / page_tokens."""
+    kv_max_pages: int = 4096
+    """Upper bound on KV pages per rank, whatever the memory would allow."""
+    policy: str = "borrow"
+    """What the gate does when a host can run no compile worker: lend its forwards ('borrow') or refuse ('fail')."""
+    tuning: str = "cached"
+    """Kernel tuning: 'off', 'cached' (measure only what the store lacks) or 'full'."""
+    compile_s_estimate: float = 30.0
+    """Predicted seconds to compile one forward when nothing was measured yet."""
+    max_compile_attempts: int = 2
+    """Times one forward is tried when its compile worker dies."""
+    verify_atol: float = 1e-3
+    """Largest absolute difference allowed between a compiled forward and eager."""
+
+    def __post_init__(self) -> None:
+        if not self.buckets:
+            raise BadInput("the recipe has no buckets; give at least one, e.g. --buckets 1x16.")
+        for name in ("headroom_floor_mib", "recipe_headroom_mib", "worker_host_mib",
+                     "page_tokens", "max_context_tokens", "kv_max_pages", "max_compile_attempts"):
+            _positive(name, getattr(self, name))
+        for name in ("worker_device_mib", "activation_reserve_mib"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise BadInput(f"recipe setting {name} must be a whole number of MiB >= 0, got {value!r}.")
+        if self.max_context_tokens % self.page_tokens:
+            raise BadInput(f"max_context_tokens ({self.max_context_tokens}) must be a multiple of "
+                           f"page_tokens ({self.page_tokens}).")
+        if self.policy not in POLICIES:
+            raise BadInput(f"unknown policy {self.policy!r}; use one of: {', '.join(POLICIES)}.")
+        if self.tuning not in TUNING_MODES:
+            raise BadInput(f"unknown tuning mode {self.tuning!r}; use one of: {', '.join(TUNING_MODES)}.")
+        if not self.compile_s_estimate > 0 or not self.verify_atol > 0:
+            raise BadInput("compile_s_estimate and verify_atol must be > 0.")
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.max_context_tokens // self.page_tokens
+
+    def worker_mib(self, unified: bool) -> int:
+        """Memory one compile worker takes out of the pool that host sizing looks at."""
+        return self.worker_host_mib + (self.worker_device_mib if unified else 0)
+
+    def floor_mib(self) -> int:
+        return max(self.headroom_floor_mib, self.recipe_headroom_mib)
+
+    def with_overrides(self, assignments: list[str] | tuple[str, ...] = ()) -> "Recipe":
+        """Apply `NAME=VALUE` strings (the CLI's `--set`), typed after the field they name."""
+        changes: dict = {}
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        for item in assignments:
+            name, sep, raw = item.partition("=")
+            name = name.strip()
+            if not sep or name not in fields:
+                known = ", ".join(sorted(fields))
+                raise BadInput(f"--set {item!r}: expected NAME=VALUE with NAME one of: {known}.")
+            changes[name] = _coerce(name, raw.strip(), getattr(self, name))
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["buckets"] = [str(b) for b in self.buckets]
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Recipe":
+        """Inverse of `to_dict`; unknown names are bad input."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - fields)
+        if unknown:
+            raise BadInput(f"unknown recipe setting(s): {', '.join(unknown)}; known: {', '.join(sorted(fields))}.")
+        raw = dict(raw)
+        if "buckets" in raw and not isinstance(raw["buckets"], tuple):
+            b = raw["buckets"]
+            raw["buckets"] = parse_buckets(",".join(b) if isinstance(b, (list, tuple)) else str(b))
+        return cls(**raw)
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise BadInput(f"recipe setting {name} must be a positive whole number, got {value!r}.")
+
+
+def _coerce(name: str, raw: str, current):
+    if name == "buckets":
+        return parse_buckets(raw)
+    if name == "unified_memory" or isinstance(current, bool):
+        low = raw.lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        if name == "unified_memory" and low in ("auto", "none", ""):
+            return None
+        raise BadInput(f"--set {name}={raw}: expected true or false.")
+    if isinstance(current, int):
+        try:
+            return int(raw)
+        except ValueError:
+            raise BadInput(f"--set {name}={raw}: expected a whole number.") from None
+    if isinstance(current, float):
+        try:
+            return float(raw)
+        except ValueError:
+            raise BadInput(f"--set {name}={raw}: expected a number.") from None
+    return raw

@@ -1,0 +1,144 @@
+"""The gate's arithmetic and assignment on paper layouts (no server, no torch)."""
+
+import pytest
+
+from kiln.errors import GateRefused
+from kiln.gate import HostReport, decide
+from kiln.recipe import Recipe
+
+INCIDENT = Recipe(headroom_floor_mib=8192, recipe_headroom_mib=1024, worker_host_mib=2048,
+                  worker_device_mib=2048, unified_memory=True)
+KEYS = [f"k{i:02d}" for i in range(38)]
+
+
+def host(name, available, ranks=(0,), cpus=8, target="t", **kw):
+    return HostReport(name=name, ranks=tuple(ranks), available_mib=available, num_cpus=cpus,
+                      target=target, **kw)
+
+
+def incident_hosts():
+    return [host("host-0", 30000, (0,)), host("host-1", 12038, (1,)), host("host-2", 11939, (2,))]
+
+
+def test_incident_fail_policy_names_each_short_host():
+    recipe = Recipe(**{**INCIDENT.__dict__, "policy": "fail"})
+    with pytest.raises(GateRefused) as err:
+        decide(incident_hosts(), recipe, {"t": KEYS}, set(), page_size_bytes=2**20)
+    msg = str(err.value)
+    assert "host-1 has 12038 MiB available but one compile worker needs 12288 MiB: 250 MiB short" in msg
+    assert "host-2 has 11939 MiB available but one compile worker needs 12288 MiB: 349 MiB short" in msg
+    assert "host-0" not in msg.split("To fix")[0]
+    assert "--set headroom_floor_mib=7843" in msg  # 11939 - 4096 admits one worker on both
+    assert "--policy borrow" in msg and "host-0 (5 workers)" in msg
+    assert "250 fewer KV pages per rank" in msg
+
+
+def test_incident_borrow_policy_lends_everything_to_host0():
+    plan = decide(incident_hosts(), INCIDENT, {"t": KEYS}, set())
+    assert plan.decision == "compile"
+    assert sorted(plan.hosts["host-0"].compile) == KEYS
+    assert plan.hosts["host-1"].compile == [] and plan.hosts["host-2"].compile == []
+    assert plan.hosts["host-1"].download == KEYS and plan.hosts["host-2"].download == KEYS
+    assert plan.hosts["host-0"].download == []
+    # 30000 MiB: (30000 - 8192) // 4096 = 5 workers; 38 keys of 30 s over 5 slots -> 8 rounds.
+    assert plan.hosts["host-0"].workers == 5
+    assert plan.predicted_s == pytest.approx(8 * 30.0)
+
+
+def test_incident_with_6gib_floor_shares_compilation():
+    recipe = Recipe(**{**INCIDENT.__dict__, "headroom_floor_mib": 6144})
+    plan = decide(incident_hosts(), recipe, {"t": KEYS}, set())
+    assert all(plan.hosts[n].capacity >= 1 for n in ("host-0", "host-1", "host-2"))
+    assert all(plan.hosts[n].compile for n in ("host-0", "host-1", "host-2"))
+    compiled = [k for p in plan.hosts.values() for k in p.compile]
+    assert sorted(compiled) == KEYS  # each key exactly once
+
+
+def test_keys_spread_in_proportion_to_workers():
+    hosts = [host("a", 2048 + 4 * 1024, cpus=8), host("b", 2048 + 1024, cpus=8)]
+    plan = decide(hosts, Recipe(), {"t": KEYS[:10]}, set())
+    assert (plan.hosts["a"].capacity, plan.hosts["b"].capacity) == (4, 1)
+    assert len(plan.hosts["a"].compile) == 8 and len(plan.hosts["b"].compile) == 2
+
+
+def test_workers_capped_by_cpus_and_by_work():
+    plan = decide([host("a", 100_000, cpus=2)], Recipe(), {"t": KEYS[:1]}, set())
+    assert plan.hosts["a"].capacity == 2 and plan.hosts["a"].workers == 1
+
+
+def test_store_hits_are_downloaded_not_compiled():
+    plan = decide([host("a", 100_000), host("b", 10, ranks=(1,))], Recipe(), {"t": KEYS[:4]},
+                  set(KEYS[:4]))
+    assert plan.decision == "nothing_to_do"
+    assert plan.hosts["b"].download == KEYS[:4]
+
+
+def test_local_cache_hits_need_no_download():
+    a = host("a", 100_000, local_keys=frozenset(KEYS[:2]))
+    plan = decide([a], Recipe(), {"t": KEYS[:4]}, set(KEYS[:4]))
+    assert plan.hosts["a"].download == KEYS[2:4]
+
+
+def test_several_ranks_per_host_count_once():
+    hosts = [host("a", 100_000, ranks=(0, 1, 2, 3)), host("b", 100, ranks=(4, 5, 6, 7))]
+    plan = decide(hosts, Recipe(), {"t": KEYS[:6]}, set())
+    assert sorted(plan.hosts["a"].compile) == KEYS[:6]
+    assert plan.hosts["b"].download == KEYS[:6]
+
+
+def test_mixed_targets_never_lend_across_targets():
+    hosts = [host("x86", 100_000, target="avx512"), host("arm", 100, ranks=(1,), target="neon")]
+    needed = {"avx512": ["a1", "a2"], "neon": ["n1", "n2"]}
+    with pytest.raises(GateRefused) as err:
+        decide(hosts, Recipe(), needed, set())
+    assert "arm has 100 MiB available" in str(err.value)
+    assert "add a host of the same target" in str(err.value)
+
+
+def test_mixed_targets_each_compile_their_own():
+    hosts = [host("x86", 100_000, target="avx512"), host("arm", 100_000, ranks=(1,), target="neon")]
+    plan = decide(hosts, Recipe(), {"avx512": ["a1"], "neon": ["n1"]}, set())
+    assert plan.hosts["x86"].compile == ["a1"] and plan.hosts["arm"].compile == ["n1"]
+
+
+def test_zero_capacity_everywhere_refuses_under_borrow():
+    with pytest.raises(GateRefused) as err:
+        decide([host("a", 1000), host("b", 2000, ranks=(1,))], Recipe(), {"t": KEYS[:2]}, set())
+    msg = str(err.value)
+    assert "a has 1000 MiB" in msg and "b has 2000 MiB" in msg
+    assert "--policy borrow" not in msg
+
+
+def test_zero_capacity_is_fine_when_nothing_is_missing():
+    plan = decide([host("a", 10)], Recipe(policy="fail"), {"t": KEYS[:2]}, set(KEYS[:2]))
+    assert plan.decision == "nothing_to_do"
+
+
+def test_rankless_host_lends_compilers():
+    hosts = [host("big", 100_000, ranks=()), host("small", 100, ranks=(0,))]
+    plan = decide(hosts, Recipe(), {"t": KEYS[:3]}, set())
+    assert sorted(plan.hosts["big"].compile) == KEYS[:3] and plan.hosts["big"].download == []
+
+
+def test_uneven_measured_seconds_balance_finish_times():
+    hosts = [host("a", 2048 + 1024, cpus=1), host("b", 2048 + 1024, cpus=1, ranks=(1,))]
+    secs = {"long": 100.0, "s1": 30.0, "s2": 30.0, "s3": 30.0}
+    plan = decide(hosts, Recipe(), {"t": list(secs)}, set(), compile_s=secs)
+    owner = "a" if "long" in plan.hosts["a"].compile else "b"
+    other = "b" if owner == "a" else "a"
+    assert plan.hosts[owner].compile == ["long"]
+    assert sorted(plan.hosts[other].compile) == ["s1", "s2", "s3"]
+    assert plan.predicted_s == pytest.approx(100.0)
+
+
+def test_discrete_gpu_short_on_device_memory():
+    recipe = Recipe(worker_device_mib=2048, policy="fail")
+    gpu = host("gpu", 100_000, unified=False, device_free_mib=1000)
+    with pytest.raises(GateRefused) as err:
+        decide([gpu], recipe, {"t": ["k"]}, set())
+    assert "1000 MiB free on its device" in str(err.value)
+
+
+def test_duplicate_host_names_refused():
+    with pytest.raises(GateRefused):
+        decide([host("a", 1), host("a", 1)], Recipe(), {"t": []}, set())

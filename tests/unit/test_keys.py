@@ -1,0 +1,30 @@
+"""Forward keys change with what changes the code, and only with that."""
+
+from kiln.keys import forward_spec
+from kiln.recipe import Bucket
+
+BASE = dict(bucket=Bucket(1, 16), graph={"config": {"h": 1}, "tp": 2, "code": "abc"}, target="avx2",
+            torch_version="2.13.0", page_tokens=16, pages_per_seq=16, compiler={"max_autotune": False})
+
+
+def key(**changes):
+    return forward_spec(**{**BASE, **changes}).key
+
+
+def test_key_is_stable():
+    assert key() == key()
+
+
+def test_key_changes_with_what_changes_code():
+    base = key()
+    assert key(bucket=Bucket(2, 16)) != base
+    assert key(target="avx512") != base
+    assert key(torch_version="2.14.0") != base
+    assert key(page_tokens=32) != base
+    assert key(compiler={"max_autotune": True}) != base
+    assert key(graph={**BASE["graph"], "tp": 3}) != base
+
+
+def test_key_ignores_page_count():
+    spec = forward_spec(**BASE)
+    assert spec.inputs["num_pages"] == "dynamic"
