@@ -1,0 +1,214 @@
+"""A Llama-style decoder in plain torch, tensor-parallel over `tp` ranks.
+
+One rank's module holds its shard: heads/tp query heads, kv_heads/tp KV heads
+and intermediate/tp MLP columns; embeddings, norms and the output head are
+replicated. The cross-rank sum after the attention output and MLP down
+projections is `kiln::all_reduce`, a registered custom op that survives
+torch.export and AOTInductor, so one compiled package serves every rank.
+
+The forward is one inference step over a paged KV cache:
+
+    forward(tokens[B,T], start_pos[B], kv_cache[L,2,P,page_tokens,kvh,hd], block_table[B,M])
+        -> (logits[B,T,vocab], new_kv[L,2,B,T,kvh,hd])
+
+P (the page count) is dynamic, so a new KV plan reuses compiled forwards.
+Sequence b's first start_pos[b] tokens of context live in the pages
+block_table[b]; the step returns the new tokens' rotated keys and values for
+the caller to write into the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.config import ModelConfig
+
+
+@torch.library.custom_op("kiln::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the tensor-parallel group when one is initialized; identity otherwise."""
+    out = x.clone()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(out)
+    return out
+
+
+@all_reduce.register_fake
+def _all_reduce_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: int):
+        super().__init__()
+        self.tp = tp
+        self.num_heads = cfg.num_heads // tp
+        self.num_kv_heads = cfg.num_kv_heads // tp
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, past_k, past_v, past_valid):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys = torch.cat((past_k, k), dim=1)
+        values = torch.cat((past_v, v), dim=1)
+        groups = self.num_heads // self.num_kv_heads
+        keys = keys.repeat_interleave(groups, dim=2).transpose(1, 2)
+        values = values.repeat_interleave(groups, dim=2).transpose(1, 2)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        mask = torch.cat((past_valid[:, None, :].expand(b, t, -1), causal[None].expand(b, t, t)), dim=-1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None])
+        out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return (all_reduce(out) if self.tp > 1 else out), k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: int):
+        super().__init__()
+        self.tp = tp
+        width = cfg.intermediate_size // tp
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # An unsharded model never reduces, even inside a process group (the reference check runs one).
+        return all_reduce(out) if self.tp > 1 else out
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, tp)
+
+
+class Inner(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, tp) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class ShardedDecoder(nn.Module):
+    """One tensor-parallel rank of the decoder; parameter names follow Hugging Face Llama."""
+
+    def __init__(self, cfg: ModelConfig, tp: int = 1):
+        super().__init__()
+        cfg.check_tp(tp)
+        self.cfg = cfg
+        self.tp = tp
+        self.model = Inner(cfg, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, tokens, start_pos, kv_cache, block_table):
+        b, t = tokens.shape
+        num_pages_per_seq = block_table.shape[1]
+        page_tokens = kv_cache.shape[3]
+        ctx = num_pages_per_seq * page_tokens
+        positions = start_pos[:, None] + torch.arange(t, device=tokens.device)[None]
+        freqs = positions[..., None].to(torch.float32) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        cos, sin = emb.cos().to(kv_cache.dtype), emb.sin().to(kv_cache.dtype)
+        past_valid = torch.arange(ctx, device=tokens.device)[None] < start_pos[:, None]
+        x = self.model.embed_tokens(tokens)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.model.layers):
+            past_k = kv_cache[i, 0][block_table].reshape(b, ctx, kv_cache.shape[4], kv_cache.shape[5])
+            past_v = kv_cache[i, 1][block_table].reshape(b, ctx, kv_cache.shape[4], kv_cache.shape[5])
+            h, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, past_k, past_v, past_valid)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            new_k.append(k)
+            new_v.append(v)
+        logits = self.lm_head(self.model.norm(x))
+        new_kv = torch.stack((torch.stack(new_k), torch.stack(new_v)), dim=1)
+        return logits, new_kv
+
+
+def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int, int] | None:
+    """(dim, start, stop) of `name`'s rows or columns that `rank` holds; None when replicated."""
+    hq, hkv = cfg.num_heads // tp * cfg.head_dim, cfg.num_kv_heads // tp * cfg.head_dim
+    mlp = cfg.intermediate_size // tp
+    split = {"q_proj": (0, hq), "k_proj": (0, hkv), "v_proj": (0, hkv), "gate_proj": (0, mlp),
+             "up_proj": (0, mlp), "o_proj": (1, hq), "down_proj": (1, mlp)}
+    proj = name.split(".")[-2] if name.endswith(".weight") and "." in name else ""
+    if proj not in split:
+        return None
+    dim, n = split[proj]
+    return dim, rank * n, (rank + 1) * n
+
+
+def shard_state_dict(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """Slice a full (unsharded) Hugging Face Llama state dict down to one rank's shard."""
+    cfg.check_tp(tp)
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} is outside tp {tp}")
+    out = {}
+    for name, tensor in full.items():
+        cut = shard_slice(name, cfg, tp, rank)
+        out[name] = tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1]).contiguous()
+    return out
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the unsharded model with its shape, as a checkpoint must hold it."""
+    return {name: tuple(p.shape) for name, p in ShardedDecoder(cfg, 1).to("meta").state_dict().items()}
+
+
+def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random full weights with a sensible scale (for test checkpoints and the tiny model)."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, cfg.dtype)
+    out = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape, dtype=dtype)
+        else:
+            out[name] = (torch.randn(shape, generator=gen) * shape[-1] ** -0.5).to(dtype)
+    return out
+
+
+def example_inputs(cfg: ModelConfig, tp: int, batch: int, tokens: int, *, page_tokens: int,
+                   pages_per_seq: int, num_pages: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Inputs of one rank for a (batch, tokens) bucket; the cache holds random context."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, cfg.dtype)
+    kvh = cfg.num_kv_heads // tp
+    tok = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=gen)
+    max_start = pages_per_seq * page_tokens
+    start = torch.randint(0, max_start + 1, (batch,), generator=gen)
+    cache = torch.randn(cfg.num_layers, 2, num_pages, page_tokens, kvh, cfg.head_dim, generator=gen).to(dtype)
+    table = torch.randint(0, num_pages, (batch, pages_per_seq), generator=gen)
+    return tok, start, cache, table

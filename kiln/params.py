@@ -1,0 +1,91 @@
+"""The export's parameters: one pydantic model shared by the CLI, the flow and deployments.
+
+Descriptions, defaults and bounds here are what the Prefect UI renders as the
+run form. `prepare` turns them into an ExportJob and its hosts, checking every
+input before any expensive work starts.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import secrets
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from kiln.errors import BadInput
+from kiln.job import ExportJob, HostSpec, place_ranks
+from kiln.recipe import Recipe, parse_buckets
+
+
+def kiln_home() -> Path:
+    """Where Kiln keeps its default store, model cache and host caches (KILN_HOME, default ./.kiln)."""
+    return Path(os.environ.get("KILN_HOME", ".kiln")).resolve()
+
+
+class ExportParams(BaseModel):
+    model: str = Field("tiny", description="'tiny' (the bundled model) or a Hugging Face-layout checkpoint directory.")
+    tp: int = Field(2, ge=1, le=1024, description="Tensor-parallel degree: ranks that share the model.")
+    buckets: str | None = Field(None, description="BATCHxTOKENS,... (default: the recipe's buckets).")
+    store: str | None = Field(None, description="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store).")
+    s3_endpoint: str | None = Field(None, description="S3 endpoint URL (default: AWS_ENDPOINT_URL).")
+    policy: Literal["borrow", "fail"] | None = Field(None, description="Gate policy when a host can run no compile worker.")
+    tuning: Literal["off", "cached", "full"] | None = Field(None, description="Kernel tuning mode.")
+    settings: list[str] = Field(default_factory=list, description="Recipe overrides, NAME=VALUE each.")
+    assume_available: dict[str, int] = Field(default_factory=dict, description="host -> MiB to assume available.")
+    export_id: str | None = Field(None, description="Name of the export (default: model, tp and time).")
+    report: str | None = Field(None, description="Path of the JSON report to write, also on failure.")
+
+
+def build_recipe(params: ExportParams) -> Recipe:
+    recipe = Recipe().with_overrides(params.settings)
+    extra = []
+    if params.buckets is not None:
+        extra.append(f"buckets={params.buckets}")
+        parse_buckets(params.buckets)
+    if params.policy is not None:
+        extra.append(f"policy={params.policy}")
+    if params.tuning is not None:
+        extra.append(f"tuning={params.tuning}")
+    return recipe.with_overrides(extra)
+
+
+def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_store: bool = True
+            ) -> tuple[ExportJob, list[HostSpec]]:
+    """Validate every input and build the job; raises BadInput before anything is written to the store."""
+    from kiln.checkpoint import inspect_checkpoint, tiny_checkpoint
+    from kiln.store import open_store
+
+    recipe = build_recipe(params)
+    home = kiln_home()
+    if params.model == "tiny":
+        checkpoint, name = tiny_checkpoint(home), "tiny"
+    else:
+        checkpoint = Path(params.model).expanduser().resolve()
+        name = checkpoint.name
+    cfg = inspect_checkpoint(checkpoint)
+    cfg.check_tp(params.tp)
+    names = host_names or [socket.gethostname() or "local"]
+    unknown = sorted(set(params.assume_available) - set(names))
+    if unknown:
+        raise BadInput(f"--assume-available names unknown host(s) {', '.join(unknown)}; hosts are: {', '.join(names)}.")
+    for host, mib in params.assume_available.items():
+        if mib < 0:
+            raise BadInput(f"--assume-available {host}={mib}: memory must be >= 0 MiB.")
+    store_url = params.store or f"file://{home / 'store'}"
+    store = open_store(store_url, s3_endpoint=params.s3_endpoint)
+    if check_store:
+        store.check()
+    export_id = params.export_id or (
+        f"{name}-tp{params.tp}-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S}-{secrets.token_hex(2)}")
+    if not export_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise BadInput(f"export id {export_id!r} may hold only letters, digits, '-', '_' and '.'.")
+    job = ExportJob(export_id=export_id, model_name=name, checkpoint=str(checkpoint),
+                    config=cfg.__dict__.copy(), tp=params.tp, recipe=recipe, store_url=store.url,
+                    s3_endpoint=params.s3_endpoint, assume_available=dict(params.assume_available))
+    ranks = place_ranks(params.tp, names)
+    hosts = [HostSpec(n, ranks[n], str(home / "cache" / n)) for n in names]
+    return job, hosts

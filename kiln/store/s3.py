@@ -1,0 +1,299 @@
+"""`S3Store`: the store in an S3 (or S3-compatible) bucket, through boto3.
+
+Object `key` lives at `<prefix><key>` in the bucket; its sha256 is the object
+metadata 'sha256' (header x-amz-meta-sha256), written in the same request as
+the bytes, so data and digest appear together.
+
+Create-once uses conditional writes (`If-None-Match: *`): on put_object for
+objects below `multipart_threshold_bytes`, and on complete_multipart_upload for
+larger ones, so of several racing writers exactly one creates the object and
+the others get 412 PreconditionFailed (or 409 ConditionalRequestConflict while
+the winner is still in flight) and then compare digests. AWS S3 and moto
+enforce the condition on both calls; an S3-compatible server that ignores it
+degrades create-once to last-writer-wins for racing writers of the same key
+(the sha256 comparison of an existing object still happens before a large
+upload starts). If a conditional write succeeds but its response is lost and
+botocore retries it, the retry sees the object and the call returns False
+although it created the object: "True" counts creations, not guarantees one.
+
+Downloads are verified by hashing on the client: servers may accept a wrong
+transport checksum (moto does), and the digest is what guards loading native
+code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from kiln.errors import BadInput, IntegrityError, StoreError
+from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, write_verified
+from kiln.store.keys import (
+    CHUNK_BYTES,
+    sha256_bytes,
+    validate_bucket,
+    validate_key,
+    validate_prefix,
+    validate_sha256,
+)
+from kiln.store.s3_errors import MISSING_KEY, error_code, explain_check_error, lost_race
+
+MIB = 1024 * 1024
+CHECKSUM_MODES = ("when_required", "when_supported")
+_MIN_PART_BYTES = 5 * MIB  # S3's minimum size of every part but the last
+_CONFLICT_ATTEMPTS = 8  # 409s and create/delete races: back off and try again
+
+
+class S3Store(Store):
+    """Create-once object store under `s3://bucket/prefix`.
+
+    Credentials come from the arguments, else from the standard AWS chain
+    (environment, profile, instance role). `checksum_mode` sets botocore's
+    request_checksum_calculation and response_checksum_validation
+    ('when_required' suits S3-compatible servers; 'when_supported' adds CRC
+    checksums to transfers). `max_attempts` is botocore's retry budget per
+    request. Files of `multipart_threshold_bytes` or more are uploaded in parts
+    of `part_size_bytes` (at least 5 MiB).
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        session_token: str | None = None,
+        checksum_mode: str = "when_required",
+        max_attempts: int = 8,
+        multipart_threshold_bytes: int = 8 * MIB,
+        part_size_bytes: int = 8 * MIB,
+    ) -> None:
+        self.bucket = validate_bucket(bucket)
+        validate_prefix(prefix)
+        self.prefix = prefix if prefix == "" or prefix.endswith("/") else prefix + "/"
+        if checksum_mode not in CHECKSUM_MODES:
+            raise BadInput(f"S3 checksum mode {checksum_mode!r} is unknown; use one of {', '.join(CHECKSUM_MODES)}")
+        if part_size_bytes < _MIN_PART_BYTES:
+            raise BadInput(f"S3 part size {part_size_bytes} bytes is below S3's minimum of {_MIN_PART_BYTES}")
+        if max_attempts < 1:
+            raise BadInput(f"S3 max_attempts must be at least 1, not {max_attempts}")
+        self.endpoint_url = endpoint_url
+        self.region = region
+        self._credentials = {
+            "aws_access_key_id": access_key,
+            "aws_secret_access_key": secret_key,
+            "aws_session_token": session_token,
+        }
+        self.multipart_threshold_bytes = multipart_threshold_bytes
+        self.part_size_bytes = part_size_bytes
+        self._config = Config(
+            retries={"mode": "standard", "max_attempts": max_attempts},
+            request_checksum_calculation=checksum_mode,
+            response_checksum_validation=checksum_mode,
+            s3={"addressing_style": "path"},
+        )
+        self._client_cache: Any = None
+
+    # Clients hold sockets and do not pickle; a store sent to another process builds its own.
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_client_cache": None}
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix.rstrip('/')}".rstrip("/")
+
+    def _make_client(self, config: Config) -> Any:
+        session = boto3.session.Session(region_name=self.region, **self._credentials)
+        return session.client("s3", endpoint_url=self.endpoint_url, config=config)
+
+    @property
+    def _client(self) -> Any:
+        if self._client_cache is None:
+            self._client_cache = self._make_client(self._config)
+        return self._client_cache
+
+    def check(self) -> None:
+        bucket = self.bucket
+        # Few retries and short timeouts so a wrong endpoint fails in seconds, not minutes.
+        quick_retries = {"mode": "standard", "max_attempts": 2}
+        quick = self._config.merge(Config(connect_timeout=2, read_timeout=5, retries=quick_retries))
+        endpoint = self.endpoint_url or "the default AWS endpoint"
+        try:
+            client = self._make_client(quick)
+            endpoint = client.meta.endpoint_url
+            client.head_bucket(Bucket=bucket)
+        except Exception as e:
+            if (explained := explain_check_error(e, bucket, endpoint)) is not None:
+                raise explained from None
+            raise
+
+    # -- helpers -------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        return self.prefix + validate_key(key)
+
+    @contextmanager
+    def _errors(self, action: str, key: str) -> Iterator[None]:
+        """Turn botocore errors into ObjectMissing (404 on a key) or StoreError (after botocore's retries)."""
+        try:
+            yield
+        except ClientError as e:
+            if error_code(e) in MISSING_KEY:
+                raise ObjectMissing(key) from None
+            raise StoreError(f"S3 {action} of {key!r} in {self.url} failed: {e}") from e
+        except BotoCoreError as e:
+            raise StoreError(f"S3 {action} of {key!r} in {self.url} failed: {e}") from e
+
+    def _create_once(self, key: str, sha256: str, write: Callable[[], Any]) -> bool:
+        """Run the conditional `write`; True if it created `key`, else compare with what is there."""
+        for attempt in range(_CONFLICT_ATTEMPTS):
+            try:
+                write()
+                return True
+            except ClientError as e:
+                race = lost_race(e)
+                if race is None:
+                    raise
+            if race == "exists":
+                info = self.stat(key)
+                if info is not None:
+                    if info.sha256 != sha256:
+                        raise conflict(key, info.sha256, sha256)
+                    return False
+            # In flight elsewhere, or deleted since the 412: wait and try again.
+            time.sleep(min(0.05 * 2**attempt, 2.0))
+        raise StoreError(f"S3 put of {key!r} in {self.url} kept conflicting with other writers; retry")
+
+    def _put_small(self, key: str, data: bytes, sha256: str) -> bool:
+        def write() -> None:
+            self._client.put_object(
+                Bucket=self.bucket, Key=self._full(key), Body=data, Metadata={"sha256": sha256}, IfNoneMatch="*"
+            )
+
+        with self._errors("put", key):
+            return self._create_once(key, sha256, write)
+
+    def _put_multipart(self, key: str, path: str | Path, sha256: str) -> bool:
+        # Compare with an existing object before uploading many MiB for nothing.
+        if (info := self.stat(key)) is not None:
+            if info.sha256 != sha256:
+                raise conflict(key, info.sha256, sha256)
+            return False
+        client, full = self._client, self._full(key)
+        with self._errors("multipart upload", key):
+            upload_id = client.create_multipart_upload(Bucket=self.bucket, Key=full, Metadata={"sha256": sha256})[
+                "UploadId"
+            ]
+            completed = False
+            try:
+                parts, digest = [], hashlib.sha256()
+                with open(path, "rb") as f:
+                    while chunk := f.read(self.part_size_bytes):
+                        digest.update(chunk)
+                        number = len(parts) + 1
+                        resp = client.upload_part(
+                            Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=chunk
+                        )
+                        parts.append({"ETag": resp["ETag"], "PartNumber": number})
+                if digest.hexdigest() != sha256:
+                    raise _file_mismatch(path, digest.hexdigest(), sha256, key)
+
+                def complete() -> None:
+                    client.complete_multipart_upload(
+                        Bucket=self.bucket,
+                        Key=full,
+                        UploadId=upload_id,
+                        MultipartUpload={"Parts": parts},
+                        IfNoneMatch="*",
+                    )
+
+                completed = self._create_once(key, sha256, complete)
+                return completed
+            finally:
+                if not completed:  # lost the race or failed: do not leave billed parts behind
+                    try:
+                        client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+                    except (ClientError, BotoCoreError):
+                        pass
+
+    # -- Store ---------------------------------------------------------------
+
+    def put_file(self, key: str, path: str | Path, sha256: str) -> bool:
+        validate_sha256(sha256)
+        validate_key(key)
+        if Path(path).stat().st_size >= self.multipart_threshold_bytes:
+            return self._put_multipart(key, path, sha256)
+        data = Path(path).read_bytes()
+        if (actual := sha256_bytes(data)) != sha256:
+            raise _file_mismatch(path, actual, sha256, key)
+        return self._put_small(key, data, sha256)
+
+    def put_bytes(self, key: str, data: bytes) -> bool:
+        validate_key(key)
+        return self._put_small(key, data, sha256_bytes(data))
+
+    def _replace_bytes(self, key: str, data: bytes) -> None:
+        with self._errors("put", key):
+            self._client.put_object(
+                Bucket=self.bucket, Key=self._full(key), Body=data, Metadata={"sha256": sha256_bytes(data)}
+            )
+
+    def get_file(self, key: str, dest_path: str | Path, sha256: str | None = None) -> None:
+        if sha256 is not None:
+            validate_sha256(sha256)
+        with self._errors("get", key):
+            # One GET returns bytes and metadata together, so they belong to the same version.
+            resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key))
+            expected = sha256 or resp.get("Metadata", {}).get("sha256")
+            write_verified(key, resp["Body"].iter_chunks(CHUNK_BYTES), dest_path, expected)
+
+    def get_bytes(self, key: str, sha256: str | None = None) -> bytes:
+        if sha256 is not None:
+            validate_sha256(sha256)
+        with self._errors("get", key):
+            resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key))
+            data = resp["Body"].read()
+        check_digest(key, sha256_bytes(data), sha256 or resp.get("Metadata", {}).get("sha256"))
+        return data
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            with self._errors("head", key):
+                resp = self._client.head_object(Bucket=self.bucket, Key=self._full(key))
+        except ObjectMissing:
+            return None
+        return ObjectInfo(key=key, size_bytes=resp["ContentLength"], sha256=resp.get("Metadata", {}).get("sha256"))
+
+    def list(self, prefix: str = "") -> list[str]:
+        validate_prefix(prefix)
+        keys = []
+        with self._errors("list", prefix):
+            paginator = self._client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+                keys.extend(obj["Key"][len(self.prefix) :] for obj in page.get("Contents", []))
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        try:
+            with self._errors("delete", key):
+                self._client.delete_object(Bucket=self.bucket, Key=self._full(key))
+        except ObjectMissing:
+            pass  # AWS answers 204 for a missing key; some S3 clones answer 404
+
+
+def _file_mismatch(path: str | Path, actual: str, expected: str, key: str) -> IntegrityError:
+    return IntegrityError(
+        f"file {path} has sha256 {actual}, not the {expected} given for store key {key!r}; "
+        "nothing was stored (was the file changed while it was uploaded?)"
+    )

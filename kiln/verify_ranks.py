@@ -1,0 +1,93 @@
+"""All ranks together: the compiled forwards under a real gloo group against the unsharded model.
+
+Spawns `tp` processes (never threads), each loading the same weightless
+package with its own weight shard; the custom all-reduce inside the package
+sums across them. Rank 0 compares the combined logits and the gathered new
+KV entries with the unsharded eager model.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, tp: int, port: int, job: dict, queue) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from kiln.checkpoint import load_rank_weights
+        from kiln.config import ModelConfig
+        from kiln.loader import load_forward
+        from kiln.model import ShardedDecoder, example_inputs
+        from kiln.recipe import parse_buckets
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+        cfg = ModelConfig(**job["config"])
+        weights = load_rank_weights(job["checkpoint"], cfg, tp, rank)
+        eager = None
+        if rank == 0:
+            eager = ShardedDecoder(cfg, 1).eval()
+            eager.load_state_dict(load_rank_weights(job["checkpoint"], cfg, 1, 0))
+        kvh = cfg.num_kv_heads // tp
+        diffs = {}
+        for name, art in sorted(job["artifacts"].items()):
+            bucket = parse_buckets(name)[0]
+            compiled = load_forward(art["path"], weights, art["sha256"])
+            tok, start, cache, table = example_inputs(
+                cfg, 1, bucket.batch, bucket.tokens, page_tokens=job["page_tokens"],
+                pages_per_seq=job["pages_per_seq"], num_pages=job["pages_per_seq"] * bucket.batch + 5, seed=7)
+            shard = cache[..., rank * kvh:(rank + 1) * kvh, :].contiguous()
+            with torch.no_grad():
+                logits, new_kv = compiled(tok, start, shard, table)
+            parts = [torch.empty_like(new_kv) for _ in range(tp)]
+            dist.all_gather(parts, new_kv.contiguous())
+            if rank == 0:
+                with torch.no_grad():
+                    want_logits, want_kv = eager(tok, start, cache, table)
+                diffs[name] = max(float((logits - want_logits).abs().max()),
+                                  float((torch.cat(parts, dim=-2) - want_kv).abs().max()))
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put((rank, "ok", diffs))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[str, dict],
+                     page_tokens: int, pages_per_seq: int, timeout_s: float = 600) -> dict[str, float]:
+    """bucket -> largest |compiled ranks combined - unsharded eager|; raises on any rank's error.
+
+    `artifacts` maps a bucket name ('4x32') to {'path', 'sha256'} of a verified local copy.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    job = {"checkpoint": str(checkpoint), "config": config, "artifacts": artifacts,
+           "page_tokens": page_tokens, "pages_per_seq": pages_per_seq}
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, job, queue), daemon=False) for r in range(tp)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(tp):
+            rank, status, payload = queue.get(timeout=timeout_s)
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed during the all-ranks check:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return results[0]

@@ -1,0 +1,102 @@
+"""The export's phases as Prefect tasks: decorators, retries and a call into Kiln's core.
+
+Purpose: each task is one phase (or one host's share of it). Contracts: the
+per-host tasks run on the host they name; reductions (KV plan, gate, outcome
+check, manifest) take every host's result. Anti-patterns: decisions in here;
+they belong to kiln.gate, kiln.sizing and kiln.manifest. Pitfalls: retries
+only on I/O (store transfers); a deterministic error (bad input, a refusal, an
+integrity failure) is never retried.
+"""
+
+from __future__ import annotations
+
+from prefect import task
+
+from kiln import hostwork, planning, probe
+from kiln.errors import KilnError
+from kiln.gate import HostReport, Plan
+from kiln.job import ExportJob, HostSpec
+from kiln.keys import artifact_key, manifest_key
+
+
+def transient_only(task, task_run, state) -> bool:
+    """retry_condition_fn: retry I/O hiccups, never Kiln's own deterministic errors."""
+    try:
+        state.result()
+    except KilnError:
+        return False
+    except Exception:
+        return True
+    return False
+
+
+@task(name="memory", cache_policy=None)
+def memory(host: HostSpec) -> dict:
+    return probe.memory_snapshot()
+
+
+@task(name="probe", retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only, cache_policy=None)
+def probe_host(job: ExportJob, host: HostSpec) -> dict:
+    return hostwork.probe_host(job, host)
+
+
+@task(name="tune", cache_policy=None)
+def tune(job: ExportJob, targets: list[str]) -> dict:
+    """Kernel tuning is not built yet: the phase runs nothing and says so."""
+    return {"status": "skipped", "measured": 0, "targets": targets}
+
+
+@task(name="kv-plan", cache_policy=None)
+def kv_plan(job: ExportJob, reports: list[HostReport]) -> dict:
+    return planning.kv_plan(job, reports)
+
+
+@task(name="gate", cache_policy=None)
+def gate(job: ExportJob, probes: list[dict]) -> Plan:
+    return planning.run_gate(job, probes)
+
+
+@task(name="compile", cache_policy=None)
+def compile_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int) -> list[dict]:
+    return hostwork.compile_on_host(job, host, specs, workers)
+
+
+@task(name="outcome-check", retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only, cache_policy=None)
+def outcome_check(job: ExportJob, forwards: dict[str, dict]) -> dict[str, dict]:
+    """Every key of the export must be in the store with a sha256; returns key -> object info."""
+    store = hostwork.store_of(job)
+    found, missing = {}, []
+    for key in sorted(forwards):
+        info = store.stat(artifact_key(key))
+        if info is None or not info.sha256:
+            missing.append(key)
+        else:
+            found[key] = {"sha256": info.sha256, "size_bytes": info.size_bytes}
+    if missing:
+        raise KilnError(f"{len(missing)} forward(s) are not in the store after compilation, e.g. {missing[0]}; "
+                        "the compile phase failed on some host (see its log); re-run to resume.")
+    return found
+
+
+@task(name="share", retries=3, retry_delay_seconds=[2, 5, 10], retry_condition_fn=transient_only, cache_policy=None)
+def share_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
+    return hostwork.fetch_missing(job, host, forwards)
+
+
+@task(name="verify", cache_policy=None)
+def verify_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
+    diffs = hostwork.check_ranks(job, host, forwards)
+    worst = max(diffs.values(), default=0.0)
+    if worst > job.recipe.verify_atol:
+        bad = max(diffs, key=diffs.get)
+        raise KilnError(f"compiled forward {bad} on {host.name} differs from eager by {worst:.2e} "
+                        f"(> verify_atol {job.recipe.verify_atol}); the artifact is not trustworthy.")
+    return diffs
+
+
+@task(name="manifest", retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only, cache_policy=None)
+def write_manifest(job: ExportJob, manifest: dict) -> str:
+    store = hostwork.store_of(job)
+    key = manifest_key(job.export_id)
+    store.put_json(key, manifest, overwrite=True)
+    return key

@@ -1,0 +1,130 @@
+"""Shared pytest fixtures, one section per subsystem."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# =============================================================================
+# Store: a real S3 API (moto_server) started by the tests themselves
+# =============================================================================
+
+MOTO_SERVER = Path(sys.executable).parent / "moto_server"
+_MOTO_START_TIMEOUT_S = 60.0  # first start imports all of moto; slow on a busy 2-core machine
+
+
+@dataclass
+class S3Server:
+    """A running moto_server: `endpoint_url` is 'http://127.0.0.1:PORT'."""
+
+    endpoint_url: str
+    process: subprocess.Popen
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto_server(log_path: Path, extra_env: dict[str, str] | None = None) -> S3Server:
+    """Start moto_server on a free port and wait until it answers HTTP; skip if moto is absent."""
+    if not MOTO_SERVER.exists():
+        pytest.skip(f"moto_server not installed at {MOTO_SERVER} (pip install 'moto[server]')")
+    port = free_port()
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [str(MOTO_SERVER), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(extra_env or {})},
+    )
+    log.close()
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + _MOTO_START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"moto_server exited with {proc.returncode}; log: {log_path.read_text()[-2000:]}")
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
+            return S3Server(endpoint_url=endpoint, process=proc)
+        except urllib.error.HTTPError:
+            return S3Server(endpoint_url=endpoint, process=proc)  # it answered, even if with an error
+        except OSError:
+            if time.monotonic() > deadline:
+                stop_moto_server(proc)
+                pytest.fail(f"moto_server did not answer at {endpoint} within {_MOTO_START_TIMEOUT_S} s")
+            time.sleep(0.2)
+
+
+def stop_moto_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., S3Server]]:
+    """`start(extra_env=None)` starts another moto_server; all are stopped at session end.
+
+    Example: start({"INITIAL_NO_AUTH_ACTION_COUNT": "0"}) gives a server that
+    validates credentials (the default one accepts any).
+    """
+    servers: list[S3Server] = []
+
+    def start(extra_env: dict[str, str] | None = None) -> S3Server:
+        log_path = tmp_path_factory.mktemp("moto") / "moto_server.log"
+        servers.append(start_moto_server(log_path, extra_env))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        stop_moto_server(server.process)
+
+
+@pytest.fixture(scope="session")
+def s3_server(s3_server_factory: Callable[..., S3Server]) -> S3Server:
+    """One moto_server for the whole session; it accepts any credentials."""
+    return s3_server_factory()
+
+
+@pytest.fixture
+def aws_test_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fake AWS credentials and region; no profile, config file or endpoint from the real environment."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server, aws_test_env: None, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket on `s3_server`; returns 's3://BUCKET/PREFIX'.
+
+    AWS_ENDPOINT_URL points at the server for the test (and for processes it
+    spawns), so `open_store(url)` reaches moto without further arguments.
+    """
+    import boto3
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    bucket = f"kiln-test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/exports/run1"
