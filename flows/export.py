@@ -20,6 +20,7 @@ from kiln import planning
 from kiln.errors import KilnError
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key
+from kiln.logs import hide_expected_tracebacks
 from kiln.manifest import build_manifest
 from kiln.params import ExportParams, prepare
 from kiln.report import Report
@@ -72,6 +73,7 @@ def _watch_compile(job: ExportJob, futures: list, keys: list[str], log) -> None:
 @flow(name="kiln-export", log_prints=False)
 def export(params: ExportParams, hosts: list[HostSpec] | None = None) -> dict:
     """Export `params.model` for tensor-parallel inference; returns the report as a dict."""
+    hide_expected_tracebacks()
     job, default_hosts = prepare(params)
     hosts = hosts or default_hosts
     report = Report(job.export_id, model=job.model_name, tp=job.tp, store=job.store_url)

@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make export` and `make test`.
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTHON ?= python3
+
+.PHONY: setup export test test-fast bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+export: setup
+	$(BIN)/kiln export --model tiny --tp 2 --report report.json
+
+test: setup
+	$(BIN)/pytest -q -rs
+
+test-fast: setup
+	$(BIN)/pytest -q -rs -m "not slow"
+
+bench: setup
+	$(BIN)/python bench/export_vs_loop.py
+
+clean:
+	rm -rf .kiln report.json

@@ -1,0 +1,121 @@
+"""The export spine end to end: real compilation, the embedded Prefect API, a local store."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PHASES = ["probe", "tune", "kv-plan", "gate", "compile", "outcome-check", "share-verify", "manifest"]
+
+
+@pytest.fixture(scope="module")
+def exported(kiln, tmp_path_factory):
+    """A cold export and an identical warm one into the same fresh store."""
+    d = tmp_path_factory.mktemp("export")
+    store = f"file://{d / 'store'}"
+    cold = kiln("export", "--model", "tiny", "--tp", "2", "--store", store, "--report", str(d / "cold.json"))
+    assert cold.code == 0, cold.err[-3000:]
+    warm = kiln("export", "--model", "tiny", "--tp", "2", "--store", store, "--report", str(d / "warm.json"))
+    assert warm.code == 0, warm.err[-3000:]
+    return {"dir": d, "store": store, "cold": cold, "warm": warm,
+            "cold_report": cold.json(d / "cold.json"), "warm_report": warm.json(d / "warm.json")}
+
+
+def test_cold_export_compiles_each_bucket_once(exported):
+    r = exported["cold_report"]
+    assert r["status"] == "completed" and r["error"] is None
+    assert [p["name"] for p in r["phases"]] == PHASES
+    assert all(p["status"] in ("ok", "skipped") for p in r["phases"])
+    buckets = {f["bucket"] for f in r["forwards"]}
+    assert buckets == {"1x16", "2x16", "4x32", "8x64"}
+    # One artifact per bucket, shared by both ranks: not tp x buckets.
+    assert r["counts"] == {"forwards": 4, "compiled": 4, "reused": 0, "tuning_measured": 0}
+    host = r["hosts"][0]
+    assert host["ranks"] == [0, 1] and host["workers"] >= 1
+    assert all(f["compiled_by"] == host["name"] and f["compile_s"] > 0 for f in r["forwards"])
+    assert r["gate"]["decision"] == "compile" and r["gate"]["policy"] == "borrow"
+
+
+def test_artifacts_in_store_match_recorded_sha256(exported):
+    r = exported["cold_report"]
+    root = Path(exported["store"].removeprefix("file://"))
+    for f in r["forwards"]:
+        data = (root / f["object"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == f["sha256"]
+        assert len(data) == f["size_bytes"]
+        assert len(data) < 5 * 2**20, "the package must not hold the weights"
+    manifest = json.loads((root / r["manifest"]).read_text())
+    assert {f["key"] for f in manifest["forwards"]} == {f["key"] for f in r["forwards"]}
+    assert manifest["kv_plan"]["pages_per_rank"] > 0
+
+
+def test_memory_ledger_has_every_phase_boundary(exported):
+    host = exported["cold_report"]["hosts"][0]
+    assert [m["phase"] for m in host["memory"]] == ["start", *PHASES]
+    assert all(m["host_available_mib"] > 0 for m in host["memory"])
+
+
+def test_progress_counts_all_forwards(exported):
+    assert "Compile forwards: 4/4 (all hosts)" in exported["cold"].err
+
+
+def test_warm_export_compiles_nothing(exported):
+    r = exported["warm_report"]
+    assert r["counts"] == {"forwards": 4, "compiled": 0, "reused": 4, "tuning_measured": 0}
+    assert r["gate"]["decision"] == "nothing_to_do"
+    assert {f["key"] for f in r["forwards"]} == {f["key"] for f in exported["cold_report"]["forwards"]}
+    compile_phase = next(p for p in r["phases"] if p["name"] == "compile")
+    assert compile_phase["status"] == "skipped"
+
+
+def test_verify_runs_all_ranks_against_unsharded(kiln, exported):
+    r = exported["cold_report"]
+    v = kiln("verify", "--store", exported["store"], r["export_id"])
+    assert v.code == 0, v.err[-3000:]
+    assert "sha256 ok for 4 artifact(s)" in v.out
+    assert v.out.count("2 ranks together vs unsharded eager") == 4
+    assert "verify ok" in v.out
+
+
+def test_verify_refuses_a_tampered_artifact(kiln, exported):
+    r = exported["cold_report"]
+    root = Path(exported["store"].removeprefix("file://"))
+    blob = (root / r["forwards"][0]["object"]).resolve()  # the bytes behind the store's key
+    good = blob.read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    try:
+        blob.write_bytes(bytes(bad))
+        v = kiln("verify", "--store", exported["store"], r["export_id"])
+    finally:
+        blob.write_bytes(good)
+    assert v.code == 1
+    assert r["forwards"][0]["object"] in v.err or r["forwards"][0]["key"] in v.err
+    assert "Traceback" not in v.err and "verify ok" not in v.out
+
+
+def test_plan_prints_the_decision_without_compiling(kiln, exported, tmp_path):
+    p = kiln("plan", "--model", "tiny", "--tp", "2", "--store", exported["store"])
+    assert p.code == 0, p.err
+    assert "gate: nothing_to_do" in p.out
+    refused = kiln("plan", "--model", "tiny", "--tp", "2", "--store", f"file://{tmp_path / 'empty'}",
+                   "--policy", "fail", "--set", "headroom_floor_mib=10000000")
+    assert refused.code == 3
+    assert "MiB short" in refused.out and "headroom_floor_mib" in refused.out
+
+
+def test_export_refused_by_gate_exits_3_and_writes_failed_report(kiln, tmp_path):
+    report = tmp_path / "r.json"
+    run = kiln("export", "--model", "tiny", "--tp", "2", "--store", f"file://{tmp_path / 's'}",
+               "--set", "headroom_floor_mib=10000000", "--report", str(report))
+    assert run.code == 3, run.err[-2000:]
+    assert "MiB short" in run.err and "Traceback" not in run.err
+    r = json.loads(report.read_text())
+    assert r["status"] == "failed" and r["gate"]["decision"] == "refused"
+    assert "MiB short" in r["error"]
+    assert not list((tmp_path / "s").rglob("*.pt2"))
