@@ -22,16 +22,18 @@ from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key
 from kiln.logs import hide_expected_tracebacks
 from kiln.manifest import build_manifest
-from kiln.params import ExportParams, prepare
+from kiln.params import ExportParams, default_host_names, prepare
 from kiln.report import Report
+from flows.hosts import HostRunner
 from tasks import phases
 
 
 class Phases:
     """Times each phase, records it in the report, and takes every host's memory at its end."""
 
-    def __init__(self, report: Report, hosts: list[HostSpec]):
-        self.report, self.hosts = report, hosts
+    def __init__(self, report: Report, hosts: list[HostSpec], runner: HostRunner):
+        self.report, self.hosts, self.runner = report, hosts, runner
+        self.assume: dict[str, int] = {}
 
     @contextmanager
     def __call__(self, name: str, **extra):
@@ -45,11 +47,10 @@ class Phases:
         self.report.phase(name, status, time.perf_counter() - start, **extra)
         self.ledger(name)
 
-    def ledger(self, boundary: str, assume: dict[str, int] | None = None) -> None:
-        futures = [phases.memory.submit(h) for h in self.hosts]
+    def ledger(self, boundary: str) -> None:
+        futures = [self.runner.submit(h, phases.memory, host=h) for h in self.hosts]
         for h, fut in zip(self.hosts, futures):
-            self.report.memory(h.name, boundary, fut.result(),
-                               assumed_available_mib=(assume or {}).get(h.name))
+            self.report.memory(h.name, boundary, fut.result(), assumed_available_mib=self.assume.get(h.name))
 
 
 def _watch_compile(job: ExportJob, futures: list, keys: list[str], log) -> None:
@@ -59,7 +60,7 @@ def _watch_compile(job: ExportJob, futures: list, keys: list[str], log) -> None:
     artifact = create_progress_artifact(0.0, description=f"forwards compiled for {job.export_id}")
     shown = -1
     while True:
-        finished = all(f.state.is_final() for f in futures)
+        finished = all(f.done() for f in futures)
         done = len(wanted.intersection(store.list("forwards/")))
         if done != shown:
             shown = done
@@ -71,34 +72,36 @@ def _watch_compile(job: ExportJob, futures: list, keys: list[str], log) -> None:
 
 
 @flow(name="kiln-export", log_prints=False)
-def export(params: ExportParams, hosts: list[HostSpec] | None = None) -> dict:
+def export(params: ExportParams) -> dict:
     """Export `params.model` for tensor-parallel inference; returns the report as a dict."""
     hide_expected_tracebacks()
-    job, default_hosts = prepare(params)
-    hosts = hosts or default_hosts
-    report = Report(job.export_id, model=job.model_name, tp=job.tp, store=job.store_url)
-    for h in hosts:
-        report.host(h.name, ranks=h.ranks)
-    phase = Phases(report, hosts)
-    try:
-        _run(job, hosts, report, phase)
-        report.status = "completed"
-    except BaseException as exc:
-        report.status = "failed"
-        report.error = str(exc) if isinstance(exc, KilnError) else f"{type(exc).__name__}: {exc}"
-        raise
-    finally:
-        if params.report:
-            report.write(params.report)
-        _publish(report)
+    with HostRunner(dask_address=params.dask, num_local_hosts=params.hosts,
+                    local_name=(default_host_names(params) or [None])[0]) as runner:
+        job, hosts = prepare(params, host_names=runner.host_names)
+        report = Report(job.export_id, model=job.model_name, tp=job.tp, store=job.store_url)
+        for h in hosts:
+            report.host(h.name, ranks=h.ranks)
+        phase = Phases(report, hosts, runner)
+        try:
+            _run(job, hosts, report, phase, runner)
+            report.status = "completed"
+        except BaseException as exc:
+            report.status = "failed"
+            report.error = str(exc) if isinstance(exc, KilnError) else f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if params.report:
+                report.write(params.report)
+            _publish(report)
     return report.to_dict()
 
 
-def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases) -> None:
+def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, runner: HostRunner) -> None:
     log = get_run_logger()
-    phase.ledger("start", job.assume_available)
+    phase.assume = job.assume_available
+    phase.ledger("start")
     with phase("probe"):
-        probes = [f.result() for f in [phases.probe_host.submit(job, h) for h in hosts]]
+        probes = [f.result() for f in [runner.submit(h, phases.probe_host, job=job, host=h) for h in hosts]]
         for p in probes:
             report.host(p["name"], target=p["target"])
     specs = {s["key"]: s for p in probes for s in p["specs"]}
@@ -112,7 +115,7 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases) -
     report.gate["policy"] = job.recipe.policy
     with phase("gate"):
         try:
-            plan = phases.gate(job, probes)
+            plan = phases.gate(job, probes, report.kv_plan)
         except KilnError as exc:
             report.gate.update(decision="refused", message=str(exc))
             raise
@@ -125,7 +128,8 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases) -
     compiled: dict[str, dict] = {}
     with phase("compile") as info:
         by_name = {h.name: h for h in hosts}
-        futures = [phases.compile_host.submit(job, by_name[n], [specs[k] for k in hp.compile], hp.workers)
+        futures = [runner.submit(by_name[n], phases.compile_host, job=job, host=by_name[n],
+                                 specs=[specs[k] for k in hp.compile], workers=hp.workers)
                    for n, hp in plan.hosts.items() if hp.compile]
         if futures:
             _watch_compile(job, futures, to_compile, log)
@@ -146,10 +150,10 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases) -
     report.counts.update(forwards=len(forwards), compiled=len(compiled), reused=len(forwards) - len(compiled))
     with phase("share-verify"):
         mine = {h.name: [f for f in forwards if f["target"] == p["target"]] for h, p in zip(hosts, probes)}
-        fetches = [phases.share_host.submit(job, h, mine[h.name]) for h in hosts]
-        for f in fetches:
-            f.result()
-        checks = [phases.verify_host.submit(job, h, mine[h.name]) for h in hosts]
+        fetches = [runner.submit(h, phases.share_host, job=job, host=h, forwards=mine[h.name]) for h in hosts]
+        for h, f in zip(hosts, fetches):
+            report.host(h.name)["downloaded"] = f.result()
+        checks = [runner.submit(h, phases.verify_host, job=job, host=h, forwards=mine[h.name]) for h in hosts]
         for h, f in zip(hosts, checks):
             report.verify[h.name] = f.result()
     with phase("manifest"):

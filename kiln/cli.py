@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from contextlib import contextmanager
 
 from kiln.errors import BadInput, KilnError
 
@@ -27,7 +29,7 @@ def _assume(items: list[str]) -> dict[str, int]:
 
 def _params(args):
     from kiln.params import ExportParams
-    return ExportParams(model=args.model, tp=args.tp, buckets=args.buckets, store=args.store,
+    return ExportParams(hosts=args.hosts, dask=args.dask, model=args.model, tp=args.tp, buckets=args.buckets, store=args.store,
                         s3_endpoint=args.s3_endpoint, policy=args.policy, tuning=getattr(args, "tuning", None),
                         settings=args.set, assume_available=_assume(args.assume_available),
                         export_id=getattr(args, "export_id", None), report=args.report)
@@ -44,16 +46,37 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--assume-available", action="append", default=[], metavar="HOST=MIB",
                    help="replace a host's available-memory reading")
     p.add_argument("--report", help="write the JSON report here (also on failure)")
+    p.add_argument("--hosts", type=int, help="start a local Dask cluster of N workers standing for hosts host-0..")
+    p.add_argument("--dask", metavar="ADDRESS", help="Dask scheduler whose workers are the hosts")
 
 
 def cmd_export(args) -> int:
-    from kiln.params import prepare
+    from kiln.params import default_host_names, prepare
     params = _params(args)
-    prepare(params)  # fail fast on bad input, before Prefect starts
-    from flows.export import export
-    report = export(params)
+    prepare(params, host_names=default_host_names(params))  # fail fast on bad input, before Prefect starts
+    with prefect_server_for(params):
+        from flows.export import export
+        report = export(params)
     print(_summary(report))
     return 0
+
+
+@contextmanager
+def prefect_server_for(params):
+    """Several hosts need a real Prefect server: check the one named, or start one for --hosts N."""
+    from kiln.prefect_server import check_server, local_server
+    url = os.environ.get("PREFECT_API_URL")
+    if url:
+        check_server(url)
+        yield url
+    elif params.hosts:
+        with local_server() as started:
+            yield started
+    elif params.dask:
+        raise BadInput("a multi-host export (--dask) needs a Prefect server that every host reaches: "
+                       "start `prefect server start` and set PREFECT_API_URL.")
+    else:
+        yield None
 
 
 def _summary(report: dict) -> str:

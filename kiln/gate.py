@@ -78,7 +78,7 @@ class Plan:
 
 def decide(hosts: list[HostReport], recipe: Recipe, needed: dict[str, list[str]],
            store_keys: set[str] | frozenset[str], *, compile_s: dict[str, float] | None = None,
-           page_size_bytes: int | None = None) -> Plan:
+           page_size_bytes: int | None = None, kv_pages_per_rank: int | None = None) -> Plan:
     """Plan the compile phase or refuse it.
 
     `needed` maps each target to the forward keys its ranks need; `store_keys`
@@ -115,7 +115,7 @@ def decide(hosts: list[HostReport], recipe: Recipe, needed: dict[str, list[str]]
         if not any(p.capacity > 0 for p in plans.values() if p.target == target):
             short.extend(h for h in hosts if h.target == target and h not in short)
     if short:
-        raise GateRefused(_refusal(short, plans, by_name, recipe, page_size_bytes))
+        raise GateRefused(_refusal(short, plans, by_name, recipe, page_size_bytes, kv_pages_per_rank))
 
     for target, missing in missing_by_target.items():
         _assign(missing, [p for p in plans.values() if p.target == target and p.capacity > 0],
@@ -155,7 +155,7 @@ def _assign(keys: list[str], compilers: list[HostPlan], by_name: dict[str, HostR
 
 
 def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[str, HostReport],
-             recipe: Recipe, page_size_bytes: int | None) -> str:
+             recipe: Recipe, page_size_bytes: int | None, kv_pages_per_rank: int | None) -> str:
     lines = []
     for h in sorted(short, key=lambda h: h.name):
         p = plans[h.name]
@@ -184,8 +184,10 @@ def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[
         if gap > 0:
             text = f"{gap} MiB on {h.name}"
             if page_size_bytes and h.ranks:
+                # Only a remedy when the KV cache is large enough to give that much back.
                 pages = math.ceil(gap * 2**20 / page_size_bytes / len(h.ranks))
-                text += f" ({pages} fewer KV pages per rank)"
+                if kv_pages_per_rank is None or pages <= kv_pages_per_rank:
+                    text += f" ({pages} fewer KV pages per rank)"
             frees.append(text)
     if frees:
         fixes.append("free " + ", ".join(frees))

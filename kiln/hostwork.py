@@ -23,8 +23,14 @@ def store_of(job: ExportJob):
     return open_store(job.store_url, s3_endpoint=job.s3_endpoint, checksum_mode=job.checksum_mode)
 
 
+def cache_dir(host: HostSpec) -> Path:
+    """The host's local cache, resolved where this runs (on the host itself)."""
+    from kiln.params import kiln_home
+    return Path(host.cache_dir) if host.cache_dir else kiln_home() / "cache" / host.name
+
+
 def local_path(host: HostSpec, key: str) -> Path:
-    return Path(host.cache_dir) / "forwards" / f"{key}.pt2"
+    return cache_dir(host) / "forwards" / f"{key}.pt2"
 
 
 def probe_host(job: ExportJob, host: HostSpec) -> dict:

@@ -16,7 +16,8 @@ class HostSpec:
 
     name: str
     ranks: tuple[int, ...]
-    cache_dir: str
+    cache_dir: str = ""
+    """Local cache directory; empty: KILN_HOME/cache/<name>, resolved on the host itself."""
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ class ExportParams(BaseModel):
     tuning: Literal["off", "cached", "full"] | None = Field(None, description="Kernel tuning mode.")
     settings: list[str] = Field(default_factory=list, description="Recipe overrides, NAME=VALUE each.")
     assume_available: dict[str, int] = Field(default_factory=dict, description="host -> MiB to assume available.")
+    hosts: int | None = Field(None, ge=1, le=64, description="Start a local Dask cluster of this many worker processes standing for hosts host-0..host-N-1.")
+    dask: str | None = Field(None, description="Address of a Dask scheduler whose workers are the hosts (each started with --resources kiln-host-NAME=1).")
     export_id: str | None = Field(None, description="Name of the export (default: model, tp and time).")
     report: str | None = Field(None, description="Path of the JSON report to write, also on failure.")
 
@@ -53,9 +55,24 @@ def build_recipe(params: ExportParams) -> Recipe:
     return recipe.with_overrides(extra)
 
 
+def default_host_names(params: ExportParams) -> list[str] | None:
+    """Host names known before any cluster starts: host-0.. for --hosts N, this machine alone, or None for --dask."""
+    if params.dask:
+        return None
+    if params.hosts:
+        return [f"host-{i}" for i in range(params.hosts)]
+    return [socket.gethostname() or "local"]
+
+
 def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_store: bool = True
             ) -> tuple[ExportJob, list[HostSpec]]:
-    """Validate every input and build the job; raises BadInput before anything is written to the store."""
+    """Validate every input and build the job; raises BadInput before anything is written to the store.
+
+    `host_names` None means the hosts are not known yet (a Dask cluster not yet
+    asked): host checks are skipped and no hosts are returned.
+    """
+    if params.hosts and params.dask:
+        raise BadInput("--hosts starts a local cluster and --dask names an existing one; give one of them.")
     from kiln.checkpoint import inspect_checkpoint, tiny_checkpoint
     from kiln.store import open_store
 
@@ -68,9 +85,9 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
         name = checkpoint.name
     cfg = inspect_checkpoint(checkpoint)
     cfg.check_tp(params.tp)
-    names = host_names or [socket.gethostname() or "local"]
+    names = host_names or []
     unknown = sorted(set(params.assume_available) - set(names))
-    if unknown:
+    if unknown and host_names is not None:
         raise BadInput(f"--assume-available names unknown host(s) {', '.join(unknown)}; hosts are: {', '.join(names)}.")
     for host, mib in params.assume_available.items():
         if mib < 0:
@@ -86,6 +103,6 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     job = ExportJob(export_id=export_id, model_name=name, checkpoint=str(checkpoint),
                     config=cfg.__dict__.copy(), tp=params.tp, recipe=recipe, store_url=store.url,
                     s3_endpoint=params.s3_endpoint, assume_available=dict(params.assume_available))
-    ranks = place_ranks(params.tp, names)
-    hosts = [HostSpec(n, ranks[n], str(home / "cache" / n)) for n in names]
+    ranks = place_ranks(params.tp, names) if names else {}
+    hosts = [HostSpec(n, ranks[n]) for n in names]
     return job, hosts

@@ -48,10 +48,10 @@ def needed_keys(probes: list[dict]) -> dict[str, list[str]]:
     return needed
 
 
-def run_gate(job: ExportJob, probes: list[dict]) -> Plan:
+def run_gate(job: ExportJob, probes: list[dict], kv: dict | None = None) -> Plan:
     store_keys = {k for p in probes for k in p["store_keys"]}
     return decide(host_reports(job, probes), job.recipe, needed_keys(probes), store_keys,
-                  page_size_bytes=page_size(job))
+                  page_size_bytes=page_size(job), kv_pages_per_rank=kv["pages_per_rank"] if kv else None)
 
 
 def describe(plan: Plan, reports: list[HostReport]) -> str:

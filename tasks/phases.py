@@ -52,8 +52,8 @@ def kv_plan(job: ExportJob, reports: list[HostReport]) -> dict:
 
 
 @task(name="gate", cache_policy=None)
-def gate(job: ExportJob, probes: list[dict]) -> Plan:
-    return planning.run_gate(job, probes)
+def gate(job: ExportJob, probes: list[dict], kv: dict | None = None) -> Plan:
+    return planning.run_gate(job, probes, kv)
 
 
 @task(name="compile", cache_policy=None)

@@ -1,0 +1,121 @@
+"""Where per-host tasks run: this process, a local Dask cluster standing for N hosts, or a real one.
+
+Purpose: `HostRunner.submit(host, task, **params)` runs a Prefect task on the
+host it concerns. One machine: the flow's own task runner. Several hosts: a
+Dask cluster whose workers each carry a resource `kiln-host-<name>=1`, and
+tasks pinned to that resource through prefect-dask's client, so they are
+still Prefect task runs of the same flow run.
+
+Contracts: every Dask worker runs with `distributed.worker.daemon: False` so
+the compile pool can start processes inside it. Several processes report to
+Prefect, so Dask needs a real Prefect server (PREFECT_API_URL); the embedded
+API would start one temporary server per process.
+
+Pitfalls: a worker without a `kiln-host-*` resource is not a host and gets no
+work; two workers with the same host resource are refused (a host is one
+worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import ExitStack
+
+import dask
+
+from kiln.errors import BadInput
+
+RESOURCE_PREFIX = "kiln-host-"
+dask.config.set({"distributed.worker.daemon": False})
+# Worker processes read these at start: compile pools inside them, and logs that stay readable.
+os.environ.setdefault("DASK_DISTRIBUTED__WORKER__DAEMON", "False")
+os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+logging.getLogger("distributed").setLevel(logging.WARNING)
+
+
+class _Done:
+    """A finished local call, shaped like a future."""
+
+    def __init__(self, future):
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.state.is_final()
+
+    def result(self):
+        return self._future.result()
+
+
+class HostRunner:
+    """Runs per-host tasks on their hosts; a context manager that owns any cluster it started."""
+
+    def __init__(self, *, dask_address: str | None = None, num_local_hosts: int | None = None,
+                 local_name: str | None = None):
+        self._stack = ExitStack()
+        self._client = None
+        for name in ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core",
+                     "distributed.worker", "distributed.http.proxy", "distributed.batched"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        self.host_names: list[str]
+        if dask_address or num_local_hosts:
+            if not os.environ.get("PREFECT_API_URL"):
+                raise BadInput("several hosts report to Prefect, so they need a Prefect server: set "
+                               "PREFECT_API_URL (start one with `prefect server start`), or run on one host.")
+            address = dask_address or self._start_local_cluster(num_local_hosts)
+            self._connect(address)
+        else:
+            import socket
+            self.host_names = [local_name or socket.gethostname() or "local"]
+
+    def _start_local_cluster(self, n: int) -> str:
+        from distributed import Nanny, Scheduler, SpecCluster
+
+        if n < 1:
+            raise BadInput(f"--hosts {n}: a cluster needs at least one host.")
+        # Loopback only: these "hosts" are processes of this machine.
+        workers = {f"host-{i}": {"cls": Nanny, "options": {
+            "nthreads": 2, "name": f"host-{i}", "host": "127.0.0.1",
+            "resources": {f"{RESOURCE_PREFIX}host-{i}": 1}}} for i in range(n)}
+        cluster = SpecCluster(scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": False}},
+                              workers=workers, silence_logs=logging.WARNING)
+        self._stack.enter_context(cluster)
+        return cluster.scheduler_address
+
+    def _connect(self, address: str) -> None:
+        from prefect_dask.client import PrefectDaskClient
+
+        try:
+            self._client = self._stack.enter_context(PrefectDaskClient(address, timeout=10, set_as_default=False))
+        except (OSError, TimeoutError) as exc:
+            raise BadInput(f"cannot reach the Dask scheduler at {address} ({exc}); start it or fix --dask.") from None
+        names: list[str] = []
+        for info in self._client.scheduler_info(n_workers=-1)["workers"].values():
+            names += [r[len(RESOURCE_PREFIX):] for r in info.get("resources", {}) if r.startswith(RESOURCE_PREFIX)]
+        if not names:
+            raise BadInput(f"no Dask worker at {address} names a host; start one worker per host with "
+                           f"`dask worker {address} --resources {RESOURCE_PREFIX}NAME=1`.")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise BadInput(f"several Dask workers claim host {dupes[0]}; a host is exactly one worker.")
+        self.host_names = sorted(names)
+
+    @property
+    def distributed(self) -> bool:
+        return self._client is not None
+
+    def submit(self, on, task, **parameters):
+        """Run `task(**parameters)` on host `on` (a HostSpec); returns a future with done() and result()."""
+        if self._client is None:
+            return _Done(task.submit(**parameters))
+        return self._client.submit(task, parameters=parameters, return_type="result", pure=False,
+                                   resources={f"{RESOURCE_PREFIX}{on.name}": 1})
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> "HostRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,87 @@
+"""A Prefect server to talk to: check the one PREFECT_API_URL names, or run a local one.
+
+Several processes (Dask workers) report to Prefect in a multi-host export;
+Prefect's embedded API would start one temporary server per process, so they
+need a real server. SQLite is fine on one machine; Postgres for deployments.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+from kiln.errors import BadInput
+
+
+def check_server(url: str, timeout_s: float = 5.0) -> None:
+    """BadInput unless the Prefect API at `url` answers its health check."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as resp:
+            if resp.status == 200:
+                return
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise BadInput(f"cannot reach the Prefect server at PREFECT_API_URL={url} ({exc}); "
+                       "start it (`prefect server start`) or unset PREFECT_API_URL.") from None
+    raise BadInput(f"the Prefect server at {url} is not healthy; check its logs.")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _drain_logs() -> None:
+    """Send Prefect's queued logs while the server is still up (else they fail after it stops)."""
+    if "prefect" in sys.modules:
+        from prefect.logging.handlers import APILogWorker
+        try:
+            APILogWorker.drain_all(timeout=10)
+        except Exception:  # best effort: the export itself is done
+            pass
+
+
+@contextmanager
+def local_server(home: Path | None = None, start_timeout_s: float = 90.0):
+    """Start `prefect server start` on loopback, point PREFECT_API_URL at it, stop it after."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")
+    if home is not None:
+        env["PREFECT_HOME"] = str(home)
+    prefect = Path(sys.executable).with_name("prefect")
+    proc = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    old = os.environ.get("PREFECT_API_URL")
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                check_server(url, timeout_s=1.0)
+                break
+            except BadInput:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"prefect server did not answer within {start_timeout_s:.0f} s") from None
+                time.sleep(0.5)
+        os.environ["PREFECT_API_URL"] = url
+        yield url
+    finally:
+        _drain_logs()
+        if old is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = old
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
