@@ -8,7 +8,6 @@ would fix it. No prefect, torch or boto3 import: unit-tested on paper layouts.
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -136,19 +135,22 @@ def decide(hosts: list[HostReport], recipe: Recipe, needed: dict[str, list[str]]
 
 def _assign(keys: list[str], compilers: list[HostPlan], by_name: dict[str, HostReport],
             compile_s: dict[str, float], estimate_s: float) -> None:
-    """Longest-first list scheduling over every compiler slot: each key goes where it finishes first."""
-    slots = [(0.0, p.name, i) for p in compilers for i in range(p.capacity)]
-    heapq.heapify(slots)
-    used: dict[str, set[int]] = {p.name: set() for p in compilers}
+    """Longest-first list scheduling over every compiler slot.
+
+    Each key goes to the slot where it finishes first; among equal finishes,
+    to the host with the fewest keys so far, so idle hosts share the work.
+    """
+    slots = [[0.0, p.name, i] for p in compilers for i in range(p.capacity)]
     plans = {p.name: p for p in compilers}
+    used: dict[str, set[int]] = {p.name: set() for p in compilers}
     for key in sorted(keys, key=lambda k: (-compile_s.get(k, estimate_s), k)):
-        finish, name, slot = heapq.heappop(slots)
-        seconds = compile_s.get(key) or by_name[name].compile_s or estimate_s
-        finish += seconds
-        plans[name].compile.append(key)
-        plans[name].predicted_s = max(plans[name].predicted_s, finish)
-        used[name].add(slot)
-        heapq.heappush(slots, (finish, name, slot))
+        def finish(slot):
+            return slot[0] + (compile_s.get(key) or by_name[slot[1]].compile_s or estimate_s)
+        best = min(slots, key=lambda sl: (finish(sl), len(plans[sl[1]].compile), sl[1], sl[2]))
+        best[0] = finish(best)
+        plans[best[1]].compile.append(key)
+        plans[best[1]].predicted_s = max(plans[best[1]].predicted_s, best[0])
+        used[best[1]].add(best[2])
     for p in compilers:
         p.compile.sort()
         p.workers = len(used[p.name])

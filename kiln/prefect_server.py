@@ -48,40 +48,54 @@ def _drain_logs() -> None:
             pass
 
 
-@contextmanager
-def local_server(home: Path | None = None, start_timeout_s: float = 90.0):
-    """Start `prefect server start` on loopback, point PREFECT_API_URL at it, stop it after."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")
-    if home is not None:
-        env["PREFECT_HOME"] = str(home)
-    prefect = Path(sys.executable).with_name("prefect")
-    proc = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    old = os.environ.get("PREFECT_API_URL")
-    try:
+class PrefectServer:
+    """`prefect server start` on loopback in its own process session; `url` is its API address."""
+
+    def __init__(self, home: Path | None = None, start_timeout_s: float = 120.0, ui: bool = False):
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}/api"
+        env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED=str(ui).lower())
+        env.pop("PREFECT_API_URL", None)
+        if home is not None:
+            env["PREFECT_HOME"] = str(home)
+        prefect = Path(sys.executable).with_name("prefect")
+        self.proc = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True)
         deadline = time.monotonic() + start_timeout_s
         while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"prefect server exited: {proc.stderr.read().decode()[-2000:]}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited: {self.proc.stderr.read().decode()[-2000:]}")
             try:
-                check_server(url, timeout_s=1.0)
-                break
+                check_server(self.url, timeout_s=1.0)
+                return
             except BadInput:
                 if time.monotonic() > deadline:
+                    self.stop()
                     raise RuntimeError(f"prefect server did not answer within {start_timeout_s:.0f} s") from None
                 time.sleep(0.5)
-        os.environ["PREFECT_API_URL"] = url
-        yield url
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@contextmanager
+def local_server(home: Path | None = None):
+    """Start a loopback Prefect server, point PREFECT_API_URL at it for this process, stop it after."""
+    server = PrefectServer(home)
+    old = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = server.url
+    try:
+        yield server.url
     finally:
         _drain_logs()
         if old is None:
             os.environ.pop("PREFECT_API_URL", None)
         else:
             os.environ["PREFECT_API_URL"] = old
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop()

@@ -128,3 +128,18 @@ def s3_bucket(s3_server: S3Server, aws_test_env: None, monkeypatch: pytest.Monke
     bucket = f"kiln-test-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket=bucket)
     return f"s3://{bucket}/exports/run1"
+
+
+# =============================================================================
+# Prefect: a real `prefect server start` on loopback, for multi-process tests
+# =============================================================================
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory):
+    """A Prefect server (SQLite) for the session; yields its API URL. Nothing in os.environ changes."""
+    from kiln.prefect_server import PrefectServer
+
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-server"))
+    yield server.url
+    server.stop()

@@ -142,3 +142,17 @@ def test_discrete_gpu_short_on_device_memory():
 def test_duplicate_host_names_refused():
     with pytest.raises(GateRefused):
         decide([host("a", 1), host("a", 1)], Recipe(), {"t": []}, set())
+
+
+def test_equal_finish_times_spread_over_hosts():
+    hosts = [host("a", 2048 + 2 * 1024, cpus=2), host("b", 2048 + 1024, ranks=(1,)), host("c", 2048 + 1024, ranks=(2,))]
+    plan = decide(hosts, Recipe(), {"t": KEYS[:3]}, set())
+    assert [len(plan.hosts[n].compile) for n in "abc"] == [1, 1, 1]
+    assert plan.hosts["a"].workers == 1
+
+
+def test_scale_on_paper_assigns_every_key_once():
+    hosts = [host(f"h{i:02d}", 64_000, ranks=tuple(range(8 * i, 8 * i + 8)), cpus=8) for i in range(64)]
+    keys = [f"b{i:02d}" for i in range(67)]
+    plan = decide(hosts, Recipe(), {"t": keys}, set())
+    assert sorted(k for p in plan.hosts.values() for k in p.compile) == keys
