@@ -29,7 +29,8 @@ def _assume(items: list[str]) -> dict[str, int]:
 
 def _params(args):
     from kiln.params import ExportParams
-    return ExportParams(hosts=args.hosts, dask=args.dask, model=args.model, tp=args.tp, buckets=args.buckets, store=args.store,
+    return ExportParams(hosts=args.hosts, dask=args.dask, store_block=args.store_block,
+                        recipe_block=args.recipe_block, s3_checksum=args.s3_checksum, model=args.model, tp=args.tp, buckets=args.buckets, store=args.store,
                         s3_endpoint=args.s3_endpoint, policy=args.policy, tuning=getattr(args, "tuning", None),
                         settings=args.set, assume_available=_assume(args.assume_available),
                         export_id=getattr(args, "export_id", None), report=args.report)
@@ -41,6 +42,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buckets", help="BATCHxTOKENS,... (default: the recipe's)")
     p.add_argument("--store", help="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store)")
     p.add_argument("--s3-endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL)")
+    p.add_argument("--s3-checksum", choices=["when_required", "when_supported"], default="when_required",
+                   help="boto3 checksum mode (some S3-compatible servers reject when_supported)")
+    p.add_argument("--store-block", help="name of a 'Kiln Store' Prefect block")
+    p.add_argument("--recipe-block", help="name of a 'Kiln Recipe' Prefect block")
     p.add_argument("--policy", choices=["borrow", "fail"], help="gate policy (default: borrow)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a recipe setting")
     p.add_argument("--assume-available", action="append", default=[], metavar="HOST=MIB",

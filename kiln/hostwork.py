@@ -20,6 +20,9 @@ from kiln.store import open_store
 
 
 def store_of(job: ExportJob):
+    if job.store_block:
+        from blocks.kiln_blocks import load_store_block
+        return load_store_block(job.store_block).open()
     return open_store(job.store_url, s3_endpoint=job.s3_endpoint, checksum_mode=job.checksum_mode)
 
 

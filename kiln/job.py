@@ -33,6 +33,8 @@ class ExportJob:
     store_url: str
     s3_endpoint: str | None = None
     checksum_mode: str = "when_required"
+    store_block: str | None = None
+    """A 'Kiln Store' Prefect block each host loads itself, so secrets never travel in task parameters."""
     assume_available: dict[str, int] = field(default_factory=dict)
     """host name -> MiB that replaces the probed available memory ("what if")."""
 

@@ -32,6 +32,10 @@ class ExportParams(BaseModel):
     buckets: str | None = Field(None, description="BATCHxTOKENS,... (default: the recipe's buckets).")
     store: str | None = Field(None, description="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store).")
     s3_endpoint: str | None = Field(None, description="S3 endpoint URL (default: AWS_ENDPOINT_URL).")
+    s3_checksum: Literal["when_required", "when_supported"] = Field(
+        "when_required", description="boto3 checksum mode; some S3-compatible servers reject 'when_supported'.")
+    store_block: str | None = Field(None, description="Name of a 'Kiln Store' block (replaces store, s3_endpoint, s3_checksum).")
+    recipe_block: str | None = Field(None, description="Name of a 'Kiln Recipe' block; settings and flags override it.")
     policy: Literal["borrow", "fail"] | None = Field(None, description="Gate policy when a host can run no compile worker.")
     tuning: Literal["off", "cached", "full"] | None = Field(None, description="Kernel tuning mode.")
     settings: list[str] = Field(default_factory=list, description="Recipe overrides, NAME=VALUE each.")
@@ -43,7 +47,11 @@ class ExportParams(BaseModel):
 
 
 def build_recipe(params: ExportParams) -> Recipe:
-    recipe = Recipe().with_overrides(params.settings)
+    base = Recipe()
+    if params.recipe_block:
+        from blocks.kiln_blocks import load_recipe_block
+        base = load_recipe_block(params.recipe_block).recipe()
+    recipe = base.with_overrides(params.settings)
     extra = []
     if params.buckets is not None:
         extra.append(f"buckets={params.buckets}")
@@ -92,8 +100,14 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     for host, mib in params.assume_available.items():
         if mib < 0:
             raise BadInput(f"--assume-available {host}={mib}: memory must be >= 0 MiB.")
-    store_url = params.store or f"file://{home / 'store'}"
-    store = open_store(store_url, s3_endpoint=params.s3_endpoint)
+    if params.store_block:
+        if params.store or params.s3_endpoint:
+            raise BadInput("--store-block names the store; drop --store and --s3-endpoint, or the block.")
+        from blocks.kiln_blocks import load_store_block
+        store = load_store_block(params.store_block).open()
+    else:
+        store = open_store(params.store or f"file://{home / 'store'}", s3_endpoint=params.s3_endpoint,
+                           checksum_mode=params.s3_checksum)
     if check_store:
         store.check()
     export_id = params.export_id or (
@@ -102,7 +116,8 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
         raise BadInput(f"export id {export_id!r} may hold only letters, digits, '-', '_' and '.'.")
     job = ExportJob(export_id=export_id, model_name=name, checkpoint=str(checkpoint),
                     config=cfg.__dict__.copy(), tp=params.tp, recipe=recipe, store_url=store.url,
-                    s3_endpoint=params.s3_endpoint, assume_available=dict(params.assume_available))
+                    s3_endpoint=params.s3_endpoint, checksum_mode=params.s3_checksum,
+                    store_block=params.store_block, assume_available=dict(params.assume_available))
     ranks = place_ranks(params.tp, names) if names else {}
     hosts = [HostSpec(n, ranks[n]) for n in names]
     return job, hosts

@@ -39,7 +39,8 @@ __all__ = [
 ]
 
 
-def open_store(url: str, *, s3_endpoint: str | None = None, checksum_mode: str = "when_required") -> Store:
+def open_store(url: str, *, s3_endpoint: str | None = None, checksum_mode: str = "when_required",
+               credentials: dict | None = None) -> Store:
     """Open the store that `url` names, without touching it (see `Store.check`).
 
     - 'file://DIR' or a plain path: a LocalStore in DIR ('file:///abs' or
@@ -47,7 +48,8 @@ def open_store(url: str, *, s3_endpoint: str | None = None, checksum_mode: str =
     - 's3://BUCKET/PREFIX': an S3Store; the endpoint is `s3_endpoint`, else the
       environment's AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS itself.
       Credentials and region come from the standard AWS chain, never the URL.
-    Anything else raises BadInput.
+    Anything else raises BadInput. `credentials` (access_key, secret_key,
+    session_token, region) replace the AWS chain, e.g. from a Prefect block.
     """
     if not isinstance(url, str) or url.strip() == "":
         raise BadInput("store URL is empty; use file://DIR or s3://BUCKET/PREFIX")
@@ -60,11 +62,12 @@ def open_store(url: str, *, s3_endpoint: str | None = None, checksum_mode: str =
             raise BadInput(f"store URL {url!r} names no directory; use file:///ABSOLUTE/DIR")
         return LocalStore(Path(rest[len("localhost") :] if rest.startswith("localhost/") else rest))
     if scheme == "s3":
-        return _open_s3(url, rest, s3_endpoint=s3_endpoint, checksum_mode=checksum_mode)
+        return _open_s3(url, rest, s3_endpoint=s3_endpoint, checksum_mode=checksum_mode,
+                        credentials=credentials or {})
     raise BadInput(f"unknown store scheme {scheme!r} in URL; use file://DIR or s3://BUCKET/PREFIX")
 
 
-def _open_s3(url: str, rest: str, *, s3_endpoint: str | None, checksum_mode: str) -> Store:
+def _open_s3(url: str, rest: str, *, s3_endpoint: str | None, checksum_mode: str, credentials: dict) -> Store:
     bucket, _, prefix = rest.partition("/")
     if "@" in bucket or ":" in bucket:
         raise BadInput(
@@ -80,4 +83,4 @@ def _open_s3(url: str, rest: str, *, s3_endpoint: str | None, checksum_mode: str
         raise BadInput(f"S3 endpoint {endpoint!r} must start with http:// or https://")
     from kiln.store.s3 import S3Store  # boto3 is imported only for S3 stores
 
-    return S3Store(bucket, prefix, endpoint_url=endpoint, checksum_mode=checksum_mode)
+    return S3Store(bucket, prefix, endpoint_url=endpoint, checksum_mode=checksum_mode, **credentials)

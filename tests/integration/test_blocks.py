@@ -1,0 +1,56 @@
+"""Prefect blocks configure an export: the store (S3 with prefect-aws credentials) and the recipe."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import boto3
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SECRET = f"kiln-secret-{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def blocks(prefect_server, s3_server):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect_aws import AwsCredentials
+
+    from blocks.kiln_blocks import KilnRecipe, KilnStore
+
+    bucket = f"kiln-blocks-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3", endpoint_url=s3_server.endpoint_url, aws_access_key_id="x", aws_secret_access_key="y",
+                 region_name="us-east-1").create_bucket(Bucket=bucket)
+    name = uuid.uuid4().hex[:8]
+    with temporary_settings({PREFECT_API_URL: prefect_server}):
+        creds = AwsCredentials(aws_access_key_id="AKIAKILNTEST", aws_secret_access_key=SECRET, region_name="us-east-1")
+        KilnStore(url=f"s3://{bucket}/k", endpoint_url=s3_server.endpoint_url, credentials=creds).save(f"store-{name}")
+        KilnRecipe(buckets="1x8,2x8", policy="fail", worker_host_mib=900).save(f"recipe-{name}")
+    return {"store": f"store-{name}", "recipe": f"recipe-{name}", "bucket": bucket}
+
+
+def test_export_from_blocks_keeps_the_secret_out(kiln, blocks, prefect_server, s3_server, tmp_path):
+    report = tmp_path / "r.json"
+    env = {"PREFECT_API_URL": prefect_server, "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}
+    run = kiln("export", "--model", "tiny", "--tp", "2", "--store-block", blocks["store"],
+               "--recipe-block", blocks["recipe"], "--set", "verify_atol=0.01", "--report", str(report), env=env)
+    assert run.code == 0, run.err[-3000:]
+    r = json.loads(report.read_text())
+    assert sorted(f["bucket"] for f in r["forwards"]) == ["1x8", "2x8"]  # buckets from the recipe block
+    assert r["gate"]["policy"] == "fail"
+    assert r["store"] == f"s3://{blocks['bucket']}/k"
+    s3 = boto3.client("s3", endpoint_url=s3_server.endpoint_url, aws_access_key_id="x", aws_secret_access_key="y",
+                      region_name="us-east-1")
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=blocks["bucket"])["Contents"]]
+    assert sum(k.endswith(".pt2") for k in keys) == 2 and any(k.endswith("manifest.json") for k in keys)
+    for text in (run.out, run.err, report.read_text()):
+        assert SECRET not in text
+
+
+def test_missing_block_is_bad_input(kiln, prefect_server, tmp_path):
+    run = kiln("export", "--model", "tiny", "--store-block", "no-such-block", env={"PREFECT_API_URL": prefect_server})
+    assert run.code == 2, run.err[-2000:]
+    assert "no Kiln Store block named 'no-such-block'" in run.err
