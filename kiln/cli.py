@@ -60,6 +60,10 @@ def cmd_export(args) -> int:
     params = _params(args)
     prepare(params, host_names=default_host_names(params))  # fail fast on bad input, before Prefect starts
     with prefect_server_for(params):
+        if params.dask:
+            from flows.hosts import HostRunner
+            with HostRunner(dask_address=params.dask):  # an unreachable scheduler is bad input: say so now
+                pass
         from flows.export import export
         report = export(params)
     print(_summary(report))
