@@ -8,13 +8,11 @@ after the outcome check. The report is written whatever happens.
 
 from __future__ import annotations
 
-import sys
 import time
 from contextlib import contextmanager
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact,
-                               create_table_artifact, update_progress_artifact)
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 from kiln import planning
 from kiln.errors import KilnError
@@ -24,6 +22,7 @@ from kiln.logs import hide_expected_tracebacks
 from kiln.manifest import build_manifest
 from kiln.params import ExportParams, default_host_names, prepare
 from kiln.report import Report
+from flows.compile_phase import run_compile_phase
 from flows.hosts import HostRunner
 from tasks import phases
 
@@ -51,24 +50,6 @@ class Phases:
         futures = [self.runner.submit(h, phases.memory, host=h) for h in self.hosts]
         for h, fut in zip(self.hosts, futures):
             self.report.memory(h.name, boundary, fut.result(), assumed_available_mib=self.assume.get(h.name))
-
-
-def _watch_compile(job: ExportJob, futures: list, keys: list[str], log) -> None:
-    """Print and publish progress over every host until the compile tasks end."""
-    store = phases.hostwork.store_of(job)
-    wanted = {artifact_key(k) for k in keys}
-    artifact = create_progress_artifact(0.0, description=f"forwards compiled for {job.export_id}")
-    shown = -1
-    while True:
-        finished = all(f.done() for f in futures)
-        done = len(wanted.intersection(store.list("forwards/")))
-        if done != shown:
-            shown = done
-            print(f"Compile forwards: {done}/{len(keys)} (all hosts)", file=sys.stderr, flush=True)
-            update_progress_artifact(artifact, 100.0 * done / max(1, len(keys)))
-        if finished:
-            return
-        time.sleep(1.0)
 
 
 @flow(name="kiln-export", log_prints=False)
@@ -124,19 +105,14 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         for name, hp in plan.hosts.items():
             report.host(name, workers=hp.workers)
     log.info("gate: %s", plan.message)
-    to_compile = [k for hp in plan.hosts.values() for k in hp.compile]
-    compiled: dict[str, dict] = {}
     with phase("compile") as info:
-        by_name = {h.name: h for h in hosts}
-        futures = [runner.submit(by_name[n], phases.compile_host, job=job, host=by_name[n],
-                                 specs=[specs[k] for k in hp.compile], workers=hp.workers)
-                   for n, hp in plan.hosts.items() if hp.compile]
-        if futures:
-            _watch_compile(job, futures, to_compile, log)
-        for f in futures:
-            for entry in f.result():
-                compiled[entry["key"]] = entry
-        info["status"] = "ok" if to_compile else "skipped"
+        compiled, lost = run_compile_phase(job, hosts, plan, specs, reports, runner)
+        info["status"] = "ok" if plan.decision == "compile" else "skipped"
+        if lost:
+            info["lost_hosts"] = sorted(lost)
+            for name in lost:
+                report.host(name)["lost"] = True
+            hosts[:] = [h for h in hosts if h.name not in lost]  # the ledger and sharing go on without them
     with phase("outcome-check"):
         stored = phases.outcome_check(job, specs)
     forwards = []
@@ -149,7 +125,8 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
     report.forwards = forwards
     report.counts.update(forwards=len(forwards), compiled=len(compiled), reused=len(forwards) - len(compiled))
     with phase("share-verify"):
-        mine = {h.name: [f for f in forwards if f["target"] == p["target"]] for h, p in zip(hosts, probes)}
+        target_of = {p["name"]: p["target"] for p in probes}
+        mine = {h.name: [f for f in forwards if f["target"] == target_of[h.name]] for h in hosts}
         fetches = [runner.submit(h, phases.share_host, job=job, host=h, forwards=mine[h.name]) for h in hosts]
         for h, f in zip(hosts, fetches):
             report.host(h.name)["downloaded"] = f.result()

@@ -89,9 +89,7 @@ class HostRunner:
             self._client = self._stack.enter_context(PrefectDaskClient(address, timeout=10, set_as_default=False))
         except (OSError, TimeoutError) as exc:
             raise BadInput(f"cannot reach the Dask scheduler at {address} ({exc}); start it or fix --dask.") from None
-        names: list[str] = []
-        for info in self._client.scheduler_info(n_workers=-1)["workers"].values():
-            names += [r[len(RESOURCE_PREFIX):] for r in info.get("resources", {}) if r.startswith(RESOURCE_PREFIX)]
+        names = self._worker_hosts()
         if not names:
             raise BadInput(f"no Dask worker at {address} names a host; start one worker per host with "
                            f"`dask worker {address} --resources {RESOURCE_PREFIX}NAME=1`.")
@@ -100,9 +98,23 @@ class HostRunner:
             raise BadInput(f"several Dask workers claim host {dupes[0]}; a host is exactly one worker.")
         self.host_names = sorted(names)
 
+    def _worker_hosts(self) -> list[str]:
+        names: list[str] = []
+        for info in self._client.scheduler_info(n_workers=-1)["workers"].values():
+            names += [r[len(RESOURCE_PREFIX):] for r in info.get("resources", {}) if r.startswith(RESOURCE_PREFIX)]
+        return names
+
     @property
     def distributed(self) -> bool:
         return self._client is not None
+
+    def alive(self) -> set[str]:
+        """Hosts whose worker is connected now (this process is always alive)."""
+        return set(self.host_names) if self._client is None else set(self._worker_hosts())
+
+    def cancel(self, future) -> None:
+        if self._client is not None:
+            self._client.cancel(future)
 
     def submit(self, on, task, **parameters):
         """Run `task(**parameters)` on host `on` (a HostSpec); returns a future with done() and result()."""

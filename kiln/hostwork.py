@@ -8,15 +8,19 @@ a thin Prefect task on the host it concerns.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from kiln import probe
+from kiln import lease, probe
 from kiln.compiler import COMPILER_OPTIONS, CompilePool, CompileResult, model_code_fingerprint
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key
-from kiln.store import open_store
+from kiln.errors import IntegrityError
+from kiln.store import ObjectMissing, open_store
 
 
 def store_of(job: ExportJob):
@@ -55,24 +59,98 @@ def probe_host(job: ExportJob, host: HostSpec) -> dict:
     }
 
 
+def compile_log_key(export_id: str, key: str) -> str:
+    return f"exports/{export_id}/compiled/{key}.json"
+
+
+class Leases:
+    """Compile leases of one host in one export (see kiln.lease)."""
+
+    def __init__(self, store, owner: str, ttl_s: float):
+        self.store, self.owner, self.ttl_s = store, owner, ttl_s
+
+    def acquire(self, key: str) -> bool:
+        existing = sorted(self.store.list(lease.lease_prefix(key)))
+        latest = None
+        if existing:
+            try:
+                latest = (lease.generation_of(existing[-1]), self.store.get_json(existing[-1]))
+            except (IntegrityError, ObjectMissing):
+                latest = (lease.generation_of(existing[-1]), {})
+        decision = lease.decide_lease(latest, self.owner, time.time())
+        if decision.action != "create":
+            return decision.action == "hold"
+        try:
+            return self.store.put_json(lease.lease_key(key, decision.generation),
+                                       lease.new_lease(self.owner, time.time(), self.ttl_s))
+        except IntegrityError:
+            return False  # another contender created that generation first
+
+    def release(self, key: str) -> None:
+        for obj in self.store.list(lease.lease_prefix(key)):
+            self.store.delete(obj)
+
+
+def break_leases(job: ExportJob, keys: list[str], hosts: set[str]) -> int:
+    """Drop the leases that `hosts` (lost mid-compile) of this export hold on `keys`; returns how many."""
+    store = store_of(job)
+    owners = {f"{job.export_id}:{h}" for h in hosts}
+    broken = 0
+    for key in keys:
+        for obj in store.list(lease.lease_prefix(key)):
+            try:
+                doc = store.get_json(obj)
+            except (IntegrityError, ObjectMissing):
+                continue
+            if doc.get("owner") in owners:
+                store.delete(obj)
+                broken += 1
+    return broken
+
+
 def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int,
                     on_done: Callable[[CompileResult], None] | None = None) -> list[dict]:
-    """Compile `specs` in a pool of `workers` spawned processes; upload each the moment it is done."""
+    """Compile `specs` in a pool of `workers` spawned processes; upload each the moment it is done.
+
+    Each key is compiled under a lease: a key another export is compiling
+    right now is waited for (and reused) instead of compiled twice; a stale
+    lease is taken over. Returns one entry per key this host compiled.
+    """
     store = store_of(job)
+    leases = Leases(store, f"{job.export_id}:{host.name}", job.recipe.lease_ttl_s)
     uploaded: list[dict] = []
 
     def upload(result: CompileResult) -> None:
         created = store.put_file(artifact_key(result.key), result.path, result.sha256)
-        uploaded.append({"key": result.key, "sha256": result.sha256, "size_bytes": result.size_bytes,
-                         "compile_s": round(result.compile_s, 3), "compiled_by": host.name,
-                         "created": created})
+        entry = {"key": result.key, "sha256": result.sha256, "size_bytes": result.size_bytes,
+                 "compile_s": round(result.compile_s, 3), "compiled_by": host.name, "created": created}
+        store.put_json(compile_log_key(job.export_id, result.key), entry, overwrite=True)
+        leases.release(result.key)
+        uploaded.append(entry)
+        _fault_after_upload(host, len(uploaded))
         if on_done:
             on_done(result)
 
-    jobs = [(spec, str(local_path(host, spec["key"]))) for spec in specs]
+    def job_of(spec: dict) -> tuple[dict, str]:
+        return spec, str(local_path(host, spec["key"]))
+
+    waiting = list(specs)
     with CompilePool(workers, max_attempts=job.recipe.max_compile_attempts) as pool:
-        pool.run(jobs, upload)
+        while waiting:
+            mine = [s for s in waiting if not store.exists(artifact_key(s["key"])) and leases.acquire(s["key"])]
+            waiting = [s for s in waiting if s not in mine and not store.exists(artifact_key(s["key"]))]
+            if mine:
+                pool.run([job_of(s) for s in mine], upload)
+            elif waiting:
+                time.sleep(2.0)  # another export holds these keys: wait for its uploads or its lease to lapse
     return uploaded
+
+
+def _fault_after_upload(host: HostSpec, num_uploaded: int) -> None:
+    """Test-only fault injection: KILN_FAULT_DIE_AFTER_UPLOADS=N makes this host's process die after N uploads."""
+    limit = os.environ.get("KILN_FAULT_DIE_AFTER_UPLOADS")
+    if limit and num_uploaded >= int(limit):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fetch_missing(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:

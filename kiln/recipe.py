@@ -75,6 +75,8 @@ class Recipe:
     """Times one forward is tried when its compile worker dies."""
     verify_atol: float = 1e-3
     """Largest absolute difference allowed between a compiled forward and eager."""
+    lease_ttl_s: float = 900.0
+    """Seconds a compile lease protects a key from other exports; a stale lease is taken over."""
 
     def __post_init__(self) -> None:
         if not self.buckets:
@@ -93,8 +95,8 @@ class Recipe:
             raise BadInput(f"unknown policy {self.policy!r}; use one of: {', '.join(POLICIES)}.")
         if self.tuning not in TUNING_MODES:
             raise BadInput(f"unknown tuning mode {self.tuning!r}; use one of: {', '.join(TUNING_MODES)}.")
-        if not self.compile_s_estimate > 0 or not self.verify_atol > 0:
-            raise BadInput("compile_s_estimate and verify_atol must be > 0.")
+        if not self.compile_s_estimate > 0 or not self.verify_atol > 0 or not self.lease_ttl_s > 0:
+            raise BadInput("compile_s_estimate, verify_atol and lease_ttl_s must be > 0.")
 
     @property
     def pages_per_seq(self) -> int:

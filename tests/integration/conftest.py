@@ -42,3 +42,58 @@ def kiln(kiln_env):
                               text=True, timeout=timeout, cwd=cwd)
         return Run(proc.returncode, proc.stdout, proc.stderr)
     return run
+
+
+DASK = str(Path(sys.executable).with_name("dask"))
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DaskCluster:
+    """`dask scheduler` and one `dask worker` per host on loopback, as a user starts them."""
+
+    def __init__(self, env: dict, hosts: dict[str, dict], log_dir: Path, nanny: bool = True):
+        import time
+
+        from distributed import Client
+
+        port = free_port()
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.procs = [subprocess.Popen(
+            [DASK, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
+            env=env, stdout=open(log_dir / "scheduler.log", "wb"), stderr=subprocess.STDOUT)]
+        self.workers = {}
+        for name, extra in hosts.items():
+            proc = subprocess.Popen(
+                [DASK, "worker", self.address, "--host", "127.0.0.1", "--nthreads", "2", "--name", name,
+                 "--resources", f"kiln-host-{name}=1", "--no-dashboard", "--nanny" if nanny else "--no-nanny"],
+                env={**env, **extra}, stdout=open(log_dir / f"{name}.log", "wb"), stderr=subprocess.STDOUT)
+            self.procs.append(proc)
+            self.workers[name] = proc
+        deadline = time.monotonic() + 120
+        with Client(self.address, timeout=60) as client:
+            while len(client.scheduler_info()["workers"]) < len(hosts):
+                assert time.monotonic() < deadline, "dask workers did not join"
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def cluster_env(kiln_env: dict, prefect_url: str, s3_endpoint: str) -> dict:
+    """What every host of a test cluster has in its environment: Prefect, S3 credentials, no daemon workers."""
+    return {**kiln_env, "PREFECT_API_URL": prefect_url, "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
+            "AWS_ENDPOINT_URL": s3_endpoint, "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}

@@ -1,0 +1,108 @@
+"""The compile phase across hosts: run each host's share, count progress over all, survive lost hosts.
+
+Each host compiles its assigned keys in its own pool and uploads each artifact
+the moment it is done. The flow watches the store, so progress counts every
+host. When a host's worker disappears mid-compile, its unfinished keys are
+planned again (by the same pure gate) over the hosts still there, of the same
+target; what the lost host already uploaded is kept.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from prefect import get_run_logger
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+from flows.hosts import HostRunner
+from kiln.errors import GateRefused
+from kiln.gate import HostReport, Plan, decide
+from kiln.hostwork import break_leases, compile_log_key, store_of
+from kiln.job import ExportJob, HostSpec
+from kiln.keys import artifact_key
+from kiln.store import ObjectMissing
+from tasks import phases
+
+MAX_REPLANS = 3
+
+
+def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: dict[str, dict],
+                      reports: list[HostReport], runner: HostRunner) -> tuple[dict[str, dict], set[str]]:
+    """Compile what `plan` assigns; returns (key -> compile record of this export, lost host names)."""
+    log = get_run_logger()
+    store = store_of(job)
+    by_name = {h.name: h for h in hosts}
+    to_compile = sorted(k for hp in plan.hosts.values() for k in hp.compile)
+    progress = _Progress(job, store, to_compile)
+    lost: set[str] = set()
+    assignment = {n: (hp.compile, hp.workers) for n, hp in plan.hosts.items() if hp.compile}
+    for round_ in range(MAX_REPLANS + 1):
+        running = {n: runner.submit(by_name[n], phases.compile_host, job=job, host=by_name[n],
+                                    specs=[specs[k] for k in keys], workers=workers)
+                   for n, (keys, workers) in assignment.items()}
+        gone = _watch(running, runner, progress)
+        for name in gone:
+            runner.cancel(running.pop(name))
+        for name, fut in running.items():
+            fut.result()  # a host's failure fails the phase
+        if not gone:
+            break
+        lost |= gone
+        missing = sorted(k for k in to_compile if not store.exists(artifact_key(k)))
+        log.warning("lost host(s) %s mid-compile; %d forward(s) left to compile on the others",
+                    ", ".join(sorted(gone)), len(missing))
+        if not missing:
+            break
+        break_leases(job, missing, lost)  # their holders are gone: nobody else must wait out the TTL
+        if round_ == MAX_REPLANS:
+            raise GateRefused(f"hosts kept disappearing during compilation ({', '.join(sorted(lost))}); "
+                              f"{len(missing)} forward(s) are still missing. Re-run to resume.")
+        assignment = _replan(job, reports, lost, missing, specs)
+    progress.show(final=True)
+    compiled = {}
+    for key in to_compile:
+        try:
+            compiled[key] = store.get_json(compile_log_key(job.export_id, key))
+        except ObjectMissing:
+            pass  # compiled by another export that held its lease: reused
+    return compiled, lost
+
+
+def _replan(job: ExportJob, reports: list[HostReport], lost: set[str], missing: list[str],
+            specs: dict[str, dict]) -> dict[str, tuple[list[str], int]]:
+    alive = [r for r in reports if r.name not in lost]
+    needed: dict[str, list[str]] = {}
+    for key in missing:
+        needed.setdefault(specs[key]["target"], []).append(key)
+    plan = decide(alive, job.recipe, needed, set())
+    return {n: (hp.compile, hp.workers) for n, hp in plan.hosts.items() if hp.compile}
+
+
+def _watch(running: dict, runner: HostRunner, progress: "_Progress") -> set[str]:
+    """Wait until every host's compile task ends or its host disappears; returns the hosts gone."""
+    while True:
+        progress.show()
+        alive = runner.alive()
+        gone = {n for n, f in running.items() if not f.done() and n not in alive}
+        if gone or all(f.done() for f in running.values()):
+            return gone
+        time.sleep(1.0)
+
+
+class _Progress:
+    """The live line and the Prefect progress artifact: forwards done over every host."""
+
+    def __init__(self, job: ExportJob, store, keys: list[str]):
+        self.store, self.keys, self.shown = store, {artifact_key(k) for k in keys}, -1
+        self.artifact = create_progress_artifact(0.0, description=f"forwards compiled for {job.export_id}") \
+            if keys else None
+
+    def show(self, final: bool = False) -> None:
+        if not self.keys:
+            return
+        done = len(self.keys.intersection(self.store.list("forwards/")))
+        if done != self.shown:
+            self.shown = done
+            print(f"Compile forwards: {done}/{len(self.keys)} (all hosts)", file=sys.stderr, flush=True)
+            update_progress_artifact(self.artifact, 100.0 * done / len(self.keys))

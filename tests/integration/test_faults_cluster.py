@@ -1,0 +1,68 @@
+"""Faults of a multi-host export: a host lost mid-compile, two exports racing for the same keys."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import os
+
+import boto3
+import pytest
+from conftest import DaskCluster, cluster_env
+
+pytestmark = pytest.mark.slow
+
+
+def _objects(url: str) -> dict[str, bytes]:
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+    s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    out = {}
+    for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/forwards/").get("Contents", []):
+        out[o["Key"]] = s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+    return out
+
+
+def test_host_lost_mid_compile_hands_its_keys_to_the_others(kiln, kiln_env, prefect_server, s3_server,
+                                                            s3_bucket, tmp_path):
+    # host-b's worker (no nanny: nothing restarts it) kills itself right after its first upload.
+    cluster = DaskCluster(cluster_env(kiln_env, prefect_server, s3_server.endpoint_url),
+                          {"host-a": {}, "host-b": {"KILN_FAULT_DIE_AFTER_UPLOADS": "1"}}, tmp_path, nanny=False)
+    try:
+        report = tmp_path / "r.json"
+        aws = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
+        run = kiln("export", "--dask", cluster.address, "--tp", "2", "--buckets", "1x8,2x8,4x8,8x8",
+                   "--store", s3_bucket, "--report", str(report), env={**aws, "PREFECT_API_URL": prefect_server})
+        assert cluster.workers["host-b"].poll() is not None, "the fault did not fire"
+    finally:
+        cluster.stop()
+    assert run.code == 0, run.err[-3000:]
+    r = json.loads(report.read_text())
+    hosts = {h["name"]: h for h in r["hosts"]}
+    assert hosts["host-b"].get("lost") is True
+    by = [f["compiled_by"] for f in r["forwards"]]
+    assert by.count("host-b") >= 1, "host-b's finished artifact must be kept, not recompiled"
+    assert by.count("host-a") + by.count("host-b") == 4 and r["counts"]["compiled"] == 4
+    compile_phase = next(p for p in r["phases"] if p["name"] == "compile")
+    assert compile_phase["lost_hosts"] == ["host-b"]
+    objects = _objects(s3_bucket)
+    assert len(objects) == 4
+    for f in r["forwards"]:  # nothing lost, nothing corrupt
+        assert hashlib.sha256(objects[f"{s3_bucket.split('/', 3)[3]}/{f['object']}"]).hexdigest() == f["sha256"]
+
+
+def test_two_exports_at_once_compile_each_key_once(kiln, prefect_server, s3_bucket, tmp_path):
+    aws = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
+    env = {**aws, "PREFECT_API_URL": prefect_server}
+    args = ["export", "--model", "tiny", "--tp", "2", "--buckets", "1x8,2x8,4x8", "--store", s3_bucket]
+    with cf.ThreadPoolExecutor(2) as pool:  # two CLI processes; the threads only wait for them
+        runs = list(pool.map(lambda i: kiln(*args, "--report", str(tmp_path / f"r{i}.json"), env=env), [0, 1]))
+    for run in runs:
+        assert run.code == 0, run.err[-3000:]
+    reports = [json.loads((tmp_path / f"r{i}.json").read_text()) for i in (0, 1)]
+    compiled = [f["key"] for r in reports for f in r["forwards"] if f["compiled_by"]]
+    assert sorted(compiled) == sorted(set(compiled)), "a key was compiled by both exports"
+    assert len(set(compiled)) == 3
+    assert sum(r["counts"]["compiled"] for r in reports) == 3
+    assert {f["sha256"] for f in reports[0]["forwards"]} == {f["sha256"] for f in reports[1]["forwards"]}
+    assert len(_objects(s3_bucket)) == 3

@@ -1,0 +1,29 @@
+from kiln.lease import decide_lease, generation_of, lease_key, new_lease
+
+
+def test_free_key_creates_generation_zero():
+    assert decide_lease(None, "a", 100.0).action == "create"
+    assert decide_lease(None, "a", 100.0).generation == 0
+
+
+def test_live_lease_of_another_owner_waits():
+    d = decide_lease((3, new_lease("b", 100.0, 60.0)), "a", 150.0)
+    assert (d.action, d.generation) == ("wait", 4)
+
+
+def test_stale_lease_is_taken_over_with_next_generation():
+    d = decide_lease((3, new_lease("b", 100.0, 60.0)), "a", 160.0)
+    assert (d.action, d.generation) == ("create", 4)
+
+
+def test_own_lease_is_held():
+    assert decide_lease((0, new_lease("a", 100.0, 60.0)), "a", 1e9).action == "hold"
+
+
+def test_garbled_lease_counts_as_stale():
+    assert decide_lease((1, {"owner": "b"}), "a", 0.0).action == "create"
+
+
+def test_generation_round_trip_sorts():
+    keys = [lease_key("k", g) for g in (10, 2, 1)]
+    assert [generation_of(k) for k in sorted(keys)] == [1, 2, 10]
