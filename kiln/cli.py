@@ -26,11 +26,11 @@ def _assume(items: list[str]) -> dict[str, int]:
 
 
 def _params(args):
-    from kiln.params import ExportParams
-    return ExportParams(model=args.model, tp=args.tp, buckets=args.buckets, store=args.store,
-                        s3_endpoint=args.s3_endpoint, policy=args.policy, tuning=getattr(args, "tuning", None),
-                        settings=args.set, assume_available=_assume(args.assume_available),
-                        export_id=getattr(args, "export_id", None), report=args.report)
+    from kiln.params import export_params
+    return export_params(model=args.model, tp=args.tp, buckets=args.buckets, store=args.store,
+                         s3_endpoint=args.s3_endpoint, policy=args.policy, tuning=getattr(args, "tuning", None),
+                         settings=args.set, assume_available=_assume(args.assume_available),
+                         export_id=getattr(args, "export_id", None), report=args.report)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
