@@ -6,8 +6,9 @@ every host's forwards by watching the store, and the compile phase is OK only
 after the outcome check. The report is written whatever happens.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: a served flow reaches its run
+# process pickled, and Prefect resolves the parameter annotations from the
+# function's globals, which then hold only what the body references.
 import sys
 import time
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact,
                                create_table_artifact, update_progress_artifact)
 
+from flows import lease, retry
 from kiln import planning
 from kiln.errors import KilnError
 from kiln.job import ExportJob, HostSpec
@@ -23,6 +25,7 @@ from kiln.keys import artifact_key
 from kiln.logs import hide_expected_tracebacks
 from kiln.manifest import build_manifest
 from kiln.params import ExportParams, prepare
+from kiln.recipe import Recipe
 from kiln.report import Report
 from tasks import phases
 
@@ -70,10 +73,21 @@ def _watch_compile(job: ExportJob, futures: list, keys: list[str], log) -> None:
         time.sleep(1.0)
 
 
-@flow(name="kiln-export", log_prints=False)
-def export(params: ExportParams, hosts: list[HostSpec] | None = None) -> dict:
-    """Export `params.model` for tensor-parallel inference; returns the report as a dict."""
+@flow(name="kiln-export", log_prints=False, retries=Recipe.flow_retries,
+      retry_delay_seconds=int(Recipe.flow_retry_delay_s))
+def export(params: ExportParams) -> dict:
+    """Export `params.model` for tensor-parallel inference; returns the report as a dict.
+
+    Each try holds the model's lease (one export per model at a time) and
+    follows the recipe's flow retries; deterministic errors are not retried.
+    """
     hide_expected_tracebacks()
+    with retry.resumable(params) as params, lease.model_lease(params):
+        return _export(params)
+
+
+def _export(params: ExportParams, hosts: list[HostSpec] | None = None) -> dict:
+    """One try of the export: the report is written, and the run's artifacts published, whatever happens."""
     job, default_hosts = prepare(params)
     hosts = hosts or default_hosts
     report = Report(job.export_id, model=job.model_name, tp=job.tp, store=job.store_url)
