@@ -18,7 +18,7 @@ from prefect.artifacts import (create_link_artifact, create_markdown_artifact, c
                                create_table_artifact, update_progress_artifact)
 
 from flows import lease, retry
-from kiln import planning
+from kiln import ledger_plot, planning
 from kiln.errors import KilnError
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key
@@ -102,9 +102,10 @@ def _export(params: ExportParams, hosts: list[HostSpec] | None = None) -> dict:
         report.error = str(exc) if isinstance(exc, KilnError) else f"{type(exc).__name__}: {exc}"
         raise
     finally:
+        picture = _store_ledger_picture(report, job)
         if params.report:
             report.write(params.report)
-        _publish(report)
+        _publish(report, picture)
     return report.to_dict()
 
 
@@ -174,8 +175,21 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases) -
         report.manifest = phases.write_manifest(job, manifest)
 
 
-def _publish(report: Report) -> None:
-    """Prefect artifacts of the run: the summary, the forwards table and the manifest's address."""
+def _store_ledger_picture(report: Report, job: ExportJob) -> bytes | None:
+    """Draw the memory ledger and store it with the export (the summary links it); returns the PNG."""
+    try:
+        png = ledger_plot.draw(list(report.hosts.values()), title=f"memory ledger of {report.export_id}")
+        key = ledger_plot.ledger_key(report.export_id, png)
+        phases.hostwork.store_of(job).put_bytes(key, png)
+        report.ledger_picture = key
+        return png
+    except Exception as exc:  # a picture is a convenience; never fail an export over it
+        get_run_logger().warning("could not store the memory ledger picture: %s", exc)
+        return None
+
+
+def _publish(report: Report, picture: bytes | None = None) -> None:
+    """Prefect artifacts of the run: the summary, the forwards table, the memory ledger picture, the manifest's address."""
     try:
         key = report.export_id.lower().replace("_", "-").replace(".", "-")
         create_markdown_artifact(report.markdown(), key=f"{key}-summary"[:200], description="Kiln export summary")
@@ -185,5 +199,8 @@ def _publish(report: Report) -> None:
         if report.manifest:
             create_link_artifact(f"{report.store.rstrip('/')}/{report.manifest}", link_text="manifest",
                                  description="The export's manifest in the store")
+        if picture and report.ledger_picture:
+            create_markdown_artifact(ledger_plot.markdown(picture, f"{report.store.rstrip('/')}/{report.ledger_picture}"),
+                                     key=f"{key}-memory"[:200], description="Memory ledger, drawn")
     except Exception as exc:  # artifacts are a convenience; never fail an export over them
         get_run_logger().warning("could not publish Prefect artifacts: %s", exc)
