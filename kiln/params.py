@@ -52,10 +52,6 @@ class ExportParams(BaseModel):
         None, title="Gate policy",
         description="When a host can run no compile worker: lend its forwards to another host (borrow) or refuse (fail).")
     tuning: Literal["off", "cached", "full"] | None = Field(None, title="Kernel tuning", description="Kernel tuning mode.")
-    hosts: list[Annotated[str, Field(pattern=_NAME, max_length=253)]] = Field(
-        default_factory=list, title="Hosts",
-        description="Host layout: names of the hosts the ranks are placed on, rank r on host r mod N "
-                    "(default: this machine alone).")
     flow_retries: int | None = Field(
         None, ge=0, le=10, title="Flow retries",
         description="Times a failed export is tried again, a gate refusal included (default: the recipe's, 2). "
@@ -128,9 +124,7 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     checkpoint = tiny_checkpoint(home) if params.model == "tiny" else Path(params.model).expanduser().resolve()
     cfg = inspect_checkpoint(checkpoint)
     cfg.check_tp(params.tp)
-    names = host_names or params.hosts or [socket.gethostname() or "local"]
-    if len(set(names)) != len(names):
-        raise BadInput(f"host names must be distinct, got {', '.join(names)}.")
+    names = host_names or [socket.gethostname() or "local"]
     unknown = sorted(set(params.assume_available) - set(names))
     if unknown:
         raise BadInput(f"--assume-available names unknown host(s) {', '.join(unknown)}; hosts are: {', '.join(names)}.")

@@ -18,7 +18,7 @@ def test_the_deployment_takes_one_pydantic_model():
     assert list(schema["properties"]) == ["params"]
     assert schema["required"] == ["params"]
     form = schema["definitions"]["ExportParams"]["properties"]
-    assert {"model", "tp", "buckets", "store", "policy", "tuning", "hosts", "flow_retries",
+    assert {"model", "tp", "buckets", "store", "policy", "tuning", "flow_retries",
             "flow_retry_delay_s", "settings"} <= set(form)
 
 

@@ -20,13 +20,13 @@ from kiln.report import Report
 
 def test_empty_parameters_are_the_tiny_default_export():
     p = ExportParams.model_validate({})
-    assert (p.model, p.tp, p.buckets, p.store, p.hosts) == ("tiny", 2, None, None, [])
+    assert (p.model, p.tp, p.buckets, p.store, p.settings) == ("tiny", 2, None, None, [])
 
 
 @pytest.mark.parametrize("bad", [{"tp": 0}, {"tp": 2000}, {"buckets": "ax3"}, {"buckets": "1x16,4"},
                                  {"flow_retries": -1}, {"flow_retries": 11}, {"flow_retry_delay_s": -1},
                                  {"settings": ["no equals sign"]}, {"assume_available": {"h": -5}},
-                                 {"export_id": "a/b"}, {"hosts": ["a b"]}, {"policy": "lend"}, {"nonsense": 1}])
+                                 {"export_id": "a/b"}, {"policy": "lend"}, {"nonsense": 1}])
 def test_out_of_bounds_parameters_are_rejected(bad):
     with pytest.raises(ValidationError):
         ExportParams.model_validate(bad)
