@@ -6,21 +6,24 @@ every host's forwards by watching the store, and the compile phase is OK only
 after the outcome check. The report is written whatever happens.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: a served flow reaches its run
+# process pickled, and Prefect resolves the parameter annotations from the
+# function's globals, which then hold only what the body references.
 import time
 from contextlib import contextmanager
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
-from kiln import planning
+from flows import lease, retry
+from kiln import ledger_plot, planning
 from kiln.errors import KilnError
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key
 from kiln.logs import hide_expected_tracebacks
 from kiln.manifest import build_manifest
 from kiln.params import ExportParams, default_host_names, prepare
+from kiln.recipe import Recipe
 from kiln.report import Report
 from flows.compile_phase import run_compile_phase
 from flows.hosts import HostRunner
@@ -52,10 +55,21 @@ class Phases:
             self.report.memory(h.name, boundary, fut.result(), assumed_available_mib=self.assume.get(h.name))
 
 
-@flow(name="kiln-export", log_prints=False)
+@flow(name="kiln-export", log_prints=False, retries=Recipe.flow_retries,
+      retry_delay_seconds=int(Recipe.flow_retry_delay_s))
 def export(params: ExportParams) -> dict:
-    """Export `params.model` for tensor-parallel inference; returns the report as a dict."""
+    """Export `params.model` for tensor-parallel inference; returns the report as a dict.
+
+    Each try holds the model's lease (one export per model at a time) and
+    follows the recipe's flow retries; deterministic errors are not retried.
+    """
     hide_expected_tracebacks()
+    with retry.resumable(params) as params, lease.model_lease(params):
+        return _export(params)
+
+
+def _export(params: ExportParams) -> dict:
+    """One try of the export: the report is written, and the run's artifacts published, whatever happens."""
     with HostRunner(dask_address=params.dask, num_local_hosts=params.hosts,
                     local_name=(default_host_names(params) or [None])[0]) as runner:
         job, hosts = prepare(params, host_names=runner.host_names)
@@ -71,9 +85,10 @@ def export(params: ExportParams) -> dict:
             report.error = str(exc) if isinstance(exc, KilnError) else f"{type(exc).__name__}: {exc}"
             raise
         finally:
+            picture = _store_ledger_picture(report, job)
             if params.report:
                 report.write(params.report)
-            _publish(report)
+            _publish(report, picture)
     return report.to_dict()
 
 
@@ -141,8 +156,21 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         report.manifest = phases.write_manifest(job, manifest)
 
 
-def _publish(report: Report) -> None:
-    """Prefect artifacts of the run: the summary, the forwards table and the manifest's address."""
+def _store_ledger_picture(report: Report, job: ExportJob) -> bytes | None:
+    """Draw the memory ledger and store it with the export (the summary links it); returns the PNG."""
+    try:
+        png = ledger_plot.draw(list(report.hosts.values()), title=f"memory ledger of {report.export_id}")
+        key = ledger_plot.ledger_key(report.export_id, png)
+        phases.hostwork.store_of(job).put_bytes(key, png)
+        report.ledger_picture = key
+        return png
+    except Exception as exc:  # a picture is a convenience; never fail an export over it
+        get_run_logger().warning("could not store the memory ledger picture: %s", exc)
+        return None
+
+
+def _publish(report: Report, picture: bytes | None = None) -> None:
+    """Prefect artifacts of the run: the summary, the forwards table, the memory ledger picture, the manifest's address."""
     try:
         key = report.export_id.lower().replace("_", "-").replace(".", "-")
         create_markdown_artifact(report.markdown(), key=f"{key}-summary"[:200], description="Kiln export summary")
@@ -152,5 +180,8 @@ def _publish(report: Report) -> None:
         if report.manifest:
             create_link_artifact(f"{report.store.rstrip('/')}/{report.manifest}", link_text="manifest",
                                  description="The export's manifest in the store")
+        if picture and report.ledger_picture:
+            create_markdown_artifact(ledger_plot.markdown(picture, f"{report.store.rstrip('/')}/{report.ledger_picture}"),
+                                     key=f"{key}-memory"[:200], description="Memory ledger, drawn")
     except Exception as exc:  # artifacts are a convenience; never fail an export over them
         get_run_logger().warning("could not publish Prefect artifacts: %s", exc)

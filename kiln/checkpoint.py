@@ -134,6 +134,14 @@ def write_checkpoint(path: Path | str, cfg: ModelConfig, state: dict[str, torch.
     return path
 
 
+def checkpoint_fingerprint(path: Path | str) -> str:
+    """A cheap identity of a checkpoint's files: names, sizes and modification times (not contents)."""
+    import hashlib
+    path = Path(path)
+    items = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.iterdir() if f.is_file())
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
 def random_checkpoint(path: Path | str, cfg: ModelConfig, *, seed: int = 0, num_shards: int = 1) -> Path:
     return write_checkpoint(path, cfg, random_state_dict(cfg, seed), num_shards)
 

@@ -1,4 +1,4 @@
-"""`kiln`: export, plan, verify and checkpoint.
+"""`kiln`: export, serve, plan, verify and checkpoint.
 
 Every input is checked before Prefect starts or anything is written, so bad
 input exits with code 2 in about a second. Exit codes: 0 done, 2 bad input,
@@ -28,12 +28,13 @@ def _assume(items: list[str]) -> dict[str, int]:
 
 
 def _params(args):
-    from kiln.params import ExportParams
-    return ExportParams(hosts=args.hosts, dask=args.dask, store_block=args.store_block,
-                        recipe_block=args.recipe_block, s3_checksum=args.s3_checksum, model=args.model, tp=args.tp, buckets=args.buckets, store=args.store,
-                        s3_endpoint=args.s3_endpoint, policy=args.policy, tuning=getattr(args, "tuning", None),
-                        settings=args.set, assume_available=_assume(args.assume_available),
-                        export_id=getattr(args, "export_id", None), report=args.report)
+    from kiln.params import export_params
+    return export_params(hosts=args.hosts, dask=args.dask, store_block=args.store_block,
+                         recipe_block=args.recipe_block, s3_checksum=args.s3_checksum, model=args.model,
+                         tp=args.tp, buckets=args.buckets, store=args.store,
+                         s3_endpoint=args.s3_endpoint, policy=args.policy, tuning=getattr(args, "tuning", None),
+                         settings=args.set, assume_available=_assume(args.assume_available),
+                         export_id=getattr(args, "export_id", None), report=args.report)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -99,6 +100,15 @@ def _summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def cmd_serve(args) -> int:
+    from kiln.params import prepare
+    params = _params(args)
+    prepare(params)  # the deployment's defaults must make a valid export
+    from flows.serve import serve
+    serve(params, name=args.name, cron=args.cron, interval_s=args.interval, limit=args.limit)
+    return 0
+
+
 def cmd_plan(args) -> int:
     from kiln.plan import plan_only
     params = _params(args)
@@ -138,6 +148,15 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--tuning", choices=["off", "cached", "full"], help="kernel tuning mode")
     e.add_argument("--export-id", help="name of the export (default: model, tp and time)")
     e.set_defaults(func=cmd_export)
+    s = sub.add_parser("serve", help="serve the export flow as a Prefect deployment (schedules, UI runs)")
+    _common(s)
+    s.add_argument("--tuning", choices=["off", "cached", "full"], help="kernel tuning mode")
+    when = s.add_mutually_exclusive_group()
+    when.add_argument("--cron", metavar="EXPR", help="schedule: cron expression, e.g. '0 3 * * *'")
+    when.add_argument("--interval", type=float, metavar="SECONDS", help="schedule: every SECONDS")
+    s.add_argument("--name", default="default", help="deployment name (default: default)")
+    s.add_argument("--limit", type=int, help="most flow runs this process runs at once")
+    s.set_defaults(func=cmd_serve)
     pl = sub.add_parser("plan", help="probe, plan KV and run the gate without compiling")
     _common(pl)
     pl.set_defaults(func=cmd_plan)
@@ -159,6 +178,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    # Prefect's embedded API gives up after 20 s; a busy small machine needs longer.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     try:
         return args.func(args)
     except KilnError as exc:

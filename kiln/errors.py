@@ -29,7 +29,32 @@ class IntegrityError(KilnError):
     exit_code = 1
 
 
+class VerifyMismatch(KilnError):
+    """A compiled forward differs from the eager model by more than the recipe allows."""
+
+    exit_code = 1
+
+
 class StoreError(KilnError):
     """The store failed in a way that retrying did not fix."""
 
     exit_code = 1
+
+
+DETERMINISTIC = (BadInput, IntegrityError, VerifyMismatch)
+"""Errors that fail the same way however often the export is tried again."""
+
+
+def worth_retrying(exc: BaseException) -> bool:
+    """Whether trying the whole export again may succeed.
+
+    No for bad input (a pydantic ValidationError of the parameters included),
+    integrity failures and verification mismatches; yes for everything else: a
+    gate refusal (memory may be freed), a compile worker killed for memory, an
+    unreachable store or server.
+    """
+    from pydantic import ValidationError
+
+    if isinstance(exc, (*DETERMINISTIC, ValidationError)):
+        return False
+    return isinstance(exc, Exception)

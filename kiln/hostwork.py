@@ -7,15 +7,14 @@ a thin Prefect task on the host it concerns.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
-import os
-import signal
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from kiln import lease, probe
+from kiln import faults, lease, probe
 from kiln.compiler import COMPILER_OPTIONS, CompilePool, CompileResult, model_code_fingerprint
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key
@@ -127,7 +126,7 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
         store.put_json(compile_log_key(job.export_id, result.key), entry, overwrite=True)
         leases.release(result.key)
         uploaded.append(entry)
-        _fault_after_upload(host, len(uploaded))
+        faults.die_after_uploads(len(uploaded))
         if on_done:
             on_done(result)
 
@@ -144,13 +143,6 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
             elif waiting:
                 time.sleep(2.0)  # another export holds these keys: wait for its uploads or its lease to lapse
     return uploaded
-
-
-def _fault_after_upload(host: HostSpec, num_uploaded: int) -> None:
-    """Test-only fault injection: KILN_FAULT_DIE_AFTER_UPLOADS=N makes this host's process die after N uploads."""
-    limit = os.environ.get("KILN_FAULT_DIE_AFTER_UPLOADS")
-    if limit and num_uploaded >= int(limit):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fetch_missing(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
@@ -190,9 +182,32 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
     Each rank runs in its own spawned process, as it would when serving:
     loading native code must not be able to take the orchestrating process
     down, and AOTInductor crashes when one process loads a package twice.
+    A check passed before on this host for the same artifact bytes, rank and
+    checkpoint files is remembered in the host's cache and not run again.
     """
+    from kiln.checkpoint import checkpoint_fingerprint
+
+    weights = checkpoint_fingerprint(job.checkpoint)
+    record = cache_dir(host) / "verified"
     diffs: dict[str, float] = {}
+    todo: dict[int, list[dict]] = {}
+    for rank in host.ranks:
+        for f in forwards:
+            seen = record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.json"
+            if seen.exists():
+                diffs[f"rank{rank}/{f['bucket']}"] = json.loads(seen.read_text())["max_abs_diff"]
+            else:
+                todo.setdefault(rank, []).append(f)
+    if not todo:
+        return diffs
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as ex:
-        for rank in host.ranks:
-            diffs.update(ex.submit(_check_rank, job, host, rank, forwards).result())
+        for rank, fs in todo.items():
+            found = ex.submit(_check_rank, job, host, rank, fs).result()
+            diffs.update(found)
+            record.mkdir(parents=True, exist_ok=True)
+            for f in fs:
+                diff = found[f"rank{rank}/{f['bucket']}"]
+                if diff <= job.recipe.verify_atol:
+                    (record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.json").write_text(
+                        json.dumps({"max_abs_diff": diff}))
     return diffs

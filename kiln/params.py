@@ -12,9 +12,9 @@ import os
 import secrets
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kiln.errors import BadInput
 from kiln.job import ExportJob, HostSpec, place_ranks
@@ -26,24 +26,84 @@ def kiln_home() -> Path:
     return Path(os.environ.get("KILN_HOME", ".kiln")).resolve()
 
 
+_BUCKETS = r"^\s*\d+\s*[xX]\s*\d+\s*(,\s*\d+\s*[xX]\s*\d+\s*)*$"
+_NAME = r"^[A-Za-z0-9._-]+$"
+_SETTING = r"^\s*[a-z_]+\s*=.*$"
+
+
+# The Prefect UI renders ExportParams as the run form (its docstring is the
+# form's introduction): bounds and patterns reject bad values before a run is
+# created, since deployments enforce their parameter schema; `prepare` checks
+# the rest (checkpoint, tp against the heads, the store) before any work.
 class ExportParams(BaseModel):
-    model: str = Field("tiny", description="'tiny' (the bundled model) or a Hugging Face-layout checkpoint directory.")
-    tp: int = Field(2, ge=1, le=1024, description="Tensor-parallel degree: ranks that share the model.")
-    buckets: str | None = Field(None, description="BATCHxTOKENS,... (default: the recipe's buckets).")
-    store: str | None = Field(None, description="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store).")
-    s3_endpoint: str | None = Field(None, description="S3 endpoint URL (default: AWS_ENDPOINT_URL).")
+    """What to export and how. Empty fields take the recipe's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("tiny", min_length=1, title="Model",
+                       description="'tiny' (the bundled model) or a Hugging Face-layout checkpoint directory.")
+    tp: int = Field(2, ge=1, le=1024, title="Tensor-parallel degree",
+                    description="Tensor-parallel degree: ranks that share the model.")
+    buckets: Annotated[str, Field(pattern=_BUCKETS)] | None = Field(
+        None, title="Buckets", description="BATCHxTOKENS,... e.g. 1x16,4x64 (default: the recipe's buckets).")
+    store: str | None = Field(None, title="Store", description="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store).")
+    s3_endpoint: str | None = Field(None, title="S3 endpoint", description="S3 endpoint URL (default: AWS_ENDPOINT_URL).")
     s3_checksum: Literal["when_required", "when_supported"] = Field(
-        "when_required", description="boto3 checksum mode; some S3-compatible servers reject 'when_supported'.")
-    store_block: str | None = Field(None, description="Name of a 'Kiln Store' block (replaces store, s3_endpoint, s3_checksum).")
-    recipe_block: str | None = Field(None, description="Name of a 'Kiln Recipe' block; settings and flags override it.")
-    policy: Literal["borrow", "fail"] | None = Field(None, description="Gate policy when a host can run no compile worker.")
-    tuning: Literal["off", "cached", "full"] | None = Field(None, description="Kernel tuning mode.")
-    settings: list[str] = Field(default_factory=list, description="Recipe overrides, NAME=VALUE each.")
-    assume_available: dict[str, int] = Field(default_factory=dict, description="host -> MiB to assume available.")
-    hosts: int | None = Field(None, ge=1, le=64, description="Start a local Dask cluster of this many worker processes standing for hosts host-0..host-N-1.")
-    dask: str | None = Field(None, description="Address of a Dask scheduler whose workers are the hosts (each started with --resources kiln-host-NAME=1).")
-    export_id: str | None = Field(None, description="Name of the export (default: model, tp and time).")
-    report: str | None = Field(None, description="Path of the JSON report to write, also on failure.")
+        "when_required", title="S3 checksum mode",
+        description="boto3 checksum mode; some S3-compatible servers reject 'when_supported'.")
+    store_block: Annotated[str, Field(pattern=_NAME)] | None = Field(
+        None, title="Store block", description="Name of a 'Kiln Store' block (replaces store, S3 endpoint and checksum mode).")
+    recipe_block: Annotated[str, Field(pattern=_NAME)] | None = Field(
+        None, title="Recipe block", description="Name of a 'Kiln Recipe' block; recipe settings and fields here override it.")
+    hosts: int | None = Field(None, ge=1, le=64, title="Local hosts",
+                              description="Start a local Dask cluster of this many worker processes standing for hosts host-0..host-N-1.")
+    dask: str | None = Field(None, title="Dask scheduler",
+                             description="Address of a Dask scheduler whose workers are the hosts (each started with --resources kiln-host-NAME=1).")
+    policy: Literal["borrow", "fail"] | None = Field(
+        None, title="Gate policy",
+        description="When a host can run no compile worker: lend its forwards to another host (borrow) or refuse (fail).")
+    tuning: Literal["off", "cached", "full"] | None = Field(None, title="Kernel tuning", description="Kernel tuning mode.")
+    flow_retries: int | None = Field(
+        None, ge=0, le=10, title="Flow retries",
+        description="Times a failed export is tried again, a gate refusal included (default: the recipe's, 2). "
+                    "Bad input, integrity and verification failures are never retried.")
+    flow_retry_delay_s: float | None = Field(
+        None, ge=0, le=86400, title="Retry delay (s)",
+        description="Seconds between a failed try and the next (default: the recipe's, 30).")
+    settings: list[Annotated[str, Field(pattern=_SETTING)]] = Field(
+        default_factory=list, title="Recipe settings", description="Recipe overrides, NAME=VALUE each.")
+    assume_available: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict, title="Assume available (MiB)", description="host -> MiB to assume available.")
+    export_id: Annotated[str, Field(pattern=_NAME, max_length=200)] | None = Field(
+        None, title="Export id", description="Name of the export (default: model, tp and time).")
+    report: str | None = Field(None, title="Report file",
+                               description="Path of the JSON report to write, also on failure.")
+
+
+def model_name(params: ExportParams) -> str:
+    """The model's short name: 'tiny' or the checkpoint directory's name."""
+    return "tiny" if params.model == "tiny" else Path(params.model).expanduser().resolve().name
+
+
+def export_params(**fields) -> ExportParams:
+    """ExportParams from CLI values; a value out of its bounds is BadInput naming the flag and what it takes."""
+    try:
+        return ExportParams(**fields)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            name = str(err["loc"][0]) if err["loc"] else "parameters"
+            field = ExportParams.model_fields.get(name)
+            value = fields.get(name, err.get("input"))
+            hint = f" ({field.description})" if field and field.description else ""
+            problems.append(f"--{name.replace('_', '-')} {value!r}: {err['msg'].lower()}{hint}")
+        raise BadInput("; ".join(problems) + ".") from None
+
+
+def default_export_id(params: ExportParams, when: dt.datetime | None = None, salt: str | None = None) -> str:
+    """`<model>-tp<tp>-<UTC time>-<salt>`; salt defaults to 4 random hex digits."""
+    when = when or dt.datetime.now(dt.timezone.utc)
+    return f"{model_name(params)}-tp{params.tp}-{when.astimezone(dt.timezone.utc):%Y%m%dT%H%M%S}-{salt or secrets.token_hex(2)}"
 
 
 def build_recipe(params: ExportParams) -> Recipe:
@@ -60,6 +120,10 @@ def build_recipe(params: ExportParams) -> Recipe:
         extra.append(f"policy={params.policy}")
     if params.tuning is not None:
         extra.append(f"tuning={params.tuning}")
+    if params.flow_retries is not None:
+        extra.append(f"flow_retries={params.flow_retries}")
+    if params.flow_retry_delay_s is not None:
+        extra.append(f"flow_retry_delay_s={params.flow_retry_delay_s}")
     return recipe.with_overrides(extra)
 
 
@@ -86,11 +150,8 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
 
     recipe = build_recipe(params)
     home = kiln_home()
-    if params.model == "tiny":
-        checkpoint, name = tiny_checkpoint(home), "tiny"
-    else:
-        checkpoint = Path(params.model).expanduser().resolve()
-        name = checkpoint.name
+    name = model_name(params)
+    checkpoint = tiny_checkpoint(home) if params.model == "tiny" else Path(params.model).expanduser().resolve()
     cfg = inspect_checkpoint(checkpoint)
     cfg.check_tp(params.tp)
     names = host_names or []
@@ -110,8 +171,7 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
                            checksum_mode=params.s3_checksum)
     if check_store:
         store.check()
-    export_id = params.export_id or (
-        f"{name}-tp{params.tp}-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S}-{secrets.token_hex(2)}")
+    export_id = params.export_id or default_export_id(params)
     if not export_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise BadInput(f"export id {export_id!r} may hold only letters, digits, '-', '_' and '.'.")
     job = ExportJob(export_id=export_id, model_name=name, checkpoint=str(checkpoint),

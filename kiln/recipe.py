@@ -77,6 +77,11 @@ class Recipe:
     """Largest absolute difference allowed between a compiled forward and eager."""
     lease_ttl_s: float = 900.0
     """Seconds a compile lease protects a key from other exports; a stale lease is taken over."""
+    flow_retries: int = 2
+    """Times a failed export is tried again (a gate refusal too, with a fresh probe); bad input,
+    integrity and verification failures are never retried."""
+    flow_retry_delay_s: float = 30.0
+    """Seconds between a failed try of the export and the next one (memory may be freed meanwhile)."""
 
     def __post_init__(self) -> None:
         if not self.buckets:
@@ -97,6 +102,10 @@ class Recipe:
             raise BadInput(f"unknown tuning mode {self.tuning!r}; use one of: {', '.join(TUNING_MODES)}.")
         if not self.compile_s_estimate > 0 or not self.verify_atol > 0 or not self.lease_ttl_s > 0:
             raise BadInput("compile_s_estimate, verify_atol and lease_ttl_s must be > 0.")
+        if not isinstance(self.flow_retries, int) or isinstance(self.flow_retries, bool) or self.flow_retries < 0:
+            raise BadInput(f"recipe setting flow_retries must be a whole number >= 0, got {self.flow_retries!r}.")
+        if not self.flow_retry_delay_s >= 0:
+            raise BadInput(f"recipe setting flow_retry_delay_s must be >= 0 seconds, got {self.flow_retry_delay_s!r}.")
 
     @property
     def pages_per_seq(self) -> int:

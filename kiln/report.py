@@ -25,6 +25,8 @@ class Report:
         self.kv_plan: dict | None = None
         self.verify: dict = {}
         self.manifest: str | None = None
+        self.ledger_picture: str | None = None
+        """Store key of the memory ledger drawn as a PNG (kiln.ledger_plot)."""
 
     def phase(self, name: str, status: str, duration_s: float, **extra) -> None:
         self.phases.append({"name": name, "status": status, "duration_s": round(duration_s, 3), **extra})
@@ -52,7 +54,7 @@ class Report:
                 "status": self.status, "error": self.error, "phases": self.phases,
                 "hosts": [self.hosts[n] for n in sorted(self.hosts)], "gate": self.gate,
                 "counts": self.counts, "forwards": self.forwards, "kv_plan": self.kv_plan,
-                "verify": self.verify, "manifest": self.manifest}
+                "verify": self.verify, "manifest": self.manifest, "ledger_picture": self.ledger_picture}
 
     def write(self, path: str | os.PathLike) -> None:
         path = Path(path)
@@ -89,6 +91,11 @@ class Report:
                 if "assumed_available_mib" in m:
                     avail = f"{avail} (assumed {m['assumed_available_mib']})"
                 out.append(f"| {name} | {m['phase']} | {avail} | {m['device_free_mib'] or '-'} |")
+        if self.ledger_picture:
+            out += ["", f"Memory ledger picture: [{self.ledger_picture}]({self._url(self.ledger_picture)})"]
         if self.manifest:
-            out += ["", f"Manifest: `{self.manifest}`"]
+            out += ["", f"Manifest: [{self.manifest}]({self._url(self.manifest)})"]
         return "\n".join(out)
+
+    def _url(self, key: str) -> str:
+        return f"{self.store.rstrip('/')}/{key}"

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from prefect import task
 
-from kiln import hostwork, planning, probe
-from kiln.errors import KilnError
+from kiln import faults, hostwork, planning, probe
+from kiln.errors import KilnError, VerifyMismatch
 from kiln.gate import HostReport, Plan
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key, manifest_key
+
+
+IO_RETRY_DELAYS_S = [2, 5, 10]
+"""Backoff of the I/O tasks (store and network): three tries more, 17 s in all."""
 
 
 def transient_only(task, task_run, state) -> bool:
@@ -35,8 +39,10 @@ def memory(host: HostSpec) -> dict:
     return probe.memory_snapshot()
 
 
-@task(name="probe", retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only, cache_policy=None)
+@task(name="probe", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,
+      retry_condition_fn=transient_only, cache_policy=None)
 def probe_host(job: ExportJob, host: HostSpec) -> dict:
+    faults.probe()
     return hostwork.probe_host(job, host)
 
 
@@ -58,10 +64,13 @@ def gate(job: ExportJob, probes: list[dict], kv: dict | None = None) -> Plan:
 
 @task(name="compile", cache_policy=None)
 def compile_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int) -> list[dict]:
-    return hostwork.compile_on_host(job, host, specs, workers)
+    """No task retries: a retry would compile its whole share again. A flow retry probes the store
+    and compiles only what is missing."""
+    return hostwork.compile_on_host(job, host, specs, workers, on_done=faults.after_uploads())
 
 
-@task(name="outcome-check", retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only, cache_policy=None)
+@task(name="outcome-check", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,
+      retry_condition_fn=transient_only, cache_policy=None)
 def outcome_check(job: ExportJob, forwards: dict[str, dict]) -> dict[str, dict]:
     """Every key of the export must be in the store with a sha256; returns key -> object info."""
     store = hostwork.store_of(job)
@@ -78,7 +87,8 @@ def outcome_check(job: ExportJob, forwards: dict[str, dict]) -> dict[str, dict]:
     return found
 
 
-@task(name="share", retries=3, retry_delay_seconds=[2, 5, 10], retry_condition_fn=transient_only, cache_policy=None)
+@task(name="share", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,
+      retry_condition_fn=transient_only, cache_policy=None)
 def share_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
     return hostwork.fetch_missing(job, host, forwards)
 
@@ -89,12 +99,13 @@ def verify_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
     worst = max(diffs.values(), default=0.0)
     if worst > job.recipe.verify_atol:
         bad = max(diffs, key=diffs.get)
-        raise KilnError(f"compiled forward {bad} on {host.name} differs from eager by {worst:.2e} "
-                        f"(> verify_atol {job.recipe.verify_atol}); the artifact is not trustworthy.")
+        raise VerifyMismatch(f"compiled forward {bad} on {host.name} differs from eager by {worst:.2e} "
+                             f"(> verify_atol {job.recipe.verify_atol}); the artifact is not trustworthy.")
     return diffs
 
 
-@task(name="manifest", retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only, cache_policy=None)
+@task(name="manifest", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,
+      retry_condition_fn=transient_only, cache_policy=None)
 def write_manifest(job: ExportJob, manifest: dict) -> str:
     store = hostwork.store_of(job)
     key = manifest_key(job.export_id)

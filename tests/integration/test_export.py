@@ -112,10 +112,31 @@ def test_plan_prints_the_decision_without_compiling(kiln, exported, tmp_path):
 def test_export_refused_by_gate_exits_3_and_writes_failed_report(kiln, tmp_path):
     report = tmp_path / "r.json"
     run = kiln("export", "--model", "tiny", "--tp", "2", "--store", f"file://{tmp_path / 's'}",
-               "--set", "headroom_floor_mib=10000000", "--report", str(report))
+               "--set", "headroom_floor_mib=10000000", "--set", "flow_retries=0", "--report", str(report))
     assert run.code == 3, run.err[-2000:]
     assert "MiB short" in run.err and "Traceback" not in run.err
     r = json.loads(report.read_text())
     assert r["status"] == "failed" and r["gate"]["decision"] == "refused"
     assert "MiB short" in r["error"]
     assert not list((tmp_path / "s").rglob("*.pt2"))
+
+
+def test_export_refuses_a_corrupted_stored_artifact(kiln, exported, tmp_path):
+    """A host that must download a forward whose stored bytes no longer match their sha256 stops, naming it."""
+    r = exported["cold_report"]
+    root = Path(exported["store"].removeprefix("file://"))
+    victim = r["forwards"][1]
+    blob = (root / victim["object"]).resolve()
+    good = blob.read_bytes()
+    try:
+        blob.write_bytes(good[:-100] + b"\0" * 100)
+        run = kiln("export", "--model", "tiny", "--tp", "2", "--store", exported["store"],
+                   "--report", str(tmp_path / "r.json"), env={"KILN_HOME": str(tmp_path / "fresh-host")})
+    finally:
+        blob.write_bytes(good)
+    assert run.code == 1, run.err[-2000:]
+    assert victim["key"] in run.err or victim["object"] in run.err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["status"] == "failed" and report["manifest"] is None
+    # Never loaded: the corrupt bytes did not reach the host's cache.
+    assert not list((tmp_path / "fresh-host").rglob(f"{victim['key']}.pt2"))

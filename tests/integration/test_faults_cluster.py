@@ -51,12 +51,17 @@ def test_host_lost_mid_compile_hands_its_keys_to_the_others(kiln, kiln_env, pref
         assert hashlib.sha256(objects[f"{s3_bucket.split('/', 3)[3]}/{f['object']}"]).hexdigest() == f["sha256"]
 
 
-def test_two_exports_at_once_compile_each_key_once(kiln, prefect_server, s3_bucket, tmp_path):
+def test_two_exports_at_once_compile_each_key_once(kiln, s3_bucket, tmp_path):
+    """Each export talks to its own embedded Prefect API, so only the store's leases keep them apart."""
     aws = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
-    env = {**aws, "PREFECT_API_URL": prefect_server}
     args = ["export", "--model", "tiny", "--tp", "2", "--buckets", "1x8,2x8,4x8", "--store", s3_bucket]
+
+    def one(i: int):
+        env = {**aws, "PREFECT_HOME": str(tmp_path / f"prefect{i}")}
+        return kiln(*args, "--report", str(tmp_path / f"r{i}.json"), env=env)
+
     with cf.ThreadPoolExecutor(2) as pool:  # two CLI processes; the threads only wait for them
-        runs = list(pool.map(lambda i: kiln(*args, "--report", str(tmp_path / f"r{i}.json"), env=env), [0, 1]))
+        runs = list(pool.map(one, [0, 1]))
     for run in runs:
         assert run.code == 0, run.err[-3000:]
     reports = [json.loads((tmp_path / f"r{i}.json").read_text()) for i in (0, 1)]

@@ -37,7 +37,8 @@ def stored_forwards(url: str) -> list[str]:
 
 def test_policy_fail_refuses_before_any_compilation(kiln, cluster_env, s3_bucket, tmp_path):
     report = tmp_path / "r.json"
-    run = kiln("export", *INCIDENT, "--policy", "fail", "--store", s3_bucket, "--report", str(report),
+    run = kiln("export", *INCIDENT, "--policy", "fail", "--set", "flow_retries=0", "--store", s3_bucket,
+               "--report", str(report),
                env=cluster_env)
     assert run.code == 3, run.err[-3000:]
     assert "host-1 has 12038 MiB available (assumed) but one compile worker needs 12288 MiB: 250 MiB short" in run.err

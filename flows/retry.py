@@ -1,0 +1,67 @@
+"""Flow retries that follow the run's recipe and never repeat a deterministic failure.
+
+Purpose: Prefect 3.9.1 has `retries` and `retry_delay_seconds` on flows but no
+flow-level `retry_condition_fn`. The server decides whether a failed flow run
+is tried again from the run's own policy (`empirical_policy.retries` against
+`run_count`), so `resumable` sets that policy from the run's recipe when each
+try starts and sets it to 0 when a try fails with an error that would fail the
+same way again (kiln.errors.worth_retrying).
+
+Contracts: the decorator's `retries`/`retry_delay_seconds` are only the
+defaults until the first try reads the recipe. A try that fails before the
+recipe is read (bad settings) is not retried either. The export id is fixed
+per flow run, so every try writes the same export and its Prefect artifacts
+gain versions instead of multiplying.
+
+Pitfalls: a retry re-runs the whole flow body in the same process; the probe
+runs again (a fresh view of memory and of the store), so only forwards missing
+from the store are compiled.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prefect import get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.context import FlowRunContext
+
+from kiln.errors import worth_retrying
+from kiln.params import ExportParams, build_recipe, default_export_id
+
+
+def _set_policy(flow_run_id, *, retries: int, delay_s: float | None = None) -> None:
+    with get_client(sync_client=True) as client:
+        policy = client.read_flow_run(flow_run_id).empirical_policy
+        policy.retries = retries
+        if delay_s is not None:
+            policy.retry_delay = int(round(delay_s))
+        client.update_flow_run(flow_run_id, empirical_policy=policy)
+
+
+@contextmanager
+def resumable(params: ExportParams) -> Iterator[ExportParams]:
+    """Around one try of the export flow: yields `params` with the run's fixed export id."""
+    ctx = FlowRunContext.get()
+    run = ctx.flow_run if ctx else None
+    if run is None:  # not inside a flow run: nothing to orchestrate
+        yield params
+        return
+    log = get_run_logger()
+    try:
+        recipe = build_recipe(params)
+        _set_policy(run.id, retries=recipe.flow_retries, delay_s=recipe.flow_retry_delay_s)
+        if params.export_id is None:
+            when = run.expected_start_time or run.start_time or dt.datetime.now(dt.timezone.utc)
+            params = params.model_copy(update={"export_id": default_export_id(params, when, run.id.hex[:4])})
+        if run.run_count > 1:
+            log.info("try %d of %d: resuming export %s; forwards already in the store are reused",
+                     run.run_count, recipe.flow_retries + 1, params.export_id)
+        yield params
+    except Exception as exc:
+        if not worth_retrying(exc):
+            _set_policy(run.id, retries=0)
+            log.error("not retried: %s fails the same way every time (%s)", type(exc).__name__, exc)
+        raise

@@ -1,0 +1,59 @@
+"""`kiln serve`: the export flow as a Prefect deployment served from this process.
+
+Purpose: schedules (cron or interval) and runs triggered from the Prefect UI or
+API execute here, each in its own subprocess. The deployment's only parameter
+is `params` (kiln.params.ExportParams), whose schema the UI renders as the run
+form and the API enforces. Its default is `{}`: a plain "Run" exports the tiny
+model to the default store (KILN_HOME/store of the serving process).
+
+Contracts: needs a Prefect server (PREFECT_API_URL); the embedded API would
+vanish with this process. Runs of one model queue on the model's lease
+(flows/lease.py). `infra/prefect.yaml` declares the same deployment for a
+process work pool (`prefect deploy`).
+"""
+
+from __future__ import annotations
+
+from prefect.deployments.runner import EntrypointType
+
+from kiln.errors import BadInput
+from kiln.params import ExportParams
+
+DEPLOYMENT = "default"
+"""Deployment name; the full name is 'kiln-export/default'."""
+
+
+def deployment_parameters(params: ExportParams) -> dict:
+    """Default parameters of the deployment: only what differs from ExportParams' defaults."""
+    return {"params": params.model_dump(mode="json", exclude_defaults=True)}
+
+
+def serve(params: ExportParams, *, name: str = DEPLOYMENT, cron: str | None = None,
+          interval_s: float | None = None, limit: int | None = None) -> None:
+    """Create (or update) the deployment and run its flow runs until interrupted."""
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.export import export
+
+    if cron is not None and interval_s is not None:
+        raise BadInput("give --cron or --interval, not both.")
+    if interval_s is not None and interval_s <= 0:
+        raise BadInput(f"--interval {interval_s}: seconds must be > 0.")
+    if not PREFECT_API_URL.value():
+        raise BadInput("kiln serve needs a Prefect server: start one (prefect server start) and set "
+                       "PREFECT_API_URL, e.g. http://127.0.0.1:4200/api.")
+    if cron is not None:
+        _check_cron(cron)
+    export.serve(name=name, cron=cron, interval=interval_s, limit=limit,
+                 parameters=deployment_parameters(params), tags=["kiln"],
+                 description="Export a model for multi-host tensor-parallel inference (Kiln).",
+                 entrypoint_type=EntrypointType.MODULE_PATH)
+
+
+def _check_cron(cron: str) -> None:
+    from prefect.client.schemas.schedules import CronSchedule
+
+    try:
+        CronSchedule(cron=cron)
+    except ValueError:
+        raise BadInput(f"--cron {cron!r} is not a valid cron expression; e.g. '0 3 * * *' is 03:00 daily.") from None

@@ -1,0 +1,51 @@
+"""One export per model at a time: a second run waits for the model's lease (enqueued, not cancelled)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+HELD_S = 15.0
+
+
+def test_second_export_of_a_model_waits_for_the_lease(prefect_server, ops_env, tmp_path):
+    from prefect.concurrency.sync import concurrency
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.lease import ensure_limit, lease_name
+
+    api = prefect_server.api()
+    export_id = f"queued-{uuid.uuid4().hex[:8]}"
+    # The run is refused by the gate right after its probe: cheap, and it shows when the probe ran.
+    cmd = [sys.executable, "-m", "kiln.cli", "export", "--export-id", export_id, "--buckets", "1x8",
+           "--store", f"file://{tmp_path / 'store'}", "--set", "headroom_floor_mib=10000000",
+           "--set", "flow_retries=0"]
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        ensure_limit(lease_name("tiny"))
+        with concurrency(lease_name("tiny"), occupy=1, strict=True):  # another export of tiny is running
+            proc = subprocess.Popen(cmd, env=ops_env, cwd=tmp_path, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            deadline = time.monotonic() + 180
+            while not (runs := api.runs_of_export(export_id)) or "taking the model lease" not in api.logs(runs[0]["id"]):
+                assert proc.poll() is None, proc.stdout.read()[-3000:]
+                assert time.monotonic() < deadline, "the second export never asked for the lease"
+                time.sleep(1.0)
+            waiting_since = time.monotonic()
+            time.sleep(HELD_S)
+            [run] = api.runs_of_export(export_id)
+            assert run["state_type"] == "RUNNING"  # enqueued, not cancelled
+            assert not api.task_runs(run["id"])  # nothing probed, nothing compiled while it waits
+            assert proc.poll() is None
+        released_after_s = time.monotonic() - waiting_since
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 3, out[-3000:]  # then it ran: probed, and the gate refused it
+    logs = api.logs(run["id"])
+    waited_s = float(logs.split("took the model lease kiln-model-tiny after ")[1].split(" s")[0])
+    assert waited_s >= released_after_s - 1.0
+    assert any(t["name"].startswith("probe") for t in api.task_runs(run["id"]))

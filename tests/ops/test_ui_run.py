@@ -1,0 +1,148 @@
+"""The served deployment: schedules seen through the API, and a custom run started from the Prefect UI.
+
+The UI test drives Debian's chromium (headless, no downloads) with Playwright:
+deployments list -> the deployment -> Run -> Custom run -> the parameter form
+(a bad value first, which the form must refuse, then buckets 1x8) -> Submit.
+It reads the outcome back through the API and saves screenshots of the
+finished run under the test's tmp_path and .kiln/test-artifacts/.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def _scheduled_runs(api, deployment_id: str, at_least: int, timeout_s: float = 90.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = [r for r in api.flow_runs(deployment_id={"any_": [deployment_id]})
+                if r["state_type"] == "SCHEDULED"]
+        if len(runs) >= at_least or time.monotonic() > deadline:
+            return sorted(runs, key=lambda r: r["expected_start_time"])
+        time.sleep(2.0)
+
+
+@pytest.mark.parametrize("flags, step", [(("--cron", "0 3 * * *"), dt.timedelta(days=1)),
+                                         (("--interval", "21600"), dt.timedelta(hours=6))])
+def test_scheduled_deployment_shows_its_next_runs(serve, prefect_server, flags, step):
+    served = serve(*flags)
+    api = prefect_server.api()
+    runs = _scheduled_runs(api, served.deployment["id"], at_least=3)
+    assert len(runs) >= 3, runs
+    starts = [dt.datetime.fromisoformat(r["expected_start_time"]) for r in runs]
+    now = dt.datetime.now(dt.timezone.utc)
+    assert all(s > now for s in starts)
+    assert all(b - a == step for a, b in zip(starts, starts[1:]))
+    if flags[0] == "--cron":
+        assert all((s.hour, s.minute) == (3, 0) for s in starts)
+    # A run with no parameters exports the tiny model to the default store.
+    assert all(r["parameters"] == {"params": {}} for r in runs)
+
+
+def test_api_refuses_out_of_bounds_parameters(serve, prefect_server):
+    served = serve()
+    api = prefect_server.api()
+    bad = api.post(f"/deployments/{served.deployment['id']}/create_flow_run",
+                   {"parameters": {"params": {"tp": 0, "buckets": "ax3"}}})
+    assert bad.status_code in (409, 422), bad.text
+    assert not api.flow_runs(deployment_id={"any_": [served.deployment["id"]]})
+    schema = served.deployment["parameter_openapi_schema"]
+    assert list(schema["properties"]) == ["params"]
+
+
+def _prop(page, label: str):
+    """The schema form's field whose label is `label` (innermost match)."""
+    return page.locator(".p-label").filter(has=page.get_by_text(label, exact=True)).last
+
+
+def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefect_server, ops_env, tmp_path,
+                                                                   keep_dir):
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is absent (apt-get install chromium; `make setup` does it)")
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+
+    served = serve()
+    api = prefect_server.api()
+    run_name = f"ui-{uuid.uuid4().hex[:8]}"
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(60_000)
+        page.goto(f"{prefect_server.url}/deployments", wait_until="networkidle")
+        page.get_by_role("link", name=served.name, exact=True).click()
+        page.wait_for_url("**/deployments/deployment/**")
+        page.get_by_role("button", name="Run", exact=True).click()
+        page.get_by_text("Custom run", exact=True).click()
+        page.wait_for_url("**/run?**")
+        page.wait_for_load_state("networkidle")
+        _prop(page, "Run Name").locator("input").first.fill(run_name)
+
+        buckets = _prop(page, "Buckets (Optional)")
+        buckets.get_by_role("button", name="str", exact=True).click()
+        buckets.locator("textarea, input").first.fill("ax3")
+        page.get_by_role("button", name="Submit", exact=True).click()
+        page.get_by_text("is not valid").first.wait_for()  # the form refuses it; nothing is created
+        assert "/run" in page.url and not api.flow_runs(name={"any_": [run_name]})
+
+        buckets.locator("textarea, input").first.fill("1x8")
+        page.get_by_role("button", name="Submit", exact=True).click()
+        page.wait_for_url("**/deployments/deployment/*?tab=Runs")
+
+        [created] = api.flow_runs(name={"any_": [run_name]})
+        assert created["deployment_id"] == served.deployment["id"]
+        assert created["parameters"]["params"]["buckets"] == "1x8"
+        run = api.wait_final(created["id"], timeout_s=900)
+        assert run["state_type"] == "COMPLETED", (run["state"], served.log.read_text()[-4000:])
+
+        page.goto(f"{prefect_server.url}/runs/flow-run/{run['id']}", wait_until="networkidle")
+        page.get_by_text("Completed", exact=True).first.wait_for()
+        page.get_by_text("Artifacts", exact=True).click()
+        page.get_by_text("Kiln export summary").wait_for()
+        page.set_viewport_size({"width": 1400, "height": 1400})  # every artifact card in view
+        page.screenshot(path=shots / "flow-run-artifacts.png")
+        page.get_by_text("Kiln export summary").click()
+        page.get_by_text("Memory ledger (MiB)").wait_for()
+        page.set_viewport_size({"width": 1400, "height": 2000})  # the whole summary, links included
+        page.screenshot(path=shots / "summary.png")
+        page.set_viewport_size({"width": 1400, "height": 1000})
+        page.go_back()
+        page.get_by_text("Artifacts", exact=True).click()
+        page.get_by_text("Memory ledger, drawn").click()
+        page.get_by_role("img", name="memory ledger").wait_for()
+        page.screenshot(path=shots / "memory-ledger.png")
+        browser.close()
+
+    arts = {a["key"] or a["description"]: a for a in api.artifacts(run["id"])}
+    summary = next(a for a in arts.values() if a["description"] == "Kiln export summary")
+    export_id = summary["key"].removesuffix("-summary")
+    for phase in ("probe", "tune", "kv-plan", "gate", "compile", "outcome-check", "share-verify", "manifest"):
+        assert f"| {phase} |" in summary["data"]
+    assert "**Gate:** compile" in summary["data"] and "## Memory ledger (MiB)" in summary["data"]
+    assert "Memory ledger picture: [exports/" in summary["data"] and "Manifest: [exports/" in summary["data"]
+    forwards = json.loads(arts[f"{export_id}-forwards"]["data"])
+    assert [f["bucket"] for f in forwards] == ["1x8"] and forwards[0]["compiled_by"]
+    [progress] = [a for a in arts.values() if a["type"] == "progress"]
+    assert progress["data"] == 100.0 and progress["updated"] > progress["created"]  # it advanced
+    assert any(a["type"] == "markdown" and "manifest.json" in str(a["data"]) for a in arts.values())
+    assert "data:image/png;base64," in arts[f"{export_id}-memory"]["data"]
+    store = Path(ops_env["KILN_HOME"]) / "store"
+    [picture] = (store / "exports").glob("*/memory-*.png")
+    assert picture.read_bytes()[:4] == b"\x89PNG"
+
+    for shot in shots.iterdir():
+        shutil.copy(shot, keep_dir / f"ui-run-{shot.name}")

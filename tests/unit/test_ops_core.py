@@ -1,0 +1,162 @@
+"""Pure parts of operations: parameter bounds, what is worth retrying, the ledger picture, faults."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from pydantic import ValidationError
+
+from kiln import faults
+from kiln.compiler import CompileFailed
+from kiln.errors import BadInput, GateRefused, IntegrityError, KilnError, StoreError, VerifyMismatch, worth_retrying
+from kiln.ledger_plot import draw, ledger_key, markdown
+from kiln.params import ExportParams, build_recipe, default_export_id, export_params, model_name
+from kiln.recipe import Recipe
+from kiln.report import Report
+
+
+# --- parameters: the run form's bounds --------------------------------------------------------------
+
+def test_empty_parameters_are_the_tiny_default_export():
+    p = ExportParams.model_validate({})
+    assert (p.model, p.tp, p.buckets, p.store, p.settings) == ("tiny", 2, None, None, [])
+
+
+@pytest.mark.parametrize("bad", [{"tp": 0}, {"tp": 2000}, {"buckets": "ax3"}, {"buckets": "1x16,4"},
+                                 {"flow_retries": -1}, {"flow_retries": 11}, {"flow_retry_delay_s": -1},
+                                 {"settings": ["no equals sign"]}, {"assume_available": {"h": -5}},
+                                 {"export_id": "a/b"}, {"policy": "lend"}, {"nonsense": 1}])
+def test_out_of_bounds_parameters_are_rejected(bad):
+    with pytest.raises(ValidationError):
+        ExportParams.model_validate(bad)
+
+
+def test_schema_carries_bounds_for_the_ui():
+    props = ExportParams.model_json_schema()["properties"]
+    assert props["tp"]["minimum"] == 1 and props["tp"]["maximum"] == 1024
+    assert props["flow_retries"]["anyOf"][0]["maximum"] == 10
+    assert "pattern" in props["buckets"]["anyOf"][0]
+    assert all(props[name].get("description") for name in props)
+    assert ExportParams.model_json_schema()["additionalProperties"] is False
+
+
+def test_cli_values_out_of_bounds_are_bad_input_naming_the_flag():
+    with pytest.raises(BadInput, match=r"--buckets 'ax3'.*BATCHxTOKENS"):
+        export_params(buckets="ax3")
+    with pytest.raises(BadInput, match="--tp 0"):
+        export_params(tp=0)
+
+
+def test_flow_retry_fields_reach_the_recipe():
+    r = build_recipe(ExportParams(flow_retries=0, flow_retry_delay_s=1.5))
+    assert (r.flow_retries, r.flow_retry_delay_s) == (0, 1.5)
+    assert (Recipe().flow_retries, Recipe().flow_retry_delay_s) == (2, 30.0)
+    assert build_recipe(ExportParams(settings=["flow_retries=5"])).flow_retries == 5
+
+
+@pytest.mark.parametrize("item", ["flow_retries=-1", "flow_retry_delay_s=-2", "flow_retries=x"])
+def test_bad_flow_retry_settings(item):
+    with pytest.raises(BadInput):
+        Recipe().with_overrides([item])
+
+
+def test_default_export_id_is_stable_for_one_run(tmp_path):
+    import datetime as dt
+    when = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+    p = ExportParams(model=str(tmp_path / "my-model"), tp=4)
+    assert default_export_id(p, when, "ab12") == "my-model-tp4-20260102T030405-ab12"
+    assert default_export_id(p, when, "ab12") == default_export_id(p, when, "ab12")
+    assert model_name(ExportParams()) == "tiny"
+
+
+# --- what a flow retry may repeat ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("exc", [BadInput("x"), IntegrityError("x"), VerifyMismatch("x"), KeyboardInterrupt()])
+def test_deterministic_errors_are_not_worth_retrying(exc):
+    assert not worth_retrying(exc)
+
+
+def test_parameter_validation_errors_are_not_worth_retrying():
+    with pytest.raises(ValidationError) as info:
+        ExportParams(tp=0)
+    assert not worth_retrying(info.value)
+
+
+@pytest.mark.parametrize("exc", [GateRefused("short"), ConnectionError("reset"), StoreError("down"),
+                                 KilnError("forwards missing after compile"), CompileFailed("killed"), OSError(5)])
+def test_transient_errors_and_refusals_are_worth_retrying(exc):
+    assert worth_retrying(exc)
+
+
+# --- the memory ledger picture ----------------------------------------------------------------------------
+
+def _png_size(png: bytes) -> tuple[int, int]:
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", png[16:24])
+
+
+HOST = {"name": "h1", "memory": [
+    {"phase": "start", "host_available_mib": 20000, "device_free_mib": None},
+    {"phase": "probe", "host_available_mib": 12038, "device_free_mib": 9000, "assumed_available_mib": 11000},
+    {"phase": "gate", "host_available_mib": None, "device_free_mib": None}]}
+
+
+def test_ledger_picture_has_one_panel_per_host():
+    one = draw([HOST])
+    two = draw([HOST, {**HOST, "name": "h2"}])
+    (w1, h1), (w2, h2) = _png_size(one), _png_size(two)
+    assert w1 == w2 and h2 > h1 + 150  # a second panel below the first
+
+
+def test_ledger_picture_without_hosts_still_draws():
+    assert _png_size(draw([]))[0] > 0
+
+
+def test_ledger_key_is_content_addressed_under_the_export():
+    png = draw([HOST])
+    key = ledger_key("exp-1", png)
+    assert key.startswith("exports/exp-1/memory-") and key.endswith(".png")
+    assert ledger_key("exp-1", png + b"x") != key
+
+
+def test_ledger_markdown_inlines_the_picture_and_links_the_store():
+    text = markdown(b"\x89PNG-bytes", "file:///s/exports/e/memory-1.png")
+    assert "](data:image/png;base64," in text and "(file:///s/exports/e/memory-1.png)" in text
+
+
+def test_summary_links_picture_and_manifest():
+    r = Report("e1", model="tiny", tp=2, store="file:///s/")
+    r.ledger_picture, r.manifest = "exports/e1/memory-abc.png", "exports/e1/manifest.json"
+    md = r.markdown()
+    assert "[exports/e1/memory-abc.png](file:///s/exports/e1/memory-abc.png)" in md
+    assert "(file:///s/exports/e1/manifest.json)" in md
+    assert r.to_dict()["ledger_picture"] == "exports/e1/memory-abc.png"
+
+
+# --- fault injection (tests of retries use it) ---------------------------------------------------------
+
+def test_faults_do_nothing_unless_set(monkeypatch):
+    monkeypatch.delenv("KILN_FAULT_AFTER_UPLOADS", raising=False)
+    monkeypatch.delenv("KILN_FAULT_PROBE_ERRORS", raising=False)
+    monkeypatch.setattr(faults, "_fired", {})
+    assert faults.after_uploads() is None
+    faults.probe()
+
+
+def test_upload_fault_fires_once_after_n_uploads(monkeypatch):
+    monkeypatch.setenv("KILN_FAULT_AFTER_UPLOADS", "2")
+    monkeypatch.setattr(faults, "_fired", {})
+    hook = faults.after_uploads()
+    hook(None)
+    with pytest.raises(ConnectionError, match="after 2 upload"):
+        hook(None)
+    assert faults.after_uploads() is None  # a retry in the same process runs clean
+
+
+def test_probe_fault_fires_n_times(monkeypatch):
+    monkeypatch.setenv("KILN_FAULT_PROBE_ERRORS", "1")
+    monkeypatch.setattr(faults, "_fired", {})
+    with pytest.raises(ConnectionError):
+        faults.probe()
+    faults.probe()
