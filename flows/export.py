@@ -16,7 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact,
                                create_table_artifact, update_progress_artifact)
 
-from kiln import planning
+from kiln import planning, tuning
 from kiln.errors import KilnError
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key
@@ -101,12 +101,16 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases) -
         probes = [f.result() for f in [phases.probe_host.submit(job, h) for h in hosts]]
         for p in probes:
             report.host(p["name"], target=p["target"])
+    with phase("tune") as info:
+        # Once per distinct target, on one of its hosts; the others load the results from the store.
+        runs = [phases.tune.submit(job, target) for target in tuning.tuning_hosts(probes)]
+        results = [f.result() for f in runs]
+        info.update(tuning.summarize(results))
+        report.counts["tuning_measured"] = info["measured"]
+        if any(r["changed"] for r in results):  # new results change forward keys: probe them again
+            probes = [f.result() for f in [phases.probe_host.submit(job, h) for h in hosts]]
     specs = {s["key"]: s for p in probes for s in p["specs"]}
     reports = planning.host_reports(job, probes)
-    with phase("tune") as info:
-        tuning = phases.tune(job, sorted({p["target"] for p in probes}))
-        info["status"] = tuning["status"]
-        report.counts["tuning_measured"] = tuning["measured"]
     with phase("kv-plan"):
         report.kv_plan = phases.kv_plan(job, reports)
     report.gate["policy"] = job.recipe.policy
@@ -141,7 +145,8 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases) -
         forwards.append({"key": key, "bucket": spec["bucket"], "target": spec["target"],
                          "sha256": stored[key]["sha256"], "size_bytes": stored[key]["size_bytes"],
                          "object": artifact_key(key), "compiled_by": c["compiled_by"] if c else None,
-                         "compile_s": c["compile_s"] if c else None})
+                         "compile_s": c["compile_s"] if c else None, "autotune": c.get("autotune") if c else None,
+                         "tuning": (spec.get("tuning") or {}).get("digest")})
     report.forwards = forwards
     report.counts.update(forwards=len(forwards), compiled=len(compiled), reused=len(forwards) - len(compiled))
     with phase("share-verify"):
