@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: setup export test test-fast bench clean
+.PHONY: setup export test test-fast bench bench-tuning clean
 
 setup: $(VENV)/.installed
 
@@ -24,6 +24,9 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python bench/export_vs_loop.py
+
+bench-tuning: setup
+	$(BIN)/python bench/tuning.py
 
 clean:
 	rm -rf .kiln report.json

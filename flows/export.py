@@ -107,6 +107,8 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases) -
         results = [f.result() for f in runs]
         info.update(tuning.summarize(results))
         report.counts["tuning_measured"] = info["measured"]
+        if job.recipe.tuning != "off" and info["status"] == "skipped":
+            log.warning("kernel tuning (%s) measured nothing: %s", job.recipe.tuning, info.get("reason"))
         if any(r["changed"] for r in results):  # new results change forward keys: probe them again
             probes = [f.result() for f in [phases.probe_host.submit(job, h) for h in hosts]]
     specs = {s["key"]: s for p in probes for s in p["specs"]}

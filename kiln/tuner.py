@@ -195,8 +195,9 @@ def _save(store: Store, run: dict, decision: tuning.TuningDecision, *, target: s
     for shape in decision.measure:
         entries = run["results"].get(str(shape))
         if not entries:
-            raise KilnError(f"tuning GEMM {shape} produced no autotune entries (Inductor offered one candidate?); "
-                            "run with --tuning off, or report this with the tune log.")
+            raise KilnError(f"tuning GEMM {shape} produced no autotune entries (Inductor offered one candidate?; "
+                            f"GEMMs it tuned instead: {run.get('unmatched', [])[:3]}); run with --tuning off, "
+                            "or report this with the tune log.")
         result = tuning.build_result(target=target, torch_version=torch_version, backends=backends, shape=shape,
                                      entries=entries, measured_by=socket.gethostname(), run=info)
         key = tuning.object_key(target, torch_version, backends, shape)
