@@ -24,10 +24,10 @@ kernels, and a different key (a recompile) when it picks others.
 Which candidates a forward may use: Kiln's forwards are weightless (every
 rank loads its own weights at run time), so only GEMM kernels that read the
 weight as a run-time constant qualify (`WEIGHTLESS_GEMM_BACKENDS`). On CPU,
-Inductor's C++ GEMM templates (and mkldnn's `_mkl_linear` under freezing)
-prepack the weight at compile time into new constants: a weightless package
-compiled with them asks for packed copies of the placeholder weights that no
-rank can supply. That leaves ATen alone on CPU, nothing to choose between, and
+Inductor's C++ GEMM templates (its only alternative to ATen `mm` without
+freezing, which bakes weights in by design) prepack the weight at compile
+time into new constants: a weightless package compiled with them asks for
+packed copies of the placeholder weights that no rank can supply. That leaves ATen alone on CPU, nothing to choose between, and
 the tune phase says so instead of measuring (`gemm_backends`).
 """
 

@@ -100,6 +100,14 @@ def test_compile_uses_stored_choices_without_benchmarking(tuned, tmp_path, monke
     loaded = _load_with_rank_weights(result.path)
     assert loaded["extra_constants"] == cpp_gemms, (chosen, loaded)
     assert (loaded["error"] is not None) == (cpp_gemms > 0), loaded
+    if cpp_gemms:  # Kiln's loader names the cause instead of AOTInductor's bare RuntimeError
+        from kiln.errors import KilnError
+        from kiln.loader import load_forward
+        from kiln.model import random_state_dict, shard_state_dict
+
+        weights = shard_state_dict(random_state_dict(TINY), TINY, 2, 0)
+        with pytest.raises(KilnError, match=f"needs {cpp_gemms} constant"):
+            load_forward(result.path, weights, result.sha256)
 
 
 def _load_with_rank_weights(path: str) -> dict:

@@ -102,6 +102,6 @@ def test_share_verify_refuses_forwards_with_prepacked_weights(two_exports):
     verify = next(p for p in r["phases"] if p["name"] == "share-verify")
     if cpp:
         assert r["status"] == "failed" and verify["status"] == "failed"
-        assert "constant" in r["error"], r["error"]
+        assert "no rank's weights provide" in r["error"] and "C++ GEMM templates" in r["error"], r["error"]
     else:  # ATen won every GEMM: the forwards hold no prepacked weights and match eager
         assert r["status"] == "completed" and max(max(v.values()) for v in r["verify"].values()) < 1e-3
