@@ -6,7 +6,7 @@ PYTHON ?= python3
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup test-setup export test test-fast bench clean
+.PHONY: setup test-setup export test test-fast bench bench-tuning clean
 
 setup: $(VENV)/.installed
 
@@ -37,6 +37,9 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python bench/export_vs_loop.py
+
+bench-tuning: setup
+	$(BIN)/python bench/tuning.py
 
 clean:
 	rm -rf .kiln report.json

@@ -16,7 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 from flows import lease, retry
-from kiln import ledger_plot, planning
+from kiln import ledger_plot, planning, tuning
 from kiln.errors import KilnError
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key
@@ -100,12 +100,20 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         probes = [f.result() for f in [runner.submit(h, phases.probe_host, job=job, host=h) for h in hosts]]
         for p in probes:
             report.host(p["name"], target=p["target"])
+    with phase("tune") as info:
+        # Once per distinct target, on one of its hosts; the others load the results from the store.
+        by_name = {h.name: h for h in hosts}
+        runs = [runner.submit(by_name[name], phases.tune, job=job, target=target)
+                for target, name in tuning.tuning_hosts(probes).items()]
+        results = [f.result() for f in runs]
+        info.update(tuning.summarize(results))
+        report.counts["tuning_measured"] = info["measured"]
+        if job.recipe.tuning != "off" and info["status"] == "skipped":
+            log.warning("kernel tuning (%s) measured nothing: %s", job.recipe.tuning, info.get("reason"))
+        if any(r["changed"] for r in results):  # new results change forward keys: probe them again
+            probes = [f.result() for f in [runner.submit(h, phases.probe_host, job=job, host=h) for h in hosts]]
     specs = {s["key"]: s for p in probes for s in p["specs"]}
     reports = planning.host_reports(job, probes)
-    with phase("tune") as info:
-        tuning = phases.tune(job, sorted({p["target"] for p in probes}))
-        info["status"] = tuning["status"]
-        report.counts["tuning_measured"] = tuning["measured"]
     with phase("kv-plan"):
         report.kv_plan = phases.kv_plan(job, reports)
     report.gate["policy"] = job.recipe.policy
@@ -136,7 +144,8 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         forwards.append({"key": key, "bucket": spec["bucket"], "target": spec["target"],
                          "sha256": stored[key]["sha256"], "size_bytes": stored[key]["size_bytes"],
                          "object": artifact_key(key), "compiled_by": c["compiled_by"] if c else None,
-                         "compile_s": c["compile_s"] if c else None})
+                         "compile_s": c["compile_s"] if c else None, "autotune": c.get("autotune") if c else None,
+                         "tuning": (spec.get("tuning") or {}).get("digest")})
     report.forwards = forwards
     report.counts.update(forwards=len(forwards), compiled=len(compiled), reused=len(forwards) - len(compiled))
     with phase("share-verify"):

@@ -23,6 +23,16 @@ from kiln.errors import KilnError
 
 # Inductor options that go into every forward (and therefore into its key).
 COMPILER_OPTIONS = {"aot_inductor.package_constants_in_so": False}
+FORWARD_DEVICE = "cpu"
+"""Where forwards run: `compile_forward` builds the model and its example inputs on the CPU."""
+
+
+def compiler_options(gemm_backends: str | None) -> dict:
+    """A forward's (or the tuning graph's) Inductor options: with `gemm_backends` (e.g. 'ATEN,TRITON'),
+    max-autotune picks each GEMM's kernel among them by measured time; None compiles untuned."""
+    if gemm_backends is None:
+        return dict(COMPILER_OPTIONS)
+    return {**COMPILER_OPTIONS, "max_autotune": True, "max_autotune_gemm_backends": gemm_backends}
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,9 @@ class CompileResult:
     size_bytes: int
     compile_s: float
     pid: int
+    autotune: dict | None = None
+    """GEMMs autotuned ('selections'), candidates benchmarked during this compile ('benchmarked'), and
+    the tuning timings installed in the worker ('tuning_timings'); None when compiled without max-autotune."""
 
 
 def model_code_fingerprint() -> str:
@@ -41,10 +54,29 @@ def model_code_fingerprint() -> str:
     return hashlib.sha256(Path(kiln.model.__file__).read_bytes()).hexdigest()[:16]
 
 
-def _warm() -> None:
-    """Pool initializer: pay torch's import once per worker, not once per forward."""
+# Per worker process: the tuning entries it installed, and how many GEMMs Inductor autotuned.
+_TUNING: dict | None = None
+_SELECTIONS = 0
+
+
+def _count_selection(*_args, **_kwargs) -> None:
+    global _SELECTIONS
+    _SELECTIONS += 1
+
+
+def _warm(tuning_entries: dict | None = None) -> None:
+    """Pool initializer: import torch once per worker and install the tuning results before any compile."""
+    global _TUNING
     import torch  # noqa: F401
+    from torch._inductor import select_algorithm
+
     import kiln.model  # noqa: F401
+    from kiln import tuner
+
+    select_algorithm.add_feedback_saver(_count_selection)
+    _TUNING = tuning_entries
+    if tuning_entries:
+        tuner.install(tuning_entries)
 
 
 def compile_forward(spec: dict, out_path: str) -> CompileResult:
@@ -57,6 +89,7 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
     import torch
     from torch.export import Dim
 
+    from kiln import tuner, tuning
     from kiln.config import ModelConfig
     from kiln.model import ShardedDecoder, example_inputs
 
@@ -73,12 +106,19 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
         program = torch.export.export(model, args, dynamic_shapes=({}, {}, {2: num_pages}, {}))
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{out_path.removesuffix('.pt2')}.tmp-{os.getpid()}.pt2"
+    if _TUNING:
+        tuner.install(_TUNING)  # again: another process may have rewritten Inductor's cache file since
+    selections, benchmarked = _SELECTIONS, tuner.benchmark_count()
     torch._inductor.aoti_compile_and_package(program, package_path=tmp,
                                              inductor_configs=dict(spec["compiler"]))
+    autotune = None
+    if spec["compiler"].get("max_autotune"):
+        autotune = {"selections": _SELECTIONS - selections, "benchmarked": tuner.benchmark_count() - benchmarked,
+                    "tuning_timings": tuning.count_timings(_TUNING) if _TUNING else 0}
     digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
     os.replace(tmp, out_path)
     return CompileResult(key=spec["key"], path=out_path, sha256=digest, size_bytes=os.path.getsize(out_path),
-                         compile_s=time.perf_counter() - start, pid=os.getpid())
+                         compile_s=time.perf_counter() - start, pid=os.getpid(), autotune=autotune)
 
 
 class CompileFailed(KilnError):
@@ -86,17 +126,23 @@ class CompileFailed(KilnError):
 
 
 class CompilePool:
-    """A warm pool of spawned compile workers."""
+    """A warm pool of spawned compile workers.
 
-    def __init__(self, num_workers: int, *, max_attempts: int = 2):
+    `tuning_entries` (verified autotune entries, see kiln.tuner) are installed
+    into every worker's Inductor cache when it starts, before it compiles.
+    """
+
+    def __init__(self, num_workers: int, *, max_attempts: int = 2, tuning_entries: dict | None = None):
         if num_workers < 1:
             raise ValueError("a compile pool needs at least one worker")
         self.num_workers = num_workers
         self.max_attempts = max_attempts
+        self.tuning_entries = tuning_entries
         self._executor = self._new()
 
     def _new(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(self.num_workers, mp_context=mp.get_context("spawn"), initializer=_warm)
+        return ProcessPoolExecutor(self.num_workers, mp_context=mp.get_context("spawn"), initializer=_warm,
+                                   initargs=(self.tuning_entries,))
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in (self._executor._processes or {}).values()]

@@ -8,18 +8,22 @@ a thin Prefect task on the host it concerns.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from kiln import faults, lease, probe
-from kiln.compiler import COMPILER_OPTIONS, CompilePool, CompileResult, model_code_fingerprint
+from kiln import faults, lease, probe, tuner, tuning
+from kiln.compiler import (FORWARD_DEVICE, CompilePool, CompileResult, compiler_options,
+                           model_code_fingerprint)
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key
 from kiln.errors import IntegrityError
 from kiln.store import ObjectMissing, open_store
+
+log = logging.getLogger(__name__)
 
 
 def store_of(job: ExportJob):
@@ -40,14 +44,20 @@ def local_path(host: HostSpec, key: str) -> Path:
 
 
 def probe_host(job: ExportJob, host: HostSpec) -> dict:
-    """Memory, CPUs, target, this host's forward specs and which of them are local or stored."""
+    """Memory, CPUs, target, this host's forward specs and which of them are local or stored.
+
+    With tuning on, each spec carries the stored tuning results of its GEMMs
+    (verified) and its key their digest.
+    """
     import torch
 
     snap = probe.memory_snapshot()
     target = probe.target_fingerprint()
-    specs = job.specs(target=target, torch_version=torch.__version__, code=model_code_fingerprint(),
-                      compiler=COMPILER_OPTIONS)
     store = store_of(job)
+    backends = tuning.gemm_backends(job.recipe.tuning, FORWARD_DEVICE)
+    tuned = None if backends is None else tuner.lookup(store, job, target, torch.__version__, backends)
+    specs = job.specs(target=target, torch_version=torch.__version__, code=model_code_fingerprint(),
+                      compiler=compiler_options(backends), tuning=tuned)
     stored = set(k.rsplit("/", 1)[-1].removesuffix(".pt2") for k in store.list("forwards/"))
     return {
         "name": host.name, "ranks": list(host.ranks), "memory": snap, "num_cpus": probe.num_cpus(),
@@ -114,18 +124,29 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     Each key is compiled under a lease: a key another export is compiling
     right now is waited for (and reused) instead of compiled twice; a stale
     lease is taken over. Returns one entry per key this host compiled.
+    The specs' tuning results are fetched and verified first and installed in
+    every worker before it compiles; each entry's 'autotune' says how many
+    GEMMs were autotuned and how many candidates were benchmarked (0 when the
+    stored results covered them).
     """
+    import torch
+
     store = store_of(job)
+    entries = tuner.load_for_compile(store, specs, torch.__version__)
     leases = Leases(store, f"{job.export_id}:{host.name}", job.recipe.lease_ttl_s)
     uploaded: list[dict] = []
 
     def upload(result: CompileResult) -> None:
         created = store.put_file(artifact_key(result.key), result.path, result.sha256)
         entry = {"key": result.key, "sha256": result.sha256, "size_bytes": result.size_bytes,
-                 "compile_s": round(result.compile_s, 3), "compiled_by": host.name, "created": created}
+                 "compile_s": round(result.compile_s, 3), "compiled_by": host.name, "created": created,
+                 "autotune": result.autotune}
         store.put_json(compile_log_key(job.export_id, result.key), entry, overwrite=True)
         leases.release(result.key)
         uploaded.append(entry)
+        if entries and result.autotune and result.autotune["benchmarked"]:
+            log.warning("forward %s benchmarked %d GEMM candidate(s) while compiling although tuning results "
+                        "were installed: some GEMM shape was not tuned", result.key, result.autotune["benchmarked"])
         faults.die_after_uploads(len(uploaded))
         if on_done:
             on_done(result)
@@ -134,7 +155,7 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
         return spec, str(local_path(host, spec["key"]))
 
     waiting = list(specs)
-    with CompilePool(workers, max_attempts=job.recipe.max_compile_attempts) as pool:
+    with CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
         while waiting:
             mine = [s for s in waiting if not store.exists(artifact_key(s["key"])) and leases.acquire(s["key"])]
             waiting = [s for s in waiting if s not in mine and not store.exists(artifact_key(s["key"]))]

@@ -42,12 +42,14 @@ class ExportJob:
     def model_config(self) -> ModelConfig:
         return ModelConfig(**self.config)
 
-    def specs(self, *, target: str, torch_version: str, code: str, compiler: dict) -> list[ForwardSpec]:
-        """One forward spec per bucket for hosts of `target`."""
+    def specs(self, *, target: str, torch_version: str, code: str, compiler: dict,
+              tuning: dict[str, dict] | None = None) -> list[ForwardSpec]:
+        """One forward spec per bucket for hosts of `target`; `tuning` maps bucket name -> its tuning."""
         graph = {"config": self.config, "tp": self.tp, "code": code}
         return [forward_spec(bucket=b, graph=graph, target=target, torch_version=torch_version,
                              page_tokens=self.recipe.page_tokens, pages_per_seq=self.recipe.pages_per_seq,
-                             compiler=compiler) for b in self.recipe.buckets]
+                             compiler=compiler, tuning=None if tuning is None else tuning[str(b)])
+                for b in self.recipe.buckets]
 
     def replace(self, **changes) -> "ExportJob":
         return dataclasses.replace(self, **changes)

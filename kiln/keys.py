@@ -1,7 +1,8 @@
 """Forward keys: what determines a compiled forward's code, hashed.
 
 A key hashes the graph fingerprint, the input specs, the compiler options, the
-torch version and the target. Not the weights (they are loaded at run time)
+torch version, the target and, when kernel tuning is on, the digest of the
+tuned kernel choices the forward compiles with. Not the weights (they are loaded at run time)
 and not the KV page count (a dynamic dimension), so every rank of an export
 shares one artifact per bucket and a new KV plan reuses every forward.
 Pure: no torch import.
@@ -40,21 +41,28 @@ class ForwardSpec:
     """Static input dims of the forward; the page count is dynamic and absent."""
     compiler: dict
     """Inductor options that change the generated code."""
+    tuning: dict | None = None
+    """With kernel tuning: {'digest', 'objects': [{'key', 'sha256'}], 'missing'} (see kiln.tuner.lookup)."""
 
     def to_dict(self) -> dict:
         return {"key": self.key, "bucket": str(self.bucket), "target": self.target,
-                "graph": self.graph, "inputs": self.inputs, "compiler": self.compiler}
+                "graph": self.graph, "inputs": self.inputs, "compiler": self.compiler, "tuning": self.tuning}
 
 
 def forward_spec(*, bucket: Bucket, graph: dict, target: str, torch_version: str,
-                 page_tokens: int, pages_per_seq: int, compiler: dict) -> ForwardSpec:
-    """The spec of one bucket's forward with its key."""
+                 page_tokens: int, pages_per_seq: int, compiler: dict, tuning: dict | None = None) -> ForwardSpec:
+    """The spec of one bucket's forward with its key.
+
+    `tuning` None (tuning off) leaves the key as without tuning; otherwise its
+    'digest' (None while results are missing: a provisional key) is hashed in.
+    """
     inputs = {"batch": bucket.batch, "tokens": bucket.tokens, "page_tokens": page_tokens,
               "pages_per_seq": pages_per_seq, "num_pages": "dynamic"}
-    key = digest({"graph": graph, "inputs": inputs, "compiler": compiler,
-                  "torch": torch_version, "target": target})
-    return ForwardSpec(key=key, bucket=bucket, target=target, graph=graph, inputs=inputs,
-                       compiler=compiler)
+    hashed = {"graph": graph, "inputs": inputs, "compiler": compiler, "torch": torch_version, "target": target}
+    if tuning is not None:
+        hashed["tuning"] = tuning.get("digest") or "pending"
+    return ForwardSpec(key=digest(hashed), bucket=bucket, target=target, graph=graph, inputs=inputs,
+                       compiler=compiler, tuning=tuning)
 
 
 def artifact_key(key: str) -> str:

@@ -3,8 +3,10 @@
 A compiled package is native code. The loader only ever opens a file whose
 sha256 matches the manifest, always supplies and checks the rank's weights
 (`load_constants(..., check_full_update=True)`) before the first call (calling
-first would crash the process), and turns on AOTInductor's runtime input
-checks so a wrong shape raises instead of returning garbage.
+first would crash the process), refuses a package that needs constants no
+rank's weights provide (weights baked in at compile time), and turns on
+AOTInductor's runtime input checks so a wrong shape raises instead of
+returning garbage.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from kiln.errors import IntegrityError
+from kiln.errors import IntegrityError, KilnError
 
 
 def sha256_of(path: Path | str) -> str:
@@ -37,6 +39,11 @@ def load_forward(path: Path | str, weights: dict, sha256: str):
 
     compiled = torch._inductor.aoti_load_package(str(path))
     names = set(compiled.get_constant_fqns())
+    baked = sorted(names - set(weights))
+    if baked:
+        raise KilnError(f"{Path(path).name} needs {len(baked)} constant(s) that no rank's weights provide "
+                        f"({', '.join(baked[:3])}, ...): it was compiled with kernels that bake weights in "
+                        "(CPU max-autotune's C++ GEMM templates prepack them), so no rank can load it.")
     compiled.load_constants({n: _compact(t) for n, t in weights.items() if n in names}, check_full_update=True)
     return compiled
 

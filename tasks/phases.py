@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from kiln import faults, hostwork, planning, probe
+from kiln import faults, hostwork, planning, probe, tuner
 from kiln.errors import KilnError, VerifyMismatch
 from kiln.gate import HostReport, Plan
 from kiln.job import ExportJob, HostSpec
@@ -47,9 +47,9 @@ def probe_host(job: ExportJob, host: HostSpec) -> dict:
 
 
 @task(name="tune", cache_policy=None)
-def tune(job: ExportJob, targets: list[str]) -> dict:
-    """Kernel tuning is not built yet: the phase runs nothing and says so."""
-    return {"status": "skipped", "measured": 0, "targets": targets}
+def tune(job: ExportJob, target: str) -> dict:
+    """Kernel tuning for one target, on one host of that target (see kiln.tuner.tune_target)."""
+    return tuner.tune_target(job, target)
 
 
 @task(name="kv-plan", cache_policy=None)

@@ -41,6 +41,14 @@ def test_cold_export_compiles_each_bucket_once(exported):
     assert r["gate"]["decision"] == "compile" and r["gate"]["policy"] == "borrow"
 
 
+def test_tune_phase_reports_why_cpu_forwards_are_not_tuned(exported):
+    for name in ("cold_report", "warm_report"):
+        tune = next(p for p in exported[name]["phases"] if p["name"] == "tune")
+        assert tune["status"] == "skipped" and tune["measured"] == 0 and "prepack" in tune["reason"]
+        assert len(tune["runs"]) == 1, "one tuning run per distinct target"
+    assert all(f["tuning"] is None and f["autotune"] is None for f in exported["cold_report"]["forwards"])
+
+
 def test_artifacts_in_store_match_recorded_sha256(exported):
     r = exported["cold_report"]
     root = Path(exported["store"].removeprefix("file://"))

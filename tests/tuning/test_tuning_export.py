@@ -1,0 +1,108 @@
+"""Two exports in a row through the real flow, with tuning forced onto CPU's C++ GEMM candidates.
+
+A CPU export measures nothing (weightless forwards cannot use the C++
+templates; see kiln.tuning). To run the flow's tuning path for real on this
+CPU machine, the flow runs in a subprocess that admits 'CPP' for CPU forwards
+first (in this process: one local host, so the tasks run here and see it).
+What it shows:
+
+- tuning runs once for the target, measures every candidate of a fresh
+  store, and the next export measures nothing, quickly (that several hosts of
+  one target tune once is kiln.tuning.tuning_hosts, unit-tested);
+- the compile workers, given the stored results, autotune every GEMM and
+  benchmark nothing;
+- the forwards then carry C++ kernels whose prepacked weights no rank can
+  supply, and share-verify refuses them (why CPU forwards are not tuned);
+  had ATen won every GEMM they would load and match eager instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+RUN_FLOW = textwrap.dedent("""
+    import json, sys
+    from kiln import tuning
+    tuning.WEIGHTLESS_GEMM_BACKENDS["cpu"] = ("ATEN", "CPP")  # what CPU forwards must not use (see module doc)
+    from flows.export import export
+    from kiln.params import ExportParams
+    params = ExportParams(**json.loads(sys.argv[1]))
+    try:
+        export(params)
+    except Exception as exc:
+        print("export failed:", exc)
+""")
+
+
+@pytest.fixture(scope="module")
+def two_exports(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tuned-export")
+    env = {**os.environ, "KILN_HOME": str(d / "home"), "PREFECT_HOME": str(d / "prefect"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+           "TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"), "PYTHONUNBUFFERED": "1"}  # no autotune entries yet
+    env.pop("PREFECT_API_URL", None)
+    reports = []
+    for name in ("first", "second"):
+        params = {"model": "tiny", "tp": 2, "buckets": "1x16,2x8", "store": f"file://{d / 'store'}",
+                  "export_id": f"tuned-{name}", "flow_retries": 0, "report": str(d / f"{name}.json")}
+        run = subprocess.run([sys.executable, "-c", RUN_FLOW, json.dumps(params)], env=env, capture_output=True,
+                             text=True, timeout=1500)
+        assert (d / f"{name}.json").exists(), run.stderr[-3000:]
+        reports.append(json.loads((d / f"{name}.json").read_text()))
+    return {"dir": d, "first": reports[0], "second": reports[1]}
+
+
+def tune_phase(report):
+    return next(p for p in report["phases"] if p["name"] == "tune")
+
+
+def test_first_export_measures_once(two_exports):
+    r = two_exports["first"]
+    tune = tune_phase(r)
+    assert tune["status"] == "ok" and len(tune["runs"]) == 1, "one tuning run for the target"
+    assert (tune["hits"], tune["misses"]) == (0, 6)
+    assert r["counts"]["tuning_measured"] == tune["measured"] >= 12
+    assert [m["phase"] for m in r["hosts"][0]["memory"]][:3] == ["start", "probe", "tune"]
+    assert len(r["hosts"]) == 1
+
+
+def test_second_export_measures_nothing_and_tunes_quickly(two_exports):
+    first, second = two_exports["first"], two_exports["second"]
+    tune = tune_phase(second)
+    assert second["counts"]["tuning_measured"] == 0 and (tune["hits"], tune["misses"]) == (6, 0)
+    assert tune["duration_s"] < tune_phase(first)["duration_s"] / 10
+    assert {f["key"] for f in second["forwards"]} == {f["key"] for f in first["forwards"]}
+    assert second["counts"]["compiled"] == 0
+
+
+def test_compile_workers_used_the_stored_choices(two_exports):
+    forwards = two_exports["first"]["forwards"]
+    assert len(forwards) == 2 and all(f["tuning"] for f in forwards)
+    for f in forwards:
+        assert f["autotune"]["selections"] == 15, "every linear of the forward was autotuned"
+        assert f["autotune"]["benchmarked"] == 0, "from the stored results, without benchmarking"
+
+
+def test_share_verify_refuses_forwards_with_prepacked_weights(two_exports):
+    r = two_exports["first"]
+    store = two_exports["dir"] / "store"
+    from kiln.tuning import winners
+
+    cpp = any(w.startswith("Cpp")
+              for p in (store / "tuning").glob("*.json")
+              for ins in winners(json.loads(p.read_text())["entries"]).values()
+              for precs in ins.values() for w in precs.values())
+    verify = next(p for p in r["phases"] if p["name"] == "share-verify")
+    if cpp:
+        assert r["status"] == "failed" and verify["status"] == "failed"
+        assert "no rank's weights provide" in r["error"] and "C++ GEMM templates" in r["error"], r["error"]
+    else:  # ATen won every GEMM: the forwards hold no prepacked weights and match eager
+        assert r["status"] == "completed" and max(max(v.values()) for v in r["verify"].values()) < 1e-3

@@ -1,0 +1,165 @@
+"""Tuning results in a real store: lookup, verification, never applied elsewhere, installed into Inductor.
+
+No compilation here; the measured results are hand-made entries in Inductor's
+format. tests/tuning/test_tuning_compile.py measures for real.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kiln import tuner, tuning
+from kiln.compiler import compiler_options
+from kiln.config import TINY
+from kiln.errors import IntegrityError, KilnError
+from kiln.job import ExportJob
+from kiln.recipe import Recipe, parse_buckets
+from kiln.store import open_store
+
+T, V, B = "cpu-x86_64-avx512-test", "2.13.0+cpu", "ATEN,CPP"
+
+
+def make_job(tmp_path: Path, buckets: str = "1x16,2x8,4x8", tuning_mode: str = "cached") -> ExportJob:
+    return ExportJob(export_id="t", model_name="tiny", checkpoint=str(tmp_path / "none"),
+                     config=dataclasses.asdict(TINY), tp=2,
+                     recipe=Recipe(buckets=parse_buckets(buckets), tuning=tuning_mode),
+                     store_url=f"file://{tmp_path / 'store'}")
+
+
+def fake_run(shapes, *, cpp_ms: float = 0.01) -> dict:
+    """What `tuner.measure` returns, with one ATen and one C++ candidate per shape."""
+    results = {str(s): {"mm": {f"[('cpu', 'torch.float32', {s.m}, {s.k}), ({s.k}, {s.n})]": {
+        "highest": {"mm-aten": 0.02, "CppMicroGemmFP32Vec-x": cpp_ms}}}} for s in shapes}
+    return {"results": results, "benchmarked": 2 * len(shapes), "measure_s": 1.0, "selections": len(shapes)}
+
+
+def save(store, shapes, *, replace=False, cpp_ms=0.01):
+    decision = tuning.TuningDecision(measure=tuple(shapes), hits=(), replace=replace)
+    tuner._save(store, fake_run(shapes, cpp_ms=cpp_ms), decision, target=T, torch_version=V, backends=B)
+
+
+def specs(job, found) -> dict[str, dict]:
+    return {s.to_dict()["bucket"]: s.to_dict() for s in job.specs(
+        target=T, torch_version=V, code="c", compiler=compiler_options(B), tuning=found)}
+
+
+def rows16(job):
+    return tuning.export_shapes(job.model_config, job.tp, job.recipe.buckets)["1x16"]
+
+
+def test_lookup_gives_each_bucket_its_results_and_digest(tmp_path):
+    job = make_job(tmp_path)
+    store = open_store(job.store_url)
+    save(store, rows16(job))  # 1x16 and 2x8 share these 6 shapes; 4x8 (32 rows) has none stored
+    found = tuner.lookup(store, job, T, V, B)
+    assert found["1x16"]["missing"] == 0 and len(found["1x16"]["objects"]) == 6
+    assert found["1x16"]["digest"] == found["2x8"]["digest"] is not None
+    assert found["4x8"] == {"digest": None, "objects": [], "missing": 6}
+    by_bucket = specs(job, found)
+    entries = tuner.load_for_compile(store, [by_bucket["1x16"], by_bucket["2x8"]], V)
+    assert tuning.count_timings(entries) == 12
+    with pytest.raises(KilnError, match="lacks tuning results for 6 GEMM shape"):
+        tuner.load_for_compile(store, [by_bucket["4x8"]], V)
+    assert tuner.load_for_compile(store, [{**by_bucket["1x16"], "tuning": None}], V) is None
+
+
+def test_same_winners_same_key_other_winners_other_key(tmp_path):
+    job = make_job(tmp_path, buckets="1x16")
+    store = open_store(job.store_url)
+    save(store, rows16(job), cpp_ms=0.01)
+    first = specs(job, tuner.lookup(store, job, T, V, B))["1x16"]
+    save(store, rows16(job), cpp_ms=0.015, replace=True)  # re-measured ('full'): C++ still wins
+    again = specs(job, tuner.lookup(store, job, T, V, B))["1x16"]
+    assert again["key"] == first["key"] and again["tuning"]["objects"] != first["tuning"]["objects"]
+    save(store, rows16(job), cpp_ms=0.5, replace=True)  # now ATen wins every GEMM
+    assert specs(job, tuner.lookup(store, job, T, V, B))["1x16"]["key"] != first["key"]
+
+
+def test_tampered_result_is_refused(tmp_path):
+    job = make_job(tmp_path, buckets="1x16")
+    store = open_store(job.store_url)
+    save(store, rows16(job))
+    spec = specs(job, tuner.lookup(store, job, T, V, B))["1x16"]
+    key = spec["tuning"]["objects"][0]["key"]
+    blob = (tmp_path / "store" / key).resolve()  # the bytes behind the store's key
+    blob.write_bytes(blob.read_bytes().replace(b"0.02", b"0.99"))
+    with pytest.raises(IntegrityError, match=key):
+        tuner.lookup(store, job, T, V, B)
+    with pytest.raises(IntegrityError, match=key):
+        tuner.load_for_compile(store, [spec], V)
+
+
+def test_replaced_after_the_probe_is_refused(tmp_path):
+    job = make_job(tmp_path, buckets="1x16")
+    store = open_store(job.store_url)
+    save(store, rows16(job))
+    spec = specs(job, tuner.lookup(store, job, T, V, B))["1x16"]
+    save(store, rows16(job), cpp_ms=0.5, replace=True)
+    with pytest.raises(IntegrityError, match="replaced"):
+        tuner.load_for_compile(store, [spec], V)
+
+
+def test_a_result_for_another_target_or_torch_is_never_applied(tmp_path):
+    job = make_job(tmp_path, buckets="1x16")
+    store = open_store(job.store_url)
+    save(store, rows16(job))
+    # Another torch version or target looks under other keys and finds nothing.
+    assert tuner.lookup(store, job, T, "2.14.0+cpu", B)["1x16"]["missing"] == 6
+    assert tuner.lookup(store, job, "cpu-x86_64-avx2-other", V, B)["1x16"]["missing"] == 6
+    # Even copied under the other target's key, the result says what it is for and is refused.
+    shape = rows16(job)[0]
+    data = store.get_bytes(tuning.object_key(T, V, B, shape))
+    store.put_bytes(tuning.object_key("cpu-x86_64-avx2-other", V, B, shape), data)
+    with pytest.raises(tuning.TuningMismatch, match="never applied"):
+        tuner.lookup(store, job, "cpu-x86_64-avx2-other", V, B)
+
+
+def test_racing_cached_writer_keeps_the_first_result(tmp_path):
+    job = make_job(tmp_path, buckets="1x16")
+    store = open_store(job.store_url)
+    save(store, rows16(job), cpp_ms=0.01)
+    before = store.stat(tuning.object_key(T, V, B, rows16(job)[0])).sha256
+    save(store, rows16(job), cpp_ms=0.5)  # create-once: someone else's result stands, once it verifies
+    assert store.stat(tuning.object_key(T, V, B, rows16(job)[0])).sha256 == before
+
+
+def test_cpu_tune_phase_measures_nothing_and_says_why(tmp_path):
+    for mode in ("cached", "full", "off"):
+        run = tuner.tune_target(make_job(tmp_path, tuning_mode=mode), T)
+        assert run["status"] == "skipped" and run["measured"] == 0 and not run["changed"]
+        assert ("prepack" in run["reason"]) if mode != "off" else run["reason"] == "tuning is off"
+    assert not (tmp_path / "store").exists(), "a skipped tune phase writes nothing"
+
+
+def test_tuning_runs_only_on_a_host_of_its_target(tmp_path):
+    with pytest.raises(KilnError, match="must run on a host of that target"):
+        tuner.tune_target(make_job(tmp_path), "cpu-elsewhere", backends=B)
+
+
+def test_install_merges_into_inductor_autotune_cache(tmp_path):
+    """In a fresh process and Inductor cache dir: installed, idempotent, other entries kept."""
+    entries = {"mm": {"k1": {"highest": {"mm-aten": 0.02, "CppMicroGemmFP32Vec-x": 0.01}}}}
+    code = textwrap.dedent(f"""
+        import json
+        from torch._inductor.codecache import CacheBase
+        from kiln import tuner
+        CacheBase().update_local_cache({{"mm": {{"other": {{"highest": {{"mm-aten": 1.0}}}}}}}})
+        first = tuner.install({entries!r})
+        second = tuner.install({entries!r})
+        print(json.dumps([first, second, str(CacheBase.get_local_cache_path()), CacheBase().get_local_cache()]))
+    """)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, second, path, cache = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (first, second) == (2, 0)
+    assert path.startswith(str(tmp_path / "inductor"))
+    assert cache["mm"]["k1"] == entries["mm"]["k1"] and cache["mm"]["other"] == {"highest": {"mm-aten": 1.0}}
