@@ -33,3 +33,9 @@ class StoreError(KilnError):
     """The store failed in a way that retrying did not fix."""
 
     exit_code = 1
+
+
+class DiskError(KilnError):
+    """A host's local disk (its cache directory) cannot take what Kiln writes there."""
+
+    exit_code = 1
