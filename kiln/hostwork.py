@@ -12,8 +12,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from kiln import probe
+from kiln import cache, probe
 from kiln.compiler import COMPILER_OPTIONS, CompilePool, CompileResult, model_code_fingerprint
+from kiln.errors import DiskError
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key
 from kiln.store import open_store
@@ -28,8 +29,7 @@ def store_of(job: ExportJob):
 
 def cache_dir(host: HostSpec) -> Path:
     """The host's local cache, resolved where this runs (on the host itself)."""
-    from kiln.params import kiln_home
-    return Path(host.cache_dir) if host.cache_dir else kiln_home() / "cache" / host.name
+    return cache.cache_root(host.name, host.cache_dir)
 
 
 def local_path(host: HostSpec, key: str) -> Path:
@@ -52,6 +52,7 @@ def probe_host(job: ExportJob, host: HostSpec) -> dict:
         "target": target, "specs": [s.to_dict() for s in specs],
         "local_keys": sorted(s.key for s in specs if local_path(host, s.key).exists()),
         "store_keys": sorted(s.key for s in specs if s.key in stored),
+        "cache": cache.cache_status(cache_dir(host)),
     }
 
 
@@ -65,7 +66,7 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
         created = store.put_file(artifact_key(result.key), result.path, result.sha256)
         uploaded.append({"key": result.key, "sha256": result.sha256, "size_bytes": result.size_bytes,
                          "compile_s": round(result.compile_s, 3), "compiled_by": host.name,
-                         "created": created})
+                         "created": created, "attempts": result.attempts})
         if on_done:
             on_done(result)
 
@@ -85,7 +86,14 @@ def fetch_missing(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
         path = local_path(host, f["key"])
         if path.exists() and sha256_of(path) == f["sha256"]:
             continue
-        store.get_file(artifact_key(f["key"]), path, f["sha256"])
+        try:
+            store.get_file(artifact_key(f["key"]), path, f["sha256"])
+        except OSError as exc:
+            if exc.errno not in cache.DISK_ERRNOS:
+                raise
+            raise DiskError(f"host {host.name} cannot write forward {f['key']} into its cache: "
+                            f"{exc.strerror} ({exc.filename or path}); free space there or point "
+                            "KILN_CACHE_DIR at a writable local disk with room.") from None
         fetched += 1
     return fetched
 
