@@ -17,6 +17,7 @@ from prefect.artifacts import (create_link_artifact, create_markdown_artifact, c
                                create_table_artifact, update_progress_artifact)
 
 from kiln import planning
+from kiln.cache import check_probed_caches
 from kiln.errors import KilnError
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key
@@ -79,6 +80,8 @@ def export(params: ExportParams) -> dict:
                     local_name=(default_host_names(params) or [None])[0]) as runner:
         job, hosts = prepare(params, host_names=runner.host_names)
         report = Report(job.export_id, model=job.model_name, tp=job.tp, store=job.store_url)
+        report.signing = {"signed": job.signing.sign, "key_fingerprint": job.signing.fingerprint,
+                          "source": job.signing.source, "signature": None, "note": job.signing.describe()}
         for h in hosts:
             report.host(h.name, ranks=h.ranks)
         phase = Phases(report, hosts, runner)
@@ -103,7 +106,8 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
     with phase("probe"):
         probes = [f.result() for f in [runner.submit(h, phases.probe_host, job=job, host=h) for h in hosts]]
         for p in probes:
-            report.host(p["name"], target=p["target"])
+            report.host(p["name"], target=p["target"])["cache"] = p["cache"]
+        check_probed_caches(probes, job.recipe.artifact_mib_estimate)  # unwritable or full: stop before compiling
     specs = {s["key"]: s for p in probes for s in p["specs"]}
     reports = planning.host_reports(job, probes)
     with phase("tune") as info:
@@ -145,7 +149,8 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         forwards.append({"key": key, "bucket": spec["bucket"], "target": spec["target"],
                          "sha256": stored[key]["sha256"], "size_bytes": stored[key]["size_bytes"],
                          "object": artifact_key(key), "compiled_by": c["compiled_by"] if c else None,
-                         "compile_s": c["compile_s"] if c else None})
+                         "compile_s": c["compile_s"] if c else None,
+                         "compile_attempts": c.get("attempts", 1) if c else 0})
     report.forwards = forwards
     report.counts.update(forwards=len(forwards), compiled=len(compiled), reused=len(forwards) - len(compiled))
     with phase("share-verify"):
@@ -160,8 +165,9 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         manifest = build_manifest(
             export_id=job.export_id, model={"name": job.model_name, "checkpoint": job.checkpoint, "config": job.config}, recipe=job.recipe.to_dict(),
             tp=job.tp, buckets=[str(b) for b in job.recipe.buckets], forwards=forwards, kv_plan=report.kv_plan,
-            hosts=list(report.hosts.values()), phases=list(report.phases))
-        report.manifest = phases.write_manifest(job, manifest)
+            hosts=list(report.hosts.values()), phases=list(report.phases), signing=job.signing.manifest_entry())
+        report.signing = phases.write_manifest(job, manifest)
+        report.manifest = report.signing.pop("manifest")
 
 
 def _publish(report: Report) -> None:

@@ -25,6 +25,8 @@ class Report:
         self.kv_plan: dict | None = None
         self.verify: dict = {}
         self.manifest: str | None = None
+        self.signing: dict = {"signed": None}
+        """{'signed', 'key_fingerprint', 'source', 'signature', 'note'}: how the manifest is signed."""
 
     def phase(self, name: str, status: str, duration_s: float, **extra) -> None:
         self.phases.append({"name": name, "status": status, "duration_s": round(duration_s, 3), **extra})
@@ -52,7 +54,7 @@ class Report:
                 "status": self.status, "error": self.error, "phases": self.phases,
                 "hosts": [self.hosts[n] for n in sorted(self.hosts)], "gate": self.gate,
                 "counts": self.counts, "forwards": self.forwards, "kv_plan": self.kv_plan,
-                "verify": self.verify, "manifest": self.manifest}
+                "verify": self.verify, "manifest": self.manifest, "signing": self.signing}
 
     def write(self, path: str | os.PathLike) -> None:
         path = Path(path)
@@ -91,4 +93,6 @@ class Report:
                 out.append(f"| {name} | {m['phase']} | {avail} | {m['device_free_mib'] or '-'} |")
         if self.manifest:
             out += ["", f"Manifest: `{self.manifest}`"]
+        if self.signing.get("note"):
+            out += ["", f"Signing: {self.signing['note']}"]
         return "\n".join(out)

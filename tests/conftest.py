@@ -143,3 +143,47 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory):
     server = PrefectServer(tmp_path_factory.mktemp("prefect-server"))
     yield server.url
     server.stop()
+
+
+# =============================================================================
+# Trust: a signing key for exports to shared (S3) stores
+# =============================================================================
+
+
+@pytest.fixture(scope="session")
+def signing_key_env() -> dict[str, str]:
+    """{'KILN_SIGNING_KEY': base64 seed} of a key made for this session (S3 exports must be signed)."""
+    import base64
+
+    from kiln.signing import generate
+
+    return {"KILN_SIGNING_KEY": base64.b64encode(generate().private_bytes_raw()).decode()}
+
+
+# =============================================================================
+# Compilation: one small real forward per session, for tests that load packages
+# =============================================================================
+
+
+@pytest.fixture(scope="session")
+def small_forward(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A real weightless AOTInductor package of a 1-layer model, bucket 1x8, tp 1 (compiled once, ~30 s).
+
+    Returns {'path', 'sha256', 'size_bytes', 'config' (ModelConfig fields), 'batch', 'tokens',
+    'page_tokens', 'pages_per_seq'}. Treat the file as read-only; copy it to change it.
+    """
+    from kiln.compiler import COMPILER_OPTIONS, CompilePool, model_code_fingerprint
+    from kiln.config import TINY
+    from kiln.keys import forward_spec
+    from kiln.recipe import Bucket
+
+    cfg = TINY.replace(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                       intermediate_size=128, vocab_size=128)
+    spec = forward_spec(bucket=Bucket(1, 8), graph={"config": cfg.__dict__, "tp": 1, "code": model_code_fingerprint()},
+                        target="test", torch_version="test", page_tokens=16, pages_per_seq=4,
+                        compiler=COMPILER_OPTIONS).to_dict()
+    out = tmp_path_factory.mktemp("small-forward") / f"{spec['key']}.pt2"
+    with CompilePool(1) as pool:
+        [result] = pool.run([(spec, str(out))], lambda r: None)
+    return {"path": result.path, "sha256": result.sha256, "size_bytes": result.size_bytes,
+            "config": dict(cfg.__dict__), "batch": 1, "tokens": 8, "page_tokens": 16, "pages_per_seq": 4}

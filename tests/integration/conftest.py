@@ -32,6 +32,8 @@ def kiln_env(tmp_path_factory) -> dict:
     env.update(KILN_HOME=str(root / "home"), PREFECT_HOME=str(root / "prefect"),
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1")
     env.pop("PREFECT_API_URL", None)
+    for name in ("KILN_SIGNING_KEY", "KILN_VERIFY_KEY", "KILN_CACHE_DIR", "KILN_FAULT_KILL_COMPILE", "KILN_FAULT_DIR"):
+        env.pop(name, None)  # a fresh user has configured none of these
     return env
 
 
