@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import multiprocessing as mp
 import os
+import shutil
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -90,16 +91,32 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
         faults.maybe_kill_compile(spec, "written")
         digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, out_path)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
+        # torch's zip writer reports a short write (full disk) as RuntimeError("... unexpected pos ..."):
+        # look at the disk while the partial file still fills it.
+        full = _nearly_full(Path(tmp).parent)
         with contextlib.suppress(OSError):
             Path(tmp).unlink(missing_ok=True)
-        if exc.errno in DISK_ERRNOS:
-            raise DiskError(f"compiling forward {spec['key']} ({spec['bucket']}) failed writing "
-                            f"{exc.filename or tmp}: {exc.strerror}; free space there or point KILN_CACHE_DIR "
-                            "(the host's cache) or TMPDIR (the compiler's scratch) at a disk with room.") from None
-        raise
+        if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
+            why, where = exc.strerror, exc.filename or tmp
+        elif full is not None:
+            why, where = f"No space left on device ({full} bytes free)", tmp
+        else:
+            raise
+        raise DiskError(f"compiling forward {spec['key']} ({spec['bucket']}) failed writing {where}: {why}; "
+                        "free space there or point KILN_CACHE_DIR (the host's cache) or TMPDIR (the "
+                        "compiler's scratch) at a disk with room.") from None
     return CompileResult(key=spec["key"], path=out_path, sha256=digest, size_bytes=os.path.getsize(out_path),
                          compile_s=time.perf_counter() - start, pid=os.getpid())
+
+
+def _nearly_full(directory: Path, threshold_bytes: int = 1 << 20) -> int | None:
+    """Free bytes of the disk holding `directory` when below `threshold_bytes`, else None."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return None
+    return free if free < threshold_bytes else None
 
 
 def _remove_stale_tmp(out_path: str) -> None:
