@@ -73,6 +73,8 @@ class Report:
                      f"tuning measured {c['tuning_measured']}")
         if self.manifest:
             lines.append(f"  manifest {self.manifest}")
+        if self.signing.get("note"):
+            lines.append(f"  {self.signing['note']}")
         return "\n".join(lines)
 
     def markdown(self) -> str:

@@ -15,13 +15,40 @@ from pathlib import Path
 
 from kiln.checkpoint import inspect_checkpoint, tiny_checkpoint
 from kiln.errors import BadInput, IntegrityError
-from kiln.keys import check_export_id
+from kiln.keys import check_export_id, manifest_key
 from kiln.manifest import check_manifest
 from kiln.package_check import check_package
 from kiln.params import kiln_home
-from kiln.store import open_store, validate_key
+from kiln.store import Store, open_store, validate_key
 from kiln.trust import read_verified_manifest, trusted_keys
 from kiln.verify_ranks import verify_all_ranks
+
+
+def fetch_verified_export(store: Store, export_id: str, dest: Path, *, trusted,
+                          allow_unsigned: bool = False) -> tuple[dict, dict[str, dict], list[str]]:
+    """Everything a loader of a finished export needs, checked: (manifest, artifacts, lines).
+
+    The signature first (`trusted` returns the trusted keys), then the
+    manifest's structure, then each artifact's sha256 (against the signed
+    manifest) as it lands in `dest`, then each package's members. `artifacts`
+    maps a bucket ('1x8') to {'path', 'sha256'}; load them with
+    kiln.loader.load_forward, which checks both again.
+    """
+    check_export_id(export_id)
+    raw, signature_line = read_verified_manifest(store, export_id, trusted=trusted, allow_unsigned=allow_unsigned)
+    manifest = check_manifest(raw, export_id=export_id)
+    lines = [f"manifest {store.url}/{manifest_key(export_id)}: {len(manifest['forwards'])} forward(s)",
+             signature_line]
+    artifacts = {}
+    for f in manifest["forwards"]:
+        path = dest / f"{f['key']}.pt2"
+        store.get_file(validate_key(f["object"]), path, f["sha256"])  # raises IntegrityError on mismatch
+        artifacts[f["bucket"]] = {"path": str(path), "sha256": f["sha256"]}
+    lines.append(f"sha256 ok for {len(artifacts)} artifact(s)")
+    for art in artifacts.values():
+        check_package(art["path"])  # the loader checks again; here a refusal stops before any process starts
+    lines.append(f"package members ok for {len(artifacts)} artifact(s); loading with runtime input checks on")
+    return manifest, artifacts, lines
 
 
 def verify_export(store_url: str | None, export_id: str, *, model: str | None = None,
@@ -32,10 +59,9 @@ def verify_export(store_url: str | None, export_id: str, *, model: str | None = 
     store = open_store(store_url or f"file://{home / 'store'}", s3_endpoint=s3_endpoint)
     store.check()
     trusted = partial(trusted_keys, files=list(verify_keys), block=verify_key_block, store=store, home=home)
-    raw, signature_line = read_verified_manifest(store, export_id, trusted=trusted, allow_unsigned=allow_unsigned)
+    # The manifest is read (and its signature checked) before the checkpoint, which the manifest names.
+    raw, _ = read_verified_manifest(store, export_id, trusted=trusted, allow_unsigned=allow_unsigned)
     manifest = check_manifest(raw, export_id=export_id)
-    key = f"exports/{export_id}/manifest.json"
-    lines = [f"manifest {store.url}/{key}: {len(manifest['forwards'])} forward(s)", signature_line]
     if model:
         checkpoint = Path(model).resolve()
     elif manifest["model"]["name"] == "tiny":
@@ -46,16 +72,8 @@ def verify_export(store_url: str | None, export_id: str, *, model: str | None = 
     if cfg.__dict__ != manifest["model"]["config"]:
         raise BadInput(f"checkpoint {checkpoint} does not match the model the export was made from; "
                        "pass the right one with --model.")
-    cache = home / "verify" / export_id
-    artifacts = {}
-    for f in manifest["forwards"]:
-        dest = cache / f"{f['key']}.pt2"
-        store.get_file(validate_key(f["object"]), dest, f["sha256"])  # raises IntegrityError on mismatch
-        artifacts[f["bucket"]] = {"path": str(dest), "sha256": f["sha256"]}
-    lines.append(f"sha256 ok for {len(artifacts)} artifact(s)")
-    for art in artifacts.values():
-        check_package(art["path"])  # the loader checks again; here a refusal stops before any process starts
-    lines.append(f"package members ok for {len(artifacts)} artifact(s); loading with runtime input checks on")
+    manifest, artifacts, lines = fetch_verified_export(store, export_id, home / "verify" / export_id,
+                                                       trusted=trusted, allow_unsigned=allow_unsigned)
     diffs = verify_all_ranks(checkpoint=str(checkpoint), config=manifest["model"]["config"], tp=manifest["tp"],
                              artifacts=artifacts, page_tokens=manifest["recipe"]["page_tokens"],
                              pages_per_seq=manifest["recipe"]["max_context_tokens"] // manifest["recipe"]["page_tokens"])
