@@ -53,7 +53,7 @@ def fingerprint(key: Ed25519PublicKey | bytes) -> str:
     return "ed25519:" + hashlib.sha256(raw).hexdigest()[:32]
 
 
-def _b64_32(text: bytes) -> bytes | None:
+def decode_b64_32(text: bytes) -> bytes | None:
     """The 32 bytes that `text` is the base64 of, or None."""
     try:
         raw = base64.b64decode(b"".join(text.split()), validate=True)
@@ -78,7 +78,7 @@ def parse_private_key(text: str | bytes, *, source: str) -> Ed25519PrivateKey:
             return key
         raise BadInput(f"the signing key from {source} is not an Ed25519 private key in PEM; "
                        "create one with `kiln keygen DIR`.")
-    raw = _b64_32(data)
+    raw = decode_b64_32(data)
     if raw is None:
         raise BadInput(f"the signing key from {source} is neither an Ed25519 PEM private key nor the base64 "
                        "of 32 raw bytes; create one with `kiln keygen DIR`.")
@@ -106,7 +106,7 @@ def parse_public_keys(text: str | bytes, *, source: str) -> list[Ed25519PublicKe
         for line in data.replace(b",", b"\n").splitlines():
             if not line.strip() or line.strip().startswith(b"#"):
                 continue
-            raw = _b64_32(line.strip())
+            raw = decode_b64_32(line.strip())
             if raw is None:
                 raise BadInput(f"{source} is neither PEM nor base64 of 32-byte Ed25519 public keys.")
             keys.append(Ed25519PublicKey.from_public_bytes(raw))

@@ -202,7 +202,7 @@ def trusted_keys(*, files: list[str] = (), block: str | None = None, store: Stor
 
 
 def _looks_like_b64(value: str) -> bool:
-    return all(signing._b64_32(line.strip().encode()) is not None
+    return all(signing.decode_b64_32(line.strip().encode()) is not None
                for line in value.replace(",", "\n").splitlines() if line.strip())
 
 
