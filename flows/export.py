@@ -17,6 +17,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 
 from flows import lease, retry
 from kiln import ledger_plot, planning, tuning
+from kiln.cache import check_probed_caches
 from kiln.errors import KilnError
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key
@@ -74,6 +75,8 @@ def _export(params: ExportParams) -> dict:
                     local_name=(default_host_names(params) or [None])[0]) as runner:
         job, hosts = prepare(params, host_names=runner.host_names)
         report = Report(job.export_id, model=job.model_name, tp=job.tp, store=job.store_url)
+        report.signing = {"signed": job.signing.sign, "key_fingerprint": job.signing.fingerprint,
+                          "source": job.signing.source, "signature": None, "note": job.signing.describe()}
         for h in hosts:
             report.host(h.name, ranks=h.ranks)
         phase = Phases(report, hosts, runner)
@@ -99,7 +102,8 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
     with phase("probe"):
         probes = [f.result() for f in [runner.submit(h, phases.probe_host, job=job, host=h) for h in hosts]]
         for p in probes:
-            report.host(p["name"], target=p["target"])
+            report.host(p["name"], target=p["target"])["cache"] = p["cache"]
+        check_probed_caches(probes, job.recipe.artifact_mib_estimate)  # unwritable or full: stop before compiling
     with phase("tune") as info:
         # Once per distinct target, on one of its hosts; the others load the results from the store.
         by_name = {h.name: h for h in hosts}
@@ -145,7 +149,8 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
                          "sha256": stored[key]["sha256"], "size_bytes": stored[key]["size_bytes"],
                          "object": artifact_key(key), "compiled_by": c["compiled_by"] if c else None,
                          "compile_s": c["compile_s"] if c else None, "autotune": c.get("autotune") if c else None,
-                         "tuning": (spec.get("tuning") or {}).get("digest")})
+                         "tuning": (spec.get("tuning") or {}).get("digest"),
+                         "compile_attempts": c.get("attempts", 1) if c else 0})
     report.forwards = forwards
     report.counts.update(forwards=len(forwards), compiled=len(compiled), reused=len(forwards) - len(compiled))
     with phase("share-verify"):
@@ -161,8 +166,9 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         manifest = build_manifest(
             export_id=job.export_id, model={"name": job.model_name, "checkpoint": job.checkpoint, "config": job.config}, recipe=job.recipe.to_dict(),
             tp=job.tp, buckets=[str(b) for b in job.recipe.buckets], forwards=forwards, kv_plan=report.kv_plan,
-            hosts=list(report.hosts.values()), phases=list(report.phases))
-        report.manifest = phases.write_manifest(job, manifest)
+            hosts=list(report.hosts.values()), phases=list(report.phases), signing=job.signing.manifest_entry())
+        report.signing = phases.write_manifest(job, manifest)
+        report.manifest = report.signing.pop("manifest")
 
 
 def _store_ledger_picture(report: Report, job: ExportJob) -> bytes | None:

@@ -1,4 +1,4 @@
-"""`kiln`: export, serve, plan, verify and checkpoint.
+"""`kiln`: export, serve, plan, verify, checkpoint and keygen.
 
 Every input is checked before Prefect starts or anything is written, so bad
 input exits with code 2 in about a second. Exit codes: 0 done, 2 bad input,
@@ -34,7 +34,9 @@ def _params(args):
                          tp=args.tp, buckets=args.buckets, store=args.store,
                          s3_endpoint=args.s3_endpoint, policy=args.policy, tuning=getattr(args, "tuning", None),
                          settings=args.set, assume_available=_assume(args.assume_available),
-                         export_id=getattr(args, "export_id", None), report=args.report)
+                         export_id=getattr(args, "export_id", None), report=args.report,
+                         sign=not getattr(args, "unsigned", False),
+                         signing_key_block=getattr(args, "signing_key_block", None))
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -58,8 +60,17 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def cmd_export(args) -> int:
     from kiln.params import default_host_names, prepare
+    from kiln.params import kiln_home
+    from kiln.trust import DEV_KEY_NAME
     params = _params(args)
-    prepare(params, host_names=default_host_names(params))  # fail fast on bad input, before Prefect starts
+    dev_key = kiln_home() / "keys" / f"{DEV_KEY_NAME}.key"
+    had_dev_key = dev_key.exists()
+    job, _ = prepare(params, host_names=default_host_names(params))  # fail fast on bad input, before Prefect starts
+    created = " (created now)" if job.signing.source == "dev" and not had_dev_key else ""
+    print(f"kiln: the manifest will be {job.signing.describe()}{created}", file=sys.stderr)
+    if job.signing.source == "dev":
+        print("kiln: the development key is for local stores on this machine; for S3 stores or other machines "
+              "create a key with `kiln keygen DIR` and set KILN_SIGNING_KEY.", file=sys.stderr)
     with prefect_server_for(params):
         if params.dask:
             from flows.hosts import HostRunner
@@ -97,6 +108,8 @@ def _summary(report: dict) -> str:
     lines.append(f"  forwards {c['forwards']}: compiled {c['compiled']}, reused {c['reused']}; "
                  f"tuning measured {c['tuning_measured']}")
     lines.append(f"  manifest {report['store'].rstrip('/')}/{report['manifest']}")
+    sig = report.get("signing") or {}
+    lines.append(f"  signed: {'yes, ' + sig['key_fingerprint'] if sig.get('signed') else 'NO (--unsigned)'}")
     return "\n".join(lines)
 
 
@@ -122,9 +135,21 @@ def cmd_plan(args) -> int:
 
 def cmd_verify(args) -> int:
     from kiln.verify import verify_export
-    result = verify_export(args.store, args.export_id, model=args.model, s3_endpoint=args.s3_endpoint)
+    result = verify_export(args.store, args.export_id, model=args.model, s3_endpoint=args.s3_endpoint,
+                           verify_keys=args.verify_key, verify_key_block=args.verify_key_block,
+                           allow_unsigned=args.allow_unsigned)
     for line in result["lines"]:
         print(line)
+    return 0
+
+
+def cmd_keygen(args) -> int:
+    from kiln.trust import keygen
+    key, pub, fp = keygen(args.dir, args.name)
+    print(f"wrote {key} (private, mode 0600) and {pub} (public); fingerprint {fp}")
+    print("sign exports:  export KILN_SIGNING_KEY=\"$(cat " + str(key) + ")\"   "
+          "(or keep it in a Prefect Secret block and pass --signing-key-block NAME)")
+    print(f"verify them:   kiln verify EXPORT_ID --verify-key {pub}   (or set KILN_VERIFY_KEY)")
     return 0
 
 
@@ -147,6 +172,11 @@ def parser() -> argparse.ArgumentParser:
     _common(e)
     e.add_argument("--tuning", choices=["off", "cached", "full"], help="kernel tuning mode")
     e.add_argument("--export-id", help="name of the export (default: model, tp and time)")
+    e.add_argument("--signing-key-block", metavar="NAME",
+                   help="Prefect Secret block holding the Ed25519 signing key (default: KILN_SIGNING_KEY, "
+                        "or the local development key for a local store)")
+    e.add_argument("--unsigned", action="store_true",
+                   help="do not sign the manifest (kiln verify then needs --allow-unsigned)")
     e.set_defaults(func=cmd_export)
     s = sub.add_parser("serve", help="serve the export flow as a Prefect deployment (schedules, UI runs)")
     _common(s)
@@ -165,7 +195,17 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--store", help="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store)")
     v.add_argument("--s3-endpoint")
     v.add_argument("--model", help="checkpoint directory (default: the one the manifest names)")
+    v.add_argument("--verify-key", action="append", default=[], metavar="FILE",
+                   help="trusted Ed25519 public key(s), PEM or base64 (repeatable; default: KILN_VERIFY_KEY, "
+                        "else the public half of KILN_SIGNING_KEY or of the local development key)")
+    v.add_argument("--verify-key-block", metavar="NAME", help="Prefect Secret block holding trusted public key(s)")
+    v.add_argument("--allow-unsigned", action="store_true",
+                   help="accept an export made with --unsigned (sha256s are still checked)")
     v.set_defaults(func=cmd_verify)
+    k = sub.add_parser("keygen", help="write an Ed25519 key pair for signing manifests")
+    k.add_argument("dir")
+    k.add_argument("--name", default="kiln-signing", help="file name stem (default kiln-signing)")
+    k.set_defaults(func=cmd_keygen)
     c = sub.add_parser("checkpoint", help="write a small random Llama-style checkpoint")
     c.add_argument("dir")
     for flag in ("layers", "hidden", "heads", "kv-heads", "head-dim", "intermediate", "vocab"):

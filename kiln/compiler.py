@@ -2,27 +2,36 @@
 
 torch.export and Inductor keep process-global state (the FX tracing flag, mode
 stacks), so concurrent compiles in one process race; each worker is its own
-process, started with `spawn` and kept warm across forwards. A worker that
-dies (OOM kill, SIGKILL) breaks the pool: the pool is rebuilt and the forwards
-in flight are tried again, up to `max_attempts` each.
+process, started with `spawn` and kept warm across forwards. Each worker is a
+single-process executor of its own, so a worker that dies (OOM kill, SIGKILL)
+costs only the forward it was compiling: that worker is replaced and that
+forward tried again, up to `max_attempts` times; forwards on other workers
+carry on and finished ones are never compiled again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import multiprocessing as mp
 import os
+import shutil
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kiln.errors import KilnError
+from kiln import faults
+from kiln.cache import DISK_ERRNOS
+from kiln.errors import DiskError, KilnError
 
 # Inductor options that go into every forward (and therefore into its key).
 COMPILER_OPTIONS = {"aot_inductor.package_constants_in_so": False}
+
 FORWARD_DEVICE = "cpu"
 """Where forwards run: `compile_forward` builds the model and its example inputs on the CPU."""
 
@@ -43,9 +52,11 @@ class CompileResult:
     size_bytes: int
     compile_s: float
     pid: int
+    attempts: int = 1
     autotune: dict | None = None
     """GEMMs autotuned ('selections'), candidates benchmarked during this compile ('benchmarked'), and
     the tuning timings installed in the worker ('tuning_timings'); None when compiled without max-autotune."""
+    """Times the forward was submitted; more than 1 when a compile worker died on it."""
 
 
 def model_code_fingerprint() -> str:
@@ -94,6 +105,7 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
     from kiln.model import ShardedDecoder, example_inputs
 
     start = time.perf_counter()
+    _remove_stale_tmp(out_path)
     cfg = ModelConfig(**spec["graph"]["config"])
     tp = spec["graph"]["tp"]
     inputs = spec["inputs"]
@@ -104,21 +116,67 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
     num_pages = Dim("num_pages", min=2, max=1 << 24)
     with torch.no_grad():
         program = torch.export.export(model, args, dynamic_shapes=({}, {}, {2: num_pages}, {}))
-    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    faults.maybe_kill_compile(spec, "export")
     tmp = f"{out_path.removesuffix('.pt2')}.tmp-{os.getpid()}.pt2"
     if _TUNING:
         tuner.install(_TUNING)  # again: another process may have rewritten Inductor's cache file since
     selections, benchmarked = _SELECTIONS, tuner.benchmark_count()
-    torch._inductor.aoti_compile_and_package(program, package_path=tmp,
-                                             inductor_configs=dict(spec["compiler"]))
+    try:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        torch._inductor.aoti_compile_and_package(program, package_path=tmp,
+                                                 inductor_configs=dict(spec["compiler"]))
+        faults.maybe_kill_compile(spec, "written")
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+        os.replace(tmp, out_path)
+    except (OSError, RuntimeError) as exc:
+        # torch's zip writer reports a short write (full disk) as RuntimeError("... unexpected pos ..."):
+        # look at the disk while the partial file still fills it.
+        full = _nearly_full(Path(tmp).parent)
+        with contextlib.suppress(OSError):
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
+            why, where = exc.strerror, exc.filename or tmp
+        elif full is not None:
+            why, where = f"No space left on device ({full} bytes free)", tmp
+        else:
+            raise
+        raise DiskError(f"compiling forward {spec['key']} ({spec['bucket']}) failed writing {where}: {why}; "
+                        "free space there or point KILN_CACHE_DIR (the host's cache) or TMPDIR (the "
+                        "compiler's scratch) at a disk with room.") from None
     autotune = None
     if spec["compiler"].get("max_autotune"):
         autotune = {"selections": _SELECTIONS - selections, "benchmarked": tuner.benchmark_count() - benchmarked,
                     "tuning_timings": tuning.count_timings(_TUNING) if _TUNING else 0}
-    digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
-    os.replace(tmp, out_path)
     return CompileResult(key=spec["key"], path=out_path, sha256=digest, size_bytes=os.path.getsize(out_path),
                          compile_s=time.perf_counter() - start, pid=os.getpid(), autotune=autotune)
+
+
+def _nearly_full(directory: Path, threshold_bytes: int = 1 << 20) -> int | None:
+    """Free bytes of the disk holding `directory` when below `threshold_bytes`, else None."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return None
+    return free if free < threshold_bytes else None
+
+
+def _remove_stale_tmp(out_path: str) -> None:
+    """Remove partial packages of this forward left by workers that died (their pid is gone)."""
+    out = Path(out_path)
+    for tmp in out.parent.glob(f"{out.name.removesuffix('.pt2')}.tmp-*.pt2") if out.parent.is_dir() else []:
+        pid = tmp.name.rsplit("tmp-", 1)[-1].removesuffix(".pt2")
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class CompileFailed(KilnError):
@@ -126,65 +184,87 @@ class CompileFailed(KilnError):
 
 
 class CompilePool:
-    """A warm pool of spawned compile workers.
+    """A warm pool of spawned compile workers, one single-process executor per worker.
 
+    `compile_fn(spec, out_path) -> CompileResult` runs in the workers (a
+    module-level function, so it pickles); `initializer` warms each new worker.
     `tuning_entries` (verified autotune entries, see kiln.tuner) are installed
     into every worker's Inductor cache when it starts, before it compiles.
     """
 
-    def __init__(self, num_workers: int, *, max_attempts: int = 2, tuning_entries: dict | None = None):
+    def __init__(self, num_workers: int, *, max_attempts: int = 2,
+                 compile_fn: Callable[[dict, str], CompileResult] = compile_forward,
+                 initializer: Callable[..., None] | None = _warm, tuning_entries: dict | None = None):
         if num_workers < 1:
             raise ValueError("a compile pool needs at least one worker")
         self.num_workers = num_workers
         self.max_attempts = max_attempts
+        self.worker_deaths = 0
+        self._fn = compile_fn
+        self._initializer = initializer
         self.tuning_entries = tuning_entries
-        self._executor = self._new()
+        self._slots = [self._new() for _ in range(num_workers)]
 
     def _new(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(self.num_workers, mp_context=mp.get_context("spawn"), initializer=_warm,
-                                   initargs=(self.tuning_entries,))
+        args = (self.tuning_entries,) if self.tuning_entries and self._initializer is _warm else ()
+        return ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=self._initializer,
+                                   initargs=args)
 
     def worker_pids(self) -> list[int]:
-        return [p.pid for p in (self._executor._processes or {}).values()]
+        return [p.pid for ex in self._slots for p in (ex._processes or {}).values()]
 
     def run(self, jobs: list[tuple[dict, str]], on_done: Callable[[CompileResult], None]) -> list[CompileResult]:
-        """Compile every (spec, out_path); call `on_done` as each finishes (in this thread)."""
+        """Compile every (spec, out_path); call `on_done` as each finishes (in this thread).
+
+        A forward whose worker dies is retried on a fresh worker; after
+        `max_attempts` deaths, or on a compile error, no new forward starts,
+        the ones in flight finish (and reach `on_done`), then the error is raised.
+        """
         attempts = {spec["key"]: 0 for spec, _ in jobs}
-        pending = list(jobs)
+        queue = deque(jobs)
+        free = list(range(self.num_workers))
+        running: dict[Future, tuple[int, dict, str]] = {}
         results: list[CompileResult] = []
-        while pending:
-            futures = {}
-            for spec, out in pending:
+        error: BaseException | None = None
+        while running or (queue and error is None):
+            while queue and free and error is None:
+                slot, (spec, out) = free.pop(), queue.popleft()
                 attempts[spec["key"]] += 1
-                futures[self._executor.submit(compile_forward, spec, out)] = (spec, out)
-            pending = []
-            broken = False
-            waiting = set(futures)
-            while waiting:
-                done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    spec, out = futures[fut]
-                    try:
-                        result = fut.result()
-                    except BrokenProcessPool:
-                        broken = True
-                        pending.append((spec, out))
-                        continue
-                    results.append(result)
-                    on_done(result)
-            if broken:
-                # A worker died; the executor is unusable: start a fresh one and retry what was lost.
-                self._executor.shutdown(wait=False, cancel_futures=True)
-                self._executor = self._new()
-                over = [s["key"] for s, _ in pending if attempts[s["key"]] >= self.max_attempts]
-                if over:
-                    raise CompileFailed(
-                        f"forward {over[0]} killed its compile worker {self.max_attempts} times "
-                        "(out of memory?); lower the number of workers or raise worker_host_mib.")
+                running[self._slots[slot].submit(self._fn, spec, out)] = (slot, spec, out)
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in done:
+                slot, spec, out = running.pop(fut)
+                try:
+                    result = fut.result()
+                except BrokenProcessPool:
+                    # Only this slot's worker died, and it was compiling `spec`: replace it.
+                    self.worker_deaths += 1
+                    self._slots[slot].shutdown(wait=False, cancel_futures=True)
+                    self._slots[slot] = self._new()
+                    free.append(slot)
+                    if attempts[spec["key"]] >= self.max_attempts:
+                        error = error or CompileFailed(
+                            f"forward {spec['key']} ({spec.get('bucket', '?')}) killed its compile worker "
+                            f"{attempts[spec['key']]} times (max_compile_attempts={self.max_attempts}; out of "
+                            "memory?); lower the number of workers or raise worker_host_mib.")
+                    else:
+                        queue.appendleft((spec, out))
+                    continue
+                except BaseException as exc:  # a deterministic compile error: not retried
+                    free.append(slot)
+                    error = error or exc
+                    continue
+                free.append(slot)
+                result = dataclasses.replace(result, attempts=attempts[spec["key"]])
+                results.append(result)
+                on_done(result)
+        if error is not None:
+            raise error
         return results
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        for ex in self._slots:
+            ex.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> "CompilePool":
         return self

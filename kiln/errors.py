@@ -58,3 +58,7 @@ def worth_retrying(exc: BaseException) -> bool:
     if isinstance(exc, (*DETERMINISTIC, ValidationError)):
         return False
     return isinstance(exc, Exception)
+class DiskError(KilnError):
+    """A host's local disk (its cache directory) cannot take what Kiln writes there."""
+
+    exit_code = 1

@@ -15,9 +15,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from kiln import faults, lease, probe, tuner, tuning
+from kiln import cache, faults, lease, probe, tuner, tuning
 from kiln.compiler import (FORWARD_DEVICE, CompilePool, CompileResult, compiler_options,
                            model_code_fingerprint)
+from kiln.errors import DiskError
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key
 from kiln.errors import IntegrityError
@@ -35,8 +36,7 @@ def store_of(job: ExportJob):
 
 def cache_dir(host: HostSpec) -> Path:
     """The host's local cache, resolved where this runs (on the host itself)."""
-    from kiln.params import kiln_home
-    return Path(host.cache_dir) if host.cache_dir else kiln_home() / "cache" / host.name
+    return cache.cache_root(host.name, host.cache_dir)
 
 
 def local_path(host: HostSpec, key: str) -> Path:
@@ -65,6 +65,7 @@ def probe_host(job: ExportJob, host: HostSpec) -> dict:
         "target": target, "specs": [s.to_dict() for s in specs],
         "local_keys": sorted(s.key for s in specs if local_path(host, s.key).exists()),
         "store_keys": sorted(s.key for s in specs if s.key in stored),
+        "cache": cache.cache_status(cache_dir(host)),
     }
 
 
@@ -140,7 +141,7 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
         created = store.put_file(artifact_key(result.key), result.path, result.sha256)
         entry = {"key": result.key, "sha256": result.sha256, "size_bytes": result.size_bytes,
                  "compile_s": round(result.compile_s, 3), "compiled_by": host.name, "created": created,
-                 "autotune": result.autotune}
+                 "autotune": result.autotune, "attempts": result.attempts}
         store.put_json(compile_log_key(job.export_id, result.key), entry, overwrite=True)
         leases.release(result.key)
         uploaded.append(entry)
@@ -176,7 +177,14 @@ def fetch_missing(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
         path = local_path(host, f["key"])
         if path.exists() and sha256_of(path) == f["sha256"]:
             continue
-        store.get_file(artifact_key(f["key"]), path, f["sha256"])
+        try:
+            store.get_file(artifact_key(f["key"]), path, f["sha256"])
+        except OSError as exc:
+            if exc.errno not in cache.DISK_ERRNOS:
+                raise
+            raise DiskError(f"host {host.name} cannot write forward {f['key']} into its cache: "
+                            f"{exc.strerror} ({exc.filename or path}); free space there or point "
+                            "KILN_CACHE_DIR at a writable local disk with room.") from None
         fetched += 1
     return fetched
 

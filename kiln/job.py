@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kiln.config import ModelConfig
 from kiln.keys import ForwardSpec, forward_spec
 from kiln.recipe import Recipe
+from kiln.signing import SigningPlan
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class ExportJob:
     """A 'Kiln Store' Prefect block each host loads itself, so secrets never travel in task parameters."""
     assume_available: dict[str, int] = field(default_factory=dict)
     """host name -> MiB that replaces the probed available memory ("what if")."""
+    signing: SigningPlan | None = None
+    """How the manifest is signed (no secret: the key is loaded where it signs); None: not decided (plan)."""
 
     @property
     def model_config(self) -> ModelConfig:

@@ -72,3 +72,22 @@ def artifact_key(key: str) -> str:
 
 def manifest_key(export_id: str) -> str:
     return f"exports/{export_id}/manifest.json"
+
+
+def signature_key(export_id: str) -> str:
+    """The manifest's signature document, beside it."""
+    return f"exports/{export_id}/manifest.sig"
+
+
+def check_export_id(export_id: str) -> str:
+    """An export id names a store folder and a local one: letters, digits, '-', '_', '.'; no leading or
+    trailing '.', at most 128 characters. BadInput otherwise."""
+    from kiln.errors import BadInput
+
+    ok = (isinstance(export_id, str) and 0 < len(export_id) <= 128 and export_id.isascii()
+          and export_id.replace("-", "").replace("_", "").replace(".", "").isalnum()
+          and not export_id.startswith(".") and not export_id.endswith("."))
+    if not ok:
+        raise BadInput(f"export id {export_id!r} may hold only letters, digits, '-', '_' and '.' (not at its "
+                       "start or end), at most 128 characters.")
+    return export_id

@@ -1,7 +1,9 @@
 """Load compiled forwards safely and check them against eager.
 
 A compiled package is native code. The loader only ever opens a file whose
-sha256 matches the manifest, always supplies and checks the rank's weights
+sha256 matches the manifest and whose zip members pass kiln.package_check (no
+absolute or '..' paths, no symlinks, bounded sizes, a PT2 layout) before
+AOTInductor extracts it, always supplies and checks the rank's weights
 (`load_constants(..., check_full_update=True)`) before the first call (calling
 first would crash the process), refuses a package that needs constants no
 rank's weights provide (weights baked in at compile time), and turns on
@@ -16,6 +18,7 @@ import os
 from pathlib import Path
 
 from kiln.errors import IntegrityError, KilnError
+from kiln.package_check import check_package
 
 
 def sha256_of(path: Path | str) -> str:
@@ -27,11 +30,12 @@ def sha256_of(path: Path | str) -> str:
 
 
 def load_forward(path: Path | str, weights: dict, sha256: str):
-    """Verify, load and bind weights; return the callable forward."""
+    """Verify (sha256, then package members), load and bind weights; return the callable forward."""
     got = sha256_of(path)
     if got != sha256:
         raise IntegrityError(f"{path}: sha256 {got[:12]}… does not match the manifest's {sha256[:12]}…; "
                              "refusing to load it. Delete the local copy and re-run to fetch it again.")
+    check_package(path)  # before AOTInductor extracts anything
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
     import torch
 

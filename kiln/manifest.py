@@ -1,31 +1,69 @@
-"""The export manifest: what an export produced, written last, checked before use. Pure."""
+"""The export manifest: what an export produced, written last, checked before use. Pure.
+
+The manifest is signed (kiln.signing; the signature lives beside it) and says
+so in its `signing` entry: {'signed': bool, 'key_fingerprint': str | None}.
+`check_manifest` is the structural check that follows the signature check: every
+forward names a well-formed key, its object `forwards/<key>.pt2`, a bucket and
+a sha256, and no two keys or objects collide after normalisation.
+"""
 
 from __future__ import annotations
 
-from kiln.errors import IntegrityError
+import re
 
-MANIFEST_VERSION = 1
+from kiln.errors import BadInput, IntegrityError
+from kiln.keys import artifact_key
+from kiln.store.keys import check_no_collisions
+
+MANIFEST_VERSION = 2
+_KEY = re.compile(r"^[0-9a-f]{16,64}$")
+_BUCKET = re.compile(r"^[1-9][0-9]*x[1-9][0-9]*$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def build_manifest(*, export_id: str, model: dict, recipe: dict, tp: int, buckets: list[str],
-                   forwards: list[dict], kv_plan: dict, hosts: list[dict], phases: list[dict]) -> dict:
-    """`forwards` entries carry key, bucket, target, sha256, size_bytes and the store object key."""
+                   forwards: list[dict], kv_plan: dict, hosts: list[dict], phases: list[dict],
+                   signing: dict) -> dict:
+    """`forwards` entries carry key, bucket, target, sha256, size_bytes and the store object key;
+    `signing` is {'signed', 'key_fingerprint'} (kiln.signing.SigningPlan.manifest_entry)."""
     return {"version": MANIFEST_VERSION, "export_id": export_id, "model": model, "recipe": recipe,
             "tp": tp, "buckets": buckets,
             "forwards": sorted(forwards, key=lambda f: (f["target"], f["bucket"])),
-            "kv_plan": kv_plan, "hosts": hosts, "phases": phases}
+            "kv_plan": kv_plan, "hosts": hosts, "phases": phases, "signing": dict(signing)}
 
 
-def check_manifest(manifest: object) -> dict:
-    """Structural check of a manifest read from the store; raises IntegrityError on anything odd."""
+def check_manifest(manifest: object, *, export_id: str | None = None) -> dict:
+    """Structural check of a manifest read from the store; raises IntegrityError on anything odd.
+
+    With `export_id`, the manifest must be that export's (a signed manifest
+    copied under another export's name is refused).
+    """
     if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
-        raise IntegrityError("the manifest is not a Kiln manifest of a version this Kiln reads.")
+        raise IntegrityError("the manifest is not a Kiln manifest of a version this Kiln reads "
+                             f"(version {MANIFEST_VERSION}).")
+    if export_id is not None and manifest.get("export_id") != export_id:
+        raise IntegrityError(f"the manifest stored for export {export_id!r} belongs to export "
+                             f"{manifest.get('export_id')!r}; refusing it.")
+    signing = manifest.get("signing")
+    if not isinstance(signing, dict) or not isinstance(signing.get("signed"), bool):
+        raise IntegrityError("the manifest does not say whether it is signed (no 'signing' entry).")
     forwards = manifest.get("forwards")
     if not isinstance(forwards, list) or not forwards:
         raise IntegrityError("the manifest lists no forwards.")
     for f in forwards:
         if not isinstance(f, dict) or not all(isinstance(f.get(k), str) for k in ("key", "bucket", "sha256", "object")):
             raise IntegrityError(f"manifest entry {f!r} lacks key, bucket, sha256 or object.")
-        if len(f["sha256"]) != 64 or any(c not in "0123456789abcdef" for c in f["sha256"]):
+        if not _KEY.match(f["key"]):
+            raise IntegrityError(f"manifest entry {f['key']!r} is not a forward key (16-64 lowercase hex digits).")
+        if f["object"] != artifact_key(f["key"]):
+            raise IntegrityError(f"manifest entry for {f['key']} points at {f['object']!r}, "
+                                 f"not at {artifact_key(f['key'])!r}.")
+        if not _BUCKET.match(f["bucket"]):
+            raise IntegrityError(f"manifest entry for {f['key']} has a malformed bucket {f['bucket']!r}.")
+        if not _SHA256.match(f["sha256"]):
             raise IntegrityError(f"manifest entry for {f['key']} has a malformed sha256.")
+    try:
+        check_no_collisions([f["object"] for f in forwards], what="manifest objects")
+    except BadInput as exc:
+        raise IntegrityError(str(exc)) from None
     return manifest

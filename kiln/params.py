@@ -16,8 +16,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kiln.cache import cache_root, cache_status, check_caches
 from kiln.errors import BadInput
 from kiln.job import ExportJob, HostSpec, place_ranks
+from kiln.keys import check_export_id, manifest_key
 from kiln.recipe import Recipe, parse_buckets
 
 
@@ -59,6 +61,11 @@ class ExportParams(BaseModel):
                               description="Start a local Dask cluster of this many worker processes standing for hosts host-0..host-N-1.")
     dask: str | None = Field(None, title="Dask scheduler",
                              description="Address of a Dask scheduler whose workers are the hosts (each started with --resources kiln-host-NAME=1).")
+    sign: bool = Field(True, title="Sign the manifest",
+                       description="Sign the manifest (Ed25519). False only on purpose: `kiln verify` then needs --allow-unsigned.")
+    signing_key_block: Annotated[str, Field(pattern=_NAME)] | None = Field(
+        None, title="Signing key block",
+        description="Name of a Prefect Secret block holding the Ed25519 signing key (default: KILN_SIGNING_KEY, or the local development key for a local store).")
     policy: Literal["borrow", "fail"] | None = Field(
         None, title="Gate policy",
         description="When a host can run no compile worker: lend its forwards to another host (borrow) or refuse (fail).")
@@ -136,17 +143,19 @@ def default_host_names(params: ExportParams) -> list[str] | None:
     return [socket.gethostname() or "local"]
 
 
-def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_store: bool = True
-            ) -> tuple[ExportJob, list[HostSpec]]:
+def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_store: bool = True,
+            signing: bool = True) -> tuple[ExportJob, list[HostSpec]]:
     """Validate every input and build the job; raises BadInput before anything is written to the store.
 
     `host_names` None means the hosts are not known yet (a Dask cluster not yet
-    asked): host checks are skipped and no hosts are returned.
+    asked): host checks are skipped and no hosts are returned. Hosts on this
+    machine (not --dask) get their cache directory checked for writes here.
+    `signing` False leaves the signing key undecided (`kiln plan` signs nothing).
     """
     if params.hosts and params.dask:
         raise BadInput("--hosts starts a local cluster and --dask names an existing one; give one of them.")
     from kiln.checkpoint import inspect_checkpoint, tiny_checkpoint
-    from kiln.store import open_store
+    from kiln.store import open_store, validate_key
 
     recipe = build_recipe(params)
     home = kiln_home()
@@ -172,12 +181,19 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     if check_store:
         store.check()
     export_id = params.export_id or default_export_id(params)
-    if not export_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise BadInput(f"export id {export_id!r} may hold only letters, digits, '-', '_' and '.'.")
+    check_export_id(export_id)
+    validate_key(manifest_key(export_id))
+    ranks = place_ranks(params.tp, names) if names else {}
+    hosts = [HostSpec(n, ranks[n]) for n in names]
+    if not params.dask:  # these hosts are this machine: their caches can be checked now
+        check_caches({h.name: cache_status(cache_root(h.name, h.cache_dir)) for h in hosts}, {})
+    plan = None
+    if signing:
+        from kiln.trust import plan_signing
+        plan, _ = plan_signing(sign=params.sign, block=params.signing_key_block, store=store, home=home)
     job = ExportJob(export_id=export_id, model_name=name, checkpoint=str(checkpoint),
                     config=cfg.__dict__.copy(), tp=params.tp, recipe=recipe, store_url=store.url,
                     s3_endpoint=params.s3_endpoint, checksum_mode=params.s3_checksum,
-                    store_block=params.store_block, assume_available=dict(params.assume_available))
-    ranks = place_ranks(params.tp, names) if names else {}
-    hosts = [HostSpec(n, ranks[n]) for n in names]
+                    store_block=params.store_block, assume_available=dict(params.assume_available),
+                    signing=plan)
     return job, hosts

@@ -82,6 +82,8 @@ class Recipe:
     integrity and verification failures are never retried."""
     flow_retry_delay_s: float = 30.0
     """Seconds between a failed try of the export and the next one (memory may be freed meanwhile)."""
+    artifact_mib_estimate: int = 16
+    """Disk one compiled forward takes in a host's cache; a host needs this times the forwards it lacks free."""
 
     def __post_init__(self) -> None:
         if not self.buckets:
@@ -89,7 +91,7 @@ class Recipe:
         for name in ("headroom_floor_mib", "recipe_headroom_mib", "worker_host_mib",
                      "page_tokens", "max_context_tokens", "kv_max_pages", "max_compile_attempts"):
             _positive(name, getattr(self, name))
-        for name in ("worker_device_mib", "activation_reserve_mib"):
+        for name in ("worker_device_mib", "activation_reserve_mib", "artifact_mib_estimate"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise BadInput(f"recipe setting {name} must be a whole number of MiB >= 0, got {value!r}.")

@@ -27,6 +27,8 @@ class Report:
         self.manifest: str | None = None
         self.ledger_picture: str | None = None
         """Store key of the memory ledger drawn as a PNG (kiln.ledger_plot)."""
+        self.signing: dict = {"signed": None}
+        """{'signed', 'key_fingerprint', 'source', 'signature', 'note'}: how the manifest is signed."""
 
     def phase(self, name: str, status: str, duration_s: float, **extra) -> None:
         self.phases.append({"name": name, "status": status, "duration_s": round(duration_s, 3), **extra})
@@ -54,7 +56,8 @@ class Report:
                 "status": self.status, "error": self.error, "phases": self.phases,
                 "hosts": [self.hosts[n] for n in sorted(self.hosts)], "gate": self.gate,
                 "counts": self.counts, "forwards": self.forwards, "kv_plan": self.kv_plan,
-                "verify": self.verify, "manifest": self.manifest, "ledger_picture": self.ledger_picture}
+                "verify": self.verify, "manifest": self.manifest, "ledger_picture": self.ledger_picture,
+                "signing": self.signing}
 
     def write(self, path: str | os.PathLike) -> None:
         path = Path(path)
@@ -73,6 +76,8 @@ class Report:
                      f"tuning measured {c['tuning_measured']}")
         if self.manifest:
             lines.append(f"  manifest {self.manifest}")
+        if self.signing.get("note"):
+            lines.append(f"  {self.signing['note']}")
         return "\n".join(lines)
 
     def markdown(self) -> str:
@@ -95,6 +100,8 @@ class Report:
             out += ["", f"Memory ledger picture: [{self.ledger_picture}]({self._url(self.ledger_picture)})"]
         if self.manifest:
             out += ["", f"Manifest: [{self.manifest}]({self._url(self.manifest)})"]
+        if self.signing.get("note"):
+            out += ["", f"Signing: {self.signing['note']}"]
         return "\n".join(out)
 
     def _url(self, key: str) -> str:

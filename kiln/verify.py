@@ -1,34 +1,67 @@
 """`kiln verify`: re-check a finished export from its manifest.
 
-Every artifact's sha256 is checked on download, before anything loads it; then
-all `tp` ranks run the compiled forwards together under gloo and the combined
-output is compared with the unsharded eager model.
+In this order, and nothing is loaded before all of it passed: the manifest's
+signature against the trusted keys (kiln.trust), the manifest's structure, each
+artifact's sha256 on download, each package's members (kiln.package_check,
+inside the loader). Then all `tp` ranks run the compiled forwards together
+under gloo, with AOTInductor's runtime input checks on, and the combined output
+is compared with the unsharded eager model.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from kiln.checkpoint import inspect_checkpoint, tiny_checkpoint
 from kiln.errors import BadInput, IntegrityError
-from kiln.keys import manifest_key
+from kiln.keys import check_export_id, manifest_key
 from kiln.manifest import check_manifest
+from kiln.package_check import check_package
 from kiln.params import kiln_home
-from kiln.store import ObjectMissing, open_store, validate_key
+from kiln.store import Store, open_store, validate_key
+from kiln.trust import read_verified_manifest, trusted_keys
 from kiln.verify_ranks import verify_all_ranks
 
 
+def fetch_verified_export(store: Store, export_id: str, dest: Path, *, trusted,
+                          allow_unsigned: bool = False) -> tuple[dict, dict[str, dict], list[str]]:
+    """Everything a loader of a finished export needs, checked: (manifest, artifacts, lines).
+
+    The signature first (`trusted` returns the trusted keys), then the
+    manifest's structure, then each artifact's sha256 (against the signed
+    manifest) as it lands in `dest`, then each package's members. `artifacts`
+    maps a bucket ('1x8') to {'path', 'sha256'}; load them with
+    kiln.loader.load_forward, which checks both again.
+    """
+    check_export_id(export_id)
+    raw, signature_line = read_verified_manifest(store, export_id, trusted=trusted, allow_unsigned=allow_unsigned)
+    manifest = check_manifest(raw, export_id=export_id)
+    lines = [f"manifest {store.url}/{manifest_key(export_id)}: {len(manifest['forwards'])} forward(s)",
+             signature_line]
+    artifacts = {}
+    for f in manifest["forwards"]:
+        path = dest / f"{f['key']}.pt2"
+        store.get_file(validate_key(f["object"]), path, f["sha256"])  # raises IntegrityError on mismatch
+        artifacts[f["bucket"]] = {"path": str(path), "sha256": f["sha256"]}
+    lines.append(f"sha256 ok for {len(artifacts)} artifact(s)")
+    for art in artifacts.values():
+        check_package(art["path"])  # the loader checks again; here a refusal stops before any process starts
+    lines.append(f"package members ok for {len(artifacts)} artifact(s); loading with runtime input checks on")
+    return manifest, artifacts, lines
+
+
 def verify_export(store_url: str | None, export_id: str, *, model: str | None = None,
-                  s3_endpoint: str | None = None) -> dict:
+                  s3_endpoint: str | None = None, verify_keys: list[str] = (), verify_key_block: str | None = None,
+                  allow_unsigned: bool = False) -> dict:
     home = kiln_home()
+    check_export_id(export_id)
     store = open_store(store_url or f"file://{home / 'store'}", s3_endpoint=s3_endpoint)
     store.check()
-    key = validate_key(manifest_key(export_id))
-    try:
-        manifest = check_manifest(store.get_json(key))
-    except ObjectMissing:
-        raise BadInput(f"no export {export_id!r} in {store.url} (no {key}); check the export id and --store.") from None
-    lines = [f"manifest {store.url}/{key}: {len(manifest['forwards'])} forward(s)"]
+    trusted = partial(trusted_keys, files=list(verify_keys), block=verify_key_block, store=store, home=home)
+    # The manifest is read (and its signature checked) before the checkpoint, which the manifest names.
+    raw, _ = read_verified_manifest(store, export_id, trusted=trusted, allow_unsigned=allow_unsigned)
+    manifest = check_manifest(raw, export_id=export_id)
     if model:
         checkpoint = Path(model).resolve()
     elif manifest["model"]["name"] == "tiny":
@@ -39,13 +72,8 @@ def verify_export(store_url: str | None, export_id: str, *, model: str | None = 
     if cfg.__dict__ != manifest["model"]["config"]:
         raise BadInput(f"checkpoint {checkpoint} does not match the model the export was made from; "
                        "pass the right one with --model.")
-    cache = home / "verify" / export_id
-    artifacts = {}
-    for f in manifest["forwards"]:
-        dest = cache / f"{f['key']}.pt2"
-        store.get_file(validate_key(f["object"]), dest, f["sha256"])  # raises IntegrityError on mismatch
-        artifacts[f["bucket"]] = {"path": str(dest), "sha256": f["sha256"]}
-    lines.append(f"sha256 ok for {len(artifacts)} artifact(s)")
+    manifest, artifacts, lines = fetch_verified_export(store, export_id, home / "verify" / export_id,
+                                                       trusted=trusted, allow_unsigned=allow_unsigned)
     diffs = verify_all_ranks(checkpoint=str(checkpoint), config=manifest["model"]["config"], tp=manifest["tp"],
                              artifacts=artifacts, page_tokens=manifest["recipe"]["page_tokens"],
                              pages_per_seq=manifest["recipe"]["max_context_tokens"] // manifest["recipe"]["page_tokens"])

@@ -13,6 +13,8 @@ import os
 import socket
 import traceback
 
+from kiln.errors import IntegrityError, KilnError
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -21,6 +23,7 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, tp: int, port: int, job: dict, queue) -> None:
+    os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"  # a wrong shape raises instead of crashing or lying
     try:
         import torch
         import torch.distributed as dist
@@ -60,6 +63,8 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, queue) -> None:
         dist.barrier()
         dist.destroy_process_group()
         queue.put((rank, "ok", diffs))
+    except KilnError as exc:  # e.g. a refused artifact: its message says it all
+        queue.put((rank, "refused", str(exc)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
 
@@ -82,6 +87,8 @@ def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[
     try:
         for _ in range(tp):
             rank, status, payload = queue.get(timeout=timeout_s)
+            if status == "refused":
+                raise IntegrityError(f"rank {rank}: {payload}")
             if status != "ok":
                 raise RuntimeError(f"rank {rank} failed during the all-ranks check:\n{payload}")
             results[rank] = payload

@@ -106,8 +106,11 @@ def verify_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
 
 @task(name="manifest", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,
       retry_condition_fn=transient_only, cache_policy=None)
-def write_manifest(job: ExportJob, manifest: dict) -> str:
+def write_manifest(job: ExportJob, manifest: dict) -> dict:
+    """Sign (the key is loaded here, never passed in) and write the manifest last; the report's signing entry."""
+    from kiln.params import kiln_home
+    from kiln.trust import write_signed_manifest
+
     store = hostwork.store_of(job)
-    key = manifest_key(job.export_id)
-    store.put_json(key, manifest, overwrite=True)
-    return key
+    entry = write_signed_manifest(store, job.export_id, manifest, job.signing, kiln_home())
+    return {**entry, "manifest": manifest_key(job.export_id)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -143,3 +144,88 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory):
     server = PrefectServer(tmp_path_factory.mktemp("prefect-server"))
     yield server.url
     server.stop()
+
+
+# =============================================================================
+# Trust: a signing key for exports to shared (S3) stores
+# =============================================================================
+
+
+@pytest.fixture(scope="session")
+def signing_key_env() -> dict[str, str]:
+    """{'KILN_SIGNING_KEY': base64 seed} of a key made for this session (S3 exports must be signed)."""
+    import base64
+
+    from kiln.signing import generate
+
+    return {"KILN_SIGNING_KEY": base64.b64encode(generate().private_bytes_raw()).decode()}
+
+
+# =============================================================================
+# Compilation: one small real forward per session, for tests that load packages
+# =============================================================================
+
+
+@pytest.fixture(scope="session")
+def small_forward(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A real weightless AOTInductor package of a 1-layer model, bucket 1x8, tp 1 (compiled once, ~30 s).
+
+    Returns {'path', 'sha256', 'size_bytes', 'config' (ModelConfig fields), 'batch', 'tokens',
+    'page_tokens', 'pages_per_seq'}. Treat the file as read-only; copy it to change it.
+    """
+    from kiln.compiler import COMPILER_OPTIONS, CompilePool, model_code_fingerprint
+    from kiln.config import TINY
+    from kiln.keys import forward_spec
+    from kiln.recipe import Bucket
+
+    cfg = TINY.replace(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                       intermediate_size=128, vocab_size=128)
+    spec = forward_spec(bucket=Bucket(1, 8), graph={"config": cfg.__dict__, "tp": 1, "code": model_code_fingerprint()},
+                        target="test", torch_version="test", page_tokens=16, pages_per_seq=4,
+                        compiler=COMPILER_OPTIONS).to_dict()
+    out = tmp_path_factory.mktemp("small-forward") / f"{spec['key']}.pt2"
+    with CompilePool(1) as pool:
+        [result] = pool.run([(spec, str(out))], lambda r: None)
+    return {"path": result.path, "sha256": result.sha256, "size_bytes": result.size_bytes,
+            "config": dict(cfg.__dict__), "batch": 1, "tokens": 8, "page_tokens": 16, "pages_per_seq": 4}
+
+
+# =============================================================================
+# The CLI: `kiln` in a subprocess, as a user runs it
+# =============================================================================
+
+KILN = [sys.executable, "-m", "kiln.cli"]
+
+
+@dataclass
+class Run:
+    code: int
+    out: str
+    err: str
+
+    def json(self, path) -> dict:
+        return json.loads(Path(path).read_text())
+
+
+@pytest.fixture(scope="session")
+def kiln_env(tmp_path_factory) -> dict:
+    """Environment of a fresh user: own KILN_HOME (store, caches, model) and own Prefect home."""
+    root = tmp_path_factory.mktemp("kiln")
+    env = dict(os.environ)
+    env.update(KILN_HOME=str(root / "home"), PREFECT_HOME=str(root / "prefect"),
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1",
+               # The embedded API can take longer than Prefect's 20 s to start on a busy 2-core machine.
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120")
+    env.pop("PREFECT_API_URL", None)
+    for name in ("KILN_SIGNING_KEY", "KILN_VERIFY_KEY", "KILN_CACHE_DIR", "KILN_FAULT_KILL_COMPILE", "KILN_FAULT_DIR"):
+        env.pop(name, None)  # a fresh user has configured none of these
+    return env
+
+
+@pytest.fixture(scope="session")
+def kiln(kiln_env):
+    def run(*args: str, env: dict | None = None, timeout: float = 900, cwd=None) -> Run:
+        proc = subprocess.run([*KILN, *args], env={**kiln_env, **(env or {})}, capture_output=True,
+                              text=True, timeout=timeout, cwd=cwd)
+        return Run(proc.returncode, proc.stdout, proc.stderr)
+    return run

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from kiln.errors import BadInput
 from kiln.store.base import ObjectInfo, ObjectMissing, Store
-from kiln.store.keys import sha256_bytes, sha256_file, validate_bucket, validate_key, validate_prefix
+from kiln.store.keys import (check_no_collisions, normalized_key, sha256_bytes, sha256_file, validate_bucket,
+                             validate_key, validate_prefix)
 from kiln.store.local import LocalStore
 
 __all__ = [
@@ -31,6 +32,8 @@ __all__ = [
     "ObjectInfo",
     "ObjectMissing",
     "Store",
+    "check_no_collisions",
+    "normalized_key",
     "open_store",
     "sha256_bytes",
     "sha256_file",

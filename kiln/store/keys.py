@@ -5,12 +5,21 @@ Pure: imports neither boto3 nor anything that touches the network. A key is a
 the same object in a local directory and in S3, so anything a filesystem or S3
 would interpret differently ('..', '//', backslashes, control characters) is
 rejected up front with BadInput.
+
+Normalisation: a key must be in Unicode NFC and no part may end in '.' or ' '
+(macOS rewrites names to NFD, Windows and SMB drop trailing dots and spaces, so
+such a key could name a different file than it says). Keys that differ only in
+case, Unicode form or trailing dots/spaces are distinct in S3 but one file on a
+case-insensitive filesystem: `normalized_key` maps them together and
+`check_no_collisions` refuses a set of keys in which two collide.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import unicodedata
+from collections.abc import Iterable
 from pathlib import Path
 
 from kiln.errors import BadInput
@@ -44,13 +53,21 @@ def validate_key(key: str) -> str:
     """Return `key` unchanged if it is a valid object key, else raise BadInput.
 
     Valid: non-empty, relative, '/'-separated, no empty/'.'/'..' parts, no
-    backslash, no control characters.
+    backslash, no control characters, NFC, no part ending in '.' or ' '.
     """
     if not isinstance(key, str):
         raise BadInput(f"store key must be a string, not {type(key).__name__}: {key!r}")
     if key == "":
         raise BadInput("store key is empty; name the object, e.g. 'forwards/<key>.pt2'")
-    _check_parts("key", key, key.split("/"))
+    parts = key.split("/")
+    _check_parts("key", key, parts)
+    for part in parts:
+        if part.endswith((".", " ")):
+            raise BadInput(f"store key {key!r} has a part ending in '.' or ' ' ({part!r}), which some "
+                           "filesystems drop; use plain names")
+    if unicodedata.normalize("NFC", key) != key:
+        raise BadInput(f"store key {key!r} is not in Unicode NFC form; some filesystems would store it "
+                       "under another name: normalise it to NFC")
     return key
 
 
@@ -69,6 +86,28 @@ def validate_prefix(prefix: str) -> str:
         raise BadInput(f"store prefix {prefix!r} is absolute; drop the leading '/'")
     _check_parts("prefix", prefix, body.split("/"))
     return prefix
+
+
+def normalized_key(key: str) -> str:
+    """The form under which filesystems may confuse keys: NFC, case-folded, trailing dots/spaces dropped."""
+    parts = unicodedata.normalize("NFC", key).split("/")
+    return "/".join(unicodedata.normalize("NFC", p.casefold()).rstrip(". ") for p in parts)
+
+
+def check_no_collisions(keys: Iterable[str], *, what: str = "store keys") -> None:
+    """Raise BadInput if two of `keys` are equal or become equal under `normalized_key`."""
+    seen: dict[str, str] = {}
+    for key in keys:
+        norm = normalized_key(key)
+        if norm not in seen:
+            seen[norm] = key
+            continue
+        other = seen[norm]
+        if other == key:
+            raise BadInput(f"{what}: {key!r} appears twice; every name must be distinct")
+        raise BadInput(f"{what}: {other!r} and {key!r} are the same name on case-insensitive or "
+                       "Unicode-normalising filesystems; every name must be distinct after case-folding "
+                       "and normalisation")
 
 
 def validate_bucket(bucket: str) -> str:

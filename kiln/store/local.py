@@ -14,6 +14,12 @@ processes without locks), and `os.replace` of a symlink swaps data and digest
 together (overwrite). Blobs are fsynced before they are linked, so a crash never
 leaves a partial object visible; at worst an unreferenced blob remains in
 .kiln/blobs. The top-level name '.kiln' is reserved.
+
+Spelling: a new key is refused (BadInput) when one of its parts differs from an
+existing entry of the same directory only in case, Unicode form or trailing
+dots (`normalized_key`): S3 keeps such keys apart, a case-insensitive
+filesystem (macOS, Windows, some NFS/SMB shares) would merge them. Two writers
+racing to create 'A' and 'a' at once are not caught on a case-sensitive disk.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from typing import BinaryIO
 
 from kiln.errors import BadInput, IntegrityError, StoreError
 from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, write_verified
-from kiln.store.keys import CHUNK_BYTES, sha256_bytes, validate_key, validate_prefix, validate_sha256
+from kiln.store.keys import (CHUNK_BYTES, normalized_key, sha256_bytes, validate_key, validate_prefix,
+                             validate_sha256)
 
 _INTERNAL = ".kiln"
 _BLOB_NAME = re.compile(r"^([0-9a-f]{64})\.[0-9a-f]{32}$")
@@ -171,9 +178,32 @@ class LocalStore(Store):
                 "already an object (S3 allows that, a directory does not); choose another key"
             ) from None
 
+    def _check_spelling(self, key: str) -> None:
+        """BadInput if a part of `key` collides with a differently spelled entry (see module docstring)."""
+        directory = self.root
+        for part in key.split("/"):
+            try:
+                names = os.listdir(directory)
+            except (FileNotFoundError, NotADirectoryError):
+                return  # nothing below here yet: no collision possible
+            norm = normalized_key(part)
+            clash = next((n for n in names if n != part and n != _INTERNAL and normalized_key(n) == norm), None)
+            if clash is not None:
+                existing = os.path.relpath(directory / clash, self.root).replace(os.sep, "/")
+                raise BadInput(
+                    f"store key {key!r} collides with {existing!r} in {self.url}: they differ only in case, "
+                    "Unicode form or trailing dots, and name one file on case-insensitive filesystems; "
+                    "spell keys consistently")
+            directory = directory / part
+
     def _publish_once(self, key: str, blob: Path, sha: str) -> bool:
         """Create the key's symlink to `blob`; on EEXIST compare digests. Consumes `blob`."""
         link = self._link_path(key)
+        try:
+            self._check_spelling(key)
+        except BaseException:
+            blob.unlink(missing_ok=True)
+            raise
         self._make_parent(key, link)
         target = os.path.relpath(blob, link.parent)
         try:
@@ -228,6 +258,7 @@ class LocalStore(Store):
 
     def _replace_bytes(self, key: str, data: bytes) -> None:
         link = self._link_path(key)
+        self._check_spelling(key)
         blob, _ = self._stage([data])
         try:
             self._make_parent(key, link)

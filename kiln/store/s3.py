@@ -18,7 +18,11 @@ although it created the object: "True" counts creations, not guarantees one.
 
 Downloads are verified by hashing on the client: servers may accept a wrong
 transport checksum (moto does), and the digest is what guards loading native
-code.
+code. botocore retries requests, but not a response body that breaks off
+while it is read (connection reset, truncated): get_file and get_bytes retry
+the whole GET for that, up to `read_attempts` times, and never keep a partial
+body (a short read is an error, not a smaller object). A multipart completion
+whose answer was lost is recognised by the object it created.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from typing import Any
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import (BotoCoreError, ClientError, ConnectionClosedError, IncompleteReadError,
+                                 ReadTimeoutError, ResponseStreamingError)
+from urllib3.exceptions import HTTPError as Urllib3Error
 
 from kiln.errors import BadInput, IntegrityError, StoreError
 from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, write_verified
@@ -50,6 +56,8 @@ MIB = 1024 * 1024
 CHECKSUM_MODES = ("when_required", "when_supported")
 _MIN_PART_BYTES = 5 * MIB  # S3's minimum size of every part but the last
 _CONFLICT_ATTEMPTS = 8  # 409s and create/delete races: back off and try again
+# A response body that breaks off while it is read; botocore does not retry these.
+_BODY_ERRORS = (ResponseStreamingError, IncompleteReadError, ReadTimeoutError, ConnectionClosedError, Urllib3Error)
 
 
 class S3Store(Store):
@@ -76,6 +84,7 @@ class S3Store(Store):
         session_token: str | None = None,
         checksum_mode: str = "when_required",
         max_attempts: int = 8,
+        read_attempts: int = 5,
         multipart_threshold_bytes: int = 8 * MIB,
         part_size_bytes: int = 8 * MIB,
     ) -> None:
@@ -86,8 +95,9 @@ class S3Store(Store):
             raise BadInput(f"S3 checksum mode {checksum_mode!r} is unknown; use one of {', '.join(CHECKSUM_MODES)}")
         if part_size_bytes < _MIN_PART_BYTES:
             raise BadInput(f"S3 part size {part_size_bytes} bytes is below S3's minimum of {_MIN_PART_BYTES}")
-        if max_attempts < 1:
-            raise BadInput(f"S3 max_attempts must be at least 1, not {max_attempts}")
+        if max_attempts < 1 or read_attempts < 1:
+            raise BadInput(f"S3 max_attempts and read_attempts must be at least 1, not {max_attempts}, {read_attempts}")
+        self.read_attempts = read_attempts
         self.endpoint_url = endpoint_url
         self.region = region
         self._credentials = {
@@ -210,13 +220,19 @@ class S3Store(Store):
                     raise _file_mismatch(path, digest.hexdigest(), sha256, key)
 
                 def complete() -> None:
-                    client.complete_multipart_upload(
-                        Bucket=self.bucket,
-                        Key=full,
-                        UploadId=upload_id,
-                        MultipartUpload={"Parts": parts},
-                        IfNoneMatch="*",
-                    )
+                    try:
+                        client.complete_multipart_upload(
+                            Bucket=self.bucket,
+                            Key=full,
+                            UploadId=upload_id,
+                            MultipartUpload={"Parts": parts},
+                            IfNoneMatch="*",
+                        )
+                    except ClientError as e:
+                        # A retry after a lost answer finds the upload gone: did it create our object?
+                        if error_code(e) == "NoSuchUpload" and (info := self.stat(key)) and info.sha256 == sha256:
+                            return
+                        raise
 
                 completed = self._create_once(key, sha256, complete)
                 return completed
@@ -249,21 +265,35 @@ class S3Store(Store):
                 Bucket=self.bucket, Key=self._full(key), Body=data, Metadata={"sha256": sha256_bytes(data)}
             )
 
+    def _read_retrying(self, key: str, read: Callable[[dict], Any]) -> tuple[dict, Any]:
+        """GET `key` and `read(response)`; repeat the GET when the body breaks off (bounded)."""
+        for attempt in range(1, self.read_attempts + 1):
+            with self._errors("get", key):
+                # One GET returns bytes and metadata together, so they belong to the same version.
+                resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key))
+                try:
+                    return resp, read(resp)
+                except _BODY_ERRORS:
+                    resp["Body"].close()
+                    if attempt == self.read_attempts:
+                        raise
+            time.sleep(min(0.1 * 2**attempt, 2.0))
+        raise AssertionError("unreachable")
+
     def get_file(self, key: str, dest_path: str | Path, sha256: str | None = None) -> None:
         if sha256 is not None:
             validate_sha256(sha256)
-        with self._errors("get", key):
-            # One GET returns bytes and metadata together, so they belong to the same version.
-            resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key))
+
+        def read(resp: dict) -> None:
             expected = sha256 or resp.get("Metadata", {}).get("sha256")
             write_verified(key, resp["Body"].iter_chunks(CHUNK_BYTES), dest_path, expected)
+
+        self._read_retrying(key, read)
 
     def get_bytes(self, key: str, sha256: str | None = None) -> bytes:
         if sha256 is not None:
             validate_sha256(sha256)
-        with self._errors("get", key):
-            resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key))
-            data = resp["Body"].read()
+        resp, data = self._read_retrying(key, lambda resp: resp["Body"].read())
         check_digest(key, sha256_bytes(data), sha256 or resp.get("Metadata", {}).get("sha256"))
         return data
 

@@ -32,9 +32,11 @@ def blocks(prefect_server, s3_server):
     return {"store": f"store-{name}", "recipe": f"recipe-{name}", "bucket": bucket}
 
 
-def test_export_from_blocks_keeps_the_secret_out(kiln, blocks, prefect_server, s3_server, tmp_path):
+def test_export_from_blocks_keeps_the_secret_out(kiln, blocks, prefect_server, s3_server, signing_key_env,
+                                                 tmp_path):
     report = tmp_path / "r.json"
-    env = {"PREFECT_API_URL": prefect_server, "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}
+    env = {"PREFECT_API_URL": prefect_server, "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "",
+           **signing_key_env}
     run = kiln("export", "--model", "tiny", "--tp", "2", "--store-block", blocks["store"],
                "--recipe-block", blocks["recipe"], "--set", "verify_atol=0.01", "--report", str(report), env=env)
     assert run.code == 0, run.err[-3000:]
@@ -47,7 +49,7 @@ def test_export_from_blocks_keeps_the_secret_out(kiln, blocks, prefect_server, s
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=blocks["bucket"])["Contents"]]
     assert sum(k.endswith(".pt2") for k in keys) == 2 and any(k.endswith("manifest.json") for k in keys)
     for text in (run.out, run.err, report.read_text()):
-        assert SECRET not in text
+        assert SECRET not in text and signing_key_env["KILN_SIGNING_KEY"] not in text
 
 
 def test_missing_block_is_bad_input(kiln, prefect_server, tmp_path):

@@ -18,11 +18,11 @@ def dask_cluster(kiln_env, prefect_server, s3_server, tmp_path_factory):
     cluster.stop()
 
 
-def test_export_on_an_existing_cluster(kiln, dask_cluster, prefect_server, s3_bucket, tmp_path):
+def test_export_on_an_existing_cluster(kiln, dask_cluster, prefect_server, s3_bucket, signing_key_env, tmp_path):
     aws = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
     report = tmp_path / "r.json"
     run = kiln("export", "--dask", dask_cluster, "--tp", "2", "--buckets", "1x8,2x8", "--store", s3_bucket,
-               "--report", str(report), env={**aws, "PREFECT_API_URL": prefect_server})
+               "--report", str(report), env={**aws, **signing_key_env, "PREFECT_API_URL": prefect_server})
     assert run.code == 0, run.err[-3000:]
     r = json.loads(report.read_text())
     assert {h["name"]: h["ranks"] for h in r["hosts"]} == {"host-a": [0], "host-b": [1]}

@@ -39,6 +39,23 @@ def test_cold_export_compiles_each_bucket_once(exported):
     assert host["ranks"] == [0, 1] and host["workers"] >= 1
     assert all(f["compiled_by"] == host["name"] and f["compile_s"] > 0 for f in r["forwards"])
     assert r["gate"]["decision"] == "compile" and r["gate"]["policy"] == "borrow"
+    assert all(f["compile_attempts"] == 1 for f in r["forwards"])
+
+
+def test_quick_start_signs_with_the_local_development_key(exported, kiln_env):
+    r = exported["cold_report"]
+    key_file = Path(kiln_env["KILN_HOME"]) / "keys" / "dev-signing.key"
+    assert r["signing"]["signed"] is True and r["signing"]["source"] == "dev"
+    # Created by the first export of the session's KILN_HOME (this one, unless another test ran first).
+    assert f"from the local development key {key_file}" in exported["cold"].err and key_file.is_file()
+    assert "(created now)" not in exported["warm"].err and "kiln keygen DIR" in exported["warm"].err
+    assert f"signed: yes, {r['signing']['key_fingerprint']}" in exported["cold"].out
+    root = Path(exported["store"].removeprefix("file://"))
+    manifest = json.loads((root / r["manifest"]).read_text())
+    sig = json.loads((root / r["signing"]["signature"]).read_text())
+    assert manifest["signing"] == {"signed": True, "key_fingerprint": r["signing"]["key_fingerprint"]}
+    assert sig["key_fingerprint"] == r["signing"]["key_fingerprint"]
+    assert exported["warm_report"]["signing"]["key_fingerprint"] == r["signing"]["key_fingerprint"]
 
 
 def test_tune_phase_reports_why_cpu_forwards_are_not_tuned(exported):
@@ -85,7 +102,8 @@ def test_verify_runs_all_ranks_against_unsharded(kiln, exported):
     r = exported["cold_report"]
     v = kiln("verify", "--store", exported["store"], r["export_id"])
     assert v.code == 0, v.err[-3000:]
-    assert "sha256 ok for 4 artifact(s)" in v.out
+    assert f"signature ok: signed by {r['signing']['key_fingerprint']}" in v.out
+    assert "sha256 ok for 4 artifact(s)" in v.out and "runtime input checks on" in v.out
     assert v.out.count("2 ranks together vs unsharded eager") == 4
     assert "verify ok" in v.out
 
@@ -105,6 +123,24 @@ def test_verify_refuses_a_tampered_artifact(kiln, exported):
     assert v.code == 1
     assert r["forwards"][0]["object"] in v.err or r["forwards"][0]["key"] in v.err
     assert "Traceback" not in v.err and "verify ok" not in v.out
+
+
+def test_verify_refuses_a_manifest_changed_after_signing(kiln, exported):
+    from kiln.store import open_store
+
+    r = exported["cold_report"]
+    store = open_store(exported["store"])
+    good = store.get_json(r["manifest"])
+    forged = json.loads(json.dumps(good))
+    forged["recipe"]["verify_atol"] = 1.0  # through the store's own API: its digests stay consistent
+    try:
+        store.put_json(r["manifest"], forged, overwrite=True)
+        v = kiln("verify", "--store", exported["store"], r["export_id"])
+    finally:
+        store.put_json(r["manifest"], good, overwrite=True)
+    assert v.code == 1, v.err[-2000:]
+    assert "changed after it was signed" in v.err and "Traceback" not in v.err
+    assert "sha256 ok" not in v.out and "ranks together" not in v.out
 
 
 def test_plan_prints_the_decision_without_compiling(kiln, exported, tmp_path):

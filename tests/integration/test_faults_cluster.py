@@ -24,7 +24,7 @@ def _objects(url: str) -> dict[str, bytes]:
 
 
 def test_host_lost_mid_compile_hands_its_keys_to_the_others(kiln, kiln_env, prefect_server, s3_server,
-                                                            s3_bucket, tmp_path):
+                                                            s3_bucket, signing_key_env, tmp_path):
     # host-b's worker (no nanny: nothing restarts it) kills itself right after its first upload.
     cluster = DaskCluster(cluster_env(kiln_env, prefect_server, s3_server.endpoint_url),
                           {"host-a": {}, "host-b": {"KILN_FAULT_DIE_AFTER_UPLOADS": "1"}}, tmp_path, nanny=False)
@@ -32,7 +32,8 @@ def test_host_lost_mid_compile_hands_its_keys_to_the_others(kiln, kiln_env, pref
         report = tmp_path / "r.json"
         aws = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
         run = kiln("export", "--dask", cluster.address, "--tp", "2", "--buckets", "1x8,2x8,4x8,8x8",
-                   "--store", s3_bucket, "--report", str(report), env={**aws, "PREFECT_API_URL": prefect_server})
+                   "--store", s3_bucket, "--report", str(report),
+                   env={**aws, **signing_key_env, "PREFECT_API_URL": prefect_server})
         assert cluster.workers["host-b"].poll() is not None, "the fault did not fire"
     finally:
         cluster.stop()
@@ -51,13 +52,13 @@ def test_host_lost_mid_compile_hands_its_keys_to_the_others(kiln, kiln_env, pref
         assert hashlib.sha256(objects[f"{s3_bucket.split('/', 3)[3]}/{f['object']}"]).hexdigest() == f["sha256"]
 
 
-def test_two_exports_at_once_compile_each_key_once(kiln, s3_bucket, tmp_path):
+def test_two_exports_at_once_compile_each_key_once(kiln, s3_bucket, signing_key_env, tmp_path):
     """Each export talks to its own embedded Prefect API, so only the store's leases keep them apart."""
     aws = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
     args = ["export", "--model", "tiny", "--tp", "2", "--buckets", "1x8,2x8,4x8", "--store", s3_bucket]
 
     def one(i: int):
-        env = {**aws, "PREFECT_HOME": str(tmp_path / f"prefect{i}")}
+        env = {**aws, **signing_key_env, "PREFECT_HOME": str(tmp_path / f"prefect{i}")}
         return kiln(*args, "--report", str(tmp_path / f"r{i}.json"), env=env)
 
     with cf.ThreadPoolExecutor(2) as pool:  # two CLI processes; the threads only wait for them

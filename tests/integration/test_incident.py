@@ -23,9 +23,9 @@ INCIDENT = ["--hosts", "3", "--tp", "3", "--buckets", "1x8,2x8,4x8,8x8",
 
 
 @pytest.fixture
-def cluster_env(prefect_server, s3_bucket) -> dict:
+def cluster_env(prefect_server, s3_bucket, signing_key_env) -> dict:
     aws = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
-    return {**aws, "PREFECT_API_URL": prefect_server}
+    return {**aws, **signing_key_env, "PREFECT_API_URL": prefect_server}
 
 
 def stored_forwards(url: str) -> list[str]:
