@@ -172,15 +172,20 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
 
 
 def _store_ledger_picture(report: Report, job: ExportJob) -> bytes | None:
-    """Draw the memory ledger and store it with the export (the summary links it); returns the PNG."""
+    """Draw the memory ledger; store it with the export (the summary links it) once compilation began.
+
+    An export that stopped before compiling (bad input, a refusal, a full
+    cache) leaves the store untouched: its picture is only shown in the run.
+    """
     try:
         png = ledger_plot.draw(list(report.hosts.values()), title=f"memory ledger of {report.export_id}")
-        key = ledger_plot.ledger_key(report.export_id, png)
-        phases.hostwork.store_of(job).put_bytes(key, png)
-        report.ledger_picture = key
+        if any(p["name"] == "compile" for p in report.phases):
+            key = ledger_plot.ledger_key(report.export_id, png)
+            phases.hostwork.store_of(job).put_bytes(key, png)
+            report.ledger_picture = key
         return png
     except Exception as exc:  # a picture is a convenience; never fail an export over it
-        get_run_logger().warning("could not store the memory ledger picture: %s", exc)
+        get_run_logger().warning("could not draw or store the memory ledger picture: %s", exc)
         return None
 
 
@@ -195,8 +200,9 @@ def _publish(report: Report, picture: bytes | None = None) -> None:
         if report.manifest:
             create_link_artifact(f"{report.store.rstrip('/')}/{report.manifest}", link_text="manifest",
                                  description="The export's manifest in the store")
-        if picture and report.ledger_picture:
-            create_markdown_artifact(ledger_plot.markdown(picture, f"{report.store.rstrip('/')}/{report.ledger_picture}"),
+        if picture:
+            url = f"{report.store.rstrip('/')}/{report.ledger_picture}" if report.ledger_picture else None
+            create_markdown_artifact(ledger_plot.markdown(picture, url),
                                      key=f"{key}-memory"[:200], description="Memory ledger, drawn")
     except Exception as exc:  # artifacts are a convenience; never fail an export over them
         get_run_logger().warning("could not publish Prefect artifacts: %s", exc)

@@ -156,14 +156,20 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
         return spec, str(local_path(host, spec["key"]))
 
     waiting = list(specs)
-    with CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
-        while waiting:
-            mine = [s for s in waiting if not store.exists(artifact_key(s["key"])) and leases.acquire(s["key"])]
-            waiting = [s for s in waiting if s not in mine and not store.exists(artifact_key(s["key"]))]
-            if mine:
-                pool.run([job_of(s) for s in mine], upload)
-            elif waiting:
-                time.sleep(2.0)  # another export holds these keys: wait for its uploads or its lease to lapse
+    mine: list[dict] = []
+    try:
+        with CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
+            while waiting:
+                mine = [s for s in waiting if not store.exists(artifact_key(s["key"])) and leases.acquire(s["key"])]
+                waiting = [s for s in waiting if s not in mine and not store.exists(artifact_key(s["key"]))]
+                if mine:
+                    pool.run([job_of(s) for s in mine], upload)
+                elif waiting:
+                    time.sleep(2.0)  # another export holds these keys: wait for its uploads or its lease to lapse
+    except BaseException:
+        for s in mine:  # a failed compile frees its keys at once, not after the lease's TTL
+            leases.release(s["key"])
+        raise
     return uploaded
 
 

@@ -61,8 +61,9 @@ def draw(hosts: list[dict], *, title: str = "memory ledger") -> bytes:
     return buf.getvalue()
 
 
-def markdown(png: bytes, url: str) -> str:
+def markdown(png: bytes, url: str | None) -> str:
     """A markdown page showing the picture inline (a data URI, so no store access is needed) and its address."""
     data = base64.b64encode(png).decode("ascii")
-    return (f"# Memory ledger\n\nEvery host's memory at every phase boundary (MiB). Stored at [{url}]({url}).\n\n"
+    where = f" Stored at [{url}]({url})." if url else " Not stored: the export stopped before writing anything."
+    return (f"# Memory ledger\n\nEvery host's memory at every phase boundary (MiB).{where}\n\n"
             f"![memory ledger](data:image/png;base64,{data})\n")
