@@ -44,7 +44,7 @@ def test_export_completes_when_a_worker_dies_after_writing_its_package(kiln, tmp
 
 
 def test_a_forward_that_keeps_killing_its_worker_fails_naming_it_and_keeps_the_rest(kiln, tmp_path):
-    run, r, store = run_export(kiln, tmp_path, "2x8:9", "--set", "max_compile_attempts=2")
+    run, r, store = run_export(kiln, tmp_path, "2x8:9", "--set", "max_compile_attempts=2", "--set", "flow_retries=0")
     assert run.code == 1, run.err[-3000:]
     assert len(fired(tmp_path / "markers")) == 2  # bounded by max_compile_attempts
     assert "(2x8) killed its compile worker 2 times (max_compile_attempts=2" in run.err
@@ -56,4 +56,4 @@ def test_a_forward_that_keeps_killing_its_worker_fails_naming_it_and_keeps_the_r
     stored = store_api.list("forwards/")
     assert len(stored) == 1 and killed not in stored[0]
     store_api.get_bytes(stored[0])  # verified against its recorded sha256
-    assert store_api.list("exports/") == []  # no manifest for a failed export
+    assert not [k for k in store_api.list("exports/") if k.endswith("manifest.json")]  # none for a failed export
