@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: setup export test test-fast bench clean
+.PHONY: setup export test test-fast bench bench-quick clean
 
 setup: $(VENV)/.installed
 
@@ -23,7 +23,10 @@ test-fast: setup
 	$(BIN)/pytest -q -rs -m "not slow"
 
 bench: setup
-	$(BIN)/python bench/export_vs_loop.py
+	$(BIN)/kiln bench
+
+bench-quick: setup
+	$(BIN)/kiln bench --quick
 
 clean:
 	rm -rf .kiln report.json
