@@ -32,13 +32,16 @@ class Settings:
     hosts_tp: int = 3
     """Hosts (one rank each) of the fail-fast and borrow layouts."""
     reps: int = 3
-    """Repetitions of the cheap measurements (store transfers, Prefect start-up)."""
+    """Repetitions of the Prefect start-up measurement (a no-op flow with and without a server)."""
+    store_reps: int = 5
+    """Repetitions of the store transfers (a few seconds each)."""
     store_file_mib: tuple[int, ...] = (8, 16, 24, 32)
 
     @classmethod
     def for_mode(cls, quick: bool) -> "Settings":
         if quick:
-            return cls(quick=True, buckets="1x8", borrow_buckets="1x8,2x8,4x8", reps=1, store_file_mib=(8, 16))
+            return cls(quick=True, buckets="1x8", borrow_buckets="1x8,2x8,4x8", reps=1, store_reps=1,
+                       store_file_mib=(8, 16))
         eight = "1x8,2x8,4x8,8x8,1x32,2x32,4x32,8x32"
         return cls(quick=False, buckets=eight, borrow_buckets=eight)
 
@@ -48,8 +51,8 @@ class Settings:
 
     def to_dict(self) -> dict:
         return {"quick": self.quick, "buckets": self.buckets, "num_buckets": self.num_buckets,
-                "borrow_buckets": self.borrow_buckets, "tp": self.tp,
-                "hosts_tp": self.hosts_tp, "reps": self.reps, "store_file_mib": list(self.store_file_mib)}
+                "borrow_buckets": self.borrow_buckets, "tp": self.tp, "hosts_tp": self.hosts_tp, "reps": self.reps,
+                "store_reps": self.store_reps, "store_file_mib": list(self.store_file_mib)}
 
 
 def precompiled_headers_ready() -> bool:
