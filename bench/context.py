@@ -94,20 +94,21 @@ class Context:
         """One throw-away compile, so no cold measurement pays machine-wide one-time costs.
 
         It builds Inductor's precompiled headers if they are missing (~50 s once per
-        machine) and brings torch, g++ and their headers into the page cache. The
-        full suite also runs one flow on the embedded API so its database exists.
+        machine) and brings torch, g++ and their headers into the page cache; quick
+        mode skips it when the headers exist. Then one flow on the embedded API, so
+        its database exists before any measured run.
         """
         def make() -> bool:
             if self.s.quick and precompiled_headers_ready():
-                self.notes["warm-up"] = "quick: skipped (precompiled headers already built)"
-                return True
-            first = self.s.buckets.split(",")[0]
-            self.work.run("warm-up-compile", [PYTHON, "-m", "bench.loop", "--model", self.model, "--tp", str(self.s.tp),
-                                              "--buckets", first, "--out", str(self.work.path("warm-up", "out")),
-                                              "--json", str(self.work.path("warm-up", "loop.json"))],
-                          self.work.env(inductor="warm-up", kiln_home="warm-up/home")).expect(0)
-            if not self.s.quick:
-                self.work.run("warm-up-embedded-api", [PYTHON, "-m", "bench.noop_flow"],
-                              self.work.env(inductor=None, kiln_home="warm-up/home")).expect(0)
+                self.notes["warm-up"] = "quick: no warm-up compile (precompiled headers already built)"
+            else:
+                first = self.s.buckets.split(",")[0]
+                self.work.run("warm-up-compile",
+                              [PYTHON, "-m", "bench.loop", "--model", self.model, "--tp", str(self.s.tp),
+                               "--buckets", first, "--out", str(self.work.path("warm-up", "out")),
+                               "--json", str(self.work.path("warm-up", "loop.json"))],
+                              self.work.env(inductor="warm-up", kiln_home="warm-up/home")).expect(0)
+            self.work.run("warm-up-embedded-api", [PYTHON, "-m", "bench.noop_flow"],
+                          self.work.env(inductor=None, kiln_home="warm-up/home")).expect(0)
             return True
         self.once("warm-up", make)
