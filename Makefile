@@ -6,7 +6,7 @@ PYTHON ?= python3
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup test-setup export test test-fast bench bench-tuning clean
+.PHONY: setup test-setup export test test-fast bench bench-quick bench-tuning clean
 
 setup: $(VENV)/.installed
 
@@ -36,7 +36,10 @@ test-fast: setup
 	$(BIN)/pytest -q -rs -m "not slow"
 
 bench: setup
-	$(BIN)/python bench/export_vs_loop.py
+	$(BIN)/kiln bench
+
+bench-quick: setup
+	$(BIN)/kiln bench --quick
 
 bench-tuning: setup
 	$(BIN)/python bench/tuning.py

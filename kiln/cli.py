@@ -1,4 +1,4 @@
-"""`kiln`: export, serve, plan, verify, checkpoint and keygen.
+"""`kiln`: export, serve, plan, verify, checkpoint, keygen and bench.
 
 Every input is checked before Prefect starts or anything is written, so bad
 input exits with code 2 in about a second. Exit codes: 0 done, 2 bad input,
@@ -165,6 +165,11 @@ def cmd_checkpoint(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from bench.suite import run_suite
+    return run_suite(args.parts, quick=args.quick, out_dir=args.out, keep=args.keep)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kiln", description="Fail-fast multi-host AOTInductor export on Prefect.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -213,6 +218,13 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--shards", type=int, default=1)
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(func=cmd_checkpoint)
+    b = sub.add_parser("bench", help="run the benchmark suite (or named parts); write bench/results/<stamp>.*")
+    b.add_argument("parts", nargs="*", metavar="PART", help="fail_fast, compile_efficiency, pool_vs_loop, dedup, "
+                   "warm_cold, overhead, store, borrow, gate_scale (default: all)")
+    b.add_argument("--quick", action="store_true", help="fewer buckets, one repetition, no borrow part (minutes)")
+    b.add_argument("--out", help="results directory (default: bench/results)")
+    b.add_argument("--keep", action="store_true", help="keep the work directory (logs, stores, caches)")
+    b.set_defaults(func=cmd_bench)
     return p
 
 

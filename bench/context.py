@@ -1,0 +1,114 @@
+"""What every part of one suite run shares: settings, the work directory and measurements made once."""
+
+from __future__ import annotations
+
+import getpass
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from bench.runs import PYTHON, Workdir
+
+# The incident of BACKGROUND.md on local hosts: one rank per host, two hosts short of one worker.
+INCIDENT_SETTINGS = ["headroom_floor_mib=8192", "recipe_headroom_mib=1024", "worker_host_mib=2048",
+                     "worker_device_mib=2048", "unified_memory=true"]
+INCIDENT_ASSUME = ["host-1=12038", "host-2=11939"]
+DEFAULT_COMPILE_S = 20.0
+"""Per-forward compile seconds when this run measured none (DESIGN.md: 17-30 s cold on 2 cores)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Sizes of one suite run; `quick` shrinks them to fit in a few minutes."""
+
+    quick: bool
+    buckets: str
+    """Buckets of the single-host exports and the fail-fast runs: 8 for the full suite."""
+    borrow_buckets: str
+    """Buckets of the borrow runs: at least one per host, so that all three can compile."""
+    tp: int = 2
+    """Tensor-parallel degree of the single-host exports."""
+    hosts_tp: int = 3
+    """Hosts (one rank each) of the fail-fast and borrow layouts."""
+    reps: int = 3
+    """Repetitions of the Prefect start-up measurement (a no-op flow with and without a server)."""
+    store_reps: int = 5
+    """Repetitions of the store transfers (a few seconds each)."""
+    store_file_mib: tuple[int, ...] = (8, 16, 24, 32)
+
+    @classmethod
+    def for_mode(cls, quick: bool) -> "Settings":
+        if quick:
+            return cls(quick=True, buckets="1x8", borrow_buckets="1x8,2x8,4x8", reps=1, store_reps=1,
+                       store_file_mib=(8, 16))
+        eight = "1x8,2x8,4x8,8x8,1x32,2x32,4x32,8x32"
+        return cls(quick=False, buckets=eight, borrow_buckets=eight)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets.split(","))
+
+    def to_dict(self) -> dict:
+        return {"quick": self.quick, "buckets": self.buckets, "num_buckets": self.num_buckets,
+                "borrow_buckets": self.borrow_buckets, "tp": self.tp, "hosts_tp": self.hosts_tp, "reps": self.reps,
+                "store_reps": self.store_reps, "store_file_mib": list(self.store_file_mib)}
+
+
+def precompiled_headers_ready() -> bool:
+    """Whether Inductor's machine-wide precompiled headers exist (its default cache dir, not ours)."""
+    d = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}" / "precompiled_headers"
+    return d.exists() and any(d.rglob("*.gch"))
+
+
+class Context:
+    """Settings, work directory and the measurements several parts share (each made at most once)."""
+
+    def __init__(self, work: Workdir, settings: Settings):
+        self.work = work
+        self.s = settings
+        self._once: dict[str, object] = {}
+        self.notes: dict[str, str] = {}
+
+    def once(self, name: str, make: Callable[[], object]):
+        if name not in self._once:
+            self._once[name] = make()
+        return self._once[name]
+
+    def has(self, name: str) -> bool:
+        return name in self._once
+
+    @property
+    def model(self) -> str:
+        """The bundled tiny checkpoint, written once for the suite (not charged to any run)."""
+        def make() -> str:
+            home = self.work.path("model")
+            code = ("import sys; from kiln.checkpoint import tiny_checkpoint; "
+                    "print(tiny_checkpoint(sys.argv[1]))")
+            self.work.run("setup-model", [PYTHON, "-c", code, str(home)],
+                          self.work.env(inductor=None, kiln_home="model")).expect(0)
+            return str(home / "models" / "tiny")
+        return self.once("model", make)
+
+    def warm_up(self) -> None:
+        """One throw-away compile, so no cold measurement pays machine-wide one-time costs.
+
+        It builds Inductor's precompiled headers if they are missing (~50 s once per
+        machine) and brings torch, g++ and their headers into the page cache; quick
+        mode skips it when the headers exist. Then one flow on the embedded API, so
+        its database exists before any measured run.
+        """
+        def make() -> bool:
+            if self.s.quick and precompiled_headers_ready():
+                self.notes["warm-up"] = "quick: no warm-up compile (precompiled headers already built)"
+            else:
+                first = self.s.buckets.split(",")[0]
+                self.work.run("warm-up-compile",
+                              [PYTHON, "-m", "bench.loop", "--model", self.model, "--tp", str(self.s.tp),
+                               "--buckets", first, "--out", str(self.work.path("warm-up", "out")),
+                               "--json", str(self.work.path("warm-up", "loop.json"))],
+                              self.work.env(inductor="warm-up", kiln_home="warm-up/home")).expect(0)
+            self.work.run("warm-up-embedded-api", [PYTHON, "-m", "bench.noop_flow"],
+                          self.work.env(inductor=None, kiln_home="warm-up/home")).expect(0)
+            return True
+        self.once("warm-up", make)

@@ -1,0 +1,92 @@
+"""The export without Prefect: the same phases, compile pool and store, driven by a plain script.
+
+`python -m bench.direct --model DIR --tp N --buckets ... --store URL --json FILE`
+
+Kiln's overhead is `kiln export` against this: both probe, plan KV, run the
+gate, compile in the same `CompilePool` (through `kiln.hostwork`), check the
+outcome, fetch and verify every rank against eager, and write the manifest to
+the same kind of store; this script does it in one process on one host, with
+no flow, no tasks, no API server and no artifacts.
+"""
+
+from __future__ import annotations
+
+import time
+
+_START = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.direct")
+    p.add_argument("--model", required=True)
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--buckets", required=True)
+    p.add_argument("--store", required=True)
+    p.add_argument("--json", required=True)
+    args = p.parse_args(argv)
+
+    from kiln import hostwork, planning, probe
+    from kiln.keys import artifact_key, manifest_key
+    from kiln.manifest import build_manifest
+    from kiln.params import ExportParams, default_host_names, prepare
+
+    phases: dict[str, float] = {}
+    ledger: list[dict] = []
+    params = ExportParams(model=args.model, tp=args.tp, buckets=args.buckets, store=args.store,
+                          export_id=f"bench-direct-{int(time.time())}")
+    job, hosts = prepare(params, host_names=default_host_names(params))
+    (host,) = hosts
+    store = hostwork.store_of(job)
+
+    def phase(name: str, started: float) -> None:
+        phases[name] = time.perf_counter() - started
+        ledger.append({"phase": name, **probe.memory_snapshot()})
+
+    t = time.perf_counter()
+    probes = [hostwork.probe_host(job, host)]
+    phase("probe", t)
+    t = time.perf_counter()
+    reports = planning.host_reports(job, probes)
+    kv = planning.kv_plan(job, reports)
+    phase("kv-plan", t)
+    t = time.perf_counter()
+    plan = planning.run_gate(job, probes, kv)
+    phase("gate", t)
+    specs = {s["key"]: s for s in probes[0]["specs"]}
+    t = time.perf_counter()
+    hp = plan.hosts[host.name]
+    compiled = {e["key"]: e for e in hostwork.compile_on_host(job, host, [specs[k] for k in hp.compile], hp.workers)}
+    phase("compile", t)
+    t = time.perf_counter()
+    stored = {k: store.stat(artifact_key(k)) for k in specs}
+    missing = [k for k, info in stored.items() if info is None or not info.sha256]
+    if missing:
+        raise SystemExit(f"{len(missing)} forward(s) missing from the store after compilation")
+    phase("outcome-check", t)
+    forwards = [{"key": k, "bucket": s["bucket"], "target": s["target"], "sha256": stored[k].sha256,
+                 "size_bytes": stored[k].size_bytes, "object": artifact_key(k)} for k, s in sorted(specs.items())]
+    t = time.perf_counter()
+    hostwork.fetch_missing(job, host, forwards)
+    diffs = hostwork.check_ranks(job, host, forwards)
+    if max(diffs.values(), default=0.0) > job.recipe.verify_atol:
+        raise SystemExit(f"a compiled forward differs from eager: {diffs}")
+    phase("share-verify", t)
+    t = time.perf_counter()
+    manifest = build_manifest(export_id=job.export_id, model={"name": job.model_name, "checkpoint": job.checkpoint},
+                              recipe=job.recipe.to_dict(), tp=job.tp, buckets=[str(b) for b in job.recipe.buckets],
+                              forwards=forwards, kv_plan=kv, hosts=[{"name": host.name, "memory": ledger}],
+                              phases=[{"name": n, "duration_s": s} for n, s in phases.items()])
+    store.put_json(manifest_key(job.export_id), manifest, overwrite=True)
+    phase("manifest", t)
+    Path(args.json).write_text(json.dumps({
+        "phases_s": phases, "workers": hp.workers, "compiled": len(compiled),
+        "per_forward_compile_s": {specs[k]["bucket"]: e["compile_s"] for k, e in compiled.items()},
+        "in_process_s": time.perf_counter() - _START}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

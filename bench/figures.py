@@ -1,0 +1,155 @@
+"""The suite's figures: names, targets, ratio arithmetic and the markdown table. Pure.
+
+Every figure is a ratio of two things measured side by side in the same run
+(or, for `gate_scale_s`, the gate's own run time). No torch, prefect or boto3
+import: this module is unit-tested on plain numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    """A figure's target: `value OP bound`, e.g. fail_fast_ratio <= 0.1."""
+
+    op: str
+    """One of '<=', '<', '>=', '=='."""
+    bound: float
+
+    def met(self, value: float | None) -> bool | None:
+        """True or False; None when there is no finite value to judge."""
+        if value is None or not math.isfinite(value):
+            return None
+        if self.op == "<=":
+            return value <= self.bound
+        if self.op == "<":
+            return value < self.bound
+        if self.op == ">=":
+            return value >= self.bound
+        if self.op == "==":
+            return math.isclose(value, self.bound, rel_tol=1e-9, abs_tol=1e-12)
+        raise ValueError(f"unknown target operator {self.op!r}")
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.bound:g}"
+
+
+# name -> (part, what the figure compares); the order is the table's order.
+FIGURES: dict[str, tuple[str, str]] = {
+    "fail_fast_ratio": ("fail_fast", "refused export, start to exit / compile-first baseline, start to failed check"),
+    "fail_fast_ratio_no_startup": ("fail_fast", "refused run's probe..gate phases / baseline's probe..failed check"),
+    "compile_efficiency": ("compile_efficiency", "(sum of per-forward compile s / workers used) / compile-phase wall"),
+    "pool_vs_loop_ratio": ("pool_vs_loop", "cold `kiln export` wall / plain one-process compile loop wall"),
+    "pool_vs_loop_compile_ratio": ("pool_vs_loop", "cold export's compile phase / the loop's compile time"),
+    "dedup_ratio": ("dedup", "forwards compiled / (tp x buckets)"),
+    "warm_cold_ratio": ("warm_cold", "warm re-export wall / cold export wall (embedded API both)"),
+    "warm_cold_ratio_no_startup": ("warm_cold", "the same, less the embedded API start-up on both sides"),
+    "overhead_ratio": ("overhead", "cold `kiln export` (embedded API) / plain script, same pool and store"),
+    "overhead_ratio_no_startup": ("overhead", "the same, less the embedded API start-up"),
+    "store_upload_ratio": ("store", "Kiln S3Store.put_file MiB/s / boto3 upload_file MiB/s (median of pairs)"),
+    "store_download_ratio": ("store", "Kiln S3Store.get_file MiB/s / boto3 download_file MiB/s (median of pairs)"),
+    "borrow_ratio": ("borrow", "compile phase: one host compiles for all / all three compile"),
+    "borrow_export_ratio": ("borrow", "whole export: one host compiles for all / all three compile"),
+    "borrow_predicted_vs_measured": ("borrow", "gate's predicted compile s / measured compile phase (lending run)"),
+    "gate_scale_s": ("gate_scale", "gate run time, 64 hosts x 8 ranks x 67 buckets (median of 5), seconds"),
+    "gate_scale_predicted_s": ("gate_scale", "gate's predicted compile wall for that layout, seconds"),
+}
+
+TARGETS: dict[str, Target] = {
+    "fail_fast_ratio": Target("<=", 0.1),
+    "compile_efficiency": Target(">=", 0.85),
+    "pool_vs_loop_ratio": Target("<", 1.0),
+    "warm_cold_ratio": Target("<=", 0.1),
+    "overhead_ratio": Target("<=", 1.15),
+    "store_upload_ratio": Target(">=", 0.9),
+    "store_download_ratio": Target(">=", 0.9),
+    "gate_scale_s": Target("<", 1.0),
+}
+
+
+def targets_for(tp: int | None) -> dict[str, Target]:
+    """The targets of this run: dedup's depends on the tp the export used (1/tp)."""
+    out = dict(TARGETS)
+    if tp:
+        out["dedup_ratio"] = Target("==", 1.0 / tp)
+    return out
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, or None when either is missing or the denominator is not > 0."""
+    if numerator is None or denominator is None or not denominator > 0:
+        return None
+    value = numerator / denominator
+    return value if math.isfinite(value) else None
+
+
+def median(values: list[float]) -> float | None:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.median(vals) if vals else None
+
+
+def less(total: float | None, fixed: float | None) -> float | None:
+    """`total` without a fixed cost, never below zero (None when either is unknown)."""
+    if total is None or fixed is None:
+        return None
+    return max(0.0, total - fixed)
+
+
+def compile_efficiency(compile_s: list[float], workers: int, phase_wall_s: float) -> dict:
+    """Ideal compile wall (sum of per-forward seconds over the workers used) against the measured one."""
+    ideal = sum(compile_s) / workers if workers > 0 else None
+    return {"ideal_s": ideal, "phase_wall_s": phase_wall_s, "efficiency": ratio(ideal, phase_wall_s)}
+
+
+def throughput_mib_s(num_bytes: int, seconds: float) -> float | None:
+    return ratio(num_bytes / 2**20, seconds)
+
+
+def round_floats(obj, digits: int = 4):
+    """Round every float in a JSON-like structure (results stay readable)."""
+    if isinstance(obj, float):
+        return round(obj, digits) if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: round_floats(v, digits) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [round_floats(v, digits) for v in obj]
+    return obj
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+def render_markdown(result: dict) -> str:
+    """The results table: every figure with its target and whether it was met, then notes and load."""
+    figures = result.get("figures", {})
+    targets = {n: Target(t["op"], t["bound"]) for n, t in result.get("targets", {}).items()}
+    m = result.get("machine", {})
+    lines = [f"# Kiln bench {result.get('stamp', '')} ({result.get('mode', '')})", "",
+             f"Parts: {', '.join(result.get('parts', []))}. Suite wall time: {_fmt(result.get('suite_s'))} s. "
+             f"Machine: {m.get('cpus', '?')} CPUs, load average {_fmt(m.get('load_start'))} at start, "
+             f"{_fmt(m.get('load_mean'))} mean / {_fmt(m.get('load_max'))} max during the run "
+             f"(1-minute load average; {m.get('cpus', '?')} means the CPUs were fully busy).", "",
+             "| figure | value | target | met | compares |", "|---|---|---|---|---|"]
+    for name, (part, what) in FIGURES.items():
+        if name not in figures:
+            continue
+        target = targets.get(name)
+        met = target.met(figures[name]) if target else None
+        verdict = "-" if target is None else {True: "met", False: "**missed**", None: "n/a"}[met]
+        lines.append(f"| `{name}` | {_fmt(figures[name])} | {target or '-'} | {verdict} | {what} |")
+    for name in sorted(set(figures) - set(FIGURES)):
+        lines.append(f"| `{name}` | {_fmt(figures[name])} | - | - | |")
+    if result.get("errors"):
+        lines += ["", "## Parts that failed", ""]
+        lines += [f"- `{part}`: {msg}" for part, msg in result["errors"].items()]
+    if result.get("notes"):
+        lines += ["", "## What each measurement includes", ""]
+        lines += [f"- **{part}**: {note}" for part, note in result["notes"].items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,159 @@
+"""`kiln bench [--quick] [PART ...]`: run the suite (or named parts) and write the results.
+
+Writes `<out>/<UTC stamp>.json` (a flat `figures` object, the targets, raw
+timings, what each measurement includes, machine and load), `<stamp>.md`
+(the table) and `<stamp>.png` (the chart). Parts run one after another, never
+concurrently; the servers are started first and not charged to any part.
+Exit 0 when every part ran, 1 when some part failed (its error is recorded,
+the others still run), 2 for an unknown part name.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from bench.context import Context, Settings
+from bench.figures import median, render_markdown, round_floats, targets_for
+from bench.parts_hosts import BUCKET, part_borrow, part_fail_fast, part_gate_scale, s3_client
+from bench.parts_single import (part_compile_efficiency, part_dedup, part_overhead, part_pool_vs_loop,
+                                part_warm_cold)
+from bench.parts_store import part_store
+from bench.runs import LoadSampler, MotoServer, Workdir
+from kiln.errors import BadInput
+
+PARTS = {"fail_fast": part_fail_fast, "compile_efficiency": part_compile_efficiency,
+         "pool_vs_loop": part_pool_vs_loop, "dedup": part_dedup, "warm_cold": part_warm_cold,
+         "overhead": part_overhead, "store": part_store, "borrow": part_borrow, "gate_scale": part_gate_scale}
+QUICK_SKIPS = ("borrow",)
+"""Parts `--quick` leaves out unless named: two cold 3-host exports do not fit in its few minutes."""
+NEEDS_PREFECT_SERVER = {"fail_fast", "borrow", "warm_cold", "overhead"}
+NEEDS_S3 = {"fail_fast", "borrow", "store"}
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def select(parts: list[str], quick: bool) -> list[str]:
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise BadInput(f"unknown bench part(s) {', '.join(unknown)}; parts are: {', '.join(PARTS)}.")
+    if parts:
+        return [p for p in PARTS if p in parts]
+    return [p for p in PARTS if not (quick and p in QUICK_SKIPS)]
+
+
+def _machine() -> dict:
+    import psutil
+
+    from kiln.probe import num_cpus
+
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"cpus": num_cpus(), "mem_total_mib": psutil.virtual_memory().total // 2**20,
+            "python": platform.python_version(), "platform": platform.platform(), "torch": version("torch"),
+            "prefect": version("prefect"), "boto3": version("boto3"), "commit": commit,
+            "load_start": os.getloadavg()[0]}
+
+
+def _servers(stack: ExitStack, ctx: Context, selected: list[str], raw: dict) -> None:
+    from kiln.prefect_server import PrefectServer
+
+    work = ctx.work
+    if NEEDS_S3.intersection(selected):
+        start = time.perf_counter()
+        moto = MotoServer(work.path("logs", "moto_server.log"))
+        stack.callback(moto.stop)
+        work.s3_endpoint = moto.endpoint_url
+        s3_client(ctx).create_bucket(Bucket=BUCKET)
+        raw["moto_server_start_s"] = time.perf_counter() - start
+    if NEEDS_PREFECT_SERVER.intersection(selected):
+        start = time.perf_counter()
+        server = PrefectServer(work.path("prefect-server"))
+        stack.callback(server.stop)
+        work.prefect_url = server.url
+        raw["prefect_server_start_s"] = time.perf_counter() - start
+
+
+def run_suite(parts: list[str], *, quick: bool = False, out_dir: str | None = None, keep: bool = False) -> int:
+    """Run the selected parts; write JSON, markdown and PNG; print the table. See the module docstring."""
+    selected = select(parts, quick)
+    settings = Settings.for_mode(quick)
+    started = dt.datetime.now(dt.timezone.utc)
+    stamp = started.strftime("%Y%m%dT%H%M%SZ")
+    out = Path(out_dir) if out_dir else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix=f"kiln-bench-{stamp}-"))
+    ctx = Context(Workdir(root), settings)
+    result: dict = {"stamp": stamp, "started_utc": started.isoformat(), "mode": "quick" if quick else "full",
+                    "parts": selected, "settings": settings.to_dict(), "machine": _machine(), "figures": {},
+                    "targets": {}, "raw": {"suite": {}}, "notes": {}, "errors": {}}
+    print(f"kiln bench ({result['mode']}): {', '.join(selected)}; work dir {root}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    with LoadSampler() as load, ExitStack() as stack:
+        try:
+            _servers(stack, ctx, selected, result["raw"]["suite"])
+        except Exception as exc:  # no servers: every part that needs one fails below, with this reason
+            result["errors"]["servers"] = f"{type(exc).__name__}: {exc}"[:2000]
+        for name in selected:
+            print(f"bench: {name}", file=sys.stderr, flush=True)
+            part_start = time.perf_counter()
+            try:
+                got = PARTS[name](ctx)
+            except Exception as exc:
+                result["errors"][name] = f"{type(exc).__name__}: {exc}"[:3000]
+                print(f"bench: {name} failed: {result['errors'][name]}", file=sys.stderr, flush=True)
+                continue
+            result["figures"].update(got["figures"])
+            result["raw"][name] = {**got["raw"], "part_s": time.perf_counter() - part_start}
+            result["notes"][name] = got["notes"]
+    result["suite_s"] = time.perf_counter() - t0
+    result["finished_utc"] = dt.datetime.now(dt.timezone.utc).isoformat()
+    result["machine"].update(load_mean=median(load.samples) if load.samples else None,
+                             load_max=max(load.samples, default=None), load_end=os.getloadavg()[0])
+    result["targets"] = {n: {"op": t.op, "bound": t.bound} for n, t in targets_for(settings.tp).items()}
+    if ctx.notes:
+        result["notes"].update(ctx.notes)
+    result["raw"]["commands"] = ctx.work.commands
+    result = round_floats(result)
+    paths = write_results(result, out)
+    print(paths["md"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    if result["errors"]:
+        print(f"kiln bench: {len(result['errors'])} part(s) failed; logs kept in {root}", file=sys.stderr)
+        return 1
+    if keep:
+        print(f"kiln bench: work directory kept: {root}", file=sys.stderr)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+def write_results(result: dict, out: Path) -> dict[str, Path]:
+    """`<stamp>.json`, `<stamp>.md` and (when there are figures) `<stamp>.png` in `out`."""
+    from bench.chart import write_chart
+
+    paths = {"json": out / f"{result['stamp']}.json", "md": out / f"{result['stamp']}.md"}
+    paths["json"].write_text(json.dumps(result, indent=2) + "\n")
+    paths["md"].write_text(render_markdown(result))
+    png = write_chart(result, out / f"{result['stamp']}.png")
+    if png is not None:
+        paths["png"] = png
+    return paths

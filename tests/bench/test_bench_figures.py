@@ -1,0 +1,132 @@
+"""The bench's pure pieces: ratio arithmetic, targets, the capture sizes, the gate on paper, the table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.figures import (FIGURES, Target, compile_efficiency, less, median, ratio, render_markdown,
+                           round_floats, targets_for, throughput_mib_s)
+from bench.scale import capture_sizes, scale_layout, simulate
+from kiln.errors import BadInput
+
+
+def test_pure_modules_import_no_torch_prefect_or_boto3():
+    code = ("import sys, bench.figures, bench.scale, bench.context; "
+            "print(sorted(m for m in ('torch', 'prefect', 'boto3') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("op,bound,value,met", [
+    ("<=", 0.1, 0.1, True), ("<=", 0.1, 0.11, False), ("<", 1.0, 1.0, False), ("<", 1.0, 0.5, True),
+    (">=", 0.85, 0.85, True), (">=", 0.9, 0.89, False), ("==", 0.5, 0.5, True), ("==", 1 / 3, 0.34, False),
+])
+def test_target_met(op, bound, value, met):
+    assert Target(op, bound).met(value) is met
+
+
+def test_target_without_a_finite_value_is_undecided():
+    assert Target("<=", 0.1).met(None) is None
+    assert Target("<=", 0.1).met(float("nan")) is None
+
+
+def test_ratio_and_less_refuse_to_invent_numbers():
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio(1.0, 0.0) is None and ratio(None, 2.0) is None and ratio(1.0, None) is None
+    assert less(30.0, 12.5) == 17.5
+    assert less(10.0, 12.5) == 0.0  # a fixed cost larger than the total leaves nothing, not a negative time
+    assert less(None, 1.0) is None and less(1.0, None) is None
+
+
+def test_median_skips_missing_values():
+    assert median([3.0, None, 1.0, 2.0]) == 2.0
+    assert median([None]) is None
+
+
+def test_compile_efficiency_is_ideal_over_measured():
+    e = compile_efficiency([20.0, 20.0, 20.0, 20.0], workers=2, phase_wall_s=50.0)
+    assert e["ideal_s"] == 40.0 and e["efficiency"] == pytest.approx(0.8)
+    assert compile_efficiency([20.0], workers=0, phase_wall_s=10.0)["efficiency"] is None
+
+
+def test_throughput():
+    assert throughput_mib_s(64 * 2**20, 2.0) == 32.0
+
+
+def test_dedup_target_follows_tp():
+    assert targets_for(2)["dedup_ratio"] == Target("==", 0.5)
+    assert targets_for(4)["dedup_ratio"].bound == 0.25
+    assert "dedup_ratio" not in targets_for(None)
+
+
+def test_every_targeted_figure_is_described():
+    assert set(targets_for(2)) <= set(FIGURES)
+
+
+def test_round_floats_drops_non_finite():
+    assert round_floats({"a": [1.234567, float("inf")], "b": 2}) == {"a": [1.2346, None], "b": 2}
+
+
+def test_capture_sizes_of_a_common_serving_engine():
+    sizes = capture_sizes()
+    assert len(sizes) == 67
+    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 512
+    assert sizes == sorted(set(sizes))
+    assert capture_sizes(16) == [1, 2, 4, 8, 16]
+
+
+def test_paper_layout_has_lenders_and_every_key_is_compiled_once():
+    layout = scale_layout(num_hosts=64, ranks_per_host=8)
+    assert layout["num_ranks"] == 512 and layout["num_buckets"] == 67
+    sim = simulate(20.0, repeats=2)
+    assert sim["forwards_compiled"] == 67
+    assert sim["hosts_lending"] > 0 and sim["hosts_compiling"] > 0
+    assert sim["predicted_s"] >= 20.0
+    assert len(sim["gate_run_s"]) == 2
+
+
+def test_fewer_slots_than_forwards_predicts_several_rounds():
+    sim = simulate(10.0, repeats=1, num_hosts=4, ranks_per_host=2)
+    assert sim["compile_slots"] < 67
+    assert sim["predicted_s"] >= 10.0 * (67 // sim["compile_slots"])
+
+
+def _result(**figures) -> dict:
+    return {"stamp": "20260101T000000Z", "mode": "quick", "parts": ["x"], "suite_s": 12.0,
+            "machine": {"cpus": 2, "load_start": 1.0, "load_mean": 2.5, "load_max": 4.0},
+            "figures": figures, "targets": {n: {"op": t.op, "bound": t.bound} for n, t in targets_for(2).items()},
+            "notes": {"fail_fast": "what it includes"}, "errors": {"borrow": "BenchFailed: boom"}}
+
+
+def test_markdown_table_gives_value_target_and_verdict():
+    md = render_markdown(_result(fail_fast_ratio=0.05, warm_cold_ratio=0.4, borrow_ratio=1.2, extra_figure=3.0))
+    rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| `")}
+    assert "| 0.05 | <= 0.1 | met |" in rows["`fail_fast_ratio`"]
+    assert "| 0.4 | <= 0.1 | **missed** |" in rows["`warm_cold_ratio`"]
+    assert "| 1.2 | - | - |" in rows["`borrow_ratio`"]
+    assert "`extra_figure`" in rows
+    assert "load average 1 at start, 2.5 mean / 4 max" in md
+    assert "- `borrow`: BenchFailed: boom" in md and "- **fail_fast**: what it includes" in md
+
+
+def test_select_parts():
+    from bench.suite import PARTS, select
+
+    assert select([], quick=False) == list(PARTS)
+    assert "borrow" not in select([], quick=True)
+    assert select(["gate_scale", "borrow"], quick=True) == ["borrow", "gate_scale"]  # suite order
+    with pytest.raises(BadInput, match="unknown bench part"):
+        select(["nope"], quick=False)
+
+
+def test_write_results_writes_json_markdown_and_chart(tmp_path):
+    from bench.suite import write_results
+
+    paths = write_results(_result(fail_fast_ratio=0.05, gate_scale_s=0.003, dedup_ratio=0.5), tmp_path)
+    assert json.loads(paths["json"].read_text())["figures"]["dedup_ratio"] == 0.5
+    assert "`gate_scale_s`" in paths["md"].read_text()
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

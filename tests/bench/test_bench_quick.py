@@ -1,0 +1,41 @@
+"""Smoke test of `kiln bench --quick`: it runs and writes every figure of its parts as a finite number.
+
+No thresholds: the figures depend on the machine and its load. This only
+checks that the suite works end to end from the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.figures import FIGURES
+from bench.suite import select
+
+pytestmark = pytest.mark.slow
+
+
+def test_quick_bench_writes_figures(tmp_path):
+    env = {**os.environ, "KILN_HOME": str(tmp_path / "home"), "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    run = subprocess.run([sys.executable, "-m", "kiln.cli", "bench", "--quick", "--out", str(tmp_path / "results")],
+                         env=env, capture_output=True, text=True, timeout=1800, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    (result_json,) = (tmp_path / "results").glob("*.json")
+    result = json.loads(result_json.read_text())
+    assert result["mode"] == "quick" and not result["errors"]
+    parts = select([], quick=True)
+    assert result["parts"] == parts
+    expected = {name for name, (part, _) in FIGURES.items() if part in parts}
+    assert expected <= set(result["figures"])
+    for name in expected:
+        value = result["figures"][name]
+        assert isinstance(value, (int, float)) and math.isfinite(value), (name, value)
+    assert result["raw"]["fail_fast"]["compile_processes_started"] == 0
+    assert result_json.with_suffix(".md").exists() and result_json.with_suffix(".png").exists()
+    assert "| figure | value | target | met |" in run.stdout
