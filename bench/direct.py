@@ -30,9 +30,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     from kiln import hostwork, planning, probe
-    from kiln.keys import artifact_key, manifest_key
+    from kiln.keys import artifact_key
     from kiln.manifest import build_manifest
-    from kiln.params import ExportParams, default_host_names, prepare
+    from kiln.params import ExportParams, default_host_names, kiln_home, prepare
+    from kiln.trust import write_signed_manifest
 
     phases: dict[str, float] = {}
     ledger: list[dict] = []
@@ -79,8 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     manifest = build_manifest(export_id=job.export_id, model={"name": job.model_name, "checkpoint": job.checkpoint},
                               recipe=job.recipe.to_dict(), tp=job.tp, buckets=[str(b) for b in job.recipe.buckets],
                               forwards=forwards, kv_plan=kv, hosts=[{"name": host.name, "memory": ledger}],
-                              phases=[{"name": n, "duration_s": s} for n, s in phases.items()])
-    store.put_json(manifest_key(job.export_id), manifest, overwrite=True)
+                              phases=[{"name": n, "duration_s": s} for n, s in phases.items()],
+                              signing=job.signing.manifest_entry())
+    write_signed_manifest(store, job.export_id, manifest, job.signing, kiln_home())  # signed, as the flow does
     phase("manifest", t)
     Path(args.json).write_text(json.dumps({
         "phases_s": phases, "workers": hp.workers, "compiled": len(compiled),

@@ -52,7 +52,7 @@ def part_fail_fast(ctx: Context) -> dict:
     w = ctx.work
     report_path = w.path("fail-fast", "refused.json")
     refused = w.run("fail-fast-refused",
-                    [*KILN, "export", *_layout(ctx, *_assume(), "--policy", "fail"),
+                    [*KILN, "export", *_layout(ctx, *_assume(), "--policy", "fail", "--set", "flow_retries=0"),
                      "--store", f"s3://{BUCKET}/ff-refused", "--report", str(report_path)],
                     w.env(inductor="ff-refused", kiln_home="fail-fast/refused-home", server=True)).expect(3)
     report = json.loads(report_path.read_text())
@@ -87,7 +87,8 @@ def part_fail_fast(ctx: Context) -> dict:
                     "refused_milestones_s": milestones,
                     "compile_processes_started": 0, "evidence": evidence,
                     "baseline_wall_s": baseline_run.wall_s, "baseline": baseline},
-            "notes": "refused = `kiln export --hosts 3 --tp 3` on the incident layout with --policy fail, from "
+            "notes": "refused = `kiln export --hosts 3 --tp 3` on the incident layout with --policy fail and "
+                     "flow_retries=0 (a deployment retries a refusal after a delay; that is not time to refusal), from "
                      "process start to exit 3: Python and imports, a local 3-worker Dask cluster, a flow run on "
                      "the suite's already-running Prefect server (its start-up is not charged), probe on every "
                      "host, tune, KV plan, gate, teardown. 0 compile processes: no forward in the store or a host "

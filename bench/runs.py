@@ -33,6 +33,19 @@ FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", 
             "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
 
 
+_KEY: list[str] = []
+
+
+def _signing_key() -> str:
+    """One Ed25519 key (base64 seed) for every run of this suite."""
+    if not _KEY:
+        import base64
+
+        from kiln.signing import generate
+        _KEY.append(base64.b64encode(generate().private_bytes_raw()).decode())
+    return _KEY[0]
+
+
 class BenchFailed(RuntimeError):
     """A measured command did not do what the part needs; the message names its log."""
 
@@ -168,7 +181,8 @@ class Workdir:
         env.update(KILN_HOME=str(self.path(kiln_home)), PREFECT_HOME=str(self.path("prefect-home")),
                    PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1",
                    # A busy machine can take longer than Prefect's default 20 s to start the embedded API.
-                   PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="600", **FAKE_AWS)
+                   PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="600", **FAKE_AWS,
+                   KILN_SIGNING_KEY=_signing_key())  # S3 exports must be signed; local ones sign too
         if inductor is not None:
             env["TORCHINDUCTOR_CACHE_DIR"] = str(self.path("inductor", inductor))
         if self.s3_endpoint:
