@@ -17,7 +17,8 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from flows.hosts import HostRunner
 from kiln.errors import GateRefused
-from kiln.gate import HostReport, Plan, decide
+from kiln import planning
+from kiln.gate import HostReport, Plan
 from kiln.hostwork import break_leases, compile_log_key, store_of
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key
@@ -58,7 +59,8 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
         if round_ == MAX_REPLANS:
             raise GateRefused(f"hosts kept disappearing during compilation ({', '.join(sorted(lost))}); "
                               f"{len(missing)} forward(s) are still missing. Re-run to resume.")
-        assignment = _replan(job, reports, lost, missing, specs)
+        assignment = planning.replan_without(job, reports, lost, missing,
+                                             {k: specs[k]["target"] for k in missing})
     progress.show(final=True)
     compiled = {}
     for key in to_compile:
@@ -67,16 +69,6 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
         except ObjectMissing:
             pass  # compiled by another export that held its lease: reused
     return compiled, lost
-
-
-def _replan(job: ExportJob, reports: list[HostReport], lost: set[str], missing: list[str],
-            specs: dict[str, dict]) -> dict[str, tuple[list[str], int]]:
-    alive = [r for r in reports if r.name not in lost]
-    needed: dict[str, list[str]] = {}
-    for key in missing:
-        needed.setdefault(specs[key]["target"], []).append(key)
-    plan = decide(alive, job.recipe, needed, set())
-    return {n: (hp.compile, hp.workers) for n, hp in plan.hosts.items() if hp.compile}
 
 
 def _watch(running: dict, runner: HostRunner, progress: "_Progress") -> set[str]:

@@ -66,3 +66,13 @@ def describe(plan: Plan, reports: list[HostReport]) -> str:
     if any(r.available_assumed for r in reports):
         rows.append("* assumed (--assume-available)")
     return "\n".join(rows)
+
+
+def replan_without(job: ExportJob, reports: list[HostReport], lost: set[str], missing: list[str],
+                   target_of: dict[str, str]) -> dict[str, tuple[list[str], int]]:
+    """host -> (keys, workers) for the `missing` keys over the hosts not `lost` (same gate, same targets)."""
+    needed: dict[str, list[str]] = {}
+    for key in missing:
+        needed.setdefault(target_of[key], []).append(key)
+    plan = decide([r for r in reports if r.name not in lost], job.recipe, needed, set())
+    return {n: (hp.compile, hp.workers) for n, hp in plan.hosts.items() if hp.compile}

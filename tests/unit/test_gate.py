@@ -156,3 +156,16 @@ def test_scale_on_paper_assigns_every_key_once():
     keys = [f"b{i:02d}" for i in range(67)]
     plan = decide(hosts, Recipe(), {"t": keys}, set())
     assert sorted(k for p in plan.hosts.values() for k in p.compile) == keys
+
+
+def test_replan_without_lost_hosts_gives_their_keys_to_the_rest():
+    from kiln.job import ExportJob
+    from kiln.planning import replan_without
+
+    job = ExportJob(export_id="e", model_name="m", checkpoint="/x", config={}, tp=2, recipe=Recipe(),
+                    store_url="file:///s")
+    hosts = [host("a", 100_000, cpus=2), host("b", 100_000, ranks=(1,), cpus=2), host("c", 100, ranks=(2,))]
+    out = replan_without(job, hosts, {"b"}, ["k1", "k2"], {"k1": "t", "k2": "t"})
+    assert set(out) == {"a"} and sorted(out["a"][0]) == ["k1", "k2"] and out["a"][1] == 2
+    with pytest.raises(GateRefused):  # nobody left with a worker
+        replan_without(job, hosts, {"a", "b"}, ["k1"], {"k1": "t"})
