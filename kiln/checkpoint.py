@@ -69,16 +69,33 @@ def read_config(path: Path | str) -> ModelConfig:
     return ModelConfig.from_hf(raw)
 
 
+def _spare(name: str, cfg: ModelConfig) -> bool:
+    """Tensors a checkpoint may hold that the model does not read: a tied head's copy, cached rotary tables."""
+    return (name == "lm_head.weight" and cfg.tie_word_embeddings) or name.endswith("rotary_emb.inv_freq")
+
+
 def inspect_checkpoint(path: Path | str) -> ModelConfig:
-    """Check config, headers, file sizes and shapes without loading weights; return the config."""
+    """Check config, headers, file sizes and shapes without loading weights; return the config.
+
+    Every tensor config.json implies must be there with its shape, and every
+    tensor there must be one the model reads: a bias the config does not
+    declare would otherwise be dropped silently.
+    """
     path = Path(path)
     cfg = read_config(path)
     want = expected_shapes(cfg)
     mapping = _weight_map(path)
     missing = sorted(set(want) - set(mapping))
     if missing:
-        raise BadInput(f"{path} lacks {len(missing)} tensor(s) that config.json implies, e.g. {missing[0]}; "
+        hint = (" (config.json says tie_word_embeddings: false; a checkpoint without lm_head.weight ties it "
+                "to the embeddings)" if missing == ["lm_head.weight"] else "")
+        raise BadInput(f"{path} lacks {len(missing)} tensor(s) that config.json implies, e.g. {missing[0]}{hint}; "
                        "the checkpoint does not match its config.")
+    unused = sorted(n for n in set(mapping) - set(want) if not _spare(n, cfg))
+    if unused:
+        raise BadInput(f"{path} holds {len(unused)} tensor(s) that config.json does not account for, e.g. "
+                       f"{unused[0]}; Kiln would ignore them and compute something else. Fix config.json "
+                       "(e.g. attention_bias / mlp_bias) or remove them.")
     handles = {}
     for name, shape in want.items():
         file = mapping[name]
@@ -92,7 +109,7 @@ def inspect_checkpoint(path: Path | str) -> ModelConfig:
 
 
 def load_rank_weights(path: Path | str, cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """One rank's shard of every parameter, read slice by slice."""
+    """One rank's shard of every parameter, read slice by slice, in `cfg.dtype` (the dtype compiled for)."""
     path = Path(path)
     mapping = _weight_map(path)
     dtype = getattr(torch, cfg.dtype)

@@ -36,12 +36,14 @@ def _params(args):
                          settings=args.set, assume_available=_assume(args.assume_available),
                          export_id=getattr(args, "export_id", None), report=args.report,
                          sign=not getattr(args, "unsigned", False),
-                         signing_key_block=getattr(args, "signing_key_block", None))
+                         signing_key_block=getattr(args, "signing_key_block", None), dtype=args.dtype)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face-layout checkpoint directory")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="compile and run in this dtype (default: the checkpoint's config.json dtype)")
     p.add_argument("--buckets", help="BATCHxTOKENS,... (default: the recipe's)")
     p.add_argument("--store", help="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store)")
     p.add_argument("--s3-endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL)")
@@ -143,6 +145,17 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def cmd_run(args) -> int:
+    from kiln.decode import parse_tokens
+    from kiln.run import run_export
+    result = run_export(args.store, args.export_id, prompt=parse_tokens(args.tokens),
+                        max_new_tokens=args.max_new_tokens, json_path=args.json, model=args.model,
+                        s3_endpoint=args.s3_endpoint, verify_keys=args.verify_key,
+                        verify_key_block=args.verify_key_block, allow_unsigned=args.allow_unsigned)
+    print(",".join(map(str, result["generated"])))
+    return 0
+
+
 def cmd_keygen(args) -> int:
     from kiln.trust import keygen
     key, pub, fp = keygen(args.dir, args.name)
@@ -168,6 +181,19 @@ def cmd_checkpoint(args) -> int:
 def cmd_bench(args) -> int:
     from bench.suite import run_suite
     return run_suite(args.parts, quick=args.quick, out_dir=args.out, keep=args.keep)
+
+
+def _fetch_flags(p: argparse.ArgumentParser) -> None:
+    """Where a finished export is and whom to trust: shared by verify and run."""
+    p.add_argument("--store", help="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store)")
+    p.add_argument("--s3-endpoint")
+    p.add_argument("--model", help="checkpoint directory (default: the one the manifest names)")
+    p.add_argument("--verify-key", action="append", default=[], metavar="FILE",
+                   help="trusted Ed25519 public key(s), PEM or base64 (repeatable; default: KILN_VERIFY_KEY, "
+                        "else the public half of KILN_SIGNING_KEY or of the local development key)")
+    p.add_argument("--verify-key-block", metavar="NAME", help="Prefect Secret block holding trusted public key(s)")
+    p.add_argument("--allow-unsigned", action="store_true",
+                   help="accept an export made with --unsigned (sha256s are still checked)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -197,16 +223,16 @@ def parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
     v = sub.add_parser("verify", help="re-check a finished export: digests and all ranks against eager")
     v.add_argument("export_id")
-    v.add_argument("--store", help="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store)")
-    v.add_argument("--s3-endpoint")
-    v.add_argument("--model", help="checkpoint directory (default: the one the manifest names)")
-    v.add_argument("--verify-key", action="append", default=[], metavar="FILE",
-                   help="trusted Ed25519 public key(s), PEM or base64 (repeatable; default: KILN_VERIFY_KEY, "
-                        "else the public half of KILN_SIGNING_KEY or of the local development key)")
-    v.add_argument("--verify-key-block", metavar="NAME", help="Prefect Secret block holding trusted public key(s)")
-    v.add_argument("--allow-unsigned", action="store_true",
-                   help="accept an export made with --unsigned (sha256s are still checked)")
+    _fetch_flags(v)
     v.set_defaults(func=cmd_verify)
+    r = sub.add_parser("run", help="decode greedily with an export's forwards across all its ranks")
+    r.add_argument("export_id")
+    r.add_argument("--tokens", required=True, help="the prompt as comma-separated token ids, e.g. 1,2,3")
+    r.add_argument("--max-new-tokens", type=int, default=8, help="tokens to generate (default 8)")
+    r.add_argument("--json", metavar="FILE", help="write {prompt, generated, logits} here (logits: the full "
+                   "vocabulary at the position that chose each generated token)")
+    _fetch_flags(r)
+    r.set_defaults(func=cmd_run)
     k = sub.add_parser("keygen", help="write an Ed25519 key pair for signing manifests")
     k.add_argument("dir")
     k.add_argument("--name", default="kiln-signing", help="file name stem (default kiln-signing)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -31,6 +32,9 @@ from kiln.errors import DiskError, KilnError
 
 # Inductor options that go into every forward (and therefore into its key).
 COMPILER_OPTIONS = {"aot_inductor.package_constants_in_so": False}
+
+CONSTANTS_METADATA = "kiln.constants"
+"""Package metadata key: JSON {name: [dtype, shape, 'weight' | 'buffer']} of the module's tensors compiled for."""
 
 FORWARD_DEVICE = "cpu"
 """Where forwards run: `compile_forward` builds the model and its example inputs on the CPU."""
@@ -93,9 +97,9 @@ def _warm(tuning_entries: dict | None = None) -> None:
 def compile_forward(spec: dict, out_path: str) -> CompileResult:
     """Export one bucket's forward and compile it into a weightless AOTInductor package.
 
-    Runs inside a spawned worker. The weights are random placeholders of the
-    right shapes: the package holds no constants and the loader supplies the
-    rank's real weights.
+    Runs inside a spawned worker, in the config's dtype. The weights are
+    uninitialized placeholders of the right shapes and dtype: the package holds
+    no constants and the loader supplies the rank's real weights.
     """
     import torch
     from torch.export import Dim
@@ -109,8 +113,11 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
     cfg = ModelConfig(**spec["graph"]["config"])
     tp = spec["graph"]["tp"]
     inputs = spec["inputs"]
-    torch.manual_seed(0)
-    model = ShardedDecoder(cfg, tp).eval()
+    # Built on the meta device, then given storage that is never touched: the worker's memory depends on
+    # the graph, not on the weights (the package holds none of them anyway).
+    with torch.device("meta"):
+        model = ShardedDecoder(cfg, tp).to(getattr(torch, cfg.dtype)).eval()
+    model = model.to_empty(device=FORWARD_DEVICE)
     args = example_inputs(cfg, tp, inputs["batch"], inputs["tokens"], page_tokens=inputs["page_tokens"],
                           pages_per_seq=inputs["pages_per_seq"], num_pages=inputs["pages_per_seq"] + 2)
     num_pages = Dim("num_pages", min=2, max=1 << 24)
@@ -123,8 +130,13 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
     selections, benchmarked = _SELECTIONS, tuner.benchmark_count()
     try:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        torch._inductor.aoti_compile_and_package(program, package_path=tmp,
-                                                 inductor_configs=dict(spec["compiler"]))
+        # The package records the dtype and shape of each constant it expects, so a loader can refuse
+        # weights that do not fit (load_constants would take them and compute garbage).
+        constants = {name: [str(t.dtype).removeprefix("torch."), list(t.shape), kind]
+                     for kind, tensors in (("buffer", program.constants), ("weight", program.state_dict))
+                     for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+        configs = {**spec["compiler"], "aot_inductor.metadata": {CONSTANTS_METADATA: json.dumps(constants)}}
+        torch._inductor.aoti_compile_and_package(program, package_path=tmp, inductor_configs=configs)
         faults.maybe_kill_compile(spec, "written")
         digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, out_path)

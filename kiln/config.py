@@ -1,7 +1,11 @@
-"""The model configuration: a Llama-style decoder described the way Hugging Face does.
+"""The model configuration: what a decoder computes, everything but its weights.
 
-Pure: no torch import. `ModelConfig.from_hf` reads a `config.json` dict;
-`check_tp` says whether a tensor-parallel degree can split the model.
+Pure: no torch import. `ModelConfig` holds every setting that changes the
+math of a forward step; each of its fields goes into the forward key (through
+kiln.job), so two models that compute differently never share a compiled
+forward. `kiln.hf_config.from_hf` builds one from a Hugging Face
+`config.json`, refusing what Kiln does not compute; `check_tp` says whether a
+tensor-parallel degree can split the model.
 """
 
 from __future__ import annotations
@@ -12,11 +16,14 @@ from dataclasses import dataclass
 from kiln.errors import BadInput
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+"""model_type -> the transformers class whose math Kiln reproduces."""
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-style decoder (everything but the weights)."""
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2)."""
 
     vocab_size: int
     """Rows of the embedding and of the output head."""
@@ -37,11 +44,35 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     """Epsilon of RMSNorm."""
     dtype: str = "float32"
-    """Dtype of weights and activations."""
+    """Dtype of weights and activations; forwards are compiled in it."""
+    architecture: str = "llama"
+    """Hugging Face model_type: llama, mistral or qwen2."""
+    rope_type: str = "default"
+    """Rotary frequency scaling: default (none), linear (positions / rope_factor) or llama3."""
+    rope_factor: float = 1.0
+    """linear and llama3: the scaling factor."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_position / this are divided by rope_factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_position / this are kept; between, interpolated."""
+    rope_original_max_position: int = 8192
+    """llama3: the context length the model was pretrained with."""
+    qkv_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2; Llama's attention_bias)."""
+    o_bias: bool = False
+    """The attention output projection carries a bias (Llama's attention_bias)."""
+    mlp_bias: bool = False
+    """gate/up/down projections carry a bias (Llama's mlp_bias)."""
+    tie_word_embeddings: bool = False
+    """The output head is the embedding matrix (no lm_head.weight in the checkpoint)."""
+    sliding_window: int | None = None
+    """Tokens a query may look back (itself included) on sliding layers; None: unlimited."""
+    first_sliding_layer: int = 0
+    """Layers from this index on use the sliding window (Qwen2's max_window_layers); earlier ones do not."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "num_layers", "num_heads",
-                      "num_kv_heads", "head_dim", "intermediate_size"):
+                      "num_kv_heads", "head_dim", "intermediate_size", "rope_original_max_position"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise BadInput(f"config.json: {field} must be a positive integer, got {value!r}.")
@@ -52,53 +83,48 @@ class ModelConfig:
         if self.head_dim % 2:
             raise BadInput(f"config.json: head_dim ({self.head_dim}) must be even for rotary embeddings.")
         if self.dtype not in DTYPE_BYTES:
-            raise BadInput(f"config.json: torch_dtype {self.dtype!r} is not supported; use one of {sorted(DTYPE_BYTES)}.")
+            raise BadInput(f"config.json: dtype {self.dtype!r} is not supported; use one of {sorted(DTYPE_BYTES)}.")
+        if self.architecture not in ARCHITECTURES:
+            raise BadInput(f"config.json: model_type {self.architecture!r} is not supported; "
+                           f"Kiln computes {', '.join(sorted(ARCHITECTURES))}.")
+        if self.rope_type not in ROPE_TYPES:
+            raise BadInput(f"config.json: rope_type {self.rope_type!r} is not supported; "
+                           f"Kiln computes {', '.join(ROPE_TYPES)}.")
+        for field in ("rope_theta", "rope_factor", "rms_norm_eps", "rope_low_freq_factor", "rope_high_freq_factor"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise BadInput(f"config.json: {field} must be a positive number, got {value!r}.")
+        if self.rope_type == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise BadInput("config.json: rope_scaling high_freq_factor must be greater than low_freq_factor.")
+        if self.sliding_window is not None and (
+                not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool)
+                or self.sliding_window <= 0):
+            raise BadInput(f"config.json: sliding_window must be a positive integer or null, got {self.sliding_window!r}.")
+        if not isinstance(self.first_sliding_layer, int) or self.first_sliding_layer < 0:
+            raise BadInput(f"config.json: max_window_layers must be >= 0, got {self.first_sliding_layer!r}.")
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer`, or None when it attends to all its context."""
+        return self.sliding_window if layer >= self.first_sliding_layer else None
+
+    def to_dict(self) -> dict:
+        """Every field, JSON-ready; `ModelConfig(**d)` reads it back."""
+        return dataclasses.asdict(self)
+
     @classmethod
     def from_hf(cls, raw: dict) -> "ModelConfig":
-        """Build from a Hugging Face Llama-style `config.json` dict."""
-        if not isinstance(raw, dict):
-            raise BadInput("config.json must hold a JSON object.")
-        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
-                               "num_attention_heads", "intermediate_size") if k not in raw]
-        if missing:
-            raise BadInput(f"config.json lacks {', '.join(missing)}; it must describe a Llama-style decoder.")
-        heads = raw["num_attention_heads"]
-        hidden = raw["hidden_size"]
-        head_dim = raw.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0)
-        return cls(
-            vocab_size=raw["vocab_size"],
-            hidden_size=hidden,
-            num_layers=raw["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads", heads),
-            head_dim=head_dim,
-            intermediate_size=raw["intermediate_size"],
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-            dtype=raw.get("torch_dtype", "float32"),
-        )
+        """Build from a Hugging Face `config.json` dict; see kiln.hf_config."""
+        from kiln.hf_config import from_hf
+        return from_hf(raw)
 
     def to_hf(self) -> dict:
-        """The `config.json` dict that `from_hf` reads back."""
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.rms_norm_eps,
-            "torch_dtype": self.dtype,
-        }
+        """The `config.json` dict (transformers 4.x spelling) that `from_hf` reads back."""
+        from kiln.hf_config import to_hf
+        return to_hf(self)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -116,19 +142,22 @@ class ModelConfig:
                     f"--tp {tp} does not divide the model's {count} {what}; "
                     f"use a tp that divides heads, KV heads and the MLP: {', '.join(map(str, ok))}.")
 
-    def num_params(self) -> int:
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
+    def _param_counts(self, tp: int) -> int:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = self.hidden_size * (2 * q + 2 * kv) // tp
+        attn += ((q + 2 * kv) // tp if self.qkv_bias else 0) + (self.hidden_size if self.o_bias else 0)
+        mlp = 3 * self.hidden_size * self.intermediate_size // tp
+        mlp += 2 * self.intermediate_size // tp + self.hidden_size if self.mlp_bias else 0
         per_layer = attn + mlp + 2 * self.hidden_size
-        return self.num_layers * per_layer + 2 * self.vocab_size * self.hidden_size + self.hidden_size
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_layers * per_layer + heads * self.vocab_size * self.hidden_size + self.hidden_size
+
+    def num_params(self) -> int:
+        return self._param_counts(1)
 
     def weight_bytes_per_rank(self, tp: int) -> int:
         """Bytes of one rank's weights: sharded attention and MLP, replicated embeddings and norms."""
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads) // tp
-        mlp = 3 * self.hidden_size * self.intermediate_size // tp
-        per_layer = attn + mlp + 2 * self.hidden_size
-        total = self.num_layers * per_layer + 2 * self.vocab_size * self.hidden_size + self.hidden_size
-        return total * self.dtype_bytes
+        return self._param_counts(tp) * self.dtype_bytes
 
 
 TINY = ModelConfig(vocab_size=1024, hidden_size=384, num_layers=2, num_heads=24,

@@ -35,13 +35,19 @@ class VerifyMismatch(KilnError):
     exit_code = 1
 
 
+class UnloadablePackage(KilnError):
+    """A compiled forward cannot be loaded with the rank's weights (it was compiled for others)."""
+
+    exit_code = 1
+
+
 class StoreError(KilnError):
     """The store failed in a way that retrying did not fix."""
 
     exit_code = 1
 
 
-DETERMINISTIC = (BadInput, IntegrityError, VerifyMismatch)
+DETERMINISTIC = (BadInput, IntegrityError, VerifyMismatch, UnloadablePackage)
 """Errors that fail the same way however often the export is tried again."""
 
 
@@ -49,7 +55,7 @@ def worth_retrying(exc: BaseException) -> bool:
     """Whether trying the whole export again may succeed.
 
     No for bad input (a pydantic ValidationError of the parameters included),
-    integrity failures and verification mismatches; yes for everything else: a
+    integrity failures, verification mismatches and unloadable packages; yes for everything else: a
     gate refusal (memory may be freed), a compile worker killed for memory, an
     unreachable store or server.
     """

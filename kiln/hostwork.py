@@ -201,18 +201,21 @@ def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict])
     from kiln.recipe import parse_buckets
 
     cfg = job.model_config
-    diffs: dict[str, float] = {}
+    diffs: dict[str, dict] = {}
     weights = load_rank_weights(job.checkpoint, cfg, job.tp, rank)
     for f in forwards:
         compiled = load_forward(local_path(host, f["key"]), weights, f["sha256"])
-        diff = compare_with_eager(compiled, cfg, job.tp, rank, weights, parse_buckets(f["bucket"])[0],
-                                  page_tokens=job.recipe.page_tokens, pages_per_seq=job.recipe.pages_per_seq)
-        diffs[f"rank{rank}/{f['bucket']}"] = diff
+        diffs[f"rank{rank}/{f['bucket']}"] = compare_with_eager(
+            compiled, cfg, job.tp, rank, weights, parse_buckets(f["bucket"])[0], page_tokens=job.recipe.page_tokens,
+            pages_per_seq=job.recipe.pages_per_seq, atol=job.recipe.verify_atol,
+            half_ratio=job.recipe.verify_half_ratio)
     return diffs
 
 
-def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
+def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[str, dict]:
     """Load each forward with each of this host's rank weights and compare with eager.
+
+    Returns 'rank<r>/<bucket>' -> {'diff', 'limit'} (kiln.loader.judge).
 
     Each rank runs in its own spawned process, as it would when serving:
     loading native code must not be able to take the orchestrating process
@@ -224,13 +227,13 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
 
     weights = checkpoint_fingerprint(job.checkpoint)
     record = cache_dir(host) / "verified"
-    diffs: dict[str, float] = {}
+    diffs: dict[str, dict] = {}
     todo: dict[int, list[dict]] = {}
     for rank in host.ranks:
         for f in forwards:
             seen = record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.json"
             if seen.exists():
-                diffs[f"rank{rank}/{f['bucket']}"] = json.loads(seen.read_text())["max_abs_diff"]
+                diffs[f"rank{rank}/{f['bucket']}"] = json.loads(seen.read_text())
             else:
                 todo.setdefault(rank, []).append(f)
     if not todo:
@@ -241,8 +244,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
             diffs.update(found)
             record.mkdir(parents=True, exist_ok=True)
             for f in fs:
-                diff = found[f"rank{rank}/{f['bucket']}"]
-                if diff <= job.recipe.verify_atol:
-                    (record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.json").write_text(
-                        json.dumps({"max_abs_diff": diff}))
+                check = found[f"rank{rank}/{f['bucket']}"]
+                if check["diff"] <= check["limit"]:
+                    (record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.json").write_text(json.dumps(check))
     return diffs

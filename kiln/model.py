@@ -1,8 +1,11 @@
-"""A Llama-style decoder in plain torch, tensor-parallel over `tp` ranks.
+"""A Llama-family decoder (Llama, Mistral, Qwen2) in plain torch, tensor-parallel over `tp` ranks.
 
-One rank's module holds its shard: heads/tp query heads, kv_heads/tp KV heads
-and intermediate/tp MLP columns; embeddings, norms and the output head are
-replicated. The cross-rank sum after the attention output and MLP down
+It computes what transformers' LlamaForCausalLM, MistralForCausalLM and
+Qwen2ForCausalLM compute for the configs kiln.hf_config accepts: rotary
+scaling (linear, llama3), q/k/v, o and MLP biases, tied embeddings, sliding
+windows, RMSNorm in float32. One rank's module holds its shard: heads/tp query
+heads, kv_heads/tp KV heads and intermediate/tp MLP columns; embeddings, norms
+and the output head are replicated. The cross-rank sum after the attention output and MLP down
 projections is `kiln::all_reduce`, a registered custom op that survives
 torch.export and AOTInductor, so one compiled package serves every rank.
 
@@ -18,6 +21,8 @@ the caller to write into the cache.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -42,13 +47,17 @@ def _all_reduce_fake(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as transformers does (it matters in bfloat16)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -56,19 +65,52 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """Rotary inverse frequencies (float32, head_dim/2), computed as transformers computes them.
+
+    Computed inside the graph from the config, never a buffer: Inductor inlines
+    only tiny constants, so a buffer would become a package constant that no
+    checkpoint provides.
+    """
+    exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** exponent)
+    if cfg.rope_type == "linear":
+        inv_freq = inv_freq / cfg.rope_factor
+    elif cfg.rope_type == "llama3":
+        factor, old_len = cfg.rope_factor, cfg.rope_original_max_position
+        low_wavelen = old_len / cfg.rope_low_freq_factor
+        high_wavelen = old_len / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def _linear_then_reduce(x: torch.Tensor, proj: nn.Linear, tp: int) -> torch.Tensor:
+    """A row-parallel projection: partial products summed over the ranks, then the bias added once."""
+    out = F.linear(x, proj.weight)
+    if tp > 1:  # an unsharded model never reduces, even inside a process group (the reference check runs one)
+        out = all_reduce(out)
+    return out if proj.bias is None else out + proj.bias
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: int):
+    def __init__(self, cfg: ModelConfig, tp: int, window: int | None):
         super().__init__()
         self.tp = tp
+        self.window = window
         self.num_heads = cfg.num_heads // tp
         self.num_kv_heads = cfg.num_kv_heads // tp
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x, cos, sin, past_k, past_v, past_valid):
+    def forward(self, x, cos, sin, past_k, past_v, mask):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
@@ -80,11 +122,8 @@ class Attention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         keys = keys.repeat_interleave(groups, dim=2).transpose(1, 2)
         values = values.repeat_interleave(groups, dim=2).transpose(1, 2)
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        mask = torch.cat((past_valid[:, None, :].expand(b, t, -1), causal[None].expand(b, t, t)), dim=-1)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None])
-        out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-        return (all_reduce(out) if self.tp > 1 else out), k, v
+        return _linear_then_reduce(out.transpose(1, 2).reshape(b, t, -1), self.o_proj, self.tp), k, v
 
 
 class MLP(nn.Module):
@@ -92,21 +131,19 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         width = cfg.intermediate_size // tp
-        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        # An unsharded model never reduces, even inside a process group (the reference check runs one).
-        return all_reduce(out) if self.tp > 1 else out
+        return _linear_then_reduce(F.silu(self.gate_proj(x)) * self.up_proj(x), self.down_proj, self.tp)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: int):
+    def __init__(self, cfg: ModelConfig, tp: int, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, tp)
+        self.self_attn = Attention(cfg, tp, cfg.window_of(layer))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
@@ -115,12 +152,16 @@ class Inner(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, tp, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class ShardedDecoder(nn.Module):
-    """One tensor-parallel rank of the decoder; parameter names follow Hugging Face Llama."""
+    """One tensor-parallel rank of the decoder; parameter names follow Hugging Face Llama.
+
+    With tied embeddings there is no lm_head: the output head reads the
+    embedding matrix, so the package asks for one tensor, not two copies.
+    """
 
     def __init__(self, cfg: ModelConfig, tp: int = 1):
         super().__init__()
@@ -128,9 +169,8 @@ class ShardedDecoder(nn.Module):
         self.cfg = cfg
         self.tp = tp
         self.model = Inner(cfg, tp)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, tokens, start_pos, kv_cache, block_table):
         b, t = tokens.shape
@@ -138,35 +178,51 @@ class ShardedDecoder(nn.Module):
         page_tokens = kv_cache.shape[3]
         ctx = num_pages_per_seq * page_tokens
         positions = start_pos[:, None] + torch.arange(t, device=tokens.device)[None]
-        freqs = positions[..., None].to(torch.float32) * self.inv_freq
+        freqs = positions[..., None].to(torch.float32) * rope_inv_freq(self.cfg, tokens.device)
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         cos, sin = emb.cos().to(kv_cache.dtype), emb.sin().to(kv_cache.dtype)
-        past_valid = torch.arange(ctx, device=tokens.device)[None] < start_pos[:, None]
+        # Query i sits at position start+i; cached key j at position j (valid below start); new key i at start+i.
+        key_pos = torch.cat((torch.arange(ctx, device=tokens.device)[None].expand(b, ctx), positions), dim=1)
+        key_ok = torch.cat((torch.arange(ctx, device=tokens.device)[None] < start_pos[:, None],
+                            torch.ones(b, t, dtype=torch.bool, device=tokens.device)), dim=1)
+        distance = positions[:, :, None] - key_pos[:, None, :]  # [b, t, ctx + t]
+        causal = key_ok[:, None, :] & (distance >= 0)
+        windowed = {w: causal & (distance < w) for w in {layer.self_attn.window for layer in self.model.layers}
+                    if w is not None}
         x = self.model.embed_tokens(tokens)
         new_k, new_v = [], []
         for i, layer in enumerate(self.model.layers):
             past_k = kv_cache[i, 0][block_table].reshape(b, ctx, kv_cache.shape[4], kv_cache.shape[5])
             past_v = kv_cache[i, 1][block_table].reshape(b, ctx, kv_cache.shape[4], kv_cache.shape[5])
-            h, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, past_k, past_v, past_valid)
+            mask = causal if layer.self_attn.window is None else windowed[layer.self_attn.window]
+            h, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, past_k, past_v, mask)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             new_k.append(k)
             new_v.append(v)
-        logits = self.lm_head(self.model.norm(x))
+        x = self.model.norm(x)
+        logits = F.linear(x, self.model.embed_tokens.weight) if self.cfg.tie_word_embeddings else self.lm_head(x)
         new_kv = torch.stack((torch.stack(new_k), torch.stack(new_v)), dim=1)
         return logits, new_kv
 
 
 def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int, int] | None:
-    """(dim, start, stop) of `name`'s rows or columns that `rank` holds; None when replicated."""
+    """(dim, start, stop) of `name`'s rows or columns that `rank` holds; None when replicated.
+
+    Column-parallel projections (q, k, v, gate, up) split their output rows and
+    their biases; row-parallel ones (o, down) split their input columns and
+    keep their bias whole (it is added once, after the all-reduce).
+    """
     hq, hkv = cfg.num_heads // tp * cfg.head_dim, cfg.num_kv_heads // tp * cfg.head_dim
     mlp = cfg.intermediate_size // tp
     split = {"q_proj": (0, hq), "k_proj": (0, hkv), "v_proj": (0, hkv), "gate_proj": (0, mlp),
              "up_proj": (0, mlp), "o_proj": (1, hq), "down_proj": (1, mlp)}
-    proj = name.split(".")[-2] if name.endswith(".weight") and "." in name else ""
-    if proj not in split:
+    parts = name.rsplit(".", 2)
+    if len(parts) < 3 or parts[-2] not in split or parts[-1] not in ("weight", "bias"):
         return None
-    dim, n = split[proj]
+    dim, n = split[parts[-2]]
+    if parts[-1] == "bias" and dim == 1:
+        return None
     return dim, rank * n, (rank + 1) * n
 
 

@@ -46,6 +46,8 @@ class ExportParams(BaseModel):
                        description="'tiny' (the bundled model) or a Hugging Face-layout checkpoint directory.")
     tp: int = Field(2, ge=1, le=1024, title="Tensor-parallel degree",
                     description="Tensor-parallel degree: ranks that share the model.")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, title="Dtype", description="Compile and run in this dtype (default: the checkpoint's config.json dtype).")
     buckets: Annotated[str, Field(pattern=_BUCKETS)] | None = Field(
         None, title="Buckets", description="BATCHxTOKENS,... e.g. 1x16,4x64 (default: the recipe's buckets).")
     store: str | None = Field(None, title="Store", description="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store).")
@@ -162,6 +164,8 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     name = model_name(params)
     checkpoint = tiny_checkpoint(home) if params.model == "tiny" else Path(params.model).expanduser().resolve()
     cfg = inspect_checkpoint(checkpoint)
+    if params.dtype:
+        cfg = cfg.replace(dtype=params.dtype)
     cfg.check_tp(params.tp)
     names = host_names or []
     unknown = sorted(set(params.assume_available) - set(names))
@@ -192,7 +196,7 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
         from kiln.trust import plan_signing
         plan, _ = plan_signing(sign=params.sign, block=params.signing_key_block, store=store, home=home)
     job = ExportJob(export_id=export_id, model_name=name, checkpoint=str(checkpoint),
-                    config=cfg.__dict__.copy(), tp=params.tp, recipe=recipe, store_url=store.url,
+                    config=cfg.to_dict(), tp=params.tp, recipe=recipe, store_url=store.url,
                     s3_endpoint=params.s3_endpoint, checksum_mode=params.s3_checksum,
                     store_block=params.store_block, assume_available=dict(params.assume_available),
                     signing=plan)

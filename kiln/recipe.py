@@ -74,7 +74,11 @@ class Recipe:
     max_compile_attempts: int = 2
     """Times one forward is tried when its compile worker dies."""
     verify_atol: float = 1e-3
-    """Largest absolute difference allowed between a compiled forward and eager."""
+    """Largest difference allowed between a compiled forward and eager, as
+    max |compiled - eager| / max(1, max |eager|) (absolute for outputs up to 1, relative above)."""
+    verify_half_ratio: float = 2.0
+    """bfloat16 / float16 forwards: compared with eager in float32 on the same weights, they may be off by
+    this many times eager's own error in their dtype (and always by verify_atol)."""
     lease_ttl_s: float = 900.0
     """Seconds a compile lease protects a key from other exports; a stale lease is taken over."""
     flow_retries: int = 2
@@ -102,8 +106,9 @@ class Recipe:
             raise BadInput(f"unknown policy {self.policy!r}; use one of: {', '.join(POLICIES)}.")
         if self.tuning not in TUNING_MODES:
             raise BadInput(f"unknown tuning mode {self.tuning!r}; use one of: {', '.join(TUNING_MODES)}.")
-        if not self.compile_s_estimate > 0 or not self.verify_atol > 0 or not self.lease_ttl_s > 0:
-            raise BadInput("compile_s_estimate, verify_atol and lease_ttl_s must be > 0.")
+        if not self.compile_s_estimate > 0 or not self.verify_atol > 0 or not self.lease_ttl_s > 0 \
+                or not self.verify_half_ratio > 0:
+            raise BadInput("compile_s_estimate, verify_atol, verify_half_ratio and lease_ttl_s must be > 0.")
         if not isinstance(self.flow_retries, int) or isinstance(self.flow_retries, bool) or self.flow_retries < 0:
             raise BadInput(f"recipe setting flow_retries must be a whole number >= 0, got {self.flow_retries!r}.")
         if not self.flow_retry_delay_s >= 0:

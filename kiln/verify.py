@@ -14,11 +14,13 @@ from functools import partial
 from pathlib import Path
 
 from kiln.checkpoint import inspect_checkpoint, tiny_checkpoint
-from kiln.errors import BadInput, IntegrityError
+from kiln.config import ModelConfig
+from kiln.errors import BadInput, VerifyMismatch
 from kiln.keys import check_export_id, manifest_key
 from kiln.manifest import check_manifest
 from kiln.package_check import check_package
 from kiln.params import kiln_home
+from kiln.recipe import Recipe
 from kiln.store import Store, open_store, validate_key
 from kiln.trust import read_verified_manifest, trusted_keys
 from kiln.verify_ranks import verify_all_ranks
@@ -51,9 +53,11 @@ def fetch_verified_export(store: Store, export_id: str, dest: Path, *, trusted,
     return manifest, artifacts, lines
 
 
-def verify_export(store_url: str | None, export_id: str, *, model: str | None = None,
-                  s3_endpoint: str | None = None, verify_keys: list[str] = (), verify_key_block: str | None = None,
-                  allow_unsigned: bool = False) -> dict:
+def open_export(store_url: str | None, export_id: str, dest: str, *, model: str | None = None,
+                s3_endpoint: str | None = None, verify_keys: list[str] = (), verify_key_block: str | None = None,
+                allow_unsigned: bool = False) -> tuple[dict, Path, ModelConfig, dict[str, dict], list[str]]:
+    """A finished export, checked and fetched into KILN_HOME/`dest`/EXPORT_ID: (manifest, checkpoint, config,
+    artifacts, lines). The checkpoint (`model`, else the one the manifest names) must be the exported model."""
     home = kiln_home()
     check_export_id(export_id)
     store = open_store(store_url or f"file://{home / 'store'}", s3_endpoint=s3_endpoint)
@@ -68,21 +72,31 @@ def verify_export(store_url: str | None, export_id: str, *, model: str | None = 
         checkpoint = tiny_checkpoint(home)
     else:
         checkpoint = Path(manifest["model"].get("checkpoint", ""))
-    cfg = inspect_checkpoint(checkpoint)
-    if cfg.__dict__ != manifest["model"]["config"]:
+    exported = ModelConfig(**manifest["model"]["config"])
+    cfg = inspect_checkpoint(checkpoint).replace(dtype=exported.dtype)  # --dtype may have chosen another
+    if cfg != exported:
         raise BadInput(f"checkpoint {checkpoint} does not match the model the export was made from; "
                        "pass the right one with --model.")
-    manifest, artifacts, lines = fetch_verified_export(store, export_id, home / "verify" / export_id,
+    manifest, artifacts, lines = fetch_verified_export(store, export_id, home / dest / export_id,
                                                        trusted=trusted, allow_unsigned=allow_unsigned)
-    diffs = verify_all_ranks(checkpoint=str(checkpoint), config=manifest["model"]["config"], tp=manifest["tp"],
-                             artifacts=artifacts, page_tokens=manifest["recipe"]["page_tokens"],
-                             pages_per_seq=manifest["recipe"]["max_context_tokens"] // manifest["recipe"]["page_tokens"])
-    atol = manifest["recipe"]["verify_atol"]
-    for bucket, diff in sorted(diffs.items()):
-        lines.append(f"  {bucket}: {manifest['tp']} ranks together vs unsharded eager: max |diff| {diff:.2e}")
-    worst = max(diffs.values())
-    if worst > atol:
-        raise IntegrityError(f"export {export_id}: compiled ranks differ from the unsharded model by {worst:.2e} "
-                             f"(> verify_atol {atol}).")
-    lines.append(f"verify ok: {manifest['tp']} ranks match the unsharded model within {atol}")
-    return {"lines": lines, "diffs": diffs}
+    return manifest, checkpoint, cfg, artifacts, lines
+
+
+def verify_export(store_url: str | None, export_id: str, **options) -> dict:
+    """`kiln verify`: all ranks together against the unsharded eager model, per bucket."""
+    manifest, checkpoint, cfg, artifacts, lines = open_export(store_url, export_id, "verify", **options)
+    recipe = Recipe.from_dict(manifest["recipe"])
+    checks = verify_all_ranks(checkpoint=str(checkpoint), config=manifest["model"]["config"], tp=manifest["tp"],
+                              artifacts=artifacts, page_tokens=recipe.page_tokens, pages_per_seq=recipe.pages_per_seq,
+                              atol=recipe.verify_atol, half_ratio=recipe.verify_half_ratio)
+    for bucket, c in sorted(checks.items()):
+        lines.append(f"  {bucket}: {manifest['tp']} ranks together vs unsharded eager: max |diff| {c['diff']:.2e} "
+                     f"(scaled; limit {c['limit']:.2e})")
+    failed = sorted(b for b, c in checks.items() if c["diff"] > c["limit"])
+    if failed:
+        c = checks[failed[0]]
+        raise VerifyMismatch(f"export {export_id}: compiled ranks of bucket {failed[0]} differ from the unsharded "
+                             f"model by {c['diff']:.2e} (scaled; limit {c['limit']:.2e} for {cfg.dtype}).")
+    lines.append(f"verify ok: {manifest['tp']} ranks match the unsharded model ({cfg.dtype}; "
+                 f"{'within ' + str(recipe.verify_atol) if cfg.dtype == 'float32' else 'compared in float32'})")
+    return {"lines": lines, "diffs": checks}

@@ -30,18 +30,15 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, queue) -> None:
 
         from kiln.checkpoint import load_rank_weights
         from kiln.config import ModelConfig
-        from kiln.loader import load_forward
-        from kiln.model import ShardedDecoder, example_inputs
+        from kiln.loader import eager_outputs, judge, load_forward
+        from kiln.model import example_inputs
         from kiln.recipe import parse_buckets
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
         cfg = ModelConfig(**job["config"])
         weights = load_rank_weights(job["checkpoint"], cfg, tp, rank)
-        eager = None
-        if rank == 0:
-            eager = ShardedDecoder(cfg, 1).eval()
-            eager.load_state_dict(load_rank_weights(job["checkpoint"], cfg, 1, 0))
+        full = load_rank_weights(job["checkpoint"], cfg, 1, 0) if rank == 0 else None
         kvh = cfg.num_kv_heads // tp
         diffs = {}
         for name, art in sorted(job["artifacts"].items()):
@@ -56,10 +53,9 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, queue) -> None:
             parts = [torch.empty_like(new_kv) for _ in range(tp)]
             dist.all_gather(parts, new_kv.contiguous())
             if rank == 0:
-                with torch.no_grad():
-                    want_logits, want_kv = eager(tok, start, cache, table)
-                diffs[name] = max(float((logits - want_logits).abs().max()),
-                                  float((torch.cat(parts, dim=-2) - want_kv).abs().max()))
+                eager, exact = eager_outputs(cfg, 1, full, (tok, start, cache, table))
+                diffs[name] = judge((logits, torch.cat(parts, dim=-2)), eager, exact,
+                                    atol=job["atol"], half_ratio=job["half_ratio"])
         dist.barrier()
         dist.destroy_process_group()
         queue.put((rank, "ok", diffs))
@@ -69,18 +65,29 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, queue) -> None:
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[str, dict],
-                     page_tokens: int, pages_per_seq: int, timeout_s: float = 600) -> dict[str, float]:
-    """bucket -> largest |compiled ranks combined - unsharded eager|; raises on any rank's error.
+def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[str, dict], page_tokens: int,
+                     pages_per_seq: int, atol: float, half_ratio: float, timeout_s: float = 600) -> dict[str, dict]:
+    """bucket -> {'diff', 'limit'} of the compiled ranks combined against the unsharded eager model
+    (kiln.loader.judge); raises on any rank's error.
 
     `artifacts` maps a bucket name ('4x32') to {'path', 'sha256'} of a verified local copy.
     """
+    job = {"checkpoint": str(checkpoint), "config": config, "artifacts": artifacts, "atol": atol,
+           "half_ratio": half_ratio, "page_tokens": page_tokens, "pages_per_seq": pages_per_seq}
+    return spawn_ranks(_rank_main, tp, job, timeout_s=timeout_s)[0]
+
+
+def spawn_ranks(target, tp: int, job: dict, *, timeout_s: float = 600) -> dict[int, object]:
+    """Run `target(rank, tp, port, job, queue)` in `tp` spawned processes under one gloo group.
+
+    Each rank puts (rank, 'ok' | 'refused' | 'error', payload) on the queue;
+    returns rank -> payload, or raises: IntegrityError for a refusal (its
+    message says it all), RuntimeError with the rank's traceback otherwise.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    job = {"checkpoint": str(checkpoint), "config": config, "artifacts": artifacts,
-           "page_tokens": page_tokens, "pages_per_seq": pages_per_seq}
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, job, queue), daemon=False) for r in range(tp)]
+    procs = [ctx.Process(target=target, args=(r, tp, port, job, queue), daemon=False) for r in range(tp)]
     for p in procs:
         p.start()
     results = {}
@@ -90,11 +97,11 @@ def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[
             if status == "refused":
                 raise IntegrityError(f"rank {rank}: {payload}")
             if status != "ok":
-                raise RuntimeError(f"rank {rank} failed during the all-ranks check:\n{payload}")
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
             results[rank] = payload
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return results[0]
+    return results

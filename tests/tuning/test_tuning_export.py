@@ -105,4 +105,4 @@ def test_share_verify_refuses_forwards_with_prepacked_weights(two_exports):
         assert r["status"] == "failed" and verify["status"] == "failed"
         assert "no rank's weights provide" in r["error"] and "C++ GEMM templates" in r["error"], r["error"]
     else:  # ATen won every GEMM: the forwards hold no prepacked weights and match eager
-        assert r["status"] == "completed" and max(max(v.values()) for v in r["verify"].values()) < 1e-3
+        assert r["status"] == "completed" and max(c["diff"] for v in r["verify"].values() for c in v.values()) < 1e-3

@@ -57,3 +57,39 @@ def test_example_inputs_shapes():
     assert tok.shape == (3, 5) and start.shape == (3,) and table.shape == (3, 2)
     assert cache.shape == (2, 2, 7, 4, 1, 8)
     assert int(start.max()) <= 8
+
+
+def test_checkpoint_tensors_must_match_the_config(tmp_path):
+    """A tensor the config does not account for (a bias) is refused; a tied head needs no lm_head.weight."""
+    import pytest
+
+    from kiln.checkpoint import write_checkpoint
+    from kiln.errors import BadInput
+
+    state = random_state_dict(SMALL, seed=0)
+    write_checkpoint(tmp_path / "extra", SMALL, {**state, "model.layers.0.self_attn.q_proj.bias": torch.zeros(32)})
+    with pytest.raises(BadInput, match="q_proj.bias"):
+        inspect_checkpoint(tmp_path / "extra")
+    untied = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    write_checkpoint(tmp_path / "untied", SMALL, untied)
+    with pytest.raises(BadInput, match="tie_word_embeddings"):
+        inspect_checkpoint(tmp_path / "untied")
+    tied = SMALL.replace(tie_word_embeddings=True)
+    write_checkpoint(tmp_path / "tied", tied, untied)
+    assert inspect_checkpoint(tmp_path / "tied") == tied
+    write_checkpoint(tmp_path / "tied-with-copy", tied, state)  # a saved copy of the tied head is fine
+    assert inspect_checkpoint(tmp_path / "tied-with-copy") == tied
+
+
+def test_biases_shard_with_their_projection():
+    """Column-parallel biases (q, k, v, gate, up) split with their rows; row-parallel ones (o, down) stay whole."""
+    cfg = SMALL.replace(qkv_bias=True, o_bias=True, mlp_bias=True)
+    full = random_state_dict(cfg, seed=4)
+    ranks = [shard_state_dict(full, cfg, 2, r) for r in range(2)]
+    for name in ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias"):
+        key = f"model.layers.1.{name}"
+        assert torch.equal(torch.cat([r[key] for r in ranks]), full[key])
+    for name in ("self_attn.o_proj.bias", "mlp.down_proj.bias"):
+        key = f"model.layers.1.{name}"
+        assert all(torch.equal(r[key], full[key]) for r in ranks)
+    assert set(ranks[0]) == set(ShardedDecoder(cfg, 2).state_dict())

@@ -94,5 +94,7 @@ def test_tp_must_divide_heads():
 
 def test_config_round_trip():
     assert ModelConfig.from_hf(TINY.to_hf()) == TINY
-    with pytest.raises(BadInput, match="lacks"):
+    with pytest.raises(BadInput, match="neither model_type nor architectures"):
         ModelConfig.from_hf({"vocab_size": 3})
+    with pytest.raises(BadInput, match="lacks"):
+        ModelConfig.from_hf({"model_type": "llama", "vocab_size": 3})

@@ -1,0 +1,102 @@
+"""Small random-init checkpoints written by transformers' own classes, and their reference outputs.
+
+The reference is independent of Kiln: transformers' LlamaForCausalLM,
+MistralForCausalLM and Qwen2ForCausalLM, built from a config dict and saved
+with `save_pretrained` (safetensors). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+
+CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+
+BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
+"""Small enough to compile in seconds; head_dim 32 (> 16, so rotary frequencies are not inlined). Weights
+drawn wide enough (initializer_range) that greedy decoding does not repeat one token."""
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+"""A short original context, so the llama3 scaling changes low and medium frequencies at these head dims."""
+
+CASES = {
+    # name: (family, config overrides, weight dtype)
+    "llama": ("llama", {}, "float32"),
+    "llama-hd64": ("llama", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2), "float32"),
+    "llama-hd128": ("llama", dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=2,
+                                  intermediate_size=512), "float32"),
+    "llama-bf16": ("llama", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2), "bfloat16"),
+    "llama3-rope": ("llama", dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0), "float32"),
+    "llama-linear-rope": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0}), "float32"),
+    "llama-tied": ("llama", dict(tie_word_embeddings=True), "float32"),
+    "llama-theta": ("llama", dict(rope_theta=50.0), "float32"),
+    "llama-attention-bias": ("llama", dict(attention_bias=True), "float32"),
+    "llama-mlp-bias": ("llama", dict(mlp_bias=True), "float32"),
+    "llama32-like": ("llama", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                   tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
+                     "float32"),
+    "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True), "float32"),
+    "llama-realistic-bf16": ("llama", dict(vocab_size=32000, hidden_size=512, num_attention_heads=4,
+                                           num_key_value_heads=2, intermediate_size=1024, num_hidden_layers=4,
+                                           initializer_range=0.05), "bfloat16"),
+    "mistral-window": ("mistral", dict(sliding_window=6), "float32"),
+    "qwen2": ("qwen2", {}, "float32"),
+    "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1), "float32"),
+}
+
+
+def hf_config(family: str, overrides: dict, dtype: str):
+    import torch
+    cls = getattr(transformers, CLASSES[family][0])
+    cfg = cls(**{**BASE, **overrides})
+    cfg.dtype = getattr(torch, dtype)
+    return cfg
+
+
+def hf_model(family: str, config, seed: int = 0):
+    """A random-init transformers model; biases and norms randomised too, so they matter in every output."""
+    import torch
+    torch.manual_seed(seed)
+    model = getattr(transformers, CLASSES[family][1])(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+def write_case(name: str, root: Path, seed: int = 0) -> Path:
+    """Write case `name` with save_pretrained under root/name; returns the directory."""
+    import torch
+    family, overrides, dtype = CASES[name]
+    path = root / name
+    if (path / "config.json").exists():
+        return path
+    model = hf_model(family, hf_config(family, overrides, dtype), seed)
+    model.to(getattr(torch, dtype)).save_pretrained(path)
+    return path
+
+
+def reference_generate(path: Path, prompt: list[int], max_new_tokens: int, dtype: str = "float32") -> dict:
+    """transformers' greedy decode of `prompt` from the checkpoint at `path`, loaded in `dtype`.
+
+    Returns {'generated': ids, 'logits': [last position's logits per step]} (float lists).
+    """
+    import torch
+    family = json.loads((path / "config.json").read_text())["model_type"]
+    cls = getattr(transformers, CLASSES[family][1])
+    model = cls.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    # Plain greedy decoding of exactly max_new_tokens: no end-of-sequence stop, no processor that bans it.
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return {"generated": out.sequences[0, len(prompt):].tolist(),
+            "logits": [step[0].float().tolist() for step in out.logits]}

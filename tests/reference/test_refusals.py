@@ -1,0 +1,39 @@
+"""Checkpoints written by transformers that Kiln does not compute are refused by name, before anything starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_models import hf_config, hf_model
+
+REFUSED = {
+    # name: (family, config overrides, the words the message must hold)
+    "yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                        "original_max_position_embeddings": 64}}, "rope_type='yarn'"),
+    "dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
+    "gelu": ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_export_refuses_what_kiln_does_not_compute(name, kiln, tmp_path):
+    family, overrides, words = REFUSED[name]
+    path = tmp_path / name
+    hf_model(family, hf_config(family, overrides, "float32")).save_pretrained(path)
+    store = tmp_path / "store"
+    run = kiln("export", "--model", str(path), "--tp", "2", "--store", f"file://{store}")
+    assert run.code == 2, run.err[-2000:]
+    assert words in run.err and "config.json" in run.err and "Traceback" not in run.err
+    assert not store.exists() or not any(store.rglob("*.json")), "nothing may be written for bad input"
+
+
+def test_an_unknown_family_is_refused(kiln, tmp_path):
+    path = tmp_path / "gemma"
+    hf_model("llama", hf_config("llama", {}, "float32")).save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(model_type="gemma", architectures=["GemmaForCausalLM"])
+    (path / "config.json").write_text(json.dumps(cfg))
+    run = kiln("plan", "--model", str(path), "--tp", "2")
+    assert run.code == 2 and "model_type='gemma' is not supported" in run.err, run.err[-2000:]

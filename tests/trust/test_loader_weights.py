@@ -1,0 +1,60 @@
+"""The loader refuses weights the package was not compiled for, naming the tensor, before loading any.
+
+Each load runs in a fresh interpreter (native code; AOTInductor loads a
+package once per process) that prints what happened as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+LOAD = r"""
+import json, sys
+import torch
+from kiln.config import ModelConfig
+from kiln.errors import UnloadablePackage
+from kiln.loader import load_forward
+from kiln.model import ShardedDecoder
+
+job = json.loads(sys.argv[1])
+cfg = ModelConfig(**job["config"])
+weights = dict(ShardedDecoder(cfg, 1).eval().state_dict())
+name = "model.layers.0.self_attn.q_proj.weight"
+if job["change"] == "dtype":
+    weights[name] = weights[name].to(torch.bfloat16)
+elif job["change"] == "shape":
+    weights[name] = weights[name][:-1].contiguous()
+elif job["change"] == "missing":
+    del weights[name]
+try:
+    load_forward(job["path"], weights, job["sha256"])
+    print(json.dumps({"refused": None}))
+except UnloadablePackage as exc:
+    print(json.dumps({"refused": str(exc)}))
+"""
+
+
+@pytest.mark.parametrize("change,words", [
+    ("dtype", "weight model.layers.0.self_attn.q_proj.weight is bfloat16 [64, 64] but the package was compiled "
+              "for float32 [64, 64]"),
+    ("shape", "weight model.layers.0.self_attn.q_proj.weight is float32 [63, 64] but the package was compiled "
+              "for float32 [64, 64]"),
+    ("missing", "needs 1 constant(s) that no rank's weights provide (model.layers.0.self_attn.q_proj.weight): "
+                "the rank's weights lack them"),
+    ("none", None),
+])
+def test_weights_that_do_not_fit_are_refused_by_name(small_forward, change, words):
+    job = {**small_forward, "change": change}
+    proc = subprocess.run([sys.executable, "-c", LOAD, json.dumps(job)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    refused = json.loads(proc.stdout.strip().splitlines()[-1])["refused"]
+    if words is None:
+        assert refused is None
+    else:
+        assert refused is not None and words in refused

@@ -1,0 +1,121 @@
+"""config.json -> ModelConfig: both spellings, every family, refusals by field, keys that cover the math."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kiln.config import TINY, ModelConfig
+from kiln.errors import BadInput
+from kiln.hf_config import from_hf, to_hf
+from kiln.job import ExportJob
+from kiln.recipe import Recipe
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 128,
+         "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "rms_norm_eps": 1e-6, "hidden_act": "silu", "transformers_version": "4.46.0", "bos_token_id": 1}
+
+
+def test_transformers_4_and_5_spellings_read_the_same():
+    v4 = {**LLAMA, "rope_theta": 500000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": True,
+          "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}}
+    v5 = {**LLAMA, "dtype": "bfloat16", "tie_word_embeddings": True,
+          "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}}
+    a, b = from_hf(v4), from_hf(v5)
+    assert a == b
+    assert (a.dtype, a.rope_type, a.rope_theta, a.rope_factor, a.tie_word_embeddings) == \
+        ("bfloat16", "llama3", 500000.0, 32.0, True)
+    # The older `type` key of rope_scaling still means rope_type.
+    assert from_hf({**LLAMA, "rope_scaling": {"type": "linear", "factor": 2.0}}).rope_type == "linear"
+
+
+def test_families():
+    qwen = from_hf({**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                    "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28})
+    assert qwen.qkv_bias and not qwen.o_bias and qwen.sliding_window is None
+    qwen_window = from_hf({**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                           "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1})
+    assert qwen_window.sliding_window == 64 and [qwen_window.window_of(i) for i in range(2)] == [None, 64]
+    by_types = from_hf({**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                        "use_sliding_window": True, "sliding_window": 64,
+                        "layer_types": ["full_attention", "sliding_attention"]})
+    assert by_types == qwen_window.replace(first_sliding_layer=1)
+    mistral = from_hf({**LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 8})
+    assert [mistral.window_of(i) for i in range(2)] == [8, 8]
+    biased = from_hf({**LLAMA, "attention_bias": True, "mlp_bias": True})
+    assert biased.qkv_bias and biased.o_bias and biased.mlp_bias
+    assert from_hf(LLAMA).head_dim == 32  # hidden / heads when head_dim is absent
+
+
+def test_to_hf_round_trips():
+    for cfg in (TINY, from_hf({**LLAMA, "attention_bias": True, "tie_word_embeddings": True}),
+                from_hf({**LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                         "sliding_window": 8, "rope_scaling": {"rope_type": "linear", "factor": 4.0}})):
+        assert from_hf(to_hf(cfg)) == cfg
+
+
+REFUSED = [
+    # (change to a valid Llama config, words the message must hold)
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_type='dynamic'"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks low_freq_factor"),
+    ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "model_type='gemma'"),
+    ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"sliding_window": 8}, "sliding_window=8"),  # Llama has none: a Llama file that says so is not understood
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+    ({"logit_softcapping": 30.0}, "logit_softcapping=30.0"),
+    ({"dtype": "float8_e4m3fn"}, "float8_e4m3fn"),
+    ({"dtype": "float32", "torch_dtype": "bfloat16"}, "disagree"),
+    ({"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, "disagree"),
+    ({"attention_bias": "yes"}, "attention_bias='yes'"),
+]
+
+
+@pytest.mark.parametrize("change,words", REFUSED, ids=[w for _, w in REFUSED])
+def test_what_kiln_does_not_compute_is_refused_by_name(change, words):
+    with pytest.raises(BadInput, match="config.json") as err:
+        from_hf({**LLAMA, **change})
+    assert words in str(err.value)
+
+
+def test_qwen2_layer_types_that_interleave_are_refused():
+    with pytest.raises(BadInput, match="layer_types"):
+        from_hf({**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True,
+                 "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]})
+
+
+def _changed(cfg: ModelConfig, field: dataclasses.Field):
+    """A valid value of `field` other than cfg's."""
+    value = getattr(cfg, field.name)
+    special = {"dtype": "bfloat16", "architecture": "mistral", "rope_type": "linear", "sliding_window": 8,
+               "num_heads": 48, "num_kv_heads": 6, "first_sliding_layer": 1}
+    if field.name in special:
+        return special[field.name]
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value * 2
+    return value * 2.5
+
+
+def test_every_config_field_is_in_the_forward_key():
+    """Change each field alone: the key changes, so no cached forward of one model serves another."""
+    def key(cfg: ModelConfig) -> str:
+        job = ExportJob(export_id="k", model_name="m", checkpoint="/none", config=cfg.to_dict(), tp=1,
+                        recipe=Recipe(), store_url="file:///none")
+        return job.specs(target="t", torch_version="v", code="c", compiler={})[0].key
+
+    base = TINY.replace(rope_type="llama3", rope_factor=8.0)
+    seen = {key(base)}
+    for field in dataclasses.fields(ModelConfig):
+        changed = base.replace(**{field.name: _changed(base, field)})
+        assert changed != base, field.name
+        k = key(changed)
+        assert k not in seen, f"changing {field.name} alone did not change the forward key"
+        seen.add(k)
