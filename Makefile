@@ -6,7 +6,7 @@ PYTHON ?= python3
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup test-setup export test test-fast bench bench-quick bench-tuning clean
+.PHONY: setup test-setup export test test-fast bench bench-quick bench-tuning bench-1b clean
 
 setup: $(VENV)/.installed
 
@@ -43,6 +43,10 @@ bench-quick: setup
 
 bench-tuning: setup
 	$(BIN)/python bench/tuning.py
+
+# Memory at a real size: a Llama-3.2-1B-shaped checkpoint (~2.5 GB) exported at tp 2 and verified (~12 GiB).
+bench-1b: setup
+	$(BIN)/python bench/scale_1b.py
 
 clean:
 	rm -rf .kiln report.json

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         # Each host compiles what its ranks need, whatever the others do (no gate, no lending).
         done = hostwork.compile_on_host(job, host, probe["specs"], workers)
-        compiled[host.name] = len(done)
+        compiled[host.name] = len(done["forwards"])
     t_check = time.perf_counter()
     # The outcome all-gather, after compiling: any host's error fails the export.
     failed = bool(errors)

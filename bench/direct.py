@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     phase("probe", t)
     t = time.perf_counter()
     reports = planning.host_reports(job, probes)
-    kv = planning.kv_plan(job, reports)
+    kv = planning.plan_kv_for(job, probes)
     phase("kv-plan", t)
     t = time.perf_counter()
     plan = planning.run_gate(job, probes, kv)
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     specs = {s["key"]: s for s in probes[0]["specs"]}
     t = time.perf_counter()
     hp = plan.hosts[host.name]
-    compiled = {e["key"]: e for e in hostwork.compile_on_host(job, host, [specs[k] for k in hp.compile], hp.workers)}
+    done = hostwork.compile_on_host(job, host, [specs[k] for k in hp.compile], hp.workers)
+    compiled = {e["key"]: e for e in done["forwards"]}
     phase("compile", t)
     t = time.perf_counter()
     stored = {k: store.stat(artifact_key(k)) for k in specs}
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
                  "size_bytes": stored[k].size_bytes, "object": artifact_key(k)} for k, s in sorted(specs.items())]
     t = time.perf_counter()
     hostwork.fetch_missing(job, host, forwards)
-    diffs = hostwork.check_ranks(job, host, forwards)
+    diffs = hostwork.check_ranks(job, host, forwards)["checks"]
     if any(c["diff"] > c["limit"] for c in diffs.values()):
         raise SystemExit(f"a compiled forward differs from eager: {diffs}")
     phase("share-verify", t)

@@ -63,7 +63,7 @@ class KilnRecipe(Block):
     buckets: str = Field(",".join(str(b) for b in _DEFAULT.buckets), description="BATCHxTOKENS,...")
     headroom_floor_mib: int = Field(_DEFAULT.headroom_floor_mib, gt=0)
     recipe_headroom_mib: int = Field(_DEFAULT.recipe_headroom_mib, gt=0)
-    worker_host_mib: int = Field(_DEFAULT.worker_host_mib, gt=0)
+    worker_host_mib: int | None = Field(None, gt=0, description="Empty: the measured peak when known, else the estimate.")
     worker_device_mib: int = Field(_DEFAULT.worker_device_mib, ge=0)
     activation_reserve_mib: int = Field(_DEFAULT.activation_reserve_mib, ge=0)
     unified_memory: bool | None = Field(None, description="Empty: as probed on each host.")

@@ -29,14 +29,16 @@ MAX_REPLANS = 3
 
 
 def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: dict[str, dict],
-                      reports: list[HostReport], runner: HostRunner) -> tuple[dict[str, dict], set[str]]:
-    """Compile what `plan` assigns; returns (key -> compile record of this export, lost host names)."""
+                      reports: list[HostReport], runner: HostRunner) -> tuple[dict[str, dict], set[str], dict]:
+    """Compile what `plan` assigns; returns (key -> compile record of this export, lost host names,
+    host -> its lowest available MiB and its compile process tree's peak MiB while compiling)."""
     log = get_run_logger()
     store = store_of(job)
     by_name = {h.name: h for h in hosts}
     to_compile = sorted(k for hp in plan.hosts.values() for k in hp.compile)
     progress = _Progress(job, store, to_compile)
     lost: set[str] = set()
+    memory: dict[str, dict] = {}
     assignment = {n: (hp.compile, hp.workers) for n, hp in plan.hosts.items() if hp.compile}
     for round_ in range(MAX_REPLANS + 1):
         running = {n: runner.submit(by_name[n], phases.compile_host, job=job, host=by_name[n],
@@ -46,7 +48,7 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
         for name in gone:
             runner.cancel(running.pop(name))
         for name, fut in running.items():
-            fut.result()  # a host's failure fails the phase
+            memory[name] = fut.result()["memory"]  # a host's failure fails the phase
         if not gone:
             break
         lost |= gone
@@ -68,7 +70,7 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
             compiled[key] = store.get_json(compile_log_key(job.export_id, key))
         except ObjectMissing:
             pass  # compiled by another export that held its lease: reused
-    return compiled, lost
+    return compiled, lost, memory
 
 
 def _watch(running: dict, runner: HostRunner, progress: "_Progress") -> set[str]:

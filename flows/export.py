@@ -119,7 +119,7 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
     specs = {s["key"]: s for p in probes for s in p["specs"]}
     reports = planning.host_reports(job, probes)
     with phase("kv-plan"):
-        report.kv_plan = phases.kv_plan(job, reports)
+        report.kv_plan = phases.kv_plan(job, probes)
     report.gate["policy"] = job.recipe.policy
     with phase("gate"):
         try:
@@ -130,10 +130,14 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         report.gate.update(decision=plan.decision, assignments=plan.assignments, message=plan.message,
                            predicted_s=plan.predicted_s, hosts={n: h.to_dict() for n, h in plan.hosts.items()})
         for name, hp in plan.hosts.items():
-            report.host(name, workers=hp.workers)
+            report.host(name, workers=hp.workers).update(worker_mib=hp.worker_mib, worker_mib_source=hp.worker_mib_source,
+                                                         required_one_mib=hp.required_one_mib)
     log.info("gate: %s", plan.message)
     with phase("compile") as info:
-        compiled, lost = run_compile_phase(job, hosts, plan, specs, reports, runner)
+        compiled, lost, during = run_compile_phase(job, hosts, plan, specs, reports, runner)
+        for name, m in during.items():  # the moment that matters: the lowest memory while compiling
+            report.host(name)["compile_memory"] = m
+            report.memory(name, "compile (lowest)", {"host_available_mib": m["min_available_mib"]})
         info["status"] = "ok" if plan.decision == "compile" else "skipped"
         if lost:
             info["lost_hosts"] = sorted(lost)
@@ -150,7 +154,8 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
                          "object": artifact_key(key), "compiled_by": c["compiled_by"] if c else None,
                          "compile_s": c["compile_s"] if c else None, "autotune": c.get("autotune") if c else None,
                          "tuning": (spec.get("tuning") or {}).get("digest"),
-                         "compile_attempts": c.get("attempts", 1) if c else 0})
+                         "compile_attempts": c.get("attempts", 1) if c else 0,
+                         "compile_peak_mib": c.get("compile_peak_mib") if c else None})
     report.forwards = forwards
     report.counts.update(forwards=len(forwards), compiled=len(compiled), reused=len(forwards) - len(compiled))
     with phase("share-verify"):
@@ -161,7 +166,9 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
             report.host(h.name)["downloaded"] = f.result()
         checks = [runner.submit(h, phases.verify_host, job=job, host=h, forwards=mine[h.name]) for h in hosts]
         for h, f in zip(hosts, checks):
-            report.verify[h.name] = f.result()
+            result = f.result()
+            report.verify[h.name] = result["checks"]
+            report.host(h.name)["verify_memory"] = result["memory"]
     with phase("manifest"):
         manifest = build_manifest(
             export_id=job.export_id, model={"name": job.model_name, "checkpoint": job.checkpoint, "config": job.config}, recipe=job.recipe.to_dict(),

@@ -15,6 +15,7 @@ import sys
 from contextlib import contextmanager
 
 from kiln.errors import BadInput, KilnError
+from kiln.procs import Reaper
 
 
 def _assume(items: list[str]) -> dict[str, int]:
@@ -258,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     # Prefect's embedded API gives up after 20 s; a busy small machine needs longer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    # Whatever this command starts (compile workers, ranks, Prefect's embedded server) dies with it.
+    reaper = Reaper() if args.func not in (cmd_keygen, cmd_checkpoint) else None
     try:
         return args.func(args)
     except KilnError as exc:
@@ -266,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if reaper:
+            reaper.close()
 
 
 if __name__ == "__main__":

@@ -57,6 +57,8 @@ class CompileResult:
     compile_s: float
     pid: int
     attempts: int = 1
+    peak_mib: int = 0
+    """Largest resident memory of the worker and its compiler children while compiling this forward."""
     autotune: dict | None = None
     """GEMMs autotuned ('selections'), candidates benchmarked during this compile ('benchmarked'), and
     the tuning timings installed in the worker ('tuning_timings'); None when compiled without max-autotune."""
@@ -82,6 +84,9 @@ def _count_selection(*_args, **_kwargs) -> None:
 def _warm(tuning_entries: dict | None = None) -> None:
     """Pool initializer: import torch once per worker and install the tuning results before any compile."""
     global _TUNING
+    from kiln.procs import die_with_parent
+
+    die_with_parent()  # a worker never outlives the pool's owner (it would hold memory the next gate measures)
     import torch  # noqa: F401
     from torch._inductor import select_algorithm
 
@@ -99,8 +104,17 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
 
     Runs inside a spawned worker, in the config's dtype. The weights are
     uninitialized placeholders of the right shapes and dtype: the package holds
-    no constants and the loader supplies the rank's real weights.
+    no constants and the loader supplies the rank's real weights. The result
+    carries the worker's peak memory (itself and its compiler children, sampled).
     """
+    from kiln.procs import PeakSampler
+
+    with PeakSampler() as sampler:
+        result = _compile_forward(spec, out_path)
+    return dataclasses.replace(result, peak_mib=sampler.peak_mib)
+
+
+def _compile_forward(spec: dict, out_path: str) -> CompileResult:
     import torch
     from torch.export import Dim
 

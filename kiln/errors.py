@@ -23,6 +23,12 @@ class GateRefused(KilnError):
     exit_code = 3
 
 
+class MemoryShort(KilnError):
+    """A check would not fit in the memory available: refused before it starts, never killed midway."""
+
+    exit_code = 3
+
+
 class IntegrityError(KilnError):
     """An object's bytes do not match the sha256 recorded for them."""
 
@@ -47,7 +53,7 @@ class StoreError(KilnError):
     exit_code = 1
 
 
-DETERMINISTIC = (BadInput, IntegrityError, VerifyMismatch, UnloadablePackage)
+DETERMINISTIC = (BadInput, IntegrityError, VerifyMismatch, UnloadablePackage, MemoryShort)
 """Errors that fail the same way however often the export is tried again."""
 
 

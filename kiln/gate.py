@@ -34,6 +34,8 @@ class HostReport:
     available_assumed: bool = False
     compile_s: float | None = None
     """Measured seconds per forward on this host, when known."""
+    measured_worker_mib: int | None = None
+    """A compile worker's measured peak for this graph and target, margin included (None: not measured)."""
 
 
 @dataclass
@@ -43,6 +45,10 @@ class HostPlan:
     available_mib: int
     required_one_mib: int
     """Memory one worker needs on this host."""
+    worker_mib: int
+    """Host memory the gate counts per worker."""
+    worker_mib_source: str
+    """Where worker_mib comes from: 'measured' (this graph's peak), 'recipe' (set) or 'estimate'."""
     capacity: int
     """Workers memory and CPUs allow."""
     workers: int = 0
@@ -52,8 +58,9 @@ class HostPlan:
     predicted_s: float = 0.0
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("name", "target", "available_mib", "required_one_mib",
-                                               "capacity", "workers", "compile", "download", "predicted_s")}
+        return {k: getattr(self, k) for k in ("name", "target", "available_mib", "required_one_mib", "worker_mib",
+                                               "worker_mib_source", "capacity", "workers", "compile", "download",
+                                               "predicted_s")}
 
 
 @dataclass
@@ -91,9 +98,11 @@ def decide(hosts: list[HostReport], recipe: Recipe, needed: dict[str, list[str]]
     compile_s = compile_s or {}
     plans = {h.name: HostPlan(
         name=h.name, target=h.target, available_mib=h.available_mib,
-        required_one_mib=required_mib(recipe, 1, h.unified),
-        capacity=worker_capacity(recipe, available_mib=h.available_mib, unified=h.unified,
-                                 num_cpus=h.num_cpus, device_free_mib=h.device_free_mib))
+        required_one_mib=required_mib(recipe, 1, h.unified, h.measured_worker_mib),
+        worker_mib=recipe.worker_host_source(h.measured_worker_mib)[0],
+        worker_mib_source=recipe.worker_host_source(h.measured_worker_mib)[1],
+        capacity=worker_capacity(recipe, available_mib=h.available_mib, unified=h.unified, num_cpus=h.num_cpus,
+                                 device_free_mib=h.device_free_mib, measured_host_mib=h.measured_worker_mib))
         for h in sorted(hosts, key=lambda h: h.name)}
     by_name = {h.name: h for h in hosts}
 
@@ -163,16 +172,18 @@ def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[
         p = plans[h.name]
         assumed = " (assumed)" if h.available_assumed else ""
         gap = p.required_one_mib - h.available_mib
+        measured = f" (its worker peak measured {p.worker_mib} MiB)" if p.worker_mib_source == "measured" else ""
         if gap > 0:
             lines.append(f"{h.name} has {h.available_mib} MiB available{assumed} but one compile worker "
-                         f"needs {p.required_one_mib} MiB: {gap} MiB short")
+                         f"needs {p.required_one_mib} MiB{measured}: {gap} MiB short")
         elif h.device_free_mib is not None and not h.unified:
             lines.append(f"{h.name} has {h.device_free_mib} MiB free on its device but one compile worker "
                          f"needs {recipe.worker_device_mib} MiB there")
         else:
             lines.append(f"{h.name} can run no compile worker ({h.num_cpus} CPUs)")
     fixes = []
-    floors = [floor_admitting_one(recipe, available_mib=h.available_mib, unified=h.unified) for h in short]
+    floors = [floor_admitting_one(recipe, available_mib=h.available_mib, unified=h.unified,
+                                  measured_host_mib=h.measured_worker_mib) for h in short]
     if all(f is not None for f in floors) and any(plans[h.name].required_one_mib > h.available_mib for h in short):
         fixes.append(f"--set headroom_floor_mib={min(floors)} would admit one worker on every short host")
     lenders = {p.name: p.capacity for p in plans.values() if p.capacity > 0
@@ -197,3 +208,20 @@ def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[
         fixes.append("add a host of the same target with memory for a compile worker")
     return ("export refused before compiling: " + "; ".join(lines) + ". "
             + "To fix: " + "; or ".join(fixes) + ".")
+
+
+def check_kv(kv_pages_per_rank: int, *, need_pages: int, largest: str, batch: int, pages_per_seq: int,
+             page_tokens: int, context_tokens: int, limiting: str) -> None:
+    """Refuse an export whose KV cache cannot hold its largest bucket: it could serve nothing of that size.
+
+    `need_pages` = batch x pages_per_seq of the largest bucket; `limiting` names the rank and host
+    whose memory set the plan.
+    """
+    if kv_pages_per_rank >= need_pages:
+        return
+    raise GateRefused(
+        f"export refused before compiling: the KV plan leaves {kv_pages_per_rank} pages per rank (limited by "
+        f"{limiting}) but bucket {largest} needs {need_pages} ({batch} sequences x {pages_per_seq} pages of "
+        f"{page_tokens} tokens for max_context_tokens {context_tokens}). To fix: fewer compile workers on that "
+        "host (--set max_compile_workers=N; the plan reserves their memory), smaller buckets (a smaller largest "
+        "batch), a shorter --set max_context_tokens, or more memory on that host.")

@@ -18,9 +18,11 @@ from typing import Callable
 from kiln import cache, faults, lease, probe, tuner, tuning
 from kiln.compiler import (FORWARD_DEVICE, CompilePool, CompileResult, compiler_options,
                            model_code_fingerprint)
-from kiln.errors import DiskError
+from kiln.errors import DiskError, MemoryShort
+from kiln.sizing import check_peak_mib
 from kiln.job import ExportJob, HostSpec
-from kiln.keys import artifact_key
+from kiln.keys import artifact_key, digest
+from kiln.procs import PeakSampler, die_with_parent
 from kiln.errors import IntegrityError
 from kiln.store import ObjectMissing, open_store
 
@@ -66,6 +68,7 @@ def probe_host(job: ExportJob, host: HostSpec) -> dict:
         "local_keys": sorted(s.key for s in specs if local_path(host, s.key).exists()),
         "store_keys": sorted(s.key for s in specs if s.key in stored),
         "cache": cache.cache_status(cache_dir(host)),
+        "worker_peaks_mib": measured_peaks(store, specs),
     }
 
 
@@ -119,13 +122,16 @@ def break_leases(job: ExportJob, keys: list[str], hosts: set[str]) -> int:
 
 
 def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int,
-                    on_done: Callable[[CompileResult], None] | None = None) -> list[dict]:
+                    on_done: Callable[[CompileResult], None] | None = None) -> dict:
     """Compile `specs` in a pool of `workers` spawned processes; upload each the moment it is done.
+
+    Returns {'forwards': one entry per key this host compiled, 'memory': the host's
+    lowest available MiB and this process tree's peak MiB (the pool included) while compiling}.
 
     Each key is compiled under a lease: a key another export is compiling
     right now is waited for (and reused) instead of compiled twice; a stale
-    lease is taken over. Returns one entry per key this host compiled.
-    The specs' tuning results are fetched and verified first and installed in
+    lease is taken over. Each compiled forward's worker peak is kept in the
+    store per (graph, target), for the gate of later exports. The specs' tuning results are fetched and verified first and installed in
     every worker before it compiles; each entry's 'autotune' says how many
     GEMMs were autotuned and how many candidates were benchmarked (0 when the
     stored results covered them).
@@ -141,8 +147,11 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
         created = store.put_file(artifact_key(result.key), result.path, result.sha256)
         entry = {"key": result.key, "sha256": result.sha256, "size_bytes": result.size_bytes,
                  "compile_s": round(result.compile_s, 3), "compiled_by": host.name, "created": created,
-                 "autotune": result.autotune, "attempts": result.attempts}
+                 "autotune": result.autotune, "attempts": result.attempts, "compile_peak_mib": result.peak_mib}
         store.put_json(compile_log_key(job.export_id, result.key), entry, overwrite=True)
+        spec = by_key[result.key]
+        store.put_json(worker_memory_key(spec, result.key), {"compile_peak_mib": result.peak_mib,
+                                                             "bucket": spec["bucket"]}, overwrite=True)
         leases.release(result.key)
         uploaded.append(entry)
         if entries and result.autotune and result.autotune["benchmarked"]:
@@ -155,10 +164,11 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     def job_of(spec: dict) -> tuple[dict, str]:
         return spec, str(local_path(host, spec["key"]))
 
+    by_key = {s["key"]: s for s in specs}
     waiting = list(specs)
     mine: list[dict] = []
     try:
-        with CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
+        with PeakSampler(interval_s=0.2) as sampler, CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
             while waiting:
                 mine = [s for s in waiting if not store.exists(artifact_key(s["key"])) and leases.acquire(s["key"])]
                 waiting = [s for s in waiting if s not in mine and not store.exists(artifact_key(s["key"]))]
@@ -170,7 +180,30 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
         for s in mine:  # a failed compile frees its keys at once, not after the lease's TTL
             leases.release(s["key"])
         raise
-    return uploaded
+    return {"forwards": uploaded, "memory": {"min_available_mib": sampler.min_available_mib,
+                                             "peak_tree_mib": sampler.peak_mib}}
+
+
+def worker_memory_key(spec: dict, key: str) -> str:
+    """Where a forward's measured worker peak lives: per (graph, target), so new buckets of one graph use it."""
+    return f"{worker_memory_prefix(spec)}{key}.json"
+
+
+def worker_memory_prefix(spec: dict) -> str:
+    return f"memory/{digest({k: spec[k] for k in ('graph', 'target', 'compiler')})}/"
+
+
+def measured_peaks(store, specs: list) -> list[int]:
+    """Worker peaks (MiB) measured before for the graph and target of `specs` (one graph per host)."""
+    if not specs:
+        return []
+    peaks = []
+    for obj in store.list(worker_memory_prefix(specs[0].to_dict())):
+        try:
+            peaks.append(int(store.get_json(obj)["compile_peak_mib"]))
+        except (IntegrityError, ObjectMissing, KeyError, TypeError, ValueError):
+            continue  # an unreadable record is not a measurement
+    return peaks
 
 
 def fetch_missing(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
@@ -202,20 +235,36 @@ def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict])
 
     cfg = job.model_config
     diffs: dict[str, dict] = {}
-    weights = load_rank_weights(job.checkpoint, cfg, job.tp, rank)
-    for f in forwards:
-        compiled = load_forward(local_path(host, f["key"]), weights, f["sha256"])
-        diffs[f"rank{rank}/{f['bucket']}"] = compare_with_eager(
-            compiled, cfg, job.tp, rank, weights, parse_buckets(f["bucket"])[0], page_tokens=job.recipe.page_tokens,
-            pages_per_seq=job.recipe.pages_per_seq, atol=job.recipe.verify_atol,
-            half_ratio=job.recipe.verify_half_ratio)
-    return diffs
+    with PeakSampler(interval_s=0.1) as sampler:
+        weights = load_rank_weights(job.checkpoint, cfg, job.tp, rank)
+        for f in forwards:
+            compiled = load_forward(local_path(host, f["key"]), weights, f["sha256"])
+            diffs[f"rank{rank}/{f['bucket']}"] = compare_with_eager(
+                compiled, cfg, job.tp, rank, weights, parse_buckets(f["bucket"])[0],
+                page_tokens=job.recipe.page_tokens, pages_per_seq=job.recipe.pages_per_seq,
+                atol=job.recipe.verify_atol, half_ratio=job.recipe.verify_half_ratio)
+    return {"checks": diffs, "peak_mib": sampler.peak_mib}
+
+
+def check_memory(job: ExportJob, num_forwards: int, available_mib: int, what: str) -> int:
+    """Predicted peak MiB of one rank's check; MemoryShort (before anything starts) when it cannot fit."""
+    cfg = job.model_config
+    need = check_peak_mib(shard_bytes=cfg.weight_bytes_per_rank(job.tp), num_forwards=num_forwards,
+                          half=cfg.dtype != "float32", process_base_mib=job.recipe.process_base_mib)
+    if need > available_mib:
+        raise MemoryShort(f"{what}: checking one rank against eager needs about {need} MiB ({num_forwards} "
+                          f"forward(s) of a {cfg.weight_bytes_per_rank(job.tp) // 2**20} MiB shard in {cfg.dtype}) "
+                          f"but {available_mib} MiB are available; free memory there, or export fewer buckets "
+                          "per run.")
+    return need
 
 
 def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[str, dict]:
     """Load each forward with each of this host's rank weights and compare with eager.
 
-    Returns 'rank<r>/<bucket>' -> {'diff', 'limit'} (kiln.loader.judge).
+    Returns {'checks': 'rank<r>/<bucket>' -> {'diff', 'limit'} (kiln.loader.judge), 'memory':
+    {'predicted_mib', 'peak_mib'} of the largest rank check}. A check that would not fit in the
+    host's available memory is refused (MemoryShort) before its process starts.
 
     Each rank runs in its own spawned process, as it would when serving:
     loading native code must not be able to take the orchestrating process
@@ -236,15 +285,22 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
                 diffs[f"rank{rank}/{f['bucket']}"] = json.loads(seen.read_text())
             else:
                 todo.setdefault(rank, []).append(f)
+    memory = {"predicted_mib": None, "peak_mib": None}
     if not todo:
-        return diffs
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as ex:
+        return {"checks": diffs, "memory": memory}
+    memory["predicted_mib"] = check_memory(job, max(len(fs) for fs in todo.values()),
+                                           probe.memory_snapshot()["host_available_mib"], f"host {host.name}")
+    memory["peak_mib"] = 0
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), max_tasks_per_child=1,
+                             initializer=die_with_parent) as ex:
         for rank, fs in todo.items():
-            found = ex.submit(_check_rank, job, host, rank, fs).result()
+            result = ex.submit(_check_rank, job, host, rank, fs).result()
+            found = result["checks"]
+            memory["peak_mib"] = max(memory["peak_mib"], result["peak_mib"])
             diffs.update(found)
             record.mkdir(parents=True, exist_ok=True)
             for f in fs:
                 check = found[f"rank{rank}/{f['bucket']}"]
                 if check["diff"] <= check["limit"]:
                     (record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.json").write_text(json.dumps(check))
-    return diffs
+    return {"checks": diffs, "memory": memory}

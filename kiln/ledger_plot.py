@@ -24,7 +24,9 @@ def draw(hosts: list[dict], *, title: str = "memory ledger") -> bytes:
     `hosts` are the report's host entries: {'name', 'memory': [{'phase',
     'host_available_mib', 'device_free_mib', 'assumed_available_mib'?}, ...]}.
     A host without a device shows only its available memory; an assumed figure
-    (--assume-available) is drawn as a dashed line.
+    (--assume-available) is drawn as a dashed line; the memory one compile worker
+    needs ('required_one_mib', from the gate) as a dotted line, and the lowest
+    reading while compiling (phase 'compile (lowest)') as a triangle.
     """
     import matplotlib
 
@@ -45,12 +47,20 @@ def draw(hosts: list[dict], *, title: str = "memory ledger") -> bytes:
         if any("assumed_available_mib" in r for r in rows):
             ax.plot(x, [r.get("assumed_available_mib") for r in rows], linestyle="--",
                     marker="x", label="assumed available")
+        if host.get("required_one_mib"):
+            ax.axhline(host["required_one_mib"], color="tab:red", linestyle=":", linewidth=1.2,
+                       label=f"needed for one compile worker ({host['required_one_mib']})")
+        for xi, row in zip(x, rows):
+            if row["phase"] == "compile (lowest)" and row.get("host_available_mib") is not None:
+                ax.plot([xi], [row["host_available_mib"]], marker="v", color="tab:orange", markersize=9,
+                        linestyle="none", label="lowest while compiling")
         for xi, value in zip(x, avail):
             if value is not None:
                 ax.annotate(f"{value}", (xi, value), textcoords="offset points", xytext=(0, 6),
                             ha="center", fontsize=7)
         ax.set_title(f"host {host['name']}", fontsize=10, loc="left")
         ax.set_ylabel("MiB")
+        ax.set_ylim(bottom=0)  # from zero: a small dip must look small
         ax.set_xticks(x, phases, rotation=30, ha="right", fontsize=8)
         ax.grid(True, alpha=0.3)
         if rows:

@@ -19,7 +19,7 @@ import json
 import os
 from pathlib import Path
 
-from kiln.errors import IntegrityError, UnloadablePackage
+from kiln.errors import IntegrityError, KilnError, UnloadablePackage
 from kiln.package_check import check_package
 
 
@@ -125,10 +125,18 @@ def eager_outputs(cfg, tp: int, weights: dict, args) -> tuple[tuple, tuple | Non
     from kiln.model import ShardedDecoder
 
     def run(dtype: str):
-        model = ShardedDecoder(cfg.replace(dtype=dtype), tp).to(getattr(torch, dtype)).eval()
-        model.load_state_dict({n: t.to(getattr(torch, dtype)) for n, t in weights.items()}, strict=True)
-        cast = tuple(a.to(getattr(torch, dtype)) if a.is_floating_point() else a for a in args)
+        # Built without storage, then each weight copied in (converted as it goes): one copy of the shard
+        # in `dtype`, never a second one in a converted state dict.
+        with torch.device("meta"):
+            model = ShardedDecoder(cfg.replace(dtype=dtype), tp).to(getattr(torch, dtype)).eval()
+        model = model.to_empty(device="cpu")
+        params = model.state_dict()
+        if set(params) != set(weights):
+            raise KilnError(f"the rank's weights do not match the model: {sorted(set(params) ^ set(weights))[:3]}")
         with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(weights[name])
+            cast = tuple(a.to(getattr(torch, dtype)) if a.is_floating_point() else a for a in args)
             return model(*cast)
 
     return run(cfg.dtype), (None if cfg.dtype == "float32" else run("float32"))

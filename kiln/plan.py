@@ -29,7 +29,7 @@ def plan_only(params: ExportParams) -> dict:
     job, probes = _probe_all(params)
     check_probed_caches(probes, job.recipe.artifact_mib_estimate)
     reports = planning.host_reports(job, probes)
-    kv = planning.kv_plan(job, reports)
+    kv = planning.plan_kv_for(job, probes)
     kv_line = f"kv plan: {kv['pages_per_rank']} pages per rank of {kv['page_bytes']} bytes (limited by rank {kv['limiting_rank']})"
     try:
         plan = planning.run_gate(job, probes, kv)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from kiln.gate import HostReport, Plan, decide
+import math
+
+from kiln.errors import GateRefused
+from kiln.gate import HostReport, Plan, check_kv, decide
 from kiln.job import ExportJob
-from kiln.sizing import page_bytes, plan_kv, required_mib, worker_capacity
+from kiln.sizing import page_bytes, plan_kv, required_mib
 
 
 def host_reports(job: ExportJob, probes: list[dict]) -> list[HostReport]:
@@ -16,8 +19,14 @@ def host_reports(job: ExportJob, probes: list[dict]) -> list[HostReport]:
             name=p["name"], ranks=tuple(p["ranks"]), num_cpus=p["num_cpus"], target=p["target"],
             available_mib=assumed if assumed is not None else p["memory"]["host_available_mib"],
             available_assumed=assumed is not None, unified=p["unified"],
-            device_free_mib=p["memory"]["device_free_mib"], local_keys=frozenset(p["local_keys"])))
+            device_free_mib=p["memory"]["device_free_mib"], local_keys=frozenset(p["local_keys"]),
+            measured_worker_mib=measured_worker_mib(job.recipe, p.get("worker_peaks_mib") or [])))
     return out
+
+
+def measured_worker_mib(recipe, peaks_mib: list[int]) -> int | None:
+    """The per-worker figure from measured compile peaks of this graph and target: largest x margin."""
+    return math.ceil(max(peaks_mib) * recipe.worker_mib_margin) if peaks_mib else None
 
 
 def page_size(job: ExportJob) -> int:
@@ -26,18 +35,33 @@ def page_size(job: ExportJob) -> int:
                       head_dim=cfg.head_dim, page_tokens=job.recipe.page_tokens, dtype_bytes=cfg.dtype_bytes)
 
 
-def kv_plan(job: ExportJob, reports: list[HostReport]) -> dict:
-    """Pages per rank after weights, activation reserve and (on unified memory) the compile pool."""
+def planned_workers(job: ExportJob, probes: list[dict]) -> dict[str, int]:
+    """host -> compile workers the gate will start (0 everywhere when it would refuse)."""
+    try:
+        plan = decide(host_reports(job, probes), job.recipe, needed_keys(probes), _store_keys(probes))
+    except GateRefused:
+        return {p["name"]: 0 for p in probes}
+    return {name: hp.workers for name, hp in plan.hosts.items()}
+
+
+def plan_kv_for(job: ExportJob, probes: list[dict]) -> dict:
+    """The KV plan of these probes, reserving the compile workers the gate will start."""
+    return kv_plan(job, host_reports(job, probes), planned_workers(job, probes))
+
+
+def kv_plan(job: ExportJob, reports: list[HostReport], workers: dict[str, int]) -> dict:
+    """Pages per rank after weights, activation reserve and (on unified memory) the compile workers that
+    will run (`workers`: host -> count, from planned_workers)."""
     rows = []
     for h in reports:
-        workers = min(worker_capacity(job.recipe, available_mib=h.available_mib, unified=h.unified,
-                                      num_cpus=h.num_cpus, device_free_mib=h.device_free_mib),
-                      len(job.recipe.buckets))
-        pool_mib = required_mib(job.recipe, workers, h.unified) if workers and h.unified else 0
+        n = workers.get(h.name, 0)
+        pool_mib = required_mib(job.recipe, n, h.unified, h.measured_worker_mib) if n and h.unified else 0
         memory_mib = h.available_mib if h.unified or h.device_free_mib is None else h.device_free_mib
         rows.append((list(h.ranks), memory_mib, pool_mib))
-    return plan_kv(job.recipe, page_size_bytes=page_size(job),
+    plan = plan_kv(job.recipe, page_size_bytes=page_size(job),
                    weight_bytes_per_rank=job.model_config.weight_bytes_per_rank(job.tp), hosts=rows).to_dict()
+    plan["pool_workers"] = dict(sorted(workers.items()))
+    return plan
 
 
 def needed_keys(probes: list[dict]) -> dict[str, list[str]]:
@@ -48,20 +72,34 @@ def needed_keys(probes: list[dict]) -> dict[str, list[str]]:
     return needed
 
 
+def _store_keys(probes: list[dict]) -> set[str]:
+    return {k for p in probes for k in p["store_keys"]}
+
+
 def run_gate(job: ExportJob, probes: list[dict], kv: dict | None = None) -> Plan:
-    store_keys = {k for p in probes for k in p["store_keys"]}
-    return decide(host_reports(job, probes), job.recipe, needed_keys(probes), store_keys,
+    """The gate's plan; with `kv`, also refused when the KV plan cannot hold the largest bucket."""
+    reports = host_reports(job, probes)
+    plan = decide(reports, job.recipe, needed_keys(probes), _store_keys(probes),
                   page_size_bytes=page_size(job), kv_pages_per_rank=kv["pages_per_rank"] if kv else None)
+    if kv is not None and kv["limiting_rank"] >= 0:
+        largest = max(job.recipe.buckets, key=lambda b: (b.batch, b.tokens))
+        host = next((r.name for r in reports if kv["limiting_rank"] in r.ranks), "?")
+        check_kv(kv["pages_per_rank"], need_pages=largest.batch * job.recipe.pages_per_seq, largest=str(largest),
+                 batch=largest.batch, pages_per_seq=job.recipe.pages_per_seq, page_tokens=job.recipe.page_tokens,
+                 context_tokens=job.recipe.max_context_tokens, limiting=f"rank {kv['limiting_rank']} on {host}")
+    return plan
 
 
 def describe(plan: Plan, reports: list[HostReport]) -> str:
     """The table `kiln plan` prints: per host available, required, workers, keys and predicted seconds."""
     rows = [f"gate: {plan.decision} (policy {plan.policy}): {plan.message}",
-            f"{'host':<16} {'available':>10} {'1 worker':>9} {'workers':>8} {'compile':>8} {'download':>9} {'predicted':>10}"]
+            f"{'host':<16} {'available':>10} {'per worker':>21} {'1 worker':>9} {'workers':>8} {'compile':>8} "
+            f"{'download':>9} {'predicted':>10}"]
     by_name = {r.name: r for r in reports}
     for name, h in sorted(plan.hosts.items()):
         avail = f"{h.available_mib}{'*' if by_name[name].available_assumed else ''}"
-        rows.append(f"{name:<16} {avail:>10} {h.required_one_mib:>9} {h.workers:>8} {len(h.compile):>8} "
+        per = f"{h.worker_mib} ({h.worker_mib_source})"
+        rows.append(f"{name:<16} {avail:>10} {per:>21} {h.required_one_mib:>9} {h.workers:>8} {len(h.compile):>8} "
                     f"{len(h.download):>9} {h.predicted_s:>9.0f}s")
     if any(r.available_assumed for r in reports):
         rows.append("* assumed (--assume-available)")

@@ -51,8 +51,18 @@ class Recipe:
     """Memory a host keeps free whatever else runs (the incident's fixed 8 GiB floor)."""
     recipe_headroom_mib: int = 1024
     """Memory the recipe's own preparation needs; the larger of this and the floor applies."""
-    worker_host_mib: int = 1024
-    """Host memory one compile worker takes at its peak, its compiler children included."""
+    worker_host_mib: int | None = None
+    """Host memory one compile worker takes at its peak, its compiler children included. None (the
+    default): the peak measured for this graph and target (from the store) times worker_mib_margin,
+    or worker_host_estimate_mib when nothing was measured yet. A number always wins."""
+    worker_host_estimate_mib: int = 1024
+    """The per-worker figure used before any compile of this graph on this target was measured."""
+    worker_mib_margin: float = 1.15
+    """Factor over the largest measured worker peak (the next forwards may be a little larger)."""
+    process_base_mib: int = 512
+    """Memory of a process that has imported torch and loaded compiled forwards, before any weights."""
+    max_compile_workers: int = 0
+    """Most compile workers a host starts (0: as many as memory and CPUs allow)."""
     worker_device_mib: int = 0
     """Device memory one compile worker takes (its CUDA context); 0 on CPU-only hosts."""
     activation_reserve_mib: int = 256
@@ -92,10 +102,14 @@ class Recipe:
     def __post_init__(self) -> None:
         if not self.buckets:
             raise BadInput("the recipe has no buckets; give at least one, e.g. --buckets 1x16.")
-        for name in ("headroom_floor_mib", "recipe_headroom_mib", "worker_host_mib",
+        for name in ("headroom_floor_mib", "recipe_headroom_mib", "worker_host_estimate_mib", "process_base_mib",
                      "page_tokens", "max_context_tokens", "kv_max_pages", "max_compile_attempts"):
             _positive(name, getattr(self, name))
-        for name in ("worker_device_mib", "activation_reserve_mib", "artifact_mib_estimate"):
+        if self.worker_host_mib is not None:
+            _positive("worker_host_mib", self.worker_host_mib)
+        if not self.worker_mib_margin >= 1:
+            raise BadInput(f"recipe setting worker_mib_margin must be >= 1, got {self.worker_mib_margin!r}.")
+        for name in ("worker_device_mib", "activation_reserve_mib", "artifact_mib_estimate", "max_compile_workers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise BadInput(f"recipe setting {name} must be a whole number of MiB >= 0, got {value!r}.")
@@ -118,9 +132,21 @@ class Recipe:
     def pages_per_seq(self) -> int:
         return self.max_context_tokens // self.page_tokens
 
-    def worker_mib(self, unified: bool) -> int:
-        """Memory one compile worker takes out of the pool that host sizing looks at."""
-        return self.worker_host_mib + (self.worker_device_mib if unified else 0)
+    def worker_mib(self, unified: bool, measured_host_mib: int | None = None) -> int:
+        """Memory one compile worker takes out of the pool that host sizing looks at.
+
+        `measured_host_mib` (a worker's measured peak, margin included) applies unless
+        worker_host_mib is set.
+        """
+        return self.worker_host_source(measured_host_mib)[0] + (self.worker_device_mib if unified else 0)
+
+    def worker_host_source(self, measured_host_mib: int | None) -> tuple[int, str]:
+        """(host MiB of one worker, where it comes from: 'recipe', 'measured' or 'estimate')."""
+        if self.worker_host_mib is not None:
+            return self.worker_host_mib, "recipe"
+        if measured_host_mib is not None:
+            return measured_host_mib, "measured"
+        return self.worker_host_estimate_mib, "estimate"
 
     def floor_mib(self) -> int:
         return max(self.headroom_floor_mib, self.recipe_headroom_mib)
@@ -165,6 +191,10 @@ def _positive(name: str, value) -> None:
 def _coerce(name: str, raw: str, current):
     if name == "buckets":
         return parse_buckets(raw)
+    if name == "worker_host_mib" and raw.lower() in ("auto", "none", ""):
+        return None
+    if name == "worker_host_mib":
+        current = 0
     if name == "unified_memory" or isinstance(current, bool):
         low = raw.lower()
         if low in ("true", "1", "yes"):

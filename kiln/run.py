@@ -44,6 +44,9 @@ def run_export(store_url: str | None, export_id: str, *, prompt: list[int], max_
 
 
 def _rank_main(rank: int, tp: int, port: int, job: dict, queue) -> None:
+    from kiln.procs import die_with_parent
+
+    die_with_parent()
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"  # a wrong shape raises instead of crashing or lying
     try:
         import torch

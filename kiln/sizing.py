@@ -15,24 +15,27 @@ from dataclasses import dataclass
 from kiln.recipe import Recipe
 
 
-def required_mib(recipe: Recipe, num_workers: int, unified: bool) -> int:
-    """Host memory needed to run `num_workers` compile workers."""
-    return recipe.floor_mib() + num_workers * recipe.worker_mib(unified)
+def required_mib(recipe: Recipe, num_workers: int, unified: bool, measured_host_mib: int | None = None) -> int:
+    """Host memory needed to run `num_workers` compile workers (`measured_host_mib`: see Recipe.worker_mib)."""
+    return recipe.floor_mib() + num_workers * recipe.worker_mib(unified, measured_host_mib)
 
 
 def worker_capacity(recipe: Recipe, *, available_mib: int, unified: bool, num_cpus: int,
-                    device_free_mib: int | None = None) -> int:
-    """How many compile workers a host can run by memory and CPUs (not yet capped by work)."""
-    by_host = max(0, (available_mib - recipe.floor_mib()) // recipe.worker_mib(unified))
+                    device_free_mib: int | None = None, measured_host_mib: int | None = None) -> int:
+    """How many compile workers a host can run by memory, CPUs and max_compile_workers (not yet capped by work)."""
+    by_host = max(0, (available_mib - recipe.floor_mib()) // recipe.worker_mib(unified, measured_host_mib))
     limits = [by_host, max(0, num_cpus)]
     if not unified and recipe.worker_device_mib > 0 and device_free_mib is not None:
         limits.append(max(0, device_free_mib // recipe.worker_device_mib))
+    if recipe.max_compile_workers:
+        limits.append(recipe.max_compile_workers)
     return min(limits)
 
 
-def floor_admitting_one(recipe: Recipe, *, available_mib: int, unified: bool) -> int | None:
+def floor_admitting_one(recipe: Recipe, *, available_mib: int, unified: bool,
+                        measured_host_mib: int | None = None) -> int | None:
     """The largest headroom floor with which one worker fits, or None if lowering the floor cannot help."""
-    floor = available_mib - recipe.worker_mib(unified)
+    floor = available_mib - recipe.worker_mib(unified, measured_host_mib)
     if floor < recipe.recipe_headroom_mib or floor <= 0:
         return None
     return floor
@@ -83,3 +86,24 @@ def plan_kv(recipe: Recipe, *, page_size_bytes: int, weight_bytes_per_rank: int,
         return KvPlan(0, page_size_bytes, {}, -1)
     limiting = min(per_rank, key=lambda r: (per_rank[r], r))
     return KvPlan(per_rank[limiting], page_size_bytes, per_rank, limiting)
+
+
+def check_peak_mib(*, shard_bytes: int, num_forwards: int, half: bool, process_base_mib: int) -> int:
+    """Predicted peak of one rank's check process (load every forward with the rank's weights, run eager).
+
+    The rank's weights, a copy per loaded forward (load_constants takes its own),
+    and the eager shard: in the export's dtype, then, for bfloat16/float16, in
+    float32 (twice the bytes of a 16-bit shard; one eager model at a time).
+    """
+    copies = 1 + num_forwards + (2 if half else 1)
+    return process_base_mib + -(-copies * shard_bytes // 2**20)
+
+
+def verify_peak_mib(*, shard_bytes: int, full_bytes: int, tp: int, num_forwards: int, half: bool,
+                    process_base_mib: int) -> int:
+    """Predicted peak of `kiln verify` on one machine: tp rank processes at once, each holding its weights and
+    a copy per forward, and rank 0 also the unsharded weights and the unsharded eager model (in float32 too
+    for 16-bit exports)."""
+    ranks = tp * (process_base_mib + -(-(1 + num_forwards) * shard_bytes // 2**20))
+    unsharded = -(-(1 + (2 if half else 1)) * full_bytes // 2**20)
+    return ranks + unsharded

@@ -38,6 +38,7 @@ from kiln import probe, tuning
 from kiln.compiler import FORWARD_DEVICE, compiler_options
 from kiln.errors import IntegrityError, KilnError
 from kiln.job import ExportJob
+from kiln.procs import die_with_parent
 from kiln.store import Store, open_store, sha256_bytes
 from kiln.tuning import GemmShape
 
@@ -214,7 +215,7 @@ def _save(store: Store, run: dict, decision: tuning.TuningDecision, *, target: s
 def measure(shapes: tuple[GemmShape, ...], *, target: str, torch_version: str, backends: str) -> dict:
     """Benchmark `shapes` over `backends` in a spawned process; returns its run (see `_measure_in_child`)."""
     ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1) as ex:
+    with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1, initializer=die_with_parent) as ex:
         return ex.submit(_measure_in_child, [s.to_dict() for s in shapes], target, torch_version,
                          backends).result()
 

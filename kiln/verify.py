@@ -13,14 +13,17 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
+import psutil
+
 from kiln.checkpoint import inspect_checkpoint, tiny_checkpoint
 from kiln.config import ModelConfig
-from kiln.errors import BadInput, VerifyMismatch
+from kiln.errors import BadInput, MemoryShort, VerifyMismatch
 from kiln.keys import check_export_id, manifest_key
 from kiln.manifest import check_manifest
 from kiln.package_check import check_package
 from kiln.params import kiln_home
 from kiln.recipe import Recipe
+from kiln.sizing import verify_peak_mib
 from kiln.store import Store, open_store, validate_key
 from kiln.trust import read_verified_manifest, trusted_keys
 from kiln.verify_ranks import verify_all_ranks
@@ -86,7 +89,18 @@ def verify_export(store_url: str | None, export_id: str, **options) -> dict:
     """`kiln verify`: all ranks together against the unsharded eager model, per bucket."""
     manifest, checkpoint, cfg, artifacts, lines = open_export(store_url, export_id, "verify", **options)
     recipe = Recipe.from_dict(manifest["recipe"])
-    checks = verify_all_ranks(checkpoint=str(checkpoint), config=manifest["model"]["config"], tp=manifest["tp"],
+    predicted = verify_peak_mib(shard_bytes=cfg.weight_bytes_per_rank(manifest["tp"]),
+                                full_bytes=cfg.weight_bytes_per_rank(1), tp=manifest["tp"],
+                                num_forwards=len(artifacts), half=cfg.dtype != "float32",
+                                process_base_mib=recipe.process_base_mib)
+    available = psutil.virtual_memory().available // 2**20
+    if predicted > available:
+        raise MemoryShort(f"kiln verify runs all {manifest['tp']} ranks and the unsharded model on this machine: "
+                          f"about {predicted} MiB, but {available} MiB are available. Free memory, or verify on "
+                          "a larger machine (the export itself was checked rank by rank on its hosts).")
+    lines.append(f"memory: about {predicted} MiB predicted for {manifest['tp']} ranks and the unsharded model "
+                 f"({available} MiB available)")
+    checks, peak_mib = verify_all_ranks(checkpoint=str(checkpoint), config=manifest["model"]["config"], tp=manifest["tp"],
                               artifacts=artifacts, page_tokens=recipe.page_tokens, pages_per_seq=recipe.pages_per_seq,
                               atol=recipe.verify_atol, half_ratio=recipe.verify_half_ratio)
     for bucket, c in sorted(checks.items()):
@@ -99,4 +113,5 @@ def verify_export(store_url: str | None, export_id: str, **options) -> dict:
                              f"model by {c['diff']:.2e} (scaled; limit {c['limit']:.2e} for {cfg.dtype}).")
     lines.append(f"verify ok: {manifest['tp']} ranks match the unsharded model ({cfg.dtype}; "
                  f"{'within ' + str(recipe.verify_atol) if cfg.dtype == 'float32' else 'compared in float32'})")
-    return {"lines": lines, "diffs": checks}
+    lines.append(f"memory: peak {peak_mib} MiB measured over the rank processes (predicted {predicted} MiB)")
+    return {"lines": lines, "diffs": checks, "memory": {"predicted_mib": predicted, "peak_mib": peak_mib}}

@@ -53,8 +53,8 @@ def tune(job: ExportJob, target: str) -> dict:
 
 
 @task(name="kv-plan", cache_policy=None)
-def kv_plan(job: ExportJob, reports: list[HostReport]) -> dict:
-    return planning.kv_plan(job, reports)
+def kv_plan(job: ExportJob, probes: list[dict]) -> dict:
+    return planning.plan_kv_for(job, probes)
 
 
 @task(name="gate", cache_policy=None)
@@ -63,7 +63,7 @@ def gate(job: ExportJob, probes: list[dict], kv: dict | None = None) -> Plan:
 
 
 @task(name="compile", cache_policy=None)
-def compile_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int) -> list[dict]:
+def compile_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int) -> dict:
     """No task retries: a retry would compile its whole share again. A flow retry probes the store
     and compiles only what is missing."""
     return hostwork.compile_on_host(job, host, specs, workers, on_done=faults.after_uploads())
@@ -95,14 +95,15 @@ def share_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
 
 @task(name="verify", cache_policy=None)
 def verify_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
-    checks = hostwork.check_ranks(job, host, forwards)
+    result = hostwork.check_ranks(job, host, forwards)
+    checks = result["checks"]
     failed = {name: c for name, c in checks.items() if c["diff"] > c["limit"]}
     if failed:
         name, c = max(failed.items(), key=lambda kv: kv[1]["diff"] / kv[1]["limit"])
         raise VerifyMismatch(f"compiled forward {name} on {host.name} differs from eager by {c['diff']:.2e} "
                              f"(scaled; limit {c['limit']:.2e} for {job.model_config.dtype}); the artifact is not "
                              "trustworthy.")
-    return checks
+    return result
 
 
 @task(name="manifest", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,

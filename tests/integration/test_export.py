@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -81,7 +82,8 @@ def test_artifacts_in_store_match_recorded_sha256(exported):
 
 def test_memory_ledger_has_every_phase_boundary(exported):
     host = exported["cold_report"]["hosts"][0]
-    assert [m["phase"] for m in host["memory"]] == ["start", *PHASES]
+    # Every boundary, and the lowest reading while compiling (sampled during the phase).
+    assert [m["phase"] for m in host["memory"]] == ["start", *PHASES[:4], "compile (lowest)", *PHASES[4:]]
     assert all(m["host_available_mib"] > 0 for m in host["memory"])
 
 
@@ -184,3 +186,19 @@ def test_export_refuses_a_corrupted_stored_artifact(kiln, exported, tmp_path):
     assert report["status"] == "failed" and report["manifest"] is None
     # Never loaded: the corrupt bytes did not reach the host's cache.
     assert not list((tmp_path / "fresh-host").rglob(f"{victim['key']}.pt2"))
+
+
+def test_worker_peaks_are_measured_and_the_next_plan_uses_them(kiln, exported):
+    r = exported["cold_report"]
+    assert all(f["compile_peak_mib"] > 100 for f in r["forwards"]), "each compile records its worker's peak"
+    host = r["hosts"][0]
+    assert host["worker_mib_source"] == "estimate" and host["worker_mib"] == 1024  # nothing measured yet
+    assert host["compile_memory"]["min_available_mib"] > 0
+    assert any(m["phase"] == "compile (lowest)" for m in host["memory"])
+    warm = exported["warm_report"]["hosts"][0]
+    peak = max(f["compile_peak_mib"] for f in r["forwards"])
+    assert warm["worker_mib_source"] == "measured" and warm["worker_mib"] == math.ceil(peak * 1.15)
+    # A new bucket of the same graph is planned with the measured figure too.
+    planned = kiln("plan", "--model", "tiny", "--tp", "2", "--store", exported["store"], "--buckets", "16x16")
+    assert planned.code == 0, planned.err[-2000:]
+    assert f"{warm['worker_mib']} (measured)" in planned.out

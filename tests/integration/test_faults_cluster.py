@@ -6,10 +6,12 @@ import concurrent.futures as cf
 import hashlib
 import json
 import os
+import uuid
 
 import boto3
 import pytest
 from conftest import DaskCluster, cluster_env
+from procmarks import marked, wait_gone
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +28,10 @@ def _objects(url: str) -> dict[str, bytes]:
 def test_host_lost_mid_compile_hands_its_keys_to_the_others(kiln, kiln_env, prefect_server, s3_server,
                                                             s3_bucket, signing_key_env, tmp_path):
     # host-b's worker (no nanny: nothing restarts it) kills itself right after its first upload.
+    mark = uuid.uuid4().hex  # every process host-b's worker starts inherits it
     cluster = DaskCluster(cluster_env(kiln_env, prefect_server, s3_server.endpoint_url),
-                          {"host-a": {}, "host-b": {"KILN_FAULT_DIE_AFTER_UPLOADS": "1"}}, tmp_path, nanny=False)
+                          {"host-a": {}, "host-b": {"KILN_FAULT_DIE_AFTER_UPLOADS": "1", "KILN_TEST_MARK": mark}},
+                          tmp_path, nanny=False)
     try:
         report = tmp_path / "r.json"
         aws = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
@@ -35,6 +39,8 @@ def test_host_lost_mid_compile_hands_its_keys_to_the_others(kiln, kiln_env, pref
                    "--store", s3_bucket, "--report", str(report),
                    env={**aws, **signing_key_env, "PREFECT_API_URL": prefect_server})
         assert cluster.workers["host-b"].poll() is not None, "the fault did not fire"
+        # Its compile workers died with it (they would hold memory the next export's gate measures).
+        assert not wait_gone(mark), f"left behind by the lost host: {marked(mark)}"
     finally:
         cluster.stop()
     assert run.code == 0, run.err[-3000:]

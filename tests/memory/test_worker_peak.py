@@ -1,0 +1,30 @@
+"""A compile worker's memory depends on the graph, not on the weights: it never materializes them."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.compiler import COMPILER_OPTIONS, CompilePool
+from kiln.config import TINY
+
+pytestmark = pytest.mark.slow
+
+
+def spec(cfg, key):
+    return {"key": key, "bucket": "1x16", "graph": {"config": cfg.to_dict(), "tp": 2},
+            "inputs": {"batch": 1, "tokens": 16, "page_tokens": 16, "pages_per_seq": 4}, "compiler": COMPILER_OPTIONS}
+
+
+def test_ten_times_the_weights_costs_a_worker_about_nothing(tmp_path):
+    big = TINY.replace(vocab_size=16384, hidden_size=768, intermediate_size=3072, num_layers=4,
+                       num_heads=24, num_kv_heads=12, head_dim=32)
+    assert big.num_params() > 10 * TINY.num_params()
+    results = {}
+    with CompilePool(1) as pool:  # one warm worker compiles both, one after the other
+        for name, cfg in (("small", TINY), ("big", big)):
+            [results[name]] = pool.run([(spec(cfg, name), str(tmp_path / f"{name}.pt2"))], lambda r: None)
+    small, large = results["small"].peak_mib, results["big"].peak_mib
+    weights_mib = big.weight_bytes_per_rank(2) / 2**20
+    print(f"worker peak: tiny {small} MiB, {big.num_params() / 1e6:.0f} M parameters {large} MiB "
+          f"(its rank's weights: {weights_mib:.0f} MiB)")
+    assert small > 100 and large <= 1.3 * small

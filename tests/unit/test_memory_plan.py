@@ -1,0 +1,94 @@
+"""Memory the gate can trust: measured worker peaks, a KV plan that reserves only the workers that run,
+and a refusal when the KV cache could not hold the largest bucket. Pure: no server, no torch."""
+
+import pytest
+
+from kiln.config import TINY
+from kiln.errors import GateRefused
+from kiln.gate import HostReport, decide
+from kiln.job import ExportJob
+from kiln.planning import describe, host_reports, measured_worker_mib, plan_kv_for, run_gate
+from kiln.recipe import Bucket, Recipe
+
+
+def test_the_per_worker_figure_says_where_it_comes_from():
+    r = Recipe()
+    assert r.worker_host_source(None) == (1024, "estimate")
+    assert r.worker_host_source(500) == (500, "measured")
+    assert Recipe(worker_host_mib=2048).worker_host_source(500) == (2048, "recipe"), "a set figure always wins"
+    assert Recipe().with_overrides(["worker_host_mib=auto"]).worker_host_mib is None
+    assert measured_worker_mib(Recipe(worker_mib_margin=1.15), [400, 430, 412]) == 495  # ceil(430 x 1.15)
+    assert measured_worker_mib(Recipe(), []) is None
+
+
+def test_gate_uses_the_measured_peak_when_known():
+    recipe = Recipe(headroom_floor_mib=2048, recipe_headroom_mib=1024)
+    hosts = [HostReport("a", (0,), available_mib=3000, num_cpus=8, target="t", measured_worker_mib=450),
+             HostReport("b", (1,), available_mib=3000, num_cpus=8, target="t")]
+    plan = decide(hosts, recipe, {"t": ["k1", "k2", "k3"]}, set())
+    a, b = plan.hosts["a"], plan.hosts["b"]
+    assert (a.worker_mib, a.worker_mib_source, a.capacity) == (450, "measured", 2)  # (3000 - 2048) // 450
+    assert (b.worker_mib, b.worker_mib_source, b.capacity) == (1024, "estimate", 0)
+    text = describe(plan, hosts)
+    assert "450 (measured)" in text and "1024 (estimate)" in text
+
+
+def probe(name, ranks, available, keys, peaks=()):
+    return {"name": name, "ranks": list(ranks), "num_cpus": 8, "target": "t", "unified": True,
+            "memory": {"host_available_mib": available, "device_free_mib": None},
+            "specs": [{"key": k} for k in keys], "local_keys": [], "store_keys": [],
+            "worker_peaks_mib": list(peaks)}
+
+
+def job(**recipe):
+    return ExportJob(export_id="x", model_name="tiny", checkpoint="/none", config=TINY.to_dict(), tp=2,
+                     recipe=Recipe(**recipe), store_url="file:///none")
+
+
+def test_kv_plan_reserves_only_the_workers_the_gate_starts():
+    # Memory for 8 workers, but one forward to compile: one worker runs, and the KV plan reserves one.
+    j = job(buckets=(Bucket(1, 16),), headroom_floor_mib=1000, recipe_headroom_mib=1000, worker_host_mib=1000)
+    kv = plan_kv_for(j, [probe("h", (0, 1), 9000 + 2 * 256, ["k1"])])
+    assert kv["pool_workers"] == {"h": 1}
+    page = kv["page_bytes"]
+    weights = TINY.weight_bytes_per_rank(2)
+    left = (9000 + 512 - 2000 - 2 * 256) * 2**20 - 2 * weights  # floor + one worker reserved, not eight
+    assert kv["per_rank_pages"] == {"0": min(left // 2 // page, 4096), "1": min(left // 2 // page, 4096)}
+
+
+def test_a_kv_cache_that_cannot_hold_the_largest_bucket_is_refused():
+    j = job(buckets=(Bucket(1, 16), Bucket(8, 64)), kv_max_pages=100, max_context_tokens=256, page_tokens=16)
+    probes = [probe("h", (0, 1), 20000, ["k1", "k2"])]
+    kv = plan_kv_for(j, probes)
+    assert kv["pages_per_rank"] == 100
+    with pytest.raises(GateRefused) as err:
+        run_gate(j, probes, kv)
+    msg = str(err.value)
+    assert "100 pages per rank (limited by rank 0 on h)" in msg
+    assert "bucket 8x64 needs 128 (8 sequences x 16 pages of 16 tokens for max_context_tokens 256)" in msg
+    assert "max_compile_workers" in msg and "max_context_tokens" in msg
+    run_gate(j.replace(recipe=Recipe(buckets=(Bucket(1, 16), Bucket(6, 64)), kv_max_pages=100)), probes,
+             plan_kv_for(j.replace(recipe=Recipe(buckets=(Bucket(1, 16), Bucket(6, 64)), kv_max_pages=100)), probes))
+
+
+def test_reports_carry_the_measured_figure():
+    j = job()
+    [r] = host_reports(j, [probe("h", (0,), 5000, ["k"], peaks=[400, 420])])
+    assert r.measured_worker_mib == 483
+
+
+def test_checks_that_would_not_fit_are_refused_before_they_start():
+    from kiln.errors import MemoryShort
+    from kiln.hostwork import check_memory
+    from kiln.sizing import check_peak_mib, verify_peak_mib
+
+    j = job()
+    shard = TINY.weight_bytes_per_rank(2)
+    need = check_memory(j, 4, 100_000, "host h")
+    assert need == check_peak_mib(shard_bytes=shard, num_forwards=4, half=False, process_base_mib=512)
+    with pytest.raises(MemoryShort, match=f"host h: checking one rank against eager needs about {need} MiB"):
+        check_memory(j, 4, need - 1, "host h")
+    # bfloat16 also runs eager in float32: more per byte of shard.
+    assert check_peak_mib(shard_bytes=2**30, num_forwards=1, half=True, process_base_mib=0) == 4 * 1024
+    assert verify_peak_mib(shard_bytes=2**30, full_bytes=2**31, tp=2, num_forwards=1, half=False,
+                           process_base_mib=100) == 2 * (100 + 2048) + 4096
