@@ -89,6 +89,7 @@ def test_checks_that_would_not_fit_are_refused_before_they_start():
     with pytest.raises(MemoryShort, match=f"host h: checking one rank against eager needs about {need} MiB"):
         check_memory(j, 4, need - 1, "host h")
     # bfloat16 also runs eager in float32: more per byte of shard.
-    assert check_peak_mib(shard_bytes=2**30, num_forwards=1, half=True, process_base_mib=0) == 4 * 1024
+    assert check_peak_mib(shard_bytes=2**30, num_forwards=1, half=True, process_base_mib=0) == 5 * 1024
+    assert check_peak_mib(shard_bytes=2**30, num_forwards=1, half=False, process_base_mib=0) == 4 * 1024
     assert verify_peak_mib(shard_bytes=2**30, full_bytes=2**31, tp=2, num_forwards=1, half=False,
-                           process_base_mib=100) == 2 * (100 + 2048) + 4096
+                           process_base_mib=100) == 2 * (100 + 2048) + 3 * 2048
