@@ -273,6 +273,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     checkpoint files is remembered in the host's cache and not run again.
     """
     from kiln.checkpoint import checkpoint_fingerprint
+    from kiln.loader import limit_of
 
     weights = checkpoint_fingerprint(job.checkpoint)
     record = cache_dir(host) / "verified"
@@ -280,9 +281,12 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     todo: dict[int, list[dict]] = {}
     for rank in host.ranks:
         for f in forwards:
-            seen = record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.json"
-            if seen.exists():
-                diffs[f"rank{rank}/{f['bucket']}"] = json.loads(seen.read_text())
+            seen = record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json"
+            if seen.exists():  # the measured figures are remembered; the limit is this export's
+                check = json.loads(seen.read_text())
+                check["limit"] = limit_of(check.get("own"), atol=job.recipe.verify_atol,
+                                          half_ratio=job.recipe.verify_half_ratio)
+                diffs[f"rank{rank}/{f['bucket']}"] = check
             else:
                 todo.setdefault(rank, []).append(f)
     memory = {"predicted_mib": None, "peak_mib": None}
@@ -302,5 +306,5 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
             for f in fs:
                 check = found[f"rank{rank}/{f['bucket']}"]
                 if check["diff"] <= check["limit"]:
-                    (record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.json").write_text(json.dumps(check))
+                    (record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json").write_text(json.dumps(check))
     return {"checks": diffs, "memory": memory}

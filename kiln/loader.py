@@ -103,7 +103,7 @@ def scaled_diff(got, want) -> float:
 
 
 def judge(got, eager, exact=None, *, atol: float, half_ratio: float) -> dict:
-    """{'diff', 'limit'} of compiled outputs `got` (a tuple of tensors) against the eager model's.
+    """{'diff', 'own', 'limit'} of compiled outputs `got` (a tuple of tensors) against the eager model's.
 
     float32 (`exact` None): diff is the scaled difference from `eager`, limit
     `atol`. bfloat16/float16: `exact` is eager in float32 on the same weights;
@@ -113,9 +113,15 @@ def judge(got, eager, exact=None, *, atol: float, half_ratio: float) -> dict:
     itself makes the reference implementation.
     """
     if exact is None:
-        return {"diff": max(scaled_diff(g, e) for g, e in zip(got, eager)), "limit": atol}
+        return {"diff": max(scaled_diff(g, e) for g, e in zip(got, eager)), "own": None, "limit": atol}
     own = max(scaled_diff(e, x) for e, x in zip(eager, exact))
-    return {"diff": max(scaled_diff(g, x) for g, x in zip(got, exact)), "limit": max(atol, half_ratio * own)}
+    return {"diff": max(scaled_diff(g, x) for g, x in zip(got, exact)), "own": own,
+            "limit": limit_of(own, atol=atol, half_ratio=half_ratio)}
+
+
+def limit_of(own: float | None, *, atol: float, half_ratio: float) -> float:
+    """The limit of a check whose eager reference has error `own` in its dtype (None: float32)."""
+    return atol if own is None else max(atol, half_ratio * own)
 
 
 def eager_outputs(cfg, tp: int, weights: dict, args) -> tuple[tuple, tuple | None]:
