@@ -18,12 +18,11 @@ from typing import Callable
 from kiln import cache, faults, lease, probe, tuner, tuning
 from kiln.compiler import (FORWARD_DEVICE, CompilePool, CompileResult, compiler_options,
                            model_code_fingerprint)
-from kiln.errors import DiskError, MemoryShort
-from kiln.sizing import check_peak_mib
+from kiln.errors import DiskError, IntegrityError, MemoryShort
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key, digest
 from kiln.procs import PeakSampler, die_with_parent
-from kiln.errors import IntegrityError
+from kiln.sizing import check_peak_mib
 from kiln.store import ObjectMissing, open_store
 
 log = logging.getLogger(__name__)
@@ -131,8 +130,9 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     Each key is compiled under a lease: a key another export is compiling
     right now is waited for (and reused) instead of compiled twice; a stale
     lease is taken over. Each compiled forward's worker peak is kept in the
-    store per (graph, target), for the gate of later exports. The specs' tuning results are fetched and verified first and installed in
-    every worker before it compiles; each entry's 'autotune' says how many
+    store per (graph, target), for the gate of later exports. The specs'
+    tuning results are fetched and verified first and installed in every
+    worker before it compiles; each entry's 'autotune' says how many
     GEMMs were autotuned and how many candidates were benchmarked (0 when the
     stored results covered them).
     """
@@ -168,7 +168,8 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     waiting = list(specs)
     mine: list[dict] = []
     try:
-        with PeakSampler(interval_s=0.2) as sampler, CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
+        with PeakSampler(interval_s=0.2) as sampler, \
+                CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
             while waiting:
                 mine = [s for s in waiting if not store.exists(artifact_key(s["key"])) and leases.acquire(s["key"])]
                 waiting = [s for s in waiting if s not in mine and not store.exists(artifact_key(s["key"]))]
