@@ -119,3 +119,23 @@ def test_every_config_field_is_in_the_forward_key():
         k = key(changed)
         assert k not in seen, f"changing {field.name} alone did not change the forward key"
         seen.add(k)
+
+
+def test_dtype_override_changes_what_is_compiled(tmp_path, monkeypatch):
+    """--dtype replaces the checkpoint's dtype in the job (and so in every forward key); weights are converted."""
+    from kiln.checkpoint import random_checkpoint
+    from kiln.params import ExportParams, prepare
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    small = TINY.replace(num_layers=1, vocab_size=64)
+    random_checkpoint(tmp_path / "ckpt", small)
+    store = f"file://{tmp_path / 'store'}"
+
+    def job_of(**extra):
+        return prepare(ExportParams(model=str(tmp_path / "ckpt"), store=store, **extra), host_names=["h"],
+                       signing=False)[0]
+
+    plain, half = job_of(), job_of(dtype="bfloat16")
+    assert plain.config["dtype"] == "float32" and half.config["dtype"] == "bfloat16"
+    key = lambda j: j.specs(target="t", torch_version="v", code="c", compiler={})[0].key  # noqa: E731
+    assert key(plain) != key(half)
