@@ -67,7 +67,7 @@ def check_weights(package: str, compiled, weights: dict) -> None:
     unprovided = sorted(names - set(weights))
     if unprovided:
         made = [n for n in unprovided if n not in expected]
-        buffers = [n for n in unprovided if n in expected and expected[n][2] == "buffer"]
+        buffers = [n for n in unprovided if n in expected and expected[n][2:] == ["buffer"]]
         if made:
             cause = (f"{len(made)} of them ({', '.join(made[:3])}) are not tensors of the exported module but "
                      "constants the compiler made: weights prepacked by CPU max-autotune's C++ GEMM templates, "
@@ -80,7 +80,7 @@ def check_weights(package: str, compiled, weights: dict) -> None:
         raise UnloadablePackage(f"{package} needs {len(unprovided)} constant(s) that no rank's weights provide "
                                 f"({', '.join(unprovided[:3])}): {cause}.")
     for name in sorted(names):
-        dtype, shape, _ = expected.get(name, (None, None, None))
+        dtype, shape = expected.get(name, (None, None))[:2]
         tensor = weights[name]
         got_dtype = str(tensor.dtype).removeprefix("torch.")
         if dtype is not None and (got_dtype != dtype or list(tensor.shape) != shape):

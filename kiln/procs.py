@@ -163,10 +163,10 @@ def _reap(grace_s: float = 10.0) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group; outlive it to clean up
     known = []
-    deadline = time.monotonic()
+    deadline = 0.0  # the pipe broke: at once
     for line in sys.stdin:
         if line.strip() == "done":
-            deadline += grace_s
+            deadline = time.monotonic() + grace_s
             break
         pid, created = line.split()
         known.append((int(pid), float(created)))
