@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow
 def test_a_sigkilled_export_leaves_no_process_behind(kiln_env, tmp_path):
     mark = uuid.uuid4().hex
     log = tmp_path / "export.log"
-    env = {**kiln_env, "KILN_TEST_MARK": mark}
+    # Its own Prefect home: the killed run's model lease (a Prefect concurrency slot) stays taken in the
+    # embedded API's database, whose lease-expiry service does not run, and would block later exports.
+    env = {**kiln_env, "KILN_TEST_MARK": mark, "PREFECT_HOME": str(tmp_path / "prefect")}
     with open(log, "wb") as out:
         proc = subprocess.Popen([*KILN, "export", "--model", "tiny", "--tp", "2", "--buckets", "1x8,2x8",
                                  "--store", f"file://{tmp_path / 'store'}"], env=env, stdout=out, stderr=out)
