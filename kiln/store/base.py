@@ -23,10 +23,11 @@ import hashlib
 import json
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from kiln.errors import IntegrityError
 
@@ -160,6 +161,28 @@ class Store(abc.ABC):
         return f"{type(self).__name__}({self.url!r})"
 
 
+@contextmanager
+def replaced_on_success(dest_path: str | Path) -> Iterator[BinaryIO]:
+    """Yield a new temp file beside `dest_path`; on a clean exit fsync it and move it over `dest_path`.
+
+    The destination directory is created if needed. On any error the temp file
+    is removed and `dest_path` is untouched, so a reader never sees a partial
+    or unverified file: verify inside the block.
+    """
+    dest = Path(dest_path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex}.part"
+    try:
+        with open(tmp, "xb") as out:
+            yield out
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_verified(key: str, chunks: Iterable[bytes], dest_path: str | Path, expected: str | None) -> None:
     """Write `chunks` to `dest_path` atomically, verifying their sha256 against `expected`.
 
@@ -167,19 +190,9 @@ def write_verified(key: str, chunks: Iterable[bytes], dest_path: str | Path, exp
     needed), are fsynced, and only then replace `dest_path`; on a digest
     mismatch or any error the temp file is removed and `dest_path` is untouched.
     """
-    dest = Path(dest_path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex}.part"
     digest = hashlib.sha256()
-    try:
-        with open(tmp, "xb") as out:
-            for chunk in chunks:
-                digest.update(chunk)
-                out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
+    with replaced_on_success(dest_path) as out:
+        for chunk in chunks:
+            digest.update(chunk)
+            out.write(chunk)
         check_digest(key, digest.hexdigest(), expected)
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

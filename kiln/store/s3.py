@@ -1,4 +1,4 @@
-"""`S3Store`: the store in an S3 (or S3-compatible) bucket, through boto3.
+"""`S3Store`: the store in an S3 (or S3-compatible) bucket, through botocore.
 
 Object `key` lives at `<prefix><key>` in the bucket; its sha256 is the object
 metadata 'sha256' (header x-amz-meta-sha256), written in the same request as
@@ -9,41 +9,56 @@ objects below `multipart_threshold_bytes`, and on complete_multipart_upload for
 larger ones, so of several racing writers exactly one creates the object and
 the others get 412 PreconditionFailed (or 409 ConditionalRequestConflict while
 the winner is still in flight) and then compare digests. AWS S3 and moto
-enforce the condition on both calls; an S3-compatible server that ignores it
-degrades create-once to last-writer-wins for racing writers of the same key
-(the sha256 comparison of an existing object still happens before a large
-upload starts). If a conditional write succeeds but its response is lost and
+enforce the condition on both calls (moto checks it without a lock, so two
+completions it serves at the same moment can both succeed); an S3-compatible
+server that ignores it degrades create-once to last-writer-wins for racing
+writers of the same key (the sha256 comparison of an existing object still
+happens before a large upload starts). If a conditional write succeeds but its response is lost and
 botocore retries it, the retry sees the object and the call returns False
 although it created the object: "True" counts creations, not guarantees one.
 
-Downloads are verified by hashing on the client: servers may accept a wrong
-transport checksum (moto does), and the digest is what guards loading native
-code. botocore retries requests, but not a response body that breaks off
-while it is read (connection reset, truncated): get_file and get_bytes retry
-the whole GET for that, up to `read_attempts` times, and never keep a partial
-body (a short read is an error, not a smaller object). A multipart completion
-whose answer was lost is recognised by the object it created.
+Large files move in parts of `part_size_bytes`, up to `max_concurrency` at
+once, in both directions, by Kiln's own thread pool (s3_parts.py), not by
+boto3's managed transfer (s3transfer), which cannot send If-None-Match on the
+completion nor hash the bytes it sends (s3_parts.py says more). An upload
+hashes the parts in order while they are sent, completes only if the digest
+matches, and is aborted on any failure or lost race once the parts in flight
+have finished. get_file reads the recorded sha256, size and ETag with one
+HEAD, fetches every range concurrently with If-Match on that ETag (so bytes
+and digest belong to the same version), and writes each range at its offset
+in the thread that fetched it while the ranges are hashed in order; the file
+is verified and fsynced before it replaces the destination.
+
+Downloads are verified by hashing on the client, in order, before the file
+replaces anything: servers may accept a wrong transport checksum (moto
+does), and the digest is what guards loading native code. botocore retries
+requests, but not a response body that breaks off while it is read
+(connection reset, truncated): each range (get_file) or whole GET
+(get_bytes) is requested again for that, up to `read_attempts` times, and a
+partial body is never kept (a short read is an error, not a smaller
+object). A multipart completion whose answer was lost is recognised by the
+object it created.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
-import boto3
+import botocore.session
 from botocore.config import Config
 from botocore.exceptions import (BotoCoreError, ClientError, ConnectionClosedError, IncompleteReadError,
                                  ReadTimeoutError, ResponseStreamingError)
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from kiln.errors import BadInput, IntegrityError, StoreError
-from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, write_verified
+from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, replaced_on_success
 from kiln.store.keys import (
-    CHUNK_BYTES,
     sha256_bytes,
     validate_bucket,
     validate_key,
@@ -51,6 +66,7 @@ from kiln.store.keys import (
     validate_sha256,
 )
 from kiln.store.s3_errors import MISSING_KEY, error_code, explain_check_error, lost_race
+from kiln.store.s3_parts import byte_ranges, fetch_in_order, upload_in_parts, write_at
 
 MIB = 1024 * 1024
 CHECKSUM_MODES = ("when_required", "when_supported")
@@ -66,10 +82,15 @@ class S3Store(Store):
     Credentials come from the arguments, else from the standard AWS chain
     (environment, profile, instance role). `checksum_mode` sets botocore's
     request_checksum_calculation and response_checksum_validation
-    ('when_required' suits S3-compatible servers; 'when_supported' adds CRC
-    checksums to transfers). `max_attempts` is botocore's retry budget per
-    request. Files of `multipart_threshold_bytes` or more are uploaded in parts
-    of `part_size_bytes` (at least 5 MiB).
+    ('when_required' suits S3-compatible servers; 'when_supported' adds CRC32
+    checksums to transfers and declares them on multipart uploads, as boto3's
+    upload_file does). `max_attempts` is botocore's retry budget per
+    request; `read_attempts` bounds the GETs of one range whose body breaks
+    off. Files of `multipart_threshold_bytes` or more are uploaded in parts of
+    `part_size_bytes` (at least 5 MiB), and get_file fetches ranges of that
+    size; up to `max_concurrency` parts move at once (boto3's default is 10),
+    so one transfer holds about (max_concurrency + 1) x part_size_bytes in
+    memory.
     """
 
     def __init__(
@@ -87,6 +108,7 @@ class S3Store(Store):
         read_attempts: int = 5,
         multipart_threshold_bytes: int = 8 * MIB,
         part_size_bytes: int = 8 * MIB,
+        max_concurrency: int = 10,
     ) -> None:
         self.bucket = validate_bucket(bucket)
         validate_prefix(prefix)
@@ -97,7 +119,11 @@ class S3Store(Store):
             raise BadInput(f"S3 part size {part_size_bytes} bytes is below S3's minimum of {_MIN_PART_BYTES}")
         if max_attempts < 1 or read_attempts < 1:
             raise BadInput(f"S3 max_attempts and read_attempts must be at least 1, not {max_attempts}, {read_attempts}")
+        if max_concurrency < 1:
+            raise BadInput(f"S3 max_concurrency must be at least 1, not {max_concurrency}")
         self.read_attempts = read_attempts
+        self.max_concurrency = max_concurrency
+        self.checksum_mode = checksum_mode
         self.endpoint_url = endpoint_url
         self.region = region
         self._credentials = {
@@ -112,6 +138,7 @@ class S3Store(Store):
             request_checksum_calculation=checksum_mode,
             response_checksum_validation=checksum_mode,
             s3={"addressing_style": "path"},
+            max_pool_connections=max(10, max_concurrency),  # one connection per part in flight
         )
         self._client_cache: Any = None
 
@@ -124,8 +151,11 @@ class S3Store(Store):
         return f"s3://{self.bucket}/{self.prefix.rstrip('/')}".rstrip("/")
 
     def _make_client(self, config: Config) -> Any:
-        session = boto3.session.Session(region_name=self.region, **self._credentials)
-        return session.client("s3", endpoint_url=self.endpoint_url, config=config)
+        # A session per store keeps credential chains apart; the parsed API models are shared.
+        session = botocore.session.get_session()
+        session.register_component("data_loader", _api_model_loader())
+        return session.create_client("s3", region_name=self.region, endpoint_url=self.endpoint_url, config=config,
+                                     **self._credentials)
 
     @property
     def _client(self) -> Any:
@@ -201,23 +231,25 @@ class S3Store(Store):
                 raise conflict(key, info.sha256, sha256)
             return False
         client, full = self._client, self._full(key)
+        # With checksums on, parts carry CRC32s the upload must declare (as boto3's upload_file does); S3
+        # refuses checksummed parts of an upload created without one, and then wants them in the completion.
+        crc32 = {"ChecksumAlgorithm": "CRC32"} if self.checksum_mode == "when_supported" else {}
         with self._errors("multipart upload", key):
-            upload_id = client.create_multipart_upload(Bucket=self.bucket, Key=full, Metadata={"sha256": sha256})[
-                "UploadId"
-            ]
+            upload_id = client.create_multipart_upload(
+                Bucket=self.bucket, Key=full, Metadata={"sha256": sha256}, **crc32
+            )["UploadId"]
+
+            def send_part(number: int, data: bytes) -> dict:
+                resp = client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number,
+                                          Body=data, **crc32)
+                return {"ETag": resp["ETag"], "PartNumber": number,
+                        **{name: resp[name] for name in ("ChecksumCRC32",) if crc32 and name in resp}}
+
             completed = False
             try:
-                parts, digest = [], hashlib.sha256()
-                with open(path, "rb") as f:
-                    while chunk := f.read(self.part_size_bytes):
-                        digest.update(chunk)
-                        number = len(parts) + 1
-                        resp = client.upload_part(
-                            Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=chunk
-                        )
-                        parts.append({"ETag": resp["ETag"], "PartNumber": number})
-                if digest.hexdigest() != sha256:
-                    raise _file_mismatch(path, digest.hexdigest(), sha256, key)
+                parts, actual = upload_in_parts(path, self.part_size_bytes, self.max_concurrency, send_part)
+                if actual != sha256:
+                    raise _file_mismatch(path, actual, sha256, key)
 
                 def complete() -> None:
                     try:
@@ -265,14 +297,13 @@ class S3Store(Store):
                 Bucket=self.bucket, Key=self._full(key), Body=data, Metadata={"sha256": sha256_bytes(data)}
             )
 
-    def _read_retrying(self, key: str, read: Callable[[dict], Any]) -> tuple[dict, Any]:
-        """GET `key` and `read(response)`; repeat the GET when the body breaks off (bounded)."""
+    def _read_retrying(self, key: str, **get_args: str) -> tuple[dict, bytes]:
+        """GET `key` with `get_args` and read the whole body; GET again when the body breaks off (bounded)."""
         for attempt in range(1, self.read_attempts + 1):
             with self._errors("get", key):
-                # One GET returns bytes and metadata together, so they belong to the same version.
-                resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key))
+                resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key), **get_args)
                 try:
-                    return resp, read(resp)
+                    return resp, resp["Body"].read()
                 except _BODY_ERRORS:
                     resp["Body"].close()
                     if attempt == self.read_attempts:
@@ -283,17 +314,32 @@ class S3Store(Store):
     def get_file(self, key: str, dest_path: str | Path, sha256: str | None = None) -> None:
         if sha256 is not None:
             validate_sha256(sha256)
+        with self._errors("get", key):
+            head = self._client.head_object(Bucket=self.bucket, Key=self._full(key))
+        expected = sha256 or head.get("Metadata", {}).get("sha256")
 
-        def read(resp: dict) -> None:
-            expected = sha256 or resp.get("Metadata", {}).get("sha256")
-            write_verified(key, resp["Body"].iter_chunks(CHUNK_BYTES), dest_path, expected)
+        ranges = byte_ranges(0, head["ContentLength"], self.part_size_bytes)
+        digest = hashlib.sha256()
+        with replaced_on_success(dest_path) as out:
 
-        self._read_retrying(key, read)
+            def fetch(first_byte: int, last_byte: int) -> bytes:
+                # If-Match: every range comes from the version whose sha256 the HEAD read (412 if it was replaced).
+                data = self._read_retrying(key, Range=f"bytes={first_byte}-{last_byte}", IfMatch=head["ETag"])[1]
+                if len(data) != last_byte - first_byte + 1:
+                    raise StoreError(f"S3 get of {key!r} in {self.url} answered bytes {first_byte}-{last_byte} "
+                                     f"with {len(data)} bytes; the server does not honour Range requests")
+                write_at(out.fileno(), data, first_byte)  # here, so writing overlaps the hashing below
+                return data
+
+            with closing(fetch_in_order(fetch, ranges, self.max_concurrency)) as parts:
+                for data in parts:  # in order: the digest is of the whole object
+                    digest.update(data)
+            check_digest(key, digest.hexdigest(), expected)
 
     def get_bytes(self, key: str, sha256: str | None = None) -> bytes:
         if sha256 is not None:
             validate_sha256(sha256)
-        resp, data = self._read_retrying(key, lambda resp: resp["Body"].read())
+        resp, data = self._read_retrying(key)
         check_digest(key, sha256_bytes(data), sha256 or resp.get("Metadata", {}).get("sha256"))
         return data
 
@@ -320,6 +366,12 @@ class S3Store(Store):
                 self._client.delete_object(Bucket=self.bucket, Key=self._full(key))
         except ObjectMissing:
             pass  # AWS answers 204 for a missing key; some S3 clones answer 404
+
+
+@functools.cache
+def _api_model_loader() -> Any:
+    """botocore's loader of API models, one per process: a fresh session parses S3's model again (~0.1 s)."""
+    return botocore.session.get_session().get_component("data_loader")
 
 
 def _file_mismatch(path: str | Path, actual: str, expected: str, key: str) -> IntegrityError:
