@@ -137,7 +137,8 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         compiled, lost, during = run_compile_phase(job, hosts, plan, specs, reports, runner)
         for name, m in during.items():  # the moment that matters: the lowest memory while compiling
             report.host(name)["compile_memory"] = m
-            report.memory(name, "compile (lowest)", {"host_available_mib": m["min_available_mib"]})
+            report.memory(name, "compile (lowest)", {"host_available_mib": m["min_available_mib"]},
+                          assumed_available_mib=job.assume_available.get(name))
         info["status"] = "ok" if plan.decision == "compile" else "skipped"
         if lost:
             info["lost_hosts"] = sorted(lost)

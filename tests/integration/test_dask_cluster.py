@@ -28,7 +28,11 @@ def test_export_on_an_existing_cluster(kiln, dask_cluster, prefect_server, s3_bu
     assert {h["name"]: h["ranks"] for h in r["hosts"]} == {"host-a": [0], "host-b": [1]}
     assert r["counts"]["compiled"] == 2
     assert {f["compiled_by"] for f in r["forwards"]} <= {"host-a", "host-b"}
-    assert all(len(h["memory"]) == 9 for h in r["hosts"])
+    # Every phase boundary on every host, and the lowest reading while compiling on each host that compiled.
+    assert all(len([m for m in h["memory"] if m["phase"] != "compile (lowest)"]) == 9 for h in r["hosts"])
+    compilers = {f["compiled_by"] for f in r["forwards"]}
+    assert all(any(m["phase"] == "compile (lowest)" for m in h["memory"]) == (h["name"] in compilers)
+               for h in r["hosts"])
 
 
 def test_unreachable_scheduler_is_bad_input(kiln, prefect_server):
