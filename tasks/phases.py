@@ -14,7 +14,7 @@ from prefect import task
 
 from kiln import faults, hostwork, planning, probe, tuner
 from kiln.errors import KilnError, VerifyMismatch
-from kiln.gate import HostReport, Plan
+from kiln.gate import Plan
 from kiln.job import ExportJob, HostSpec
 from kiln.keys import artifact_key, manifest_key
 
