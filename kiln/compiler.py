@@ -107,9 +107,10 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
     no constants and the loader supplies the rank's real weights. The result
     carries the worker's peak memory (itself and its compiler children, sampled).
     """
+    from kiln.model import solo_group
     from kiln.procs import PeakSampler
 
-    with PeakSampler() as sampler:
+    with PeakSampler() as sampler, solo_group():  # tracing the collectives resolves their group
         result = _compile_forward(spec, out_path)
     return dataclasses.replace(result, peak_mib=sampler.peak_mib)
 

@@ -234,9 +234,12 @@ def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict])
     from kiln.loader import compare_with_eager, load_forward
     from kiln.recipe import parse_buckets
 
+    from kiln.model import solo_group
+
     cfg = job.model_config
     diffs: dict[str, dict] = {}
-    with PeakSampler(interval_s=0.1) as sampler:
+    # One rank alone: its collectives sum over itself, in the compiled forward and in eager alike.
+    with PeakSampler(interval_s=0.1) as sampler, solo_group():
         weights = load_rank_weights(job.checkpoint, cfg, job.tp, rank)
         for f in forwards:
             compiled = load_forward(local_path(host, f["key"]), weights, f["sha256"])

@@ -41,8 +41,6 @@ def load_forward(path: Path | str, weights: dict, sha256: str):
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
     import torch
 
-    import kiln.model  # noqa: F401  registers kiln::all_reduce, which the package calls
-
     compiled = torch._inductor.aoti_load_package(str(path))
     check_weights(Path(path).name, compiled, weights)
     names = set(compiled.get_constant_fqns())

@@ -6,8 +6,13 @@ scaling (linear, llama3), q/k/v, o and MLP biases, tied embeddings, sliding
 windows, RMSNorm in float32. One rank's module holds its shard: heads/tp query
 heads, kv_heads/tp KV heads and intermediate/tp MLP columns; embeddings, norms
 and the output head are replicated. The cross-rank sum after the attention output and MLP down
-projections is `kiln::all_reduce`, a registered custom op that survives
-torch.export and AOTInductor, so one compiled package serves every rank.
+projections is torch's native functional collective (`_c10d_functional.all_reduce` +
+`wait_tensor`) on the process group named TP_GROUP: AOTInductor compiles it to a C
+shim of libtorch, so a package needs neither Python nor Kiln to run, and since the
+default world group has that name on every rank, one package serves every rank.
+Compiling a shard, or running one with tp > 1, therefore needs that group to exist:
+`solo_group` makes a one-rank group for a process that runs alone (a compile worker,
+a per-rank check), whose sums are then its own partial sums.
 
 The forward is one inference step over a paged KV cache:
 
@@ -22,28 +27,36 @@ the caller to write into the cache.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import ModelConfig
+from kiln.contract import PROCESS_GROUP as TP_GROUP
+from kiln.contract import shard_slice
 
 
-@torch.library.custom_op("kiln::all_reduce", mutates_args=())
+@contextlib.contextmanager
+def solo_group():
+    """A one-rank gloo world (group TP_GROUP) for the duration, unless this process already has one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the tensor-parallel group when one is initialized; identity otherwise."""
-    out = x.clone()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(out)
-    return out
-
-
-@all_reduce.register_fake
-def _all_reduce_fake(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+    """Sum over the tensor-parallel group TP_GROUP (native ops: no Python inside a compiled package)."""
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", TP_GROUP))
 
 
 class RMSNorm(nn.Module):
@@ -204,26 +217,6 @@ class ShardedDecoder(nn.Module):
         logits = F.linear(x, self.model.embed_tokens.weight) if self.cfg.tie_word_embeddings else self.lm_head(x)
         new_kv = torch.stack((torch.stack(new_k), torch.stack(new_v)), dim=1)
         return logits, new_kv
-
-
-def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int, int] | None:
-    """(dim, start, stop) of `name`'s rows or columns that `rank` holds; None when replicated.
-
-    Column-parallel projections (q, k, v, gate, up) split their output rows and
-    their biases; row-parallel ones (o, down) split their input columns and
-    keep their bias whole (it is added once, after the all-reduce).
-    """
-    hq, hkv = cfg.num_heads // tp * cfg.head_dim, cfg.num_kv_heads // tp * cfg.head_dim
-    mlp = cfg.intermediate_size // tp
-    split = {"q_proj": (0, hq), "k_proj": (0, hkv), "v_proj": (0, hkv), "gate_proj": (0, mlp),
-             "up_proj": (0, mlp), "o_proj": (1, hq), "down_proj": (1, mlp)}
-    parts = name.rsplit(".", 2)
-    if len(parts) < 3 or parts[-2] not in split or parts[-1] not in ("weight", "bias"):
-        return None
-    dim, n = split[parts[-2]]
-    if parts[-1] == "bias" and dim == 1:
-        return None
-    return dim, rank * n, (rank + 1) * n
 
 
 def shard_state_dict(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ Pure: the standard library only.
 
 from __future__ import annotations
 
+import re
 import stat
 import unicodedata
 import zipfile
@@ -155,3 +156,49 @@ def _read_through(path, zf: zipfile.ZipFile, infos: list[zipfile.ZipInfo], limit
             raise _refuse(path, f"member {info.filename!r} cannot be read ({exc})") from None
         if got != info.file_size:
             raise _refuse(path, f"member {info.filename!r} holds {got} bytes, not the {info.file_size} declared")
+
+
+_SHIM = re.compile(r"\b(aoti_torch_[A-Za-z0-9_]+)\s*\(")
+PROXY_CALL = "aoti_torch_proxy_executor_call_function"
+"""How a wrapper calls an op that has no C shim: through the proxy executor, i.e. a Python-registered op."""
+
+
+@dataclass(frozen=True)
+class PackageCalls:
+    """What a package's generated wrapper calls: whether it can run with libtorch alone."""
+
+    python_free: bool
+    ops: tuple[str, ...]
+    """The ATen / c10d op shims it calls (aoti_torch_cpu_<op>), sorted."""
+    why: str | None = None
+    """When not Python-free: the reason, naming the calls."""
+
+    def to_dict(self) -> dict:
+        return {"python_free": self.python_free, "ops": list(self.ops), "why": self.why}
+
+
+def package_calls(path: Path | str) -> PackageCalls:
+    """Read the AOTInductor wrapper source(s) of a checked package and classify every call into torch.
+
+    A wrapper calls ops through C shims compiled into libtorch (`aoti_torch_<device>_<op>`), or, for an
+    op without one (a Python `torch.library.custom_op`, or any op AOTInductor cannot lower to a shim),
+    through the proxy executor, which needs that op registered in the loading process, and extern-kernel
+    node files beside the wrapper describe those calls. A package is Python-free when it has neither.
+    """
+    with zipfile.ZipFile(path) as zf:
+        names = zf.namelist()
+        wrappers = [n for n in names if "/data/aotinductor/" in n and n.endswith(".wrapper.cpp")]
+        if not wrappers:
+            return PackageCalls(False, (), "it holds no wrapper source (data/aotinductor/*.wrapper.cpp) to inspect")
+        source = "\n".join(zf.read(n).decode("utf-8", "replace") for n in wrappers)
+        extern = [n for n in names if "/data/aotinductor/" in n and n.endswith(".json")
+                  and not n.endswith("_metadata.json") and not n.endswith("_compile_flags.json")
+                  and not n.endswith("_linker_flags.json")]
+    calls = set(_SHIM.findall(source))
+    ops = tuple(sorted(c for c in calls if re.match(r"aoti_torch_(cpu|cuda|xpu|mps)_", c)))
+    if PROXY_CALL in calls or extern:
+        what = [f"{source.count(PROXY_CALL + '(')} proxy-executor call(s)"] if PROXY_CALL in calls else []
+        what += [f"extern kernel nodes {', '.join(e.rsplit('/', 1)[-1] for e in extern[:2])}"] if extern else []
+        return PackageCalls(False, ops, f"it calls ops that have no C shim ({'; '.join(what)}): a Python "
+                                        "custom op, which only a process that registers it can run")
+    return PackageCalls(True, ops)
