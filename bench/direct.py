@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
 
-    from kiln import hostwork, planning, probe
-    from kiln.keys import artifact_key
+    from kiln import hostwork, outcome, planning, probe
+    from kiln.contract import weight_layout
     from kiln.manifest import build_manifest
     from kiln.params import ExportParams, default_host_names, kiln_home, prepare
     from kiln.trust import write_signed_manifest
@@ -64,13 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     compiled = {e["key"]: e for e in done["forwards"]}
     phase("compile", t)
     t = time.perf_counter()
-    stored = {k: store.stat(artifact_key(k)) for k in specs}
-    missing = [k for k, info in stored.items() if info is None or not info.sha256]
-    if missing:
-        raise SystemExit(f"{len(missing)} forward(s) missing from the store after compilation")
+    found, missing = hostwork.stored_forwards(job, sorted(specs))
+    stored = outcome.check_outcome(found, missing, specs)
     phase("outcome-check", t)
-    forwards = [{"key": k, "bucket": s["bucket"], "target": s["target"], "sha256": stored[k].sha256,
-                 "size_bytes": stored[k].size_bytes, "object": artifact_key(k)} for k, s in sorted(specs.items())]
+    forwards = outcome.forward_records(specs, stored, compiled, job.model_config, job.tp)
     t = time.perf_counter()
     hostwork.fetch_missing(job, host, forwards)
     diffs = hostwork.check_ranks(job, host, forwards)["checks"]
@@ -80,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     t = time.perf_counter()
     manifest = build_manifest(export_id=job.export_id, model={"name": job.model_name, "checkpoint": job.checkpoint},
                               recipe=job.recipe.to_dict(), tp=job.tp, buckets=[str(b) for b in job.recipe.buckets],
-                              forwards=forwards, kv_plan=kv, hosts=[{"name": host.name, "memory": ledger}],
+                              forwards=forwards, weights=weight_layout(job.model_config, job.tp), kv_plan=kv, hosts=[{"name": host.name, "memory": ledger}],
                               phases=[{"name": n, "duration_s": s} for n, s in phases.items()],
                               signing=job.signing.manifest_entry())
     write_signed_manifest(store, job.export_id, manifest, job.signing, kiln_home())  # signed, as the flow does

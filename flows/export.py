@@ -16,11 +16,11 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 from flows import lease, retry
-from kiln import ledger_plot, planning, tuning
+from kiln import ledger_plot, outcome, planning, tuning
 from kiln.cache import check_probed_caches
 from kiln.errors import KilnError
 from kiln.job import ExportJob, HostSpec
-from kiln.keys import artifact_key
+from kiln.contract import weight_layout
 from kiln.logs import hide_expected_tracebacks
 from kiln.manifest import build_manifest
 from kiln.params import ExportParams, default_host_names, prepare
@@ -147,16 +147,7 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
             hosts[:] = [h for h in hosts if h.name not in lost]  # the ledger and sharing go on without them
     with phase("outcome-check"):
         stored = phases.outcome_check(job, specs)
-    forwards = []
-    for key, spec in sorted(specs.items(), key=lambda kv: (kv[1]["target"], kv[1]["bucket"])):
-        c = compiled.get(key)
-        forwards.append({"key": key, "bucket": spec["bucket"], "target": spec["target"],
-                         "sha256": stored[key]["sha256"], "size_bytes": stored[key]["size_bytes"],
-                         "object": artifact_key(key), "compiled_by": c["compiled_by"] if c else None,
-                         "compile_s": c["compile_s"] if c else None, "autotune": c.get("autotune") if c else None,
-                         "tuning": (spec.get("tuning") or {}).get("digest"),
-                         "compile_attempts": c.get("attempts", 1) if c else 0,
-                         "compile_peak_mib": c.get("compile_peak_mib") if c else None})
+    forwards = outcome.forward_records(specs, stored, compiled, job.model_config, job.tp)
     report.forwards = forwards
     report.counts.update(forwards=len(forwards), compiled=len(compiled), reused=len(forwards) - len(compiled))
     with phase("share-verify"):
@@ -173,7 +164,8 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
     with phase("manifest"):
         manifest = build_manifest(
             export_id=job.export_id, model={"name": job.model_name, "checkpoint": job.checkpoint, "config": job.config}, recipe=job.recipe.to_dict(),
-            tp=job.tp, buckets=[str(b) for b in job.recipe.buckets], forwards=forwards, kv_plan=report.kv_plan,
+            tp=job.tp, buckets=[str(b) for b in job.recipe.buckets], forwards=forwards,
+            weights=weight_layout(job.model_config, job.tp), kv_plan=report.kv_plan,
             hosts=list(report.hosts.values()), phases=list(report.phases), signing=job.signing.manifest_entry())
         report.signing = phases.write_manifest(job, manifest)
         report.manifest = report.signing.pop("manifest")

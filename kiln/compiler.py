@@ -29,6 +29,7 @@ from typing import Callable
 from kiln import faults
 from kiln.cache import DISK_ERRNOS
 from kiln.errors import DiskError, KilnError
+from kiln.package_check import package_calls
 
 # Inductor options that go into every forward (and therefore into its key).
 COMPILER_OPTIONS = {"aot_inductor.package_constants_in_so": False}
@@ -57,12 +58,14 @@ class CompileResult:
     compile_s: float
     pid: int
     attempts: int = 1
+    """Times the forward was submitted; more than 1 when a compile worker died on it."""
     peak_mib: int = 0
     """Largest resident memory of the worker and its compiler children while compiling this forward."""
     autotune: dict | None = None
     """GEMMs autotuned ('selections'), candidates benchmarked during this compile ('benchmarked'), and
     the tuning timings installed in the worker ('tuning_timings'); None when compiled without max-autotune."""
-    """Times the forward was submitted; more than 1 when a compile worker died on it."""
+    calls: dict | None = None
+    """What the package's wrapper calls (kiln.package_check.PackageCalls.to_dict): whether it is Python-free."""
 
 
 def model_code_fingerprint() -> str:
@@ -175,7 +178,8 @@ def _compile_forward(spec: dict, out_path: str) -> CompileResult:
         autotune = {"selections": _SELECTIONS - selections, "benchmarked": tuner.benchmark_count() - benchmarked,
                     "tuning_timings": tuning.count_timings(_TUNING) if _TUNING else 0}
     return CompileResult(key=spec["key"], path=out_path, sha256=digest, size_bytes=os.path.getsize(out_path),
-                         compile_s=time.perf_counter() - start, pid=os.getpid(), autotune=autotune)
+                         compile_s=time.perf_counter() - start, pid=os.getpid(), autotune=autotune,
+                         calls=package_calls(out_path).to_dict())
 
 
 def _nearly_full(directory: Path, threshold_bytes: int = 1 << 20) -> int | None:

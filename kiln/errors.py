@@ -47,13 +47,19 @@ class UnloadablePackage(KilnError):
     exit_code = 1
 
 
+class NotPythonFree(KilnError):
+    """A compiled forward calls an op that only a Python process registering it can run."""
+
+    exit_code = 1
+
+
 class StoreError(KilnError):
     """The store failed in a way that retrying did not fix."""
 
     exit_code = 1
 
 
-DETERMINISTIC = (BadInput, IntegrityError, VerifyMismatch, UnloadablePackage, MemoryShort)
+DETERMINISTIC = (BadInput, IntegrityError, VerifyMismatch, UnloadablePackage, MemoryShort, NotPythonFree)
 """Errors that fail the same way however often the export is tried again."""
 
 

@@ -20,7 +20,7 @@ from kiln.compiler import (FORWARD_DEVICE, CompilePool, CompileResult, compiler_
                            model_code_fingerprint)
 from kiln.errors import DiskError, IntegrityError, MemoryShort
 from kiln.job import ExportJob, HostSpec
-from kiln.keys import artifact_key, digest
+from kiln.keys import artifact_key, digest, inspection_key
 from kiln.procs import PeakSampler, die_with_parent
 from kiln.sizing import check_peak_mib
 from kiln.store import ObjectMissing, open_store
@@ -149,6 +149,7 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
                  "compile_s": round(result.compile_s, 3), "compiled_by": host.name, "created": created,
                  "autotune": result.autotune, "attempts": result.attempts, "compile_peak_mib": result.peak_mib}
         store.put_json(compile_log_key(job.export_id, result.key), entry, overwrite=True)
+        store.put_json(inspection_key(result.key), {"sha256": result.sha256, **result.calls}, overwrite=True)
         spec = by_key[result.key]
         store.put_json(worker_memory_key(spec, result.key), {"compile_peak_mib": result.peak_mib,
                                                              "bucket": spec["bucket"]}, overwrite=True)
@@ -205,6 +206,40 @@ def measured_peaks(store, specs: list) -> list[int]:
         except (IntegrityError, ObjectMissing, KeyError, TypeError, ValueError):
             continue  # an unreadable record is not a measurement
     return peaks
+
+
+def stored_forwards(job: ExportJob, keys: list[str]) -> tuple[dict[str, dict], list[str]]:
+    """(key -> {'sha256', 'size_bytes', 'calls'} of each stored forward, the keys not in the store).
+
+    'calls' is the inspection record of the stored bytes (kiln.package_check.package_calls), written
+    by the host that compiled it; a package without one that matches its sha256 (its compiler died
+    between the two uploads, or an older Kiln made it) is downloaded, checked and inspected here.
+    """
+    import tempfile
+
+    from kiln.package_check import check_package, package_calls
+
+    store = store_of(job)
+    found, missing = {}, []
+    for key in keys:
+        info = store.stat(artifact_key(key))
+        if info is None or not info.sha256:
+            missing.append(key)
+            continue
+        try:
+            record = store.get_json(inspection_key(key))
+        except (ObjectMissing, IntegrityError):
+            record = None
+        if not isinstance(record, dict) or record.get("sha256") != info.sha256:
+            with tempfile.TemporaryDirectory(prefix="kiln-inspect-") as tmp:
+                path = Path(tmp) / f"{key}.pt2"
+                store.get_file(artifact_key(key), path, info.sha256)
+                check_package(path)
+                record = {"sha256": info.sha256, **package_calls(path).to_dict()}
+            store.put_json(inspection_key(key), record, overwrite=True)
+        found[key] = {"sha256": info.sha256, "size_bytes": info.size_bytes,
+                      "calls": {k: record[k] for k in ("python_free", "ops", "why")}}
+    return found, missing
 
 
 def fetch_missing(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:

@@ -70,6 +70,12 @@ def artifact_key(key: str) -> str:
     return f"forwards/{key}.pt2"
 
 
+def inspection_key(key: str) -> str:
+    """Where the record of what a forward's package calls lives (kiln.package_check.package_calls), with
+    the sha256 of the bytes inspected."""
+    return f"inspections/{key}.json"
+
+
 def manifest_key(export_id: str) -> str:
     return f"exports/{export_id}/manifest.json"
 

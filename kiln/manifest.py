@@ -4,7 +4,15 @@ The manifest is signed (kiln.signing; the signature lives beside it) and says
 so in its `signing` entry: {'signed': bool, 'key_fingerprint': str | None}.
 `check_manifest` is the structural check that follows the signature check: every
 forward names a well-formed key, its object `forwards/<key>.pt2`, a bucket and
-a sha256, and no two keys or objects collide after normalisation.
+a sha256, says whether it is Python-free, and no two keys or objects collide
+after normalisation.
+
+It is also a consumer contract (kiln.contract; the README's "Run an export
+without Kiln"): `runtime` names the process group the packages' collectives
+expect and whether every package runs without Python; `weights` maps each
+package constant to its checkpoint tensor and how each rank cuts it; each
+forward carries its `interface` (inputs and outputs: names, dtypes, shapes with
+the dynamic dimension named), the native `ops` it calls and its `constants`.
 """
 
 from __future__ import annotations
@@ -15,19 +23,22 @@ from kiln.errors import BadInput, IntegrityError
 from kiln.keys import artifact_key
 from kiln.store.keys import check_no_collisions
 
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3
 _KEY = re.compile(r"^[0-9a-f]{16,64}$")
 _BUCKET = re.compile(r"^[1-9][0-9]*x[1-9][0-9]*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def build_manifest(*, export_id: str, model: dict, recipe: dict, tp: int, buckets: list[str],
-                   forwards: list[dict], kv_plan: dict, hosts: list[dict], phases: list[dict],
+                   forwards: list[dict], weights: dict, kv_plan: dict, hosts: list[dict], phases: list[dict],
                    signing: dict) -> dict:
-    """`forwards` entries carry key, bucket, target, sha256, size_bytes and the store object key;
+    """`forwards` are kiln.outcome.forward_records; `weights` is kiln.contract.weight_layout;
     `signing` is {'signed', 'key_fingerprint'} (kiln.signing.SigningPlan.manifest_entry)."""
+    groups = sorted({f["interface"]["process_group"] for f in forwards if f["interface"]["process_group"]})
+    runtime = {"process_group": groups[0] if groups else None, "world_size": tp,
+               "python_free": all(f["python_free"] for f in forwards)}
     return {"version": MANIFEST_VERSION, "export_id": export_id, "model": model, "recipe": recipe,
-            "tp": tp, "buckets": buckets,
+            "tp": tp, "buckets": buckets, "runtime": runtime, "weights": weights,
             "forwards": sorted(forwards, key=lambda f: (f["target"], f["bucket"])),
             "kv_plan": kv_plan, "hosts": hosts, "phases": phases, "signing": dict(signing)}
 
@@ -62,6 +73,8 @@ def check_manifest(manifest: object, *, export_id: str | None = None) -> dict:
             raise IntegrityError(f"manifest entry for {f['key']} has a malformed bucket {f['bucket']!r}.")
         if not _SHA256.match(f["sha256"]):
             raise IntegrityError(f"manifest entry for {f['key']} has a malformed sha256.")
+        if not isinstance(f.get("python_free"), bool):
+            raise IntegrityError(f"manifest entry for {f['key']} does not say whether it is Python-free.")
     try:
         check_no_collisions([f["object"] for f in forwards], what="manifest objects")
     except BadInput as exc:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from prefect import task
 
-from kiln import faults, hostwork, planning, probe, tuner
+from kiln import faults, hostwork, outcome, planning, probe, tuner
 from kiln.errors import KilnError, VerifyMismatch
 from kiln.gate import Plan
 from kiln.job import ExportJob, HostSpec
-from kiln.keys import artifact_key, manifest_key
+from kiln.keys import manifest_key
 
 
 IO_RETRY_DELAYS_S = [2, 5, 10]
@@ -72,19 +72,10 @@ def compile_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int
 @task(name="outcome-check", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,
       retry_condition_fn=transient_only, cache_policy=None)
 def outcome_check(job: ExportJob, forwards: dict[str, dict]) -> dict[str, dict]:
-    """Every key of the export must be in the store with a sha256; returns key -> object info."""
-    store = hostwork.store_of(job)
-    found, missing = {}, []
-    for key in sorted(forwards):
-        info = store.stat(artifact_key(key))
-        if info is None or not info.sha256:
-            missing.append(key)
-        else:
-            found[key] = {"sha256": info.sha256, "size_bytes": info.size_bytes}
-    if missing:
-        raise KilnError(f"{len(missing)} forward(s) are not in the store after compilation, e.g. {missing[0]}; "
-                        "the compile phase failed on some host (see its log); re-run to resume.")
-    return found
+    """Every key of the export must be in the store with a sha256, and its package Python-free
+    (kiln.outcome.check_outcome); returns key -> {'sha256', 'size_bytes', 'calls'}."""
+    found, missing = hostwork.stored_forwards(job, sorted(forwards))
+    return outcome.check_outcome(found, missing, forwards)
 
 
 @task(name="share", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,

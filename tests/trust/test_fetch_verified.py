@@ -41,8 +41,10 @@ def setup(tmp_path, monkeypatch):
         store.delete(f"forwards/{KEY}.pt2")
         store.put_bytes(f"forwards/{KEY}.pt2", data)
         fwd = {"key": KEY, "bucket": "1x8", "target": "t", "sha256": hashlib.sha256(data).hexdigest(),
-               "size_bytes": len(data), "object": f"forwards/{KEY}.pt2"}
-        m = build_manifest(export_id="e1", model={}, recipe={}, tp=1, buckets=["1x8"], forwards=[fwd], kv_plan={},
+               "size_bytes": len(data), "object": f"forwards/{KEY}.pt2", "python_free": True,
+               "interface": {"process_group": None}}
+        m = build_manifest(export_id="e1", model={}, recipe={}, tp=1, buckets=["1x8"], forwards=[fwd], weights={},
+                           kv_plan={},
                            hosts=[], phases=[], signing=plan.manifest_entry())
         trust.write_signed_manifest(store, "e1", m, plan, home)
 
