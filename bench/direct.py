@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     compiled = {e["key"]: e for e in done["forwards"]}
     phase("compile", t)
     t = time.perf_counter()
-    found, missing = hostwork.stored_forwards(job, sorted(specs))
+    found, missing = hostwork.stored_forwards(store, sorted(specs))
     stored = outcome.check_outcome(found, missing, specs)
     phase("outcome-check", t)
     forwards = outcome.forward_records(specs, stored, compiled, job.model_config, job.tp)

@@ -208,7 +208,7 @@ def measured_peaks(store, specs: list) -> list[int]:
     return peaks
 
 
-def stored_forwards(job: ExportJob, keys: list[str]) -> tuple[dict[str, dict], list[str]]:
+def stored_forwards(store, keys: list[str]) -> tuple[dict[str, dict], list[str]]:
     """(key -> {'sha256', 'size_bytes', 'calls'} of each stored forward, the keys not in the store).
 
     'calls' is the inspection record of the stored bytes (kiln.package_check.package_calls), written
@@ -219,7 +219,6 @@ def stored_forwards(job: ExportJob, keys: list[str]) -> tuple[dict[str, dict], l
 
     from kiln.package_check import check_package, package_calls
 
-    store = store_of(job)
     found, missing = {}, []
     for key in keys:
         info = store.stat(artifact_key(key))

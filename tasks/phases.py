@@ -74,7 +74,7 @@ def compile_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int
 def outcome_check(job: ExportJob, forwards: dict[str, dict]) -> dict[str, dict]:
     """Every key of the export must be in the store with a sha256, and its package Python-free
     (kiln.outcome.check_outcome); returns key -> {'sha256', 'size_bytes', 'calls'}."""
-    found, missing = hostwork.stored_forwards(job, sorted(forwards))
+    found, missing = hostwork.stored_forwards(hostwork.store_of(job), sorted(forwards))
     return outcome.check_outcome(found, missing, forwards)
 
 

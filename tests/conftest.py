@@ -229,3 +229,20 @@ def kiln(kiln_env):
                               text=True, timeout=timeout, cwd=cwd)
         return Run(proc.returncode, proc.stdout, proc.stderr)
     return run
+
+
+@pytest.fixture(scope="session")
+def tp2_export(kiln, tmp_path_factory):
+    """`kiln export --model tiny --tp 2` cold, then the same export warm, into one fresh local store.
+
+    Returns {'dir', 'store' (its URL), 'cold', 'warm' (Run), 'cold_report', 'warm_report'}. Tests
+    that change the store's files restore them.
+    """
+    d = tmp_path_factory.mktemp("export")
+    store = f"file://{d / 'store'}"
+    cold = kiln("export", "--model", "tiny", "--tp", "2", "--store", store, "--report", str(d / "cold.json"))
+    assert cold.code == 0, cold.err[-3000:]
+    warm = kiln("export", "--model", "tiny", "--tp", "2", "--store", store, "--report", str(d / "warm.json"))
+    assert warm.code == 0, warm.err[-3000:]
+    return {"dir": d, "store": store, "cold": cold, "warm": warm,
+            "cold_report": cold.json(d / "cold.json"), "warm_report": warm.json(d / "warm.json")}

@@ -15,16 +15,8 @@ PHASES = ["probe", "tune", "kv-plan", "gate", "compile", "outcome-check", "share
 
 
 @pytest.fixture(scope="module")
-def exported(kiln, tmp_path_factory):
-    """A cold export and an identical warm one into the same fresh store."""
-    d = tmp_path_factory.mktemp("export")
-    store = f"file://{d / 'store'}"
-    cold = kiln("export", "--model", "tiny", "--tp", "2", "--store", store, "--report", str(d / "cold.json"))
-    assert cold.code == 0, cold.err[-3000:]
-    warm = kiln("export", "--model", "tiny", "--tp", "2", "--store", store, "--report", str(d / "warm.json"))
-    assert warm.code == 0, warm.err[-3000:]
-    return {"dir": d, "store": store, "cold": cold, "warm": warm,
-            "cold_report": cold.json(d / "cold.json"), "warm_report": warm.json(d / "warm.json")}
+def exported(tp2_export):
+    return tp2_export
 
 
 def test_cold_export_compiles_each_bucket_once(exported):

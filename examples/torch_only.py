@@ -1,0 +1,126 @@
+"""Run one step of every forward of a Kiln export with torch alone: no Kiln, no Python op registered.
+
+A worked example of the manifest's consumer contract (README, "Run an export
+without Kiln"). Every rank of the export runs this script; they join one gloo
+group, whose default world group is the process group the packages'
+collectives name (`runtime.process_group`, "0"). Each rank reads its tensors
+straight from the checkpoint's safetensors files (a short reader below), cuts
+them as `weights` says, binds them to each package before its first call, and
+runs one prefill step with an empty paged KV cache:
+
+    python examples/torch_only.py --manifest M.json --packages STORE/forwards \\
+        --checkpoint CKPT --rank R --world-size 2 --port 29511 --out OUT_DIR
+
+Rank R writes OUT_DIR/rank{R}.pt: {bucket: logits} (torch.save). The tokens
+of bucket BxT are `(arange(B*T) * 7 + 3) % vocab`, reshaped to [B, T].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file: an 8-byte little-endian header length, a JSON header
+    {name: {dtype, shape, data_offsets: [begin, end]}}, then the raw bytes (offsets count from there)."""
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    base = 8 + length
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        raw = bytearray(data[base + begin:base + end])  # a copy: the tensor outlives the map
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        out[name] = (torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)).reshape(info["shape"])
+    return out
+
+
+def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face checkpoint: the files an index names, or every *.safetensors."""
+    index = directory / "model.safetensors.index.json"
+    files = (sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+             if index.exists() else sorted(directory.glob("*.safetensors")))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(read_safetensors(file))
+    return tensors
+
+
+def rank_constants(manifest: dict, forward: dict, tensors: dict[str, torch.Tensor], rank: int) -> dict:
+    """The package constants of `rank`: each checkpoint tensor cut as the manifest says, in the
+    dtype the package was compiled for, owning exactly its bytes (load_constants needs that)."""
+    out = {}
+    for name in forward["constants"]:
+        w = manifest["weights"][name]
+        t = tensors[w["source"]]
+        if w["cut"] is not None:
+            t = t.narrow(w["cut"]["dim"], w["cut"]["offsets"][rank], w["cut"]["length"])
+        t = t.to(getattr(torch, w["dtype"])).contiguous().clone()
+        assert list(t.shape) == w["shape"], (name, list(t.shape), w["shape"])
+        out[name] = t
+    return out
+
+
+def step_inputs(forward: dict, vocab: int) -> list[torch.Tensor]:
+    """One prefill step from position 0 with an empty cache, shaped as the forward's interface says."""
+    spec = {i["name"]: i for i in forward["interface"]["inputs"]}
+    batch, tokens = spec["tokens"]["shape"]
+    pages_per_seq = spec["block_table"]["shape"][1]
+    num_pages = pages_per_seq * batch + 1
+    kv_shape = [num_pages if d == "num_pages" else d for d in spec["kv_cache"]["shape"]]
+    return [(torch.arange(batch * tokens) * 7 + 3).remainder(vocab).reshape(batch, tokens),
+            torch.zeros(batch, dtype=torch.int64),
+            torch.zeros(kv_shape, dtype=getattr(torch, spec["kv_cache"]["dtype"])),
+            torch.arange(batch * pages_per_seq).remainder(num_pages).reshape(batch, pages_per_seq)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--manifest", type=Path, required=True)
+    p.add_argument("--packages", type=Path, required=True, help="folder holding <key>.pt2")
+    p.add_argument("--checkpoint", type=Path, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+
+    manifest = json.loads(args.manifest.read_text())
+    assert manifest["runtime"]["python_free"], "this export needs Python ops registered: not for torch alone"
+    assert args.world_size == manifest["tp"]
+    os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"  # a wrong shape raises instead of returning garbage
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=args.world_size)
+    tensors = read_checkpoint(args.checkpoint)
+    vocab = manifest["model"]["config"]["vocab_size"]
+    logits = {}
+    for forward in manifest["forwards"]:
+        package = torch._inductor.aoti_load_package(str(args.packages / f"{forward['key']}.pt2"))
+        package.load_constants(rank_constants(manifest, forward, tensors, args.rank), check_full_update=True)
+        with torch.no_grad():
+            out = package(*step_inputs(forward, vocab))
+        logits[forward["bucket"]] = out[0]
+    dist.barrier()
+    dist.destroy_process_group()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(logits, args.out / f"rank{args.rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

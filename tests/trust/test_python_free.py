@@ -1,0 +1,87 @@
+"""Which packages need Python: kiln.package_check.package_calls, proven against a fresh interpreter.
+
+A package that calls a Python `torch.library.custom_op` is what Kiln's forwards
+were before they used torch's native collectives: the inspection must call it
+not Python-free, and torch alone must indeed fail to load it. Kiln's own
+packages inspect as Python-free (tests/integration/test_torch_only.py runs them
+with torch alone).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.package_check import check_package, package_calls
+from kiln.store import LocalStore
+
+pytestmark = pytest.mark.slow
+
+CUSTOM_OP_PACKAGE = r"""
+import sys, torch
+@torch.library.custom_op("kilntest::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+@all_reduce.register_fake
+def _(x):
+    return torch.empty_like(x)
+class Step(torch.nn.Module):
+    def forward(self, x):
+        return all_reduce(x @ x) + 1
+program = torch.export.export(Step(), (torch.randn(8, 8),))
+torch._inductor.aoti_compile_and_package(program, package_path=sys.argv[1])
+"""
+
+LOAD_WITH_TORCH_ALONE = r"""
+import sys, torch
+torch._inductor.aoti_load_package(sys.argv[1])(torch.randn(8, 8))
+print("LOADED")
+"""
+
+
+@pytest.fixture(scope="module")
+def custom_op_package(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("custom-op") / "step.pt2"
+    subprocess.run([sys.executable, "-c", CUSTOM_OP_PACKAGE, str(path)], check=True, capture_output=True,
+                   timeout=600)
+    return path
+
+
+def test_a_python_custom_op_is_found_and_torch_alone_cannot_load_it(custom_op_package):
+    check_package(custom_op_package)
+    calls = package_calls(custom_op_package)
+    assert not calls.python_free
+    assert "proxy-executor" in calls.why and "Python custom op" in calls.why
+    proc = subprocess.run([sys.executable, "-I", "-c", LOAD_WITH_TORCH_ALONE, str(custom_op_package)],
+                          capture_output=True, text=True, timeout=300)
+    assert "LOADED" not in proc.stdout
+    assert "Could not find schema for kilntest::all_reduce" in proc.stderr + proc.stdout
+
+
+def test_kiln_packages_inspect_as_python_free_with_native_collectives(tp2_export):
+    root = Path(tp2_export["store"].removeprefix("file://"))
+    for f in tp2_export["cold_report"]["forwards"]:
+        calls = package_calls(root / f["object"])
+        assert calls.python_free and calls.why is None, f["bucket"]
+        assert "aoti_torch_cpu__c10d_functional_all_reduce_" in calls.ops
+        assert f["python_free"] is True and f["ops"] == list(calls.ops)
+
+
+def test_the_outcome_check_inspects_a_package_that_has_no_record(tp2_export):
+    """A host that died between uploading a package and its record: the outcome check inspects the bytes."""
+    from kiln import hostwork
+    from kiln.keys import inspection_key
+
+    store = LocalStore(Path(tp2_export["store"].removeprefix("file://")))
+    keys = sorted(f["key"] for f in tp2_export["cold_report"]["forwards"])
+    before = {k: store.get_json(inspection_key(k)) for k in keys}
+    store.delete(inspection_key(keys[0]))
+    store.put_json(inspection_key(keys[1]), {**before[keys[1]], "sha256": "0" * 64, "python_free": False},
+                   overwrite=True)  # a record of other bytes is not this package's
+    found, missing = hostwork.stored_forwards(store, keys + ["f" * 32])
+    assert missing == ["f" * 32]
+    assert all(found[k]["calls"]["python_free"] for k in keys)
+    assert {k: store.get_json(inspection_key(k)) for k in keys} == before

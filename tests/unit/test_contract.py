@@ -1,0 +1,101 @@
+"""The consumer contract (kiln.contract) against the torch module it describes, and the outcome check."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.config import TINY
+from kiln.contract import forward_interface, parameter_shapes, shard_slice, weight_layout
+from kiln.errors import KilnError, NotPythonFree
+from kiln.outcome import check_outcome, forward_records
+
+CONFIGS = {
+    "tiny": TINY,
+    "biases, tied": TINY.replace(qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=True),
+    "gqa hd64": TINY.replace(num_heads=8, num_kv_heads=2, head_dim=64, hidden_size=512, intermediate_size=1024),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_parameter_shapes_are_the_torch_modules_own(name):
+    pytest.importorskip("torch")
+    from kiln.model import expected_shapes
+
+    cfg = CONFIGS[name]
+    assert list(parameter_shapes(cfg).items()) == list(expected_shapes(cfg).items())
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_weight_layout_cuts_are_the_ranks_own_shards(name, tp):
+    """What a consumer cuts from the manifest alone is bit for bit what Kiln's own sharding binds."""
+    torch = pytest.importorskip("torch")
+    from kiln.model import ShardedDecoder, random_state_dict, shard_state_dict
+
+    cfg = CONFIGS[name]
+    full = random_state_dict(cfg, seed=3)
+    layout = weight_layout(cfg, tp)
+    for rank in range(tp):
+        mine = shard_state_dict(full, cfg, tp, rank)
+        assert set(layout) == set(mine) == set(ShardedDecoder(cfg, tp).state_dict())
+        for tensor_name, w in layout.items():
+            t = full[w["source"]]
+            if w["cut"] is not None:
+                t = t.narrow(w["cut"]["dim"], w["cut"]["offsets"][rank], w["cut"]["length"])
+            assert list(t.shape) == w["shape"] and torch.equal(t, mine[tensor_name]), tensor_name
+
+
+def test_layout_says_which_tensors_are_cut_and_how():
+    cfg = CONFIGS["biases, tied"]
+    layout = weight_layout(cfg, 2)
+    q = layout["model.layers.0.self_attn.q_proj.weight"]
+    assert q["cut"] == {"dim": 0, "length": cfg.num_heads // 2 * cfg.head_dim,
+                        "offsets": [0, cfg.num_heads // 2 * cfg.head_dim]}
+    assert layout["model.layers.0.self_attn.o_proj.weight"]["cut"]["dim"] == 1
+    assert layout["model.layers.0.self_attn.o_proj.bias"]["cut"] is None  # added once, after the sum
+    assert layout["model.layers.0.self_attn.q_proj.bias"]["cut"]["dim"] == 0
+    assert "lm_head.weight" not in layout  # tied: the head reads the embedding
+    assert shard_slice("model.norm.weight", cfg, 2, 1) is None
+
+
+def test_interface_matches_the_inputs_and_outputs_of_a_real_step():
+    torch = pytest.importorskip("torch")
+    from kiln.model import ShardedDecoder, example_inputs, solo_group
+
+    cfg, tp = CONFIGS["gqa hd64"], 2
+    inputs = {"batch": 2, "tokens": 4, "page_tokens": 16, "pages_per_seq": 3}
+    face = forward_interface(cfg, tp, inputs)
+    args = example_inputs(cfg, tp, 2, 4, page_tokens=16, pages_per_seq=3, num_pages=7)
+    with solo_group(), torch.no_grad():
+        outs = ShardedDecoder(cfg, tp).eval()(*args)
+    for spec, t in zip(face["inputs"] + face["outputs"], list(args) + list(outs)):
+        shape = [7 if d == "num_pages" else d for d in spec["shape"]]
+        assert (shape, spec["dtype"]) == (list(t.shape), str(t.dtype).removeprefix("torch.")), spec["name"]
+    assert face["process_group"] == "0" and forward_interface(cfg, 1, inputs)["process_group"] is None
+
+
+def _found(python_free=True):
+    return {"sha256": "a" * 64, "size_bytes": 10,
+            "calls": {"python_free": python_free, "ops": ["aoti_torch_cpu_mm_out"],
+                      "why": None if python_free else "it calls ops that have no C shim (1 proxy-executor call(s))"}}
+
+
+SPECS = {"k1": {"bucket": "1x8", "target": "t", "inputs": {"batch": 1, "tokens": 8, "page_tokens": 16,
+                                                            "pages_per_seq": 4}}}
+
+
+def test_outcome_refuses_a_missing_forward_and_one_that_needs_python():
+    with pytest.raises(KilnError, match="not in the store"):
+        check_outcome({}, ["k1"], SPECS)
+    with pytest.raises(NotPythonFree, match=r"k1 \(1x8\).*proxy-executor"):
+        check_outcome({"k1": _found(False)}, [], SPECS)
+    assert check_outcome({"k1": _found()}, [], SPECS)["k1"]["calls"]["python_free"]
+
+
+def test_forward_records_carry_the_contract_and_who_compiled():
+    [rec] = forward_records(SPECS, {"k1": _found()}, {"k1": {"compiled_by": "h0", "compile_s": 2.0}}, TINY, 2)
+    assert rec["object"] == "forwards/k1.pt2" and rec["compiled_by"] == "h0" and rec["compile_attempts"] == 1
+    assert rec["python_free"] and rec["interface"]["process_group"] == "0"
+    assert rec["constants"] == sorted(parameter_shapes(TINY))
+    [reused] = forward_records(SPECS, {"k1": _found()}, {}, TINY, 2)
+    assert reused["compiled_by"] is None and reused["compile_attempts"] == 0
