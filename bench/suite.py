@@ -25,6 +25,7 @@ from pathlib import Path
 
 from bench.context import Context, Settings
 from bench.figures import median, render_markdown, round_floats, targets_for
+from bench.parts_collective import part_collective
 from bench.parts_hosts import BUCKET, part_borrow, part_fail_fast, part_gate_scale, s3_client
 from bench.parts_single import (part_compile_efficiency, part_dedup, part_overhead, part_pool_vs_loop,
                                 part_warm_cold)
@@ -34,7 +35,8 @@ from kiln.errors import BadInput
 
 PARTS = {"fail_fast": part_fail_fast, "compile_efficiency": part_compile_efficiency,
          "pool_vs_loop": part_pool_vs_loop, "dedup": part_dedup, "warm_cold": part_warm_cold,
-         "overhead": part_overhead, "store": part_store, "borrow": part_borrow, "gate_scale": part_gate_scale}
+         "overhead": part_overhead, "store": part_store, "borrow": part_borrow, "gate_scale": part_gate_scale,
+         "collective": part_collective}
 QUICK_SKIPS = ("borrow",)
 """Parts `--quick` leaves out unless named: two cold 3-host exports do not fit in its few minutes."""
 NEEDS_PREFECT_SERVER = {"fail_fast", "borrow", "warm_cold", "overhead"}

@@ -1,0 +1,107 @@
+"""One decode step at tp 2: Kiln's Python-free package against the same step with a Python custom op.
+
+`python -m bench.collective_step compile DIR` compiles the tiny model's 1x1
+(decode) forward twice at tp 2: as Kiln does (torch's native all_reduce, a C
+shim in the package) and as Kiln did before (a Python `torch.library`
+custom op around `dist.all_reduce`, reached through AOTInductor's proxy
+executor). `python -m bench.collective_step rank R PORT DIR REPS STEPS` is one
+of two gloo ranks: it loads both packages with its weight shard and times
+STEPS steps of each, REPS times, alternating which goes first; rank 0 writes
+DIR/steps.json with every sample.
+"""
+
+# No `from __future__ import annotations`: torch.library reads the custom op's annotations as types.
+
+import json
+import sys
+import time
+from pathlib import Path
+
+TP = 2
+PAGE_TOKENS, PAGES_PER_SEQ = 16, 4
+
+
+def _custom_all_reduce():
+    """The Python custom op Kiln's forwards used before native collectives (registered on import)."""
+    import torch
+    import torch.distributed as dist
+
+    @torch.library.custom_op("kilnbench::all_reduce", mutates_args=())
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(out)
+        return out
+
+    @all_reduce.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    return all_reduce
+
+
+def _spec() -> dict:
+    from kiln.compiler import COMPILER_OPTIONS, model_code_fingerprint
+    from kiln.config import TINY
+    from kiln.keys import forward_spec
+    from kiln.recipe import Bucket
+
+    return forward_spec(bucket=Bucket(1, 1), graph={"config": TINY.to_dict(), "tp": TP, "code": model_code_fingerprint()},
+                        target="bench", torch_version="bench", page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ,
+                        compiler=COMPILER_OPTIONS).to_dict()
+
+
+def compile_both(out: Path) -> dict:
+    """Compile the native and the custom-op package (one after another, in this process)."""
+    import kiln.model
+    from kiln.compiler import _warm, compile_forward
+
+    _warm()
+    out.mkdir(parents=True, exist_ok=True)
+    native = compile_forward(_spec(), str(out / "native.pt2"))
+    kiln.model.all_reduce = _custom_all_reduce()  # what _linear_then_reduce calls while tracing
+    custom = compile_forward(_spec(), str(out / "custom.pt2"))
+    info = {"native": native.calls, "custom": custom.calls,
+            "compile_s": {"native": native.compile_s, "custom": custom.compile_s}}
+    (out / "compiled.json").write_text(json.dumps(info))
+    return info
+
+
+def rank(rank: int, port: int, out: Path, reps: int, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from kiln.config import TINY
+    from kiln.loader import load_forward, sha256_of
+    from kiln.model import example_inputs, random_state_dict, shard_state_dict
+
+    _custom_all_reduce()  # the custom-op package needs its op registered in the loading process
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP)
+    weights = shard_state_dict(random_state_dict(TINY), TINY, TP, rank)
+    packages = {name: load_forward(out / f"{name}.pt2", weights, sha256_of(out / f"{name}.pt2"))
+                for name in ("native", "custom")}
+    args = example_inputs(TINY, TP, 1, 1, page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ,
+                          num_pages=PAGES_PER_SEQ + 1, seed=rank)
+    samples: dict[str, list[float]] = {"native": [], "custom": []}
+    with torch.no_grad():
+        for name in packages:  # warm both once
+            packages[name](*args)
+        for i in range(reps):
+            for name in (("native", "custom") if i % 2 == 0 else ("custom", "native")):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    packages[name](*args)
+                dist.barrier()
+                samples[name].append((time.perf_counter() - start) / steps)
+    dist.destroy_process_group()
+    if rank == 0:
+        (out / "steps.json").write_text(json.dumps(samples))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "compile":
+        print(json.dumps(compile_both(Path(sys.argv[2]))))
+    else:
+        rank(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))

@@ -1,0 +1,41 @@
+"""The cost of Python inside a package: one decode step at tp 2, native collective vs Python custom op.
+
+Both packages are the tiny model's 1x1 forward compiled the same way but for
+the all-reduce (bench.collective_step); two gloo ranks load both and time
+`steps` steps of each, `reps` times, alternating which goes first.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from bench.context import Context
+from bench.figures import median, ratio
+from bench.runs import PYTHON, free_port
+
+
+def part_collective(ctx: Context) -> dict:
+    w = ctx.work
+    out = w.path("collective", "packages")
+    w.run("collective-compile", [PYTHON, "-m", "bench.collective_step", "compile", str(out)],
+          w.env(inductor="collective", kiln_home="collective/home")).expect(0)
+    compiled = json.loads((out / "compiled.json").read_text())
+    if not compiled["native"]["python_free"] or compiled["custom"]["python_free"]:
+        raise RuntimeError(f"the two packages are not what this part compares: {compiled}")
+    reps, steps = max(3, ctx.s.reps), 20 if ctx.s.quick else 100
+    port = free_port()
+    procs = [subprocess.Popen([PYTHON, "-m", "bench.collective_step", "rank", str(r), str(port), str(out),
+                               str(reps), str(steps)], env=w.env(inductor="collective", kiln_home="collective/home"),
+                              cwd=w.root, stdout=open(w.logs / f"collective-rank{r}.log", "wb"),
+                              stderr=subprocess.STDOUT) for r in range(2)]
+    codes = [p.wait(timeout=1800) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"collective ranks exited {codes}; see {w.logs}/collective-rank*.log")
+    samples = json.loads((out / "steps.json").read_text())
+    native, custom = median(samples["native"]), median(samples["custom"])
+    return {"figures": {"python_free_step_ratio": ratio(native, custom)},
+            "raw": {"step_s": samples, "median_step_s": {"native": native, "custom": custom},
+                    "steps_per_sample": steps, "packages": compiled},
+            "notes": "tiny model, bucket 1x1, tp 2 under gloo, one thread per rank; median seconds per step of "
+                     "the Python-free package over the custom-op package, samples alternating"}
