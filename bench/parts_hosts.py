@@ -85,7 +85,7 @@ def part_fail_fast(ctx: Context) -> dict:
                         "fail_fast_ratio_no_startup": ratio(refusal_phases_s, baseline["probe_to_failure_s"])},
             "raw": {"refused_wall_s": refused.wall_s, "refused_phases_s": phases, "refusal_message": report["error"],
                     "refused_milestones_s": milestones,
-                    "compile_processes_started": 0, "evidence": evidence,
+                    "evidence": evidence,
                     "baseline_wall_s": baseline_run.wall_s, "baseline": baseline},
             "notes": "refused = `kiln export --hosts 3 --tp 3` on the incident layout with --policy fail and "
                      "flow_retries=0 (a deployment retries a refusal after a delay; that is not time to refusal), from "

@@ -31,7 +31,8 @@ MAX_REPLANS = 3
 def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: dict[str, dict],
                       reports: list[HostReport], runner: HostRunner) -> tuple[dict[str, dict], set[str], dict]:
     """Compile what `plan` assigns; returns (key -> compile record of this export, lost host names,
-    host -> its lowest available MiB and its compile process tree's peak MiB while compiling)."""
+    host -> {'memory': its lowest available MiB and its compile process tree's peak MiB while compiling,
+    'waited_for_lease': keys it waited for while another export compiled them})."""
     log = get_run_logger()
     store = store_of(job)
     by_name = {h.name: h for h in hosts}
@@ -48,7 +49,8 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
         for name in gone:
             runner.cancel(running.pop(name))
         for name, fut in running.items():
-            memory[name] = fut.result()["memory"]  # a host's failure fails the phase
+            result = fut.result()  # a host's failure fails the phase
+            memory[name] = {"memory": result["memory"], "waited_for_lease": result["waited_for_lease"]}
         if not gone:
             break
         lost |= gone

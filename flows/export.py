@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.context import FlowRunContext
 
 from flows import lease, retry
 from kiln import ledger_plot, outcome, planning, tuning
@@ -74,7 +75,9 @@ def _export(params: ExportParams) -> dict:
     with HostRunner(dask_address=params.dask, num_local_hosts=params.hosts,
                     local_name=(default_host_names(params) or [None])[0]) as runner:
         job, hosts = prepare(params, host_names=runner.host_names)
-        report = Report(job.export_id, model=job.model_name, tp=job.tp, store=job.store_url)
+        ctx = FlowRunContext.get()
+        report = Report(job.export_id, model=job.model_name, tp=job.tp, store=job.store_url,
+                        attempt=ctx.flow_run.run_count if ctx and ctx.flow_run else 1)
         report.signing = {"signed": job.signing.sign, "key_fingerprint": job.signing.fingerprint,
                           "source": job.signing.source, "signature": None, "note": job.signing.describe()}
         for h in hosts:
@@ -135,8 +138,9 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
     log.info("gate: %s", plan.message)
     with phase("compile") as info:
         compiled, lost, during = run_compile_phase(job, hosts, plan, specs, reports, runner)
-        for name, m in during.items():  # the moment that matters: the lowest memory while compiling
-            report.host(name)["compile_memory"] = m
+        for name, d in during.items():  # the moment that matters: the lowest memory while compiling
+            m = d["memory"]
+            report.host(name).update(compile_memory=m, waited_for_lease=d["waited_for_lease"])
             report.memory(name, "compile (lowest)", {"host_available_mib": m["min_available_mib"]},
                           assumed_available_mib=job.assume_available.get(name))
         info["status"] = "ok" if plan.decision == "compile" else "skipped"

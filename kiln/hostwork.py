@@ -125,7 +125,8 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     """Compile `specs` in a pool of `workers` spawned processes; upload each the moment it is done.
 
     Returns {'forwards': one entry per key this host compiled, 'memory': the host's
-    lowest available MiB and this process tree's peak MiB (the pool included) while compiling}.
+    lowest available MiB and this process tree's peak MiB (the pool included) while compiling,
+    'waited_for_lease': the keys it found leased by another export and waited for}.
 
     Each key is compiled under a lease: a key another export is compiling
     right now is waited for (and reused) instead of compiled twice; a stale
@@ -168,12 +169,14 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     by_key = {s["key"]: s for s in specs}
     waiting = list(specs)
     mine: list[dict] = []
+    waited: set[str] = set()
     try:
         with PeakSampler(interval_s=0.2) as sampler, \
                 CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
             while waiting:
                 mine = [s for s in waiting if not store.exists(artifact_key(s["key"])) and leases.acquire(s["key"])]
                 waiting = [s for s in waiting if s not in mine and not store.exists(artifact_key(s["key"]))]
+                waited.update(s["key"] for s in waiting)
                 if mine:
                     pool.run([job_of(s) for s in mine], upload)
                 elif waiting:
@@ -183,7 +186,8 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
             leases.release(s["key"])
         raise
     return {"forwards": uploaded, "memory": {"min_available_mib": sampler.min_available_mib,
-                                             "peak_tree_mib": sampler.peak_mib}}
+                                             "peak_tree_mib": sampler.peak_mib},
+            "waited_for_lease": sorted(waited)}
 
 
 def worker_memory_key(spec: dict, key: str) -> str:

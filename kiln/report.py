@@ -10,8 +10,10 @@ from pathlib import Path
 class Report:
     """Accumulates what an export did; `to_dict` is the `--report` JSON."""
 
-    def __init__(self, export_id: str, *, model: str, tp: int, store: str):
+    def __init__(self, export_id: str, *, model: str, tp: int, store: str, attempt: int = 1):
         self.export_id = export_id
+        self.attempt = attempt
+        """Which try of the export's flow run wrote this report (1 for the first)."""
         self.model = model
         self.tp = tp
         self.store = store
@@ -52,7 +54,7 @@ class Report:
         self.host(host)["memory"].append(entry)
 
     def to_dict(self) -> dict:
-        return {"export_id": self.export_id, "model": self.model, "tp": self.tp, "store": self.store,
+        return {"export_id": self.export_id, "attempt": self.attempt, "model": self.model, "tp": self.tp, "store": self.store,
                 "status": self.status, "error": self.error, "phases": self.phases,
                 "hosts": [self.hosts[n] for n in sorted(self.hosts)], "gate": self.gate,
                 "counts": self.counts, "forwards": self.forwards, "kv_plan": self.kv_plan,

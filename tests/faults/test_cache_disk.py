@@ -58,7 +58,8 @@ def export(kiln, tmp_path, cache: Path, *extra: str):
 
 
 def no_objects(store: Path) -> bool:
-    return not store.exists() or not [p for p in store.rglob("*") if p.is_symlink()]
+    """Nothing at all was written to the local store: no key (a symlink), no blob, no temporary file."""
+    return not store.exists() or not [p for p in store.rglob("*") if p.is_symlink() or p.is_file()]
 
 
 def no_forwards_or_leases(store: Path) -> bool:

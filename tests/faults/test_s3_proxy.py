@@ -1,6 +1,6 @@
 """Fault 3: the S3 connection misbehaves (latency, resets, truncated requests and responses).
 
-A fault-injecting TCP proxy (s3_fault_proxy.py, loopback only, a bounded number
+A fault-injecting TCP proxy (tests/s3_fault_proxy.py, loopback only, a bounded number
 of faults) sits between Kiln and the moto_server process. Retries must carry
 every transfer through, and no truncated or partial object may ever be
 accepted: checked afterwards directly against the server, byte for byte.

@@ -16,10 +16,15 @@ SECRET = f"kiln-secret-{uuid.uuid4().hex}"
 
 @pytest.fixture
 def blocks(prefect_server, s3_server):
+    """A store block (S3 through a proxy that records which access key signed each request) and a recipe block."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect_aws import AwsCredentials
+    from s3_fault_proxy import FaultProxy
 
     from blocks.kiln_blocks import KilnRecipe, KilnStore
+
+    port = int(s3_server.endpoint_url.rsplit(":", 1)[1])
+    proxy = FaultProxy(port, max_faults=0).__enter__()
 
     bucket = f"kiln-blocks-{uuid.uuid4().hex[:8]}"
     boto3.client("s3", endpoint_url=s3_server.endpoint_url, aws_access_key_id="x", aws_secret_access_key="y",
@@ -27,9 +32,10 @@ def blocks(prefect_server, s3_server):
     name = uuid.uuid4().hex[:8]
     with temporary_settings({PREFECT_API_URL: prefect_server}):
         creds = AwsCredentials(aws_access_key_id="AKIAKILNTEST", aws_secret_access_key=SECRET, region_name="us-east-1")
-        KilnStore(url=f"s3://{bucket}/k", endpoint_url=s3_server.endpoint_url, credentials=creds).save(f"store-{name}")
+        KilnStore(url=f"s3://{bucket}/k", endpoint_url=proxy.endpoint_url, credentials=creds).save(f"store-{name}")
         KilnRecipe(buckets="1x8,2x8", policy="fail", worker_host_mib=900).save(f"recipe-{name}")
-    return {"store": f"store-{name}", "recipe": f"recipe-{name}", "bucket": bucket}
+    yield {"store": f"store-{name}", "recipe": f"recipe-{name}", "bucket": bucket, "proxy": proxy}
+    proxy.__exit__(None, None, None)
 
 
 def test_export_from_blocks_keeps_the_secret_out(kiln, blocks, prefect_server, s3_server, signing_key_env,
@@ -50,6 +56,8 @@ def test_export_from_blocks_keeps_the_secret_out(kiln, blocks, prefect_server, s
     assert sum(k.endswith(".pt2") for k in keys) == 2 and any(k.endswith("manifest.json") for k in keys)
     for text in (run.out, run.err, report.read_text()):
         assert SECRET not in text and signing_key_env["KILN_SIGNING_KEY"] not in text
+    # The server accepts any credentials: the requests themselves show the block's were the ones used.
+    assert blocks["proxy"].access_keys == {"AKIAKILNTEST"}
 
 
 def test_missing_block_is_bad_input(kiln, prefect_server, tmp_path):

@@ -147,16 +147,27 @@ def test_plan_prints_the_decision_without_compiling(kiln, exported, tmp_path):
     assert "MiB short" in refused.out and "headroom_floor_mib" in refused.out
 
 
-def test_export_refused_by_gate_exits_3_and_writes_failed_report(kiln, tmp_path):
-    report = tmp_path / "r.json"
+def test_export_refused_by_gate_exits_3_and_leaves_nothing_behind(kiln, tmp_path):
+    import uuid
+
+    from procmarks import wait_gone
+
+    report, mark = tmp_path / "r.json", uuid.uuid4().hex
     run = kiln("export", "--model", "tiny", "--tp", "2", "--store", f"file://{tmp_path / 's'}",
-               "--set", "headroom_floor_mib=10000000", "--set", "flow_retries=0", "--report", str(report))
+               "--set", "headroom_floor_mib=10000000", "--set", "flow_retries=0", "--report", str(report),
+               env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "KILN_CACHE_DIR": str(tmp_path / "cache"),
+                    "KILN_TEST_MARK": mark})
     assert run.code == 3, run.err[-2000:]
     assert "MiB short" in run.err and "Traceback" not in run.err
     r = json.loads(report.read_text())
-    assert r["status"] == "failed" and r["gate"]["decision"] == "refused"
+    assert r["status"] == "failed" and r["gate"]["decision"] == "refused" and r["attempt"] == 1
     assert "MiB short" in r["error"]
+    # Nothing compiled, nothing cached, nothing left running.
+    assert [p["name"] for p in r["phases"]][-1] == "gate" and not any(p["name"] == "compile" for p in r["phases"])
     assert not list((tmp_path / "s").rglob("*.pt2"))
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and "forwards" in p.parts]
+    assert not (tmp_path / "inductor").exists() or not [p for p in (tmp_path / "inductor").rglob("*") if p.is_file()]
+    assert wait_gone(mark, timeout_s=30) == [], "processes of the refused export outlived it"
 
 
 def test_export_refuses_a_corrupted_stored_artifact(kiln, exported, tmp_path):
@@ -176,8 +187,61 @@ def test_export_refuses_a_corrupted_stored_artifact(kiln, exported, tmp_path):
     assert victim["key"] in run.err or victim["object"] in run.err
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["status"] == "failed" and report["manifest"] is None
+    assert report["attempt"] == 1, "an integrity failure was retried"
     # Never loaded: the corrupt bytes did not reach the host's cache.
     assert not list((tmp_path / "fresh-host").rglob(f"{victim['key']}.pt2"))
+
+
+def test_a_new_kv_plan_reuses_every_forward(kiln, exported, tmp_path):
+    """Forward keys leave the KV page count out: fewer pages, the same forwards."""
+    cold = exported["cold_report"]
+    fewer = cold["kv_plan"]["pages_per_rank"] // 2
+    run = kiln("export", "--model", "tiny", "--tp", "2", "--store", exported["store"], "--set",
+               f"kv_max_pages={fewer}", "--report", str(tmp_path / "r.json"))
+    assert run.code == 0, run.err[-2000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["kv_plan"]["pages_per_rank"] == fewer
+    assert r["counts"]["compiled"] == 0
+    assert {f["key"] for f in r["forwards"]} == {f["key"] for f in cold["forwards"]}
+
+
+def test_verification_is_remembered_until_the_checkpoint_changes(kiln, exported, tmp_path):
+    cold, warm = exported["cold_report"], exported["warm_report"]
+    name = cold["hosts"][0]["name"]
+    assert cold["hosts"][0]["verify_memory"]["predicted_mib"] > 0  # checked against eager
+    assert warm["hosts"][0]["verify_memory"] == {"predicted_mib": None, "peak_mib": None}  # nothing re-checked
+    assert set(warm["verify"][name]) == set(cold["verify"][name]) and len(cold["verify"][name]) == 2 * 4
+    # Same shapes (the tiny model's), other weights: the same forward keys, but every check runs again.
+    ckpt = tmp_path / "other-weights"
+    assert kiln("checkpoint", str(ckpt), "--seed", "7").code == 0
+    run = kiln("export", "--model", str(ckpt), "--tp", "2", "--store", exported["store"],
+               "--report", str(tmp_path / "r.json"))
+    assert run.code == 0, run.err[-2000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["counts"]["compiled"] == 0 and {f["key"] for f in r["forwards"]} == {f["key"] for f in cold["forwards"]}
+    assert r["hosts"][0]["verify_memory"]["predicted_mib"] > 0, "a changed checkpoint was not checked again"
+    checks = r["verify"][name]
+    assert len(checks) == 8 and all(c["diff"] <= c["limit"] for c in checks.values())
+    assert checks != warm["verify"][name]  # measured on the new weights, not remembered from the old
+
+
+def test_a_stale_lease_of_a_dead_export_is_taken_over(kiln, exported, tmp_path):
+    """A key leased by an export that died long ago is compiled at once, not waited for."""
+    import time
+
+    from kiln.lease import lease_key, new_lease
+    from kiln.store import LocalStore
+
+    f = next(f for f in exported["cold_report"]["forwards"] if f["bucket"] == "1x16")
+    store = LocalStore(tmp_path / "store")
+    store.put_json(lease_key(f["key"], 0), new_lease("dead-export:host-x", time.time() - 3600, 60))
+    run = kiln("export", "--model", "tiny", "--tp", "2", "--buckets", "1x16", "--store", f"file://{tmp_path / 'store'}",
+               "--report", str(tmp_path / "r.json"))
+    assert run.code == 0, run.err[-2000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert [x["key"] for x in r["forwards"]] == [f["key"]] and r["counts"]["compiled"] == 1
+    assert r["hosts"][0]["waited_for_lease"] == []
+    assert store.list("leases/") == [], "the taken-over lease was not released"
 
 
 def test_worker_peaks_are_measured_and_the_next_plan_uses_them(kiln, exported):

@@ -35,8 +35,9 @@ def test_host_lost_mid_compile_hands_its_keys_to_the_others(kiln, kiln_env, pref
     try:
         report = tmp_path / "r.json"
         aws = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
+        # Leases that outlive the test: only breaking the lost host's leases lets the others go on.
         run = kiln("export", "--dask", cluster.address, "--tp", "2", "--buckets", "1x8,2x8,4x8,8x8",
-                   "--store", s3_bucket, "--report", str(report),
+                   "--store", s3_bucket, "--report", str(report), "--set", "lease_ttl_s=7200",
                    env={**aws, **signing_key_env, "PREFECT_API_URL": prefect_server})
         assert cluster.workers["host-b"].poll() is not None, "the fault did not fire"
         # Its compile workers died with it (they would hold memory the next export's gate measures).
@@ -52,14 +53,28 @@ def test_host_lost_mid_compile_hands_its_keys_to_the_others(kiln, kiln_env, pref
     assert by.count("host-a") + by.count("host-b") == 4 and r["counts"]["compiled"] == 4
     compile_phase = next(p for p in r["phases"] if p["name"] == "compile")
     assert compile_phase["lost_hosts"] == ["host-b"]
+    assert compile_phase["duration_s"] < 1200, "the others waited for the lost host's leases to expire"
+    assert not _leases(s3_bucket), "a lease of the lost host was left behind"
     objects = _objects(s3_bucket)
     assert len(objects) == 4
     for f in r["forwards"]:  # nothing lost, nothing corrupt
         assert hashlib.sha256(objects[f"{s3_bucket.split('/', 3)[3]}/{f['object']}"]).hexdigest() == f["sha256"]
 
 
+def _leases(url: str) -> list[str]:
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+    s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    return [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/leases/").get("Contents", [])]
+
+
 def test_two_exports_at_once_compile_each_key_once(kiln, s3_bucket, signing_key_env, tmp_path):
-    """Each export talks to its own embedded Prefect API, so only the store's leases keep them apart."""
+    """Each export talks to its own embedded Prefect API, so only the store's leases keep them apart.
+
+    The second export starts once the first holds a compile lease, so the two overlap: the second
+    must find keys leased, wait for them and reuse them, never compile them again.
+    """
+    import time
+
     aws = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
     args = ["export", "--model", "tiny", "--tp", "2", "--buckets", "1x8,2x8,4x8", "--store", s3_bucket]
 
@@ -68,7 +83,13 @@ def test_two_exports_at_once_compile_each_key_once(kiln, s3_bucket, signing_key_
         return kiln(*args, "--report", str(tmp_path / f"r{i}.json"), env=env)
 
     with cf.ThreadPoolExecutor(2) as pool:  # two CLI processes; the threads only wait for them
-        runs = list(pool.map(one, [0, 1]))
+        first = pool.submit(one, 0)
+        deadline = time.monotonic() + 600
+        while not _leases(s3_bucket):
+            assert not first.done() and time.monotonic() < deadline, "the first export never took a lease"
+            time.sleep(0.2)
+        second = pool.submit(one, 1)
+        runs = [first.result(), second.result()]
     for run in runs:
         assert run.code == 0, run.err[-3000:]
     reports = [json.loads((tmp_path / f"r{i}.json").read_text()) for i in (0, 1)]
@@ -76,5 +97,10 @@ def test_two_exports_at_once_compile_each_key_once(kiln, s3_bucket, signing_key_
     assert sorted(compiled) == sorted(set(compiled)), "a key was compiled by both exports"
     assert len(set(compiled)) == 3
     assert sum(r["counts"]["compiled"] for r in reports) == 3
+    waited = set(reports[1]["hosts"][0]["waited_for_lease"])
+    assert waited, "the exports did not overlap: the second never waited for a lease"
+    first_compiled = {f["key"] for f in reports[0]["forwards"] if f["compiled_by"]}
+    assert waited <= first_compiled, "it waited for keys the first export did not compile"
     assert {f["sha256"] for f in reports[0]["forwards"]} == {f["sha256"] for f in reports[1]["forwards"]}
     assert len(_objects(s3_bucket)) == 3
+    assert not _leases(s3_bucket), "a lease outlived its compile"

@@ -49,3 +49,51 @@ def test_second_export_of_a_model_waits_for_the_lease(prefect_server, ops_env, t
     waited_s = float(logs.split("took the model lease kiln-model-tiny after ")[1].split(" s")[0])
     assert waited_s >= released_after_s - 1.0
     assert any(t["name"].startswith("probe") for t in api.task_runs(run["id"]))
+
+
+def test_a_killed_export_frees_the_model_lease(prefect_server, ops_env, tmp_path):
+    """The README's promise: a run killed while holding its model's slot frees it within two minutes."""
+    import signal
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.lease import LEASE_S, lease_name
+    from procmarks import wait_gone
+
+    model = tmp_path / f"lease-victim-{uuid.uuid4().hex[:6]}"
+    subprocess.run([sys.executable, "-m", "kiln.cli", "checkpoint", str(model)], env=ops_env, check=True,
+                   capture_output=True, timeout=300)
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "export", "--model", str(model), "--tp", "2",
+                             "--buckets", "1x8,2x8,4x8", "--store", f"file://{tmp_path / 'store'}"],
+                            env={**ops_env, "KILN_TEST_MARK": mark}, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    name = lease_name(model.name)
+
+    def active_slots() -> int:
+        with temporary_settings({PREFECT_API_URL: prefect_server.api_url}), get_client(sync_client=True) as c:
+            try:
+                return c.read_global_concurrency_limit_by_name(name).active_slots
+            except Exception:  # not created yet
+                return 0
+
+    try:
+        deadline = time.monotonic() + 300
+        while active_slots() != 1:
+            assert proc.poll() is None and time.monotonic() < deadline, "the export never took its model lease"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGKILL)  # mid-export: no finally, no release
+        proc.wait(timeout=30)
+        killed = time.monotonic()
+        assert active_slots() == 1, "the slot was released, not left to expire: this test shows nothing"
+        while active_slots() != 0:
+            assert time.monotonic() - killed < LEASE_S + 60, f"{name} still held {LEASE_S + 60:.0f} s after the kill"
+            time.sleep(2.0)
+        freed_s = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        wait_gone(mark, timeout_s=30)
+    # Expiry: at most LEASE_S after the last renewal, then the server's repossessor (every 15 s) frees it.
+    assert freed_s <= LEASE_S + 15 + 5, freed_s

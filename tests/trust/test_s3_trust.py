@@ -213,15 +213,37 @@ def test_an_unsigned_export_says_so_and_verify_needs_allow_unsigned(kiln, world)
     assert "unsigned export accepted because of --allow-unsigned" in v.out and "verify ok" in v.out
 
 
-def _prefect_records(api_url: str) -> list[str]:
-    """Everything the Prefect server holds about runs: flow runs, task runs, logs, artifacts (as JSON)."""
+def _paged(read, page: int = 200, **filters) -> list:
+    """Every record `read` returns for `filters`, page by page (the server returns at most 200 at a time)."""
+    out: list = []
+    while True:
+        got = read(**filters, limit=page, offset=len(out))
+        out += got
+        if len(got) < page:
+            return out
+
+
+def _prefect_records(api_url: str, export_id: str) -> tuple[str, list[str]]:
+    """(this export's flow run id, everything the server holds about that run as JSON: the flow run, its
+    task runs, all its logs and all its artifacts), read page by page and filtered by the run."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId,
+                                                LogFilter, LogFilterFlowRunId)
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    key = export_id.lower().replace("_", "-").replace(".", "-")  # the flow's artifact keys start with it
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
-        records = [*client.read_flow_runs(), *client.read_task_runs(), *client.read_logs(),
-                   *client.read_artifacts()]
-    return [r.model_dump_json() for r in records]
+        summaries = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_=f"{key}%")))
+        run_ids = {a.flow_run_id for a in summaries}
+        assert len(run_ids) == 1 and None not in run_ids, f"artifacts of {export_id} belong to runs {run_ids}"
+        (run_id,) = run_ids
+        runs = FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
+        records = [*client.read_flow_runs(flow_run_filter=runs),
+                   *_paged(client.read_task_runs, flow_run_filter=runs),
+                   *_paged(client.read_logs, log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))),
+                   *_paged(client.read_artifacts, flow_run_filter=runs)]
+    assert all(getattr(r, "flow_run_id", run_id) == run_id for r in records)
+    return str(run_id), [r.model_dump_json() for r in records]
 
 
 def test_no_secret_appears_in_any_output(kiln, kiln_env, world):
@@ -239,9 +261,12 @@ def test_no_secret_appears_in_any_output(kiln, kiln_env, world):
     for path in Path(kiln_env["KILN_HOME"]).rglob("*"):
         if path.is_file() and not path.is_symlink():
             blobs[str(path)] = path.read_bytes()
-    records = _prefect_records(world["env"]["PREFECT_API_URL"])
+    run_id, records = _prefect_records(world["env"]["PREFECT_API_URL"], world["report"]["export_id"])
     texts.update({f"prefect record {i}": r for i, r in enumerate(records)})
-    assert len(records) > 10 and any("kiln-export" in r or "Compile forwards" in r or "gate" in r for r in records)
+    # The records are this export's own, all of them: its gate decision, compile and summary are among them.
+    assert any('"gate: ' in r for r in records) and any(world["report"]["export_id"] in r for r in records)
+    assert any('"name":"compile' in r.replace(" ", "") for r in records), "no compile task run read"
+    assert sum('"level":' in r for r in records) > 20, "too few logs read for a whole export"
     assert any(k.endswith("manifest.json") for k in blobs) and any(k.endswith(".pt2") for k in blobs)
     found = [(what, where) for what, s in secrets.items() for where, t in texts.items() if s in t]
     found += [(what, where) for what, s in secrets.items() for where, b in blobs.items() if s.encode() in b]

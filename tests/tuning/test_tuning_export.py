@@ -34,12 +34,24 @@ RUN_FLOW = textwrap.dedent("""
     tuning.WEIGHTLESS_GEMM_BACKENDS["cpu"] = ("ATEN", "CPP")  # what CPU forwards must not use (see module doc)
     from flows.export import export
     from kiln.params import ExportParams
+    from kiln.errors import KilnError
     params = ExportParams(**json.loads(sys.argv[1]))
     try:
         export(params)
-    except Exception as exc:
-        print("export failed:", exc)
+    except KilnError as exc:  # expected when the tuned forwards cannot be verified (see the last test)
+        print("KILN-OUTCOME " + json.dumps({"error": type(exc).__name__}))
+        sys.exit(1)
+    print("KILN-OUTCOME " + json.dumps({"error": None}))
 """)
+
+
+def outcome(run: subprocess.CompletedProcess) -> dict:
+    """The flow's outcome as the script printed it; any other exception is a crash and fails here."""
+    lines = [line for line in run.stdout.splitlines() if line.startswith("KILN-OUTCOME ")]
+    assert lines and run.returncode in (0, 1), (run.returncode, run.stderr[-3000:])
+    got = json.loads(lines[-1].removeprefix("KILN-OUTCOME "))
+    assert (got["error"] is None) == (run.returncode == 0)
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +68,7 @@ def two_exports(tmp_path_factory):
         run = subprocess.run([sys.executable, "-c", RUN_FLOW, json.dumps(params)], env=env, capture_output=True,
                              text=True, timeout=1500)
         assert (d / f"{name}.json").exists(), run.stderr[-3000:]
-        reports.append(json.loads((d / f"{name}.json").read_text()))
+        reports.append({**json.loads((d / f"{name}.json").read_text()), "outcome": outcome(run)})
     return {"dir": d, "first": reports[0], "second": reports[1]}
 
 
@@ -103,6 +115,8 @@ def test_share_verify_refuses_forwards_with_prepacked_weights(two_exports):
     verify = next(p for p in r["phases"] if p["name"] == "share-verify")
     if cpp:
         assert r["status"] == "failed" and verify["status"] == "failed"
+        assert r["outcome"]["error"] == "UnloadablePackage"
         assert "no rank's weights provide" in r["error"] and "C++ GEMM templates" in r["error"], r["error"]
     else:  # ATen won every GEMM: the forwards hold no prepacked weights and match eager
+        assert r["outcome"]["error"] is None
         assert r["status"] == "completed" and max(c["diff"] for v in r["verify"].values() for c in v.values()) < 1e-3

@@ -25,6 +25,9 @@ def test_key_changes_with_what_changes_code():
     assert key(graph={**BASE["graph"], "tp": 3}) != base
 
 
-def test_key_ignores_page_count():
+def test_spec_leaves_the_page_count_dynamic():
+    """The page count is not an input of the key at all (a new KV plan reusing every forward is shown end
+    to end in tests/integration/test_export.py)."""
     spec = forward_spec(**BASE)
     assert spec.inputs["num_pages"] == "dynamic"
+    assert "num_pages" not in forward_spec.__code__.co_varnames[:forward_spec.__code__.co_kwonlyargcount]

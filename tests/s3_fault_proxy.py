@@ -16,13 +16,16 @@ passes untouched, so any client that retries finishes. Modes:
   sides are reset: the server sees a partial request body.
 
 `fired` counts the faults that actually happened (a cut beyond the bytes the
-connection carried did not fire).
+connection carried did not fire). `access_keys` holds every AWS access key id
+that signed a request passing through (from SigV4 `Credential=<id>/...`), so a
+test can tell whose credentials a client used.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import socket
 import struct
 import threading
@@ -30,6 +33,7 @@ from collections import Counter
 
 CYCLE = ("truncate", "slow", "reset_after", "truncate", "reset_before", "truncate_request", "truncate", "pass")
 _CHUNK = 16 * 1024
+_CREDENTIAL = re.compile(rb"Credential=([A-Za-z0-9]{4,128})/")
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:
@@ -56,6 +60,7 @@ class FaultProxy:
         self.handed_out = Counter()
         self.fired = Counter()
         self.connections = 0
+        self.access_keys: set[str] = set()
         self._faults_given = 0
         self._position = 0
         self._pass_first = 0
@@ -142,7 +147,7 @@ class FaultProxy:
             if mode == "slow":
                 self.fired[mode] += 1
             up = asyncio.ensure_future(self._pump(creader, uwriter, delay,
-                                                  cut if mode == "truncate_request" else None, mode))
+                                                  cut if mode == "truncate_request" else None, mode, tap=True))
             down = asyncio.ensure_future(self._pump(ureader, cwriter, delay,
                                                     cut if mode == "truncate" else None, mode,
                                                     drop=mode == "reset_after"))
@@ -159,11 +164,16 @@ class FaultProxy:
                 if not w.transport.is_closing():
                     w.close()
 
-    async def _pump(self, reader, writer, delay: float, cut: int | None, mode: str, drop: bool = False) -> str:
-        sent = 0
+    async def _pump(self, reader, writer, delay: float, cut: int | None, mode: str, drop: bool = False,
+                    tap: bool = False) -> str:
+        sent, tail = 0, b""
         try:
             while True:
                 data = await reader.read(_CHUNK)
+                if tap:  # a header split across two reads is still seen: keep the previous read's end
+                    seen = tail + data
+                    self.access_keys.update(m.decode() for m in _CREDENTIAL.findall(seen))
+                    tail = seen[-256:]
                 if not data:
                     if writer.can_write_eof():
                         writer.write_eof()
