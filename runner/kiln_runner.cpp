@@ -58,7 +58,7 @@ json read_json(const fs::path& path) {
 struct Args {
   fs::path manifest, checkpoint, packages, out;
   int rank = 0, world_size = 1, master_port = 29500;
-  std::string master_addr = "127.0.0.1", bucket;
+  std::string master_addr = "127.0.0.1", bucket, key;
   std::vector<int64_t> tokens;
   int64_t start_pos = 0;
   int timeout_s = 300;  // how long to wait for the other ranks (store, gloo)
@@ -67,9 +67,10 @@ struct Args {
 const char* kUsage =
     "usage: kiln_runner --manifest M.json --packages DIR --bucket BxT --tokens ID,ID,...\n"
     "                   [--checkpoint DIR] [--rank R --world-size W --master-addr A --master-port P]\n"
-    "                   [--start-pos N] [--out PATH] [--timeout-s S]\n"
+    "                   [--start-pos N] [--out PATH] [--timeout-s S] [--key KEY]\n"
     "  --packages: the folder holding <key>.pt2 (a local store's forwards/ folder)\n"
     "  --checkpoint: defaults to the manifest's model.checkpoint\n"
+    "  --key: the forward to run when the bucket has one per target (hosts of different ISAs)\n"
     "  --tokens: batch*tokens ids, row-major; --start-pos: every sequence's start (default 0)\n"
     "  --out: logits as raw float32 LE plus PATH.json; rank 0 writes it, or every rank if PATH has {rank}\n";
 
@@ -102,6 +103,7 @@ Args parse_args(int argc, char** argv) {
   for (std::string id; std::getline(ids, id, ',');) a.tokens.push_back(std::stoll(id));
   a.checkpoint = take("checkpoint", false);
   a.out = take("out", false);
+  a.key = take("key", false);
   if (auto v = take("rank", false); !v.empty()) a.rank = std::stoi(v);
   if (auto v = take("world-size", false); !v.empty()) a.world_size = std::stoi(v);
   if (auto v = take("master-addr", false); !v.empty()) a.master_addr = v;
@@ -352,10 +354,18 @@ int run(const Args& a) {
     fail(a.manifest.string() + ": manifest version " + manifest.value("version", json()).dump() + ", this runner reads 3");
   int tp = manifest.at("tp");
   if (tp != a.world_size) fail("the export is tp " + std::to_string(tp) + " but --world-size is " + std::to_string(a.world_size));
-  const json* forward = nullptr;
+  std::vector<const json*> found;  // one forward per (target, bucket): --key picks among targets
   for (const auto& f : manifest.at("forwards"))
-    if (f.at("bucket") == a.bucket) forward = &f;
-  if (!forward) fail("the export has no forward for bucket " + a.bucket);
+    if (f.at("bucket") == a.bucket && (a.key.empty() || f.at("key") == a.key)) found.push_back(&f);
+  if (found.empty()) fail("the export has no forward for bucket " + a.bucket + (a.key.empty() ? "" : " with key " + a.key));
+  if (found.size() > 1) {
+    std::string keys;
+    for (auto* f : found) keys += " " + f->at("key").get<std::string>() + " (" + f->value("target", "?") + ")";
+    fail("bucket " + a.bucket + " has a forward per target; pick this host's with --key:" + keys);
+  }
+  const json* forward = found[0];
+  if (!forward->value("python_free", true))
+    fail("forward " + forward->at("key").get<std::string>() + " calls Python ops: it cannot run without Python");
 
   fs::path package = a.packages / (forward->at("key").get<std::string>() + ".pt2");
   std::string digest = sha256_hex(package);  // a package is native code: load only what the manifest names

@@ -88,7 +88,7 @@ def export(tmp_path_factory) -> dict:
         "recipe": {"page_tokens": PAGE_TOKENS, "max_context_tokens": PAGE_TOKENS * PAGES_PER_SEQ},
         "runtime": {"process_group": PROCESS_GROUP, "world_size": tp, "python_free": True},
         "weights": layout,
-        "forwards": [{"key": spec["key"], "bucket": f"{BATCH}x{TOKENS}", "object": f"forwards/{spec['key']}.pt2",
+        "forwards": [{"key": spec["key"], "bucket": f"{BATCH}x{TOKENS}", "target": "test", "object": f"forwards/{spec['key']}.pt2",
                       "sha256": hashlib.sha256(Path(result.path).read_bytes()).hexdigest(), "python_free": True,
                       "interface": forward_interface(cfg, tp, inputs), "constants": sorted(layout)}],
     }
