@@ -6,11 +6,11 @@ PYTHON ?= python3
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup test-setup export test test-fast bench bench-quick bench-tuning bench-1b clean
+.PHONY: setup test-setup runner export test test-fast bench bench-quick bench-tuning bench-1b clean
 
 setup: $(VENV)/.installed
 
-test-setup: setup $(CHROMIUM)
+test-setup: setup $(CHROMIUM) runner
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,25 @@ $(CHROMIUM):
 		$(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium \
 		|| echo "warning: could not install chromium; the browser test will skip"; \
 	else echo "warning: no apt-get to install chromium; the browser test will skip"; fi
+
+# The C++ runner (runner/), built against the wheel's libtorch into runner/build/. Debian packages it
+# needs are installed when missing; without apt-get or root it is skipped with a warning (its test skips).
+RUNNER_DEBS := cmake g++ nlohmann-json3-dev libgloo-dev libssl-dev
+RUNNER_HEADERS := /usr/include/nlohmann/json.hpp /usr/include/gloo/context.h /usr/include/openssl/evp.h
+
+runner: setup
+	@if ! command -v cmake >/dev/null 2>&1 || ! command -v c++ >/dev/null 2>&1 || \
+	   ! ls $(RUNNER_HEADERS) >/dev/null 2>&1; then \
+		if command -v apt-get >/dev/null 2>&1; then \
+			$(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y $(RUNNER_DEBS) \
+			|| echo "warning: could not install $(RUNNER_DEBS); the C++ runner is not built and its test will skip"; \
+		else echo "warning: no apt-get to install $(RUNNER_DEBS); the C++ runner is not built and its test will skip"; fi; \
+	fi
+	@if command -v cmake >/dev/null 2>&1 && command -v c++ >/dev/null 2>&1 && ls $(RUNNER_HEADERS) >/dev/null 2>&1; then \
+		cmake -S runner -B runner/build -DCMAKE_BUILD_TYPE=Release \
+			-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null \
+		&& cmake --build runner/build -j2; \
+	fi
 
 export: setup
 	$(BIN)/kiln export --model tiny --tp 2 --report report.json
@@ -49,4 +68,4 @@ bench-1b: setup
 	$(BIN)/python bench/scale_1b.py
 
 clean:
-	rm -rf .kiln report.json
+	rm -rf .kiln report.json runner/build

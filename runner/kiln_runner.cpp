@@ -1,0 +1,413 @@
+// kiln_runner: run one prefill step of a Kiln export on one tensor-parallel rank, without Python.
+//
+// It reads the export manifest (version 3), verifies the bucket's package against the manifest's
+// sha256, reads and cuts this rank's weights from the checkpoint's safetensors file(s), registers a
+// gloo process group under the manifest's group name (the packages' all-reduce is compiled against
+// that name), binds the weights with load_constants (always before the first call: calling first
+// crashes the process) and runs the forward on an empty KV cache. Rank 0 writes the logits.
+//
+// Process group: torch's own c10d::ProcessGroupGloo over a c10d::TCPStore that rank 0 hosts, as
+// `torch.distributed.init_process_group("gloo")` builds it. The torch wheel ships no gloo headers, so
+// we compile against Debian's libgloo-dev headers but link no gloo library: every gloo symbol comes
+// from libtorch_cpu (torch's own gloo). This is sound because this file only names gloo types through
+// pointers (shared_ptr<gloo::transport::Device>) and calls torch's out-of-line constructors; it never
+// instantiates a gloo class itself, so the older headers' layouts never meet torch's code.
+//
+// Output: <out> holds the logits as raw little-endian float32, row-major; <out>.json says
+// {"shape": [batch, tokens, vocab], "dtype": "float32", ...}.
+#include <openssl/evp.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) { throw std::runtime_error(msg); }
+
+json read_json(const fs::path& path) {
+  std::ifstream in(path);
+  if (!in) fail("cannot open " + path.string());
+  try {
+    return json::parse(in);
+  } catch (const json::exception& e) {
+    fail(path.string() + ": not valid JSON: " + e.what());
+  }
+}
+
+// ----------------------------------------------------------------------------------- arguments
+
+struct Args {
+  fs::path manifest, checkpoint, packages, out;
+  int rank = 0, world_size = 1, master_port = 29500;
+  std::string master_addr = "127.0.0.1", bucket, key;
+  std::vector<int64_t> tokens;
+  int64_t start_pos = 0;
+  int timeout_s = 300;  // how long to wait for the other ranks (store, gloo)
+};
+
+const char* kUsage =
+    "usage: kiln_runner --manifest M.json --packages DIR --bucket BxT --tokens ID,ID,...\n"
+    "                   [--checkpoint DIR] [--rank R --world-size W --master-addr A --master-port P]\n"
+    "                   [--start-pos N] [--out PATH] [--timeout-s S] [--key KEY]\n"
+    "  --packages: the folder holding <key>.pt2 (a local store's forwards/ folder)\n"
+    "  --checkpoint: defaults to the manifest's model.checkpoint\n"
+    "  --key: the forward to run when the bucket has one per target (hosts of different ISAs)\n"
+    "  --tokens: batch*tokens ids, row-major; --start-pos: every sequence's start (default 0)\n"
+    "  --out: logits as raw float32 LE plus PATH.json; rank 0 writes it, or every rank if PATH has {rank}\n";
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  std::map<std::string, std::string> kv;
+  for (int i = 1; i < argc; i += 2) {
+    std::string k = argv[i];
+    if (k == "-h" || k == "--help") {
+      std::cout << kUsage;
+      std::exit(0);
+    }
+    if (k.rfind("--", 0) != 0 || i + 1 >= argc) fail("bad argument '" + k + "'\n" + kUsage);
+    kv[k.substr(2)] = argv[i + 1];
+  }
+  auto take = [&](const std::string& k, bool required) {
+    auto it = kv.find(k);
+    if (it == kv.end()) {
+      if (required) fail("--" + k + " is required\n" + kUsage);
+      return std::string();
+    }
+    std::string v = it->second;
+    kv.erase(it);
+    return v;
+  };
+  a.manifest = take("manifest", true);
+  a.packages = take("packages", true);
+  a.bucket = take("bucket", true);
+  std::stringstream ids(take("tokens", true));
+  for (std::string id; std::getline(ids, id, ',');) a.tokens.push_back(std::stoll(id));
+  a.checkpoint = take("checkpoint", false);
+  a.out = take("out", false);
+  a.key = take("key", false);
+  if (auto v = take("rank", false); !v.empty()) a.rank = std::stoi(v);
+  if (auto v = take("world-size", false); !v.empty()) a.world_size = std::stoi(v);
+  if (auto v = take("master-addr", false); !v.empty()) a.master_addr = v;
+  if (auto v = take("master-port", false); !v.empty()) a.master_port = std::stoi(v);
+  if (auto v = take("start-pos", false); !v.empty()) a.start_pos = std::stoll(v);
+  if (auto v = take("timeout-s", false); !v.empty()) a.timeout_s = std::stoi(v);
+  if (!kv.empty()) fail("unknown argument --" + kv.begin()->first + "\n" + kUsage);
+  if (a.rank < 0 || a.rank >= a.world_size) fail("--rank must be in [0, --world-size)");
+  return a;
+}
+
+// ----------------------------------------------------------------------------------- dtypes
+
+at::ScalarType kiln_dtype(const std::string& name) {  // the manifest spells dtypes as torch does
+  static const std::map<std::string, at::ScalarType> m = {
+      {"float32", at::kFloat}, {"float16", at::kHalf}, {"bfloat16", at::kBFloat16}, {"int64", at::kLong}};
+  auto it = m.find(name);
+  if (it == m.end()) fail("unsupported dtype '" + name + "' in the manifest");
+  return it->second;
+}
+
+at::ScalarType safetensors_dtype(const std::string& name) {
+  static const std::map<std::string, at::ScalarType> m = {
+      {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf}, {"BF16", at::kBFloat16},
+      {"I64", at::kLong},   {"I32", at::kInt},   {"I16", at::kShort}, {"I8", at::kChar},
+      {"U8", at::kByte},    {"BOOL", at::kBool}};
+  auto it = m.find(name);
+  if (it == m.end()) fail("unsupported safetensors dtype '" + name + "'");
+  return it->second;
+}
+
+// ----------------------------------------------------------------------------------- safetensors
+
+// One tensor of a safetensors file: where its bytes are, and what they are.
+struct Entry {
+  fs::path file;
+  uint64_t begin = 0, end = 0;  // absolute byte offsets in `file`
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+};
+
+// Reads the header of every file of a checkpoint: `model.safetensors`, or the files that
+// `model.safetensors.index.json`'s weight_map names. Layout of one file: 8-byte little-endian header
+// length N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": ...},
+// then the data; offsets count from the end of the header.
+class Checkpoint {
+ public:
+  explicit Checkpoint(const fs::path& dir) {
+    fs::path index = dir / "model.safetensors.index.json";
+    std::set<std::string> files;
+    if (fs::exists(index)) {
+      json map = read_json(index);  // named: iterating a temporary's items() would dangle
+      for (auto& [name, file] : map.at("weight_map").items()) files.insert(file.get<std::string>());
+    } else {
+      files.insert("model.safetensors");
+    }
+    for (const auto& f : files) read_header(dir / f);
+  }
+
+  // The tensor `name`, rows [offset, offset+length) of dimension `dim` when cut (dim < 0: whole).
+  at::Tensor read(const std::string& name, int64_t dim, int64_t offset, int64_t length) const {
+    const Entry& e = entry(name);
+    std::vector<int64_t> shape = e.shape;
+    if (dim >= static_cast<int64_t>(shape.size()) || (dim >= 0 && (offset < 0 || length < 0 || offset + length > shape[dim])))
+      fail("the manifest cuts " + name + " outside its shape");
+    uint64_t begin = e.begin, nbytes = e.end - e.begin;
+    if (dim == 0) {  // a cut along the first dimension is one contiguous byte range: read only it
+      uint64_t row = shape[0] ? nbytes / shape[0] : 0;
+      begin += offset * row;
+      nbytes = length * row;
+      shape[0] = length;
+    }
+    // A fresh (aligned) buffer, never a view into the file: load_constants wants tensors owning their bytes.
+    at::Tensor raw = torch::empty({static_cast<int64_t>(nbytes)}, at::kByte);
+    std::ifstream in(e.file, std::ios::binary);
+    in.seekg(static_cast<std::streamoff>(begin));
+    if (!in.read(reinterpret_cast<char*>(raw.data_ptr()), static_cast<std::streamsize>(nbytes)))
+      fail(e.file.string() + ": truncated data for " + name);
+    at::Tensor t = raw.view(e.dtype).reshape(shape);
+    if (dim > 0) t = t.narrow(dim, offset, length);
+    return t;
+  }
+
+  const Entry& entry(const std::string& name) const {
+    auto it = entries_.find(name);
+    if (it == entries_.end()) fail("the checkpoint has no tensor " + name);
+    return it->second;
+  }
+
+ private:
+  void read_header(const fs::path& file) {
+    std::ifstream in(file, std::ios::binary);
+    if (!in) fail("cannot open " + file.string());
+    unsigned char len_le[8];
+    if (!in.read(reinterpret_cast<char*>(len_le), 8)) fail(file.string() + ": not a safetensors file");
+    uint64_t len = 0;
+    for (int i = 7; i >= 0; --i) len = (len << 8) | len_le[i];
+    uint64_t size = fs::file_size(file);
+    if (len > size - 8) fail(file.string() + ": header length " + std::to_string(len) + " exceeds the file");
+    std::string text(len, '\0');
+    in.read(text.data(), static_cast<std::streamsize>(len));
+    json header = json::parse(text);
+    for (auto& [name, v] : header.items()) {
+      if (name == "__metadata__") continue;
+      Entry e{file, 8 + len + v.at("data_offsets")[0].get<uint64_t>(), 8 + len + v.at("data_offsets")[1].get<uint64_t>(),
+              safetensors_dtype(v.at("dtype")), v.at("shape").get<std::vector<int64_t>>()};
+      int64_t numel = 1;
+      for (auto d : e.shape) numel *= d;
+      if (e.end < e.begin || e.end > size || e.end - e.begin != numel * c10::elementSize(e.dtype))
+        fail(file.string() + ": tensor " + name + "'s data_offsets do not match its dtype and shape");
+      entries_[name] = std::move(e);
+    }
+  }
+
+  std::map<std::string, Entry> entries_;
+};
+
+// ----------------------------------------------------------------------------------- weights
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+// This rank's package constants: each manifest weight's source tensor, cut and cast as the layout says.
+std::unordered_map<std::string, at::Tensor> rank_weights(const json& layout, const std::vector<std::string>& names,
+                                                         const Checkpoint& ckpt, int rank) {
+  std::unordered_map<std::string, at::Tensor> out;
+  for (const auto& name : names) {
+    if (!layout.contains(name)) fail("the package needs constant " + name + " but the manifest's weights lack it");
+    const json& w = layout.at(name);
+    std::string source = w.at("source");
+    auto full = w.at("full_shape").get<std::vector<int64_t>>();
+    if (ckpt.entry(source).shape != full)
+      fail("checkpoint tensor " + source + " is " + shape_str(ckpt.entry(source).shape) + " but the export expects " +
+           shape_str(full));
+    int64_t dim = -1, offset = 0, length = 0;
+    if (!w.at("cut").is_null()) {
+      dim = w["cut"].at("dim");
+      length = w["cut"].at("length");
+      offset = w["cut"].at("offsets").at(rank);
+    }
+    at::Tensor t = ckpt.read(source, dim, offset, length).to(kiln_dtype(w.at("dtype"))).contiguous();
+    if (t.storage_offset() || t.storage().nbytes() != t.nbytes()) t = t.clone();  // own exactly its bytes
+    if (t.sizes().vec() != w.at("shape").get<std::vector<int64_t>>())
+      fail("weight " + name + " cuts to " + shape_str(t.sizes().vec()) + ", not the manifest's shape");
+    out[name] = t;
+  }
+  return out;
+}
+
+// ----------------------------------------------------------------------------------- package
+
+std::string sha256_hex(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot open " + path.string());
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
+  std::vector<char> buf(1 << 20);
+  while (in.read(buf.data(), buf.size()) || in.gcount() > 0) EVP_DigestUpdate(ctx, buf.data(), in.gcount());
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int n = 0;
+  EVP_DigestFinal_ex(ctx, md, &n);
+  EVP_MD_CTX_free(ctx);
+  std::string hex;
+  char byte[3];
+  for (unsigned int i = 0; i < n; ++i) std::snprintf(byte, sizeof byte, "%02x", md[i]), hex += byte;
+  return hex;
+}
+
+// A gloo world of `world_size` ranks over a TCPStore on master_addr:master_port (rank 0 hosts it),
+// registered under `group_name`, the name the packages' _c10d_functional.all_reduce resolves. The
+// registry holds only a weak reference: the caller keeps the group alive while the forward runs.
+c10::intrusive_ptr<c10d::ProcessGroup> register_gloo_group(const std::string& group_name, const Args& a) {
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<uint16_t>(a.master_port);
+  opts.isServer = a.rank == 0;
+  opts.numWorkers = a.world_size;
+  opts.timeout = std::chrono::seconds(a.timeout_s);
+  auto store = c10::make_intrusive<c10d::TCPStore>(a.master_addr, opts);
+  auto gloo_opts = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(a.timeout_s));
+  // As torch.distributed does: the interface GLOO_SOCKET_IFNAME names, else this host's address.
+  const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+  gloo_opts->devices.push_back(ifname ? c10d::ProcessGroupGloo::createDeviceForInterface(ifname)
+                                      : c10d::ProcessGroupGloo::createDefaultDevice());
+  auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, a.rank, a.world_size, gloo_opts);
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, a.rank, a.world_size);
+  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, backend);
+  group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+  group->setGroupName(group_name);
+  c10d::register_process_group(group_name, group);
+  return group;
+}
+
+// The forward's inputs per its interface: the ids, start positions, an empty (zero) KV cache of
+// pages_per_seq*batch + 1 pages, and sequence b's pages b*pages_per_seq .. (b+1)*pages_per_seq - 1.
+std::vector<at::Tensor> make_inputs(const json& interface, const Args& a) {
+  std::vector<at::Tensor> inputs;
+  int64_t batch = 0, pages_per_seq = 0;
+  for (const auto& in : interface.at("inputs")) {
+    if (in.at("name") == "block_table") pages_per_seq = in.at("shape")[1];
+    if (in.at("name") == "tokens") batch = in.at("shape")[0];
+  }
+  for (const auto& in : interface.at("inputs")) {
+    std::string name = in.at("name");
+    std::vector<int64_t> shape;
+    for (const auto& d : in.at("shape")) shape.push_back(d.is_string() ? pages_per_seq * batch + 1 : d.get<int64_t>());
+    auto dtype = kiln_dtype(in.at("dtype"));
+    if (name == "tokens") {
+      int64_t want = shape[0] * shape[1];
+      if (static_cast<int64_t>(a.tokens.size()) != want)
+        fail("bucket " + a.bucket + " takes " + std::to_string(want) + " token ids, got " +
+             std::to_string(a.tokens.size()));
+      inputs.push_back(torch::tensor(a.tokens, at::kLong).reshape(shape));
+    } else if (name == "start_pos") {
+      inputs.push_back(torch::full(shape, a.start_pos, at::kLong));
+    } else if (name == "kv_cache") {
+      inputs.push_back(torch::zeros(shape, dtype));
+    } else if (name == "block_table") {
+      inputs.push_back(torch::arange(shape[0] * shape[1], at::kLong).reshape(shape));
+    } else {
+      fail("the interface has an input '" + name + "' this runner does not know");
+    }
+  }
+  return inputs;
+}
+
+void write_logits(const at::Tensor& logits, const Args& a, const json& forward) {
+  std::string path = a.out.string();
+  if (auto at = path.find("{rank}"); at != std::string::npos) {
+    path.replace(at, 6, std::to_string(a.rank));
+  } else if (a.rank != 0) {
+    return;  // every rank holds the same logits; rank 0 speaks for them
+  }
+  at::Tensor t = logits.to(at::kFloat).contiguous();  // x86/arm hosts are little-endian
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(t.data_ptr<float>()), static_cast<std::streamsize>(t.nbytes()));
+  if (!out) fail("cannot write " + path);
+  json side = {{"shape", t.sizes().vec()}, {"dtype", "float32"}, {"byte_order", "little"},
+               {"bucket", a.bucket}, {"key", forward.at("key")}, {"rank", a.rank}, {"start_pos", a.start_pos}};
+  std::ofstream(path + ".json") << side.dump(2) << "\n";
+}
+
+int run(const Args& a) {
+  json manifest = read_json(a.manifest);
+  if (manifest.value("version", 0) != 3)
+    fail(a.manifest.string() + ": manifest version " + manifest.value("version", json()).dump() + ", this runner reads 3");
+  int tp = manifest.at("tp");
+  if (tp != a.world_size) fail("the export is tp " + std::to_string(tp) + " but --world-size is " + std::to_string(a.world_size));
+  std::vector<const json*> found;  // one forward per (target, bucket): --key picks among targets
+  for (const auto& f : manifest.at("forwards"))
+    if (f.at("bucket") == a.bucket && (a.key.empty() || f.at("key") == a.key)) found.push_back(&f);
+  if (found.empty()) fail("the export has no forward for bucket " + a.bucket + (a.key.empty() ? "" : " with key " + a.key));
+  if (found.size() > 1) {
+    std::string keys;
+    for (auto* f : found) keys += " " + f->at("key").get<std::string>() + " (" + f->value("target", "?") + ")";
+    fail("bucket " + a.bucket + " has a forward per target; pick this host's with --key:" + keys);
+  }
+  const json* forward = found[0];
+  if (!forward->value("python_free", true))
+    fail("forward " + forward->at("key").get<std::string>() + " calls Python ops: it cannot run without Python");
+
+  fs::path package = a.packages / (forward->at("key").get<std::string>() + ".pt2");
+  std::string digest = sha256_hex(package);  // a package is native code: load only what the manifest names
+  if (digest != forward->at("sha256"))
+    fail(package.string() + ": sha256 " + digest + " does not match the manifest's; refusing to load it");
+
+  fs::path ckpt_dir = a.checkpoint.empty() ? fs::path(manifest.at("model").at("checkpoint").get<std::string>()) : a.checkpoint;
+  Checkpoint ckpt(ckpt_dir);
+
+  const json& iface = forward->at("interface");
+  std::vector<at::Tensor> inputs = make_inputs(iface, a);  // refuse bad input before waiting on other ranks
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  if (tp > 1) {
+    if (iface.at("process_group").is_null()) fail("a tp > 1 forward without a process group in its interface");
+    group = register_gloo_group(iface.at("process_group"), a);
+  }
+
+  setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", 1);  // read at load time: a wrong input shape raises, not corrupts
+  torch::inductor::AOTIModelPackageLoader loader(package.string());
+  std::vector<std::string> names = loader.get_constant_fqns();
+  auto weights = rank_weights(manifest.at("weights"), names, ckpt, a.rank);
+  loader.load_constants(weights, /*use_inactive=*/false, /*check_full_update=*/true);  // before the first run
+
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> outputs = loader.run(inputs);
+  const at::Tensor& logits = outputs.at(0);
+  std::cerr << "rank " << a.rank << ": logits " << shape_str(logits.sizes().vec()) << "\n";
+  if (!a.out.empty()) write_logits(logits, a, *forward);
+  if (group) group->barrier()->wait();  // rank 0 hosts the store: let no rank leave while another still needs it
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse_args(argc, argv));
+  } catch (const c10::Error& e) {
+    std::cerr << "kiln_runner: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "kiln_runner: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,162 @@
+"""The C++ runner (runner/kiln_runner.cpp) runs a tp 2 export without Python and matches Kiln's eager model.
+
+The test builds the runner (CMake, against the wheel's libtorch), compiles one weightless tp 2 forward,
+writes a bf16 checkpoint in two shards (so the runner reads an index and casts to the float32 the
+package was compiled for) and a version 3 manifest from kiln.contract, runs two ranks of the runner
+over a TCPStore and compares each rank's logits with `ShardedDecoder(cfg, 1)` on the full weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+RUNNER_SRC = REPO / "runner"
+RUNNER_BUILD = RUNNER_SRC / "build"
+RUNNER = RUNNER_BUILD / "kiln_runner"
+HEADERS = {"nlohmann-json3-dev": "nlohmann/json.hpp", "libgloo-dev": "gloo/context.h", "libssl-dev": "openssl/evp.h"}
+BATCH, TOKENS, PAGE_TOKENS, PAGES_PER_SEQ = 1, 8, 16, 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runner() -> Path:
+    """The built runner (`make runner` builds the same folder; an up-to-date build costs ~1 s)."""
+    import torch
+
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    missing += [pkg for pkg, header in HEADERS.items() if not (Path("/usr/include") / header).exists()]
+    if missing:
+        pytest.skip(f"cannot build the C++ runner without {', '.join(missing)} (make runner installs them via apt)")
+    for step in (["cmake", "-S", str(RUNNER_SRC), "-B", str(RUNNER_BUILD),
+                  f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
+                 ["cmake", "--build", str(RUNNER_BUILD), "-j2"]):
+        proc = subprocess.run(step, capture_output=True, text=True)
+        assert proc.returncode == 0, f"{' '.join(step)}:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+    return RUNNER
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> dict:
+    """A tp 2 export of a 1-layer model: bf16 checkpoint (2 shards), one 1x8 package, a version 3 manifest."""
+    import torch
+
+    from kiln.checkpoint import write_checkpoint
+    from kiln.compiler import COMPILER_OPTIONS, CompilePool, model_code_fingerprint
+    from kiln.config import TINY
+    from kiln.contract import PROCESS_GROUP, forward_interface, weight_layout
+    from kiln.keys import forward_spec
+    from kiln.model import random_state_dict
+    from kiln.recipe import Bucket
+
+    root = tmp_path_factory.mktemp("cpp-export")
+    # head_dim 32: the rotary frequencies are too long for Inductor to inline; they must come from the graph.
+    cfg = TINY.replace(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32,
+                       intermediate_size=128, vocab_size=128)
+    tp = 2
+    full = {n: t.to(torch.bfloat16) for n, t in random_state_dict(cfg, seed=3).items()}
+    checkpoint = write_checkpoint(root / "model", cfg, full, num_shards=2)
+    inputs = {"batch": BATCH, "tokens": TOKENS, "page_tokens": PAGE_TOKENS, "pages_per_seq": PAGES_PER_SEQ}
+    spec = forward_spec(bucket=Bucket(BATCH, TOKENS), graph={"config": cfg.__dict__, "tp": tp,
+                                                            "code": model_code_fingerprint()},
+                        target="test", torch_version="test", page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ,
+                        compiler=COMPILER_OPTIONS).to_dict()
+    forwards = root / "store" / "forwards"
+    forwards.mkdir(parents=True)
+    with CompilePool(1) as pool:
+        [result] = pool.run([(spec, str(forwards / f"{spec['key']}.pt2"))], lambda r: None)
+    layout = weight_layout(cfg, tp)
+    manifest = {
+        "version": 3, "export_id": "cpp-runner-test", "tp": tp,
+        "model": {"name": "test", "checkpoint": str(checkpoint), "config": dict(cfg.__dict__)},
+        "recipe": {"page_tokens": PAGE_TOKENS, "max_context_tokens": PAGE_TOKENS * PAGES_PER_SEQ},
+        "runtime": {"process_group": PROCESS_GROUP, "world_size": tp, "python_free": True},
+        "weights": layout,
+        "forwards": [{"key": spec["key"], "bucket": f"{BATCH}x{TOKENS}", "target": "test", "object": f"forwards/{spec['key']}.pt2",
+                      "sha256": hashlib.sha256(Path(result.path).read_bytes()).hexdigest(), "python_free": True,
+                      "interface": forward_interface(cfg, tp, inputs), "constants": sorted(layout)}],
+    }
+    (root / "store" / "exports" / "cpp").mkdir(parents=True)
+    manifest_path = root / "store" / "exports" / "cpp" / "manifest.json"
+    manifest_path.write_text(json.dumps(manifest, indent=2))
+    return {"root": root, "cfg": cfg, "full": full, "manifest": manifest_path, "forwards": forwards}
+
+
+def _run_ranks(runner: Path, export: dict, tokens: list[int], out: Path, world_size: int = 2) -> list:
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two ranks on a 2-core machine
+    procs = [subprocess.Popen([str(runner), "--manifest", str(export["manifest"]), "--packages", str(export["forwards"]),
+                               "--bucket", f"{BATCH}x{TOKENS}", "--tokens", ",".join(map(str, tokens)),
+                               "--rank", str(rank), "--world-size", str(world_size), "--master-addr", "127.0.0.1",
+                               "--master-port", str(port), "--timeout-s", "120", "--out", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for rank in range(world_size)]
+    results = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        results.append((proc.returncode, stderr))
+    return results
+
+
+def _eager_logits(export: dict, tokens: list[int]):
+    import torch
+
+    from kiln.model import ShardedDecoder
+
+    cfg = export["cfg"]
+    model = ShardedDecoder(cfg, 1).eval()
+    model.load_state_dict({n: t.to(torch.float32) for n, t in export["full"].items()})
+    num_pages = PAGES_PER_SEQ * BATCH + 1
+    cache = torch.zeros(cfg.num_layers, 2, num_pages, PAGE_TOKENS, cfg.num_kv_heads, cfg.head_dim)
+    table = torch.arange(BATCH * PAGES_PER_SEQ).reshape(BATCH, PAGES_PER_SEQ)
+    with torch.no_grad():
+        logits, _ = model(torch.tensor(tokens).reshape(BATCH, TOKENS), torch.zeros(BATCH, dtype=torch.long),
+                          cache, table)
+    return logits.numpy()
+
+
+def test_two_cpp_ranks_match_eager(runner, export, tmp_path):
+    tokens = [(7 * i + 3) % export["cfg"].vocab_size for i in range(BATCH * TOKENS)]
+    results = _run_ranks(runner, export, tokens, tmp_path / "logits-{rank}.f32")
+    for rank, (code, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank}: {stderr[-3000:]}"
+    want = _eager_logits(export, tokens)
+    for rank in range(2):
+        out = tmp_path / f"logits-{rank}.f32"
+        side = json.loads(Path(f"{out}.json").read_text())
+        assert side["shape"] == [BATCH, TOKENS, export["cfg"].vocab_size] and side["dtype"] == "float32"
+        got = np.fromfile(out, dtype="<f4").reshape(side["shape"])
+        diff = float(np.abs(got - want).max())
+        print(f"rank {rank}: max |logit diff| vs eager = {diff:.3g}")
+        assert diff < 1e-4, f"rank {rank}: logits differ from eager by {diff}"
+
+
+def test_a_package_that_does_not_match_the_manifest_is_refused(runner, export, tmp_path):
+    manifest = json.loads(export["manifest"].read_text())
+    manifest["forwards"][0]["sha256"] = "0" * 64
+    bad = tmp_path / "manifest.json"
+    bad.write_text(json.dumps(manifest))
+    results = _run_ranks(runner, {**export, "manifest": bad}, [0] * (BATCH * TOKENS), tmp_path / "x", world_size=2)
+    for code, stderr in results:
+        assert code == 1 and "does not match the manifest" in stderr, stderr[-2000:]
