@@ -160,3 +160,43 @@ def test_a_package_that_does_not_match_the_manifest_is_refused(runner, export, t
     results = _run_ranks(runner, {**export, "manifest": bad}, [0] * (BATCH * TOKENS), tmp_path / "x", world_size=2)
     for code, stderr in results:
         assert code == 1 and "does not match the manifest" in stderr, stderr[-2000:]
+
+
+def test_cpp_runner_runs_what_kiln_export_wrote(runner, tp2_export, tmp_path):
+    """The manifest and packages of a real `kiln export --tp 2` are enough for the runner, for every bucket."""
+    import torch
+
+    from kiln.checkpoint import load_rank_weights
+    from kiln.config import ModelConfig
+    from kiln.model import ShardedDecoder
+
+    root = Path(tp2_export["store"].removeprefix("file://"))
+    r = tp2_export["cold_report"]
+    manifest = json.loads((root / r["manifest"]).read_text())
+    cfg = ModelConfig(**manifest["model"]["config"])
+    eager = ShardedDecoder(cfg, 1).eval()
+    eager.load_state_dict(load_rank_weights(manifest["model"]["checkpoint"], cfg, 1, 0))
+    for f in manifest["forwards"]:
+        batch, tokens = map(int, f["bucket"].split("x"))
+        ids = [(7 * i + 3) % cfg.vocab_size for i in range(batch * tokens)]
+        port = _free_port()
+        out = tmp_path / f"{f['bucket']}-{{rank}}.f32"
+        procs = [subprocess.Popen([str(runner), "--manifest", str(root / r["manifest"]), "--packages",
+                                   str(root / "forwards"), "--bucket", f["bucket"], "--key", f["key"],
+                                   "--tokens", ",".join(map(str, ids)), "--rank", str(rank), "--world-size", "2",
+                                   "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout-s", "120",
+                                   "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"}) for rank in range(2)]
+        for rank, p in enumerate(procs):
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 0, f"{f['bucket']} rank {rank}: {err[-3000:]}"
+        pages_per_seq = next(i for i in f["interface"]["inputs"] if i["name"] == "block_table")["shape"][1]
+        page_tokens = manifest["recipe"]["page_tokens"]
+        cache = torch.zeros(cfg.num_layers, 2, pages_per_seq * batch + 1, page_tokens, cfg.num_kv_heads, cfg.head_dim)
+        table = torch.arange(batch * pages_per_seq).reshape(batch, pages_per_seq)
+        with torch.no_grad():
+            want = eager(torch.tensor(ids).reshape(batch, tokens), torch.zeros(batch, dtype=torch.long), cache,
+                         table)[0].numpy()
+        for rank in range(2):
+            got = np.fromfile(str(out).format(rank=rank), dtype="<f4").reshape(want.shape)
+            assert float(np.abs(got - want).max()) < 1e-4 * max(1.0, float(np.abs(want).max())), (f["bucket"], rank)
