@@ -74,11 +74,7 @@ def _export(params: ExportParams) -> dict:
     with HostRunner(dask_address=params.dask, num_local_hosts=params.hosts,
                     local_name=(default_host_names(params) or [None])[0]) as runner:
         job, hosts = prepare(params, host_names=runner.host_names)
-        report = Report(job.export_id, model=job.model_name, tp=job.tp, store=job.store_url)
-        report.signing = {"signed": job.signing.sign, "key_fingerprint": job.signing.fingerprint,
-                          "source": job.signing.source, "signature": None, "note": job.signing.describe()}
-        for h in hosts:
-            report.host(h.name, ranks=h.ranks)
+        report = Report.of_job(job, hosts)
         phase = Phases(report, hosts, runner)
         try:
             _run(job, hosts, report, phase, runner)

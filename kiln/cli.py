@@ -14,7 +14,7 @@ import os
 import sys
 from contextlib import contextmanager
 
-from kiln.errors import BadInput, KilnError
+from kiln.errors import BadInput, GateRefused, KilnError
 from kiln.procs import Reaper
 
 
@@ -68,7 +68,8 @@ def cmd_export(args) -> int:
     params = _params(args)
     dev_key = kiln_home() / "keys" / f"{DEV_KEY_NAME}.key"
     had_dev_key = dev_key.exists()
-    job, _ = prepare(params, host_names=default_host_names(params))  # fail fast on bad input, before Prefect starts
+    job, hosts = prepare(params, host_names=default_host_names(params))  # fail fast on bad input, before Prefect starts
+    _refuse_before_flow(params, job, hosts)
     created = " (created now)" if job.signing.source == "dev" and not had_dev_key else ""
     print(f"kiln: the manifest will be {job.signing.describe()}{created}", file=sys.stderr)
     if job.signing.source == "dev":
@@ -83,6 +84,30 @@ def cmd_export(args) -> int:
         report = export(params)
     print(_summary(report))
     return 0
+
+
+def _refuse_before_flow(params, job, hosts) -> None:
+    """Raise the gate's refusal now, as fast as `kiln plan`, when this machine's hosts would be refused.
+
+    Only where the hosts are this machine (not --dask) and a refusal is final (not retry_refusals):
+    then no flow run starts, and the report (`gate.decided_in` 'cli') records the refusal.
+    """
+    if params.dask or job.recipe.retry_refusals:
+        return
+    from kiln.plan import refusal_before_flow
+    try:
+        report = refusal_before_flow(job, hosts)
+    except BadInput:
+        raise
+    except Exception:  # the flow probes again, with its I/O retries, and reports what fails
+        return
+    if report is None:
+        return
+    if params.report:
+        report.write(params.report)
+    print("kiln: refused by the gate before starting Prefect (the probe and gate of `kiln plan`); no flow run "
+          "was started and nothing was compiled.", file=sys.stderr)
+    raise GateRefused(report.error)
 
 
 @contextmanager
