@@ -16,7 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 from flows import lease, retry
-from kiln import ledger_plot, planning, tuning
+from kiln import ledger_plot, planning, probe, tuning
 from kiln.cache import check_probed_caches
 from kiln.errors import KilnError
 from kiln.job import ExportJob, HostSpec
@@ -51,7 +51,7 @@ class Phases:
         self.ledger(name)
 
     def ledger(self, boundary: str) -> None:
-        futures = [self.runner.submit(h, phases.memory, host=h) for h in self.hosts]
+        futures = [self.runner.call(h, probe.memory_snapshot) for h in self.hosts]  # readings, not task runs
         for h, fut in zip(self.hosts, futures):
             self.report.memory(h.name, boundary, fut.result(), assumed_available_mib=self.assume.get(h.name))
 
@@ -109,7 +109,10 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         info.update(tuning.summarize(results))
         report.counts["tuning_measured"] = info["measured"]
         if job.recipe.tuning != "off" and info["status"] == "skipped":
-            log.warning("kernel tuning (%s) measured nothing: %s", job.recipe.tuning, info.get("reason"))
+            # A warning only when asked for: the default ('cached') has nothing to tune on CPU hosts, every time.
+            asked = job.recipe.tuning != Recipe.tuning
+            (log.warning if asked else log.info)("kernel tuning (%s) measured nothing: %s", job.recipe.tuning,
+                                                 info.get("reason"))
         if any(r["changed"] for r in results):  # new results change forward keys: probe them again
             probes = [f.result() for f in [runner.submit(h, phases.probe_host, job=job, host=h) for h in hosts]]
     specs = {s["key"]: s for p in probes for s in p["specs"]}

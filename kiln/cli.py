@@ -234,6 +234,7 @@ def parser() -> argparse.ArgumentParser:
                         "or the local development key for a local store)")
     e.add_argument("--unsigned", action="store_true",
                    help="do not sign the manifest (kiln verify then needs --allow-unsigned)")
+    e.add_argument("--verbose", action="store_true", help="show Prefect's own INFO logs (default: warnings only)")
     e.set_defaults(func=cmd_export)
     s = sub.add_parser("serve", help="serve the export flow as a Prefect deployment (schedules, UI runs)")
     _common(s)
@@ -282,8 +283,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    # Prefect's embedded API gives up after 20 s; a busy small machine needs longer.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    from kiln.prefect_server import prefect_environment
+    prefect_environment(quiet=args.func is cmd_export and not args.verbose)  # before Prefect is imported
     # Whatever this command starts (compile workers, ranks, Prefect's embedded server) dies with it.
     reaper = Reaper() if args.func not in (cmd_keygen, cmd_checkpoint) else None
     try:
