@@ -76,22 +76,23 @@ def part_fail_fast(ctx: Context) -> dict:
     if not baseline["failed"]:
         raise BenchFailed(f"the compile-first baseline did not fail: {baseline}")
     refusal_phases_s = sum(phases.values())
-    # Where the refused run's seconds go, from its Prefect log (seconds since the process started).
+    # Where the refused run's seconds go, from its Prefect log (seconds since the process started); all None
+    # when `kiln export` refused before starting Prefect (gate.decided_in 'cli').
     milestones = refused.milestones({"flow_run_began_s": r"Beginning flow run",
-                                     "first_host_task_done_s": r"Task run 'memory-.*Completed",
+                                     "first_host_task_done_s": r"Task run 'probe-.*Completed",
                                      "gate_refused_s": r"Task run 'gate-.*Finished in state Failed",
                                      "flow_run_failed_s": r"Flow run '.*Finished in state Failed"})
     return {"figures": {"fail_fast_ratio": ratio(refused.wall_s, baseline_run.wall_s),
                         "fail_fast_ratio_no_startup": ratio(refusal_phases_s, baseline["probe_to_failure_s"])},
             "raw": {"refused_wall_s": refused.wall_s, "refused_phases_s": phases, "refusal_message": report["error"],
-                    "refused_milestones_s": milestones,
+                    "refused_milestones_s": milestones, "refused_decided_in": report["gate"].get("decided_in"),
                     "evidence": evidence,
                     "baseline_wall_s": baseline_run.wall_s, "baseline": baseline},
-            "notes": "refused = `kiln export --hosts 3 --tp 3` on the incident layout with --policy fail and "
-                     "flow_retries=0 (a deployment retries a refusal after a delay; that is not time to refusal), from "
-                     "process start to exit 3: Python and imports, a local 3-worker Dask cluster, a flow run on "
-                     "the suite's already-running Prefect server (its start-up is not charged), probe on every "
-                     "host, tune, KV plan, gate, teardown. 0 compile processes: no forward in the store or a host "
+            "notes": "refused = `kiln export --hosts 3 --tp 3` on the incident layout with --policy fail "
+                     "(a refusal is final), from process start to exit 3: Python and imports, then, as the hosts "
+                     "are this machine, the probe of every host, KV plan and gate in the CLI before any Dask "
+                     "cluster or flow run starts (refused_decided_in 'cli'; 'flow' would mean a local 3-worker "
+                     "Dask cluster and a flow run on the suite's already-running Prefect server). 0 compile processes: no forward in the store or a host "
                      "cache, an untouched Inductor cache, phases stop at the gate. baseline = bench/compile_first.py "
                      "on the same layout and settings: host-0 compiles every forward in its pool (uploads "
                      "included), hosts 1 and 2 cannot create a pool, then the outcome check fails; one process, "

@@ -71,6 +71,9 @@ class KilnRecipe(Block):
     max_context_tokens: int = Field(_DEFAULT.max_context_tokens, gt=0)
     policy: Literal["borrow", "fail"] = _DEFAULT.policy
     tuning: Literal["off", "cached", "full"] = _DEFAULT.tuning
+    retry_refusals: bool = Field(_DEFAULT.retry_refusals,
+                                 description="Retry a gate refusal (flow_retries times) to wait for memory; "
+                                             "off: a refusal is final.")
     settings: dict[str, str] = Field(default_factory=dict, description="Any other recipe setting, NAME: VALUE.")
 
     def recipe(self) -> Recipe:

@@ -16,7 +16,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from flows.hosts import HostRunner
-from kiln.errors import GateRefused
+from kiln.errors import HostsLost
 from kiln import planning
 from kiln.gate import HostReport, Plan
 from kiln.hostwork import break_leases, compile_log_key, store_of
@@ -61,7 +61,7 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
             break
         break_leases(job, missing, lost)  # their holders are gone: nobody else must wait out the TTL
         if round_ == MAX_REPLANS:
-            raise GateRefused(f"hosts kept disappearing during compilation ({', '.join(sorted(lost))}); "
+            raise HostsLost(f"hosts kept disappearing during compilation ({', '.join(sorted(lost))}); "
                               f"{len(missing)} forward(s) are still missing. Re-run to resume.")
         assignment = planning.replan_without(job, reports, lost, missing,
                                              {k: specs[k]["target"] for k in missing})

@@ -17,7 +17,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.context import FlowRunContext
 
 from flows import lease, retry
-from kiln import ledger_plot, outcome, planning, tuning
+from kiln import ledger_plot, outcome, planning, probe, tuning
 from kiln.cache import check_probed_caches
 from kiln.errors import KilnError
 from kiln.job import ExportJob, HostSpec
@@ -52,7 +52,7 @@ class Phases:
         self.ledger(name)
 
     def ledger(self, boundary: str) -> None:
-        futures = [self.runner.submit(h, phases.memory, host=h) for h in self.hosts]
+        futures = [self.runner.call(h, probe.memory_snapshot) for h in self.hosts]  # readings, not task runs
         for h, fut in zip(self.hosts, futures):
             self.report.memory(h.name, boundary, fut.result(), assumed_available_mib=self.assume.get(h.name))
 
@@ -76,12 +76,7 @@ def _export(params: ExportParams) -> dict:
                     local_name=(default_host_names(params) or [None])[0]) as runner:
         job, hosts = prepare(params, host_names=runner.host_names)
         ctx = FlowRunContext.get()
-        report = Report(job.export_id, model=job.model_name, tp=job.tp, store=job.store_url,
-                        attempt=ctx.flow_run.run_count if ctx and ctx.flow_run else 1)
-        report.signing = {"signed": job.signing.sign, "key_fingerprint": job.signing.fingerprint,
-                          "source": job.signing.source, "signature": None, "note": job.signing.describe()}
-        for h in hosts:
-            report.host(h.name, ranks=h.ranks)
+        report = Report.of_job(job, hosts, attempt=ctx.flow_run.run_count if ctx and ctx.flow_run else 1)
         phase = Phases(report, hosts, runner)
         try:
             _run(job, hosts, report, phase, runner)
@@ -116,7 +111,10 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         info.update(tuning.summarize(results))
         report.counts["tuning_measured"] = info["measured"]
         if job.recipe.tuning != "off" and info["status"] == "skipped":
-            log.warning("kernel tuning (%s) measured nothing: %s", job.recipe.tuning, info.get("reason"))
+            # A warning only when asked for: the default ('cached') has nothing to tune on CPU hosts, every time.
+            asked = job.recipe.tuning != Recipe.tuning
+            (log.warning if asked else log.info)("kernel tuning (%s) measured nothing: %s", job.recipe.tuning,
+                                                 info.get("reason"))
         if any(r["changed"] for r in results):  # new results change forward keys: probe them again
             probes = [f.result() for f in [runner.submit(h, phases.probe_host, job=job, host=h) for h in hosts]]
     specs = {s["key"]: s for p in probes for s in p["specs"]}

@@ -1,7 +1,8 @@
 """Where per-host tasks run: this process, a local Dask cluster standing for N hosts, or a real one.
 
 Purpose: `HostRunner.submit(host, task, **params)` runs a Prefect task on the
-host it concerns. One machine: the flow's own task runner. Several hosts: a
+host it concerns; `HostRunner.call(host, fn, *args)` runs a plain function
+there (a reading, not a phase: no task run). One machine: the flow's own task runner. Several hosts: a
 Dask cluster whose workers each carry a resource `kiln-host-<name>=1`, and
 tasks pinned to that resource through prefect-dask's client, so they are
 still Prefect task runs of the same flow run.
@@ -45,6 +46,19 @@ class _Done:
 
     def result(self):
         return self._future.result()
+
+
+class _Ready:
+    """A value computed at once, shaped like a future."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self):
+        return self._value
 
 
 class HostRunner:
@@ -122,6 +136,13 @@ class HostRunner:
             return _Done(task.submit(**parameters))
         return self._client.submit(task, parameters=parameters, return_type="result", pure=False,
                                    resources={f"{RESOURCE_PREFIX}{on.name}": 1})
+
+    def call(self, on, fn, *args):
+        """Run plain `fn(*args)` on host `on` outside Prefect (no task run, no log line): for readings
+        such as the memory ledger's, not phases. Returns a future with done() and result()."""
+        if self._client is None:
+            return _Ready(fn(*args))
+        return self._client.submit(fn, *args, pure=False, resources={f"{RESOURCE_PREFIX}{on.name}": 1})
 
     def close(self) -> None:
         self._stack.close()

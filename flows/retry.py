@@ -5,7 +5,8 @@ flow-level `retry_condition_fn`. The server decides whether a failed flow run
 is tried again from the run's own policy (`empirical_policy.retries` against
 `run_count`), so `resumable` sets that policy from the run's recipe when each
 try starts and sets it to 0 when a try fails with an error that would fail the
-same way again (kiln.errors.worth_retrying).
+same way again (kiln.errors.worth_retrying): a gate refusal among them,
+unless the recipe's `retry_refusals` says the deployment waits for memory.
 
 Contracts: the decorator's `retries`/`retry_delay_seconds` are only the
 defaults until the first try reads the recipe. A try that fails before the
@@ -28,7 +29,7 @@ from prefect import get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 
-from kiln.errors import worth_retrying
+from kiln.errors import GateRefused, worth_retrying
 from kiln.params import ExportParams, build_recipe, default_export_id
 
 
@@ -50,18 +51,21 @@ def resumable(params: ExportParams) -> Iterator[ExportParams]:
         yield params
         return
     log = get_run_logger()
+    recipe = None
     try:
         recipe = build_recipe(params)
         _set_policy(run.id, retries=recipe.flow_retries, delay_s=recipe.flow_retry_delay_s)
         if params.export_id is None:
             when = run.expected_start_time or run.start_time or dt.datetime.now(dt.timezone.utc)
             params = params.model_copy(update={"export_id": default_export_id(params, when, run.id.hex[:4])})
-        if run.run_count > 1:
-            log.info("try %d of %d: resuming export %s; forwards already in the store are reused",
-                     run.run_count, recipe.flow_retries + 1, params.export_id)
+        if run.run_count > 1:  # a warning: the console shows it by default (kiln export without --verbose)
+            log.warning("try %d of %d: resuming export %s; forwards already in the store are reused",
+                        run.run_count, recipe.flow_retries + 1, params.export_id)
         yield params
     except Exception as exc:
-        if not worth_retrying(exc):
+        if not worth_retrying(exc, retry_refusals=recipe is not None and recipe.retry_refusals):
             _set_policy(run.id, retries=0)
-            log.error("not retried: %s fails the same way every time (%s)", type(exc).__name__, exc)
+            why = ("is final (set retry_refusals=true to wait for memory)" if isinstance(exc, GateRefused)
+                   else "fails the same way every time")
+            log.error("not retried: %s %s (%s)", type(exc).__name__, why, exc)
         raise

@@ -14,7 +14,7 @@ import os
 import sys
 from contextlib import contextmanager
 
-from kiln.errors import BadInput, KilnError
+from kiln.errors import BadInput, GateRefused, KilnError
 from kiln.procs import Reaper
 
 
@@ -68,7 +68,8 @@ def cmd_export(args) -> int:
     params = _params(args)
     dev_key = kiln_home() / "keys" / f"{DEV_KEY_NAME}.key"
     had_dev_key = dev_key.exists()
-    job, _ = prepare(params, host_names=default_host_names(params))  # fail fast on bad input, before Prefect starts
+    job, hosts = prepare(params, host_names=default_host_names(params))  # fail fast on bad input, before Prefect starts
+    _refuse_before_flow(params, job, hosts)
     created = " (created now)" if job.signing.source == "dev" and not had_dev_key else ""
     print(f"kiln: the manifest will be {job.signing.describe()}{created}", file=sys.stderr)
     if job.signing.source == "dev":
@@ -83,6 +84,30 @@ def cmd_export(args) -> int:
         report = export(params)
     print(_summary(report))
     return 0
+
+
+def _refuse_before_flow(params, job, hosts) -> None:
+    """Raise the gate's refusal now, as fast as `kiln plan`, when this machine's hosts would be refused.
+
+    Only where the hosts are this machine (not --dask) and a refusal is final (not retry_refusals):
+    then no flow run starts, and the report (`gate.decided_in` 'cli') records the refusal.
+    """
+    if params.dask or job.recipe.retry_refusals:
+        return
+    from kiln.plan import refusal_before_flow
+    try:
+        report = refusal_before_flow(job, hosts)
+    except BadInput:
+        raise
+    except Exception:  # the flow probes again, with its I/O retries, and reports what fails
+        return
+    if report is None:
+        return
+    if params.report:
+        report.write(params.report)
+    print("kiln: refused by the gate before starting Prefect (the probe and gate of `kiln plan`); no flow run "
+          "was started and nothing was compiled.", file=sys.stderr)
+    raise GateRefused(report.error)
 
 
 @contextmanager
@@ -209,6 +234,7 @@ def parser() -> argparse.ArgumentParser:
                         "or the local development key for a local store)")
     e.add_argument("--unsigned", action="store_true",
                    help="do not sign the manifest (kiln verify then needs --allow-unsigned)")
+    e.add_argument("--verbose", action="store_true", help="show Prefect's own INFO logs (default: warnings only)")
     e.set_defaults(func=cmd_export)
     s = sub.add_parser("serve", help="serve the export flow as a Prefect deployment (schedules, UI runs)")
     _common(s)
@@ -257,8 +283,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    # Prefect's embedded API gives up after 20 s; a busy small machine needs longer.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    from kiln.prefect_server import prefect_environment
+    prefect_environment(quiet=args.func is cmd_export and not args.verbose)  # before Prefect is imported
     # Whatever this command starts (compile workers, ranks, Prefect's embedded server) dies with it.
     reaper = Reaper() if args.func not in (cmd_keygen, cmd_checkpoint) else None
     try:

@@ -90,6 +90,12 @@ def _warm(tuning_entries: dict | None = None) -> None:
     from kiln.procs import die_with_parent
 
     die_with_parent()  # a worker never outlives the pool's owner (it would hold memory the next gate measures)
+    import warnings
+
+    # torch 2.13's own export path deep-copies its deprecated pytree LeafSpec: a FutureWarning in every compile
+    # worker. Nothing in Kiln uses LeafSpec, so only that message is silenced.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
     import torch  # noqa: F401
     from torch._inductor import select_algorithm
 

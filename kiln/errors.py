@@ -18,9 +18,19 @@ class BadInput(KilnError):
 
 
 class GateRefused(KilnError):
-    """The fail-fast gate refused the export before any compilation."""
+    """The fail-fast gate refused the export before any compilation.
+
+    A refusal is an answer, not a fault: it is final unless the recipe's
+    `retry_refusals` says the deployment waits for memory to be freed.
+    """
 
     exit_code = 3
+
+
+class HostsLost(KilnError):
+    """Hosts kept disappearing during compilation; a later try may find them back (worth retrying)."""
+
+    exit_code = 1
 
 
 class MemoryShort(KilnError):
@@ -59,23 +69,29 @@ class StoreError(KilnError):
     exit_code = 1
 
 
-DETERMINISTIC = (BadInput, IntegrityError, VerifyMismatch, UnloadablePackage, MemoryShort, NotPythonFree)
+DETERMINISTIC = (BadInput, GateRefused, IntegrityError, VerifyMismatch, UnloadablePackage, MemoryShort,
+                 NotPythonFree)
 """Errors that fail the same way however often the export is tried again."""
 
 
-def worth_retrying(exc: BaseException) -> bool:
+def worth_retrying(exc: BaseException, *, retry_refusals: bool = False) -> bool:
     """Whether trying the whole export again may succeed.
 
     No for bad input (a pydantic ValidationError of the parameters included),
-    integrity failures, verification mismatches and unloadable packages; yes for everything else: a
-    gate refusal (memory may be freed), a compile worker killed for memory, an
-    unreachable store or server.
+    gate refusals, integrity failures, verification mismatches and unloadable
+    packages; yes for everything else: a compile worker killed for memory, an
+    unreachable store or server. `retry_refusals` (the recipe setting) makes a
+    gate refusal worth retrying: the deployment waits for memory to be freed.
     """
     from pydantic import ValidationError
 
+    if retry_refusals and isinstance(exc, GateRefused):
+        return True
     if isinstance(exc, (*DETERMINISTIC, ValidationError)):
         return False
     return isinstance(exc, Exception)
+
+
 class DiskError(KilnError):
     """A host's local disk (its cache directory) cannot take what Kiln writes there."""
 

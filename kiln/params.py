@@ -74,11 +74,15 @@ class ExportParams(BaseModel):
     tuning: Literal["off", "cached", "full"] | None = Field(None, title="Kernel tuning", description="Kernel tuning mode.")
     flow_retries: int | None = Field(
         None, ge=0, le=10, title="Flow retries",
-        description="Times a failed export is tried again, a gate refusal included (default: the recipe's, 2). "
-                    "Bad input, integrity and verification failures are never retried.")
+        description="Times a failed export is tried again (default: the recipe's, 2). Bad input, gate refusals "
+                    "(unless 'Retry refusals'), integrity and verification failures are never retried.")
     flow_retry_delay_s: float | None = Field(
         None, ge=0, le=86400, title="Retry delay (s)",
         description="Seconds between a failed try and the next (default: the recipe's, 30).")
+    retry_refusals: bool | None = Field(
+        None, title="Retry refusals",
+        description="Try a gate refusal again after the retry delay, to wait for memory to be freed "
+                    "(default: the recipe's, false: a refusal is final).")
     settings: list[Annotated[str, Field(pattern=_SETTING)]] = Field(
         default_factory=list, title="Recipe settings", description="Recipe overrides, NAME=VALUE each.")
     assume_available: dict[str, Annotated[int, Field(ge=0)]] = Field(
@@ -133,6 +137,8 @@ def build_recipe(params: ExportParams) -> Recipe:
         extra.append(f"flow_retries={params.flow_retries}")
     if params.flow_retry_delay_s is not None:
         extra.append(f"flow_retry_delay_s={params.flow_retry_delay_s}")
+    if params.retry_refusals is not None:
+        extra.append(f"retry_refusals={params.retry_refusals}")
     return recipe.with_overrides(extra)
 
 

@@ -1,11 +1,16 @@
-"""`kiln plan`: probe, KV plan and gate without compiling (and without Prefect)."""
+"""`kiln plan` and `kiln export`'s fast refusal: probe, KV plan and gate without compiling or Prefect."""
 
 from __future__ import annotations
 
-from kiln import hostwork, planning
+import time
+
+from kiln import hostwork, planning, probe
 from kiln.cache import check_probed_caches
 from kiln.errors import GateRefused
+from kiln.gate import Plan
+from kiln.job import ExportJob, HostSpec
 from kiln.params import ExportParams, default_host_names, prepare
+from kiln.report import Report
 
 
 def _probe_all(params: ExportParams) -> tuple:
@@ -24,17 +29,67 @@ def _probe_all(params: ExportParams) -> tuple:
             return job, client.gather(futures)
 
 
+def _gate(job: ExportJob, probes: list[dict]) -> tuple[dict, Plan | None, GateRefused | None]:
+    """(KV plan, the gate's plan or None, its refusal or None) for these probes."""
+    check_probed_caches(probes, job.recipe.artifact_mib_estimate)
+    kv = planning.plan_kv_for(job, probes)
+    try:
+        return kv, planning.run_gate(job, probes, kv), None
+    except GateRefused as exc:
+        return kv, None, exc
+
+
 def plan_only(params: ExportParams) -> dict:
     """The gate's decision for `params`: {'feasible', 'text', 'report'}; nothing is compiled or stored."""
     job, probes = _probe_all(params)
-    check_probed_caches(probes, job.recipe.artifact_mib_estimate)
-    reports = planning.host_reports(job, probes)
-    kv = planning.plan_kv_for(job, probes)
+    kv, plan, refusal = _gate(job, probes)
     kv_line = f"kv plan: {kv['pages_per_rank']} pages per rank of {kv['page_bytes']} bytes (limited by rank {kv['limiting_rank']})"
-    try:
-        plan = planning.run_gate(job, probes, kv)
-    except GateRefused as exc:
-        return {"feasible": False, "text": f"{kv_line}\ngate: refused: {exc}",
-                "report": {"decision": "refused", "message": str(exc), "kv_plan": kv}}
+    if refusal is not None:
+        return {"feasible": False, "text": f"{kv_line}\ngate: refused: {refusal}",
+                "report": {"decision": "refused", "message": str(refusal), "kv_plan": kv}}
+    reports = planning.host_reports(job, probes)
     return {"feasible": True, "text": f"{kv_line}\n{planning.describe(plan, reports)}",
             "report": {**plan.to_dict(), "kv_plan": kv}}
+
+
+def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> Report | None:
+    """`kiln export` before it starts Prefect: the failed export's report if the gate refuses, else None.
+
+    `hosts` must be this machine (one host, or --hosts N standing for it): they
+    are probed here, as `kiln plan` probes them. Tuning is not run: it can only
+    change forward keys, so it cannot make a refused export feasible. The
+    report has the flow's phases (tune 'skipped') and memory ledger, and
+    `gate.decided_in` 'cli'. None: the flow runs and decides
+    again (with the model's lease held and tuning done).
+    """
+    report = Report.of_job(job, hosts)
+    report.gate["policy"] = job.recipe.policy
+
+    def ledger(boundary: str) -> None:
+        snap = probe.memory_snapshot()  # every host is this machine
+        for h in hosts:
+            report.memory(h.name, boundary, snap, assumed_available_mib=job.assume_available.get(h.name))
+
+    ledger("start")
+    start = time.perf_counter()
+    probes = [hostwork.probe_host(job, h) for h in hosts]
+    for p in probes:
+        report.host(p["name"], target=p["target"])["cache"] = p["cache"]
+    check_probed_caches(probes, job.recipe.artifact_mib_estimate)
+    report.phase("probe", "ok", time.perf_counter() - start)
+    ledger("probe")
+    report.phase("tune", "skipped", 0.0, reason="not run: kiln export refused before starting the flow")
+    ledger("tune")
+    start = time.perf_counter()
+    report.kv_plan = planning.plan_kv_for(job, probes)
+    report.phase("kv-plan", "ok", time.perf_counter() - start)
+    ledger("kv-plan")
+    start = time.perf_counter()
+    try:
+        planning.run_gate(job, probes, report.kv_plan)
+        return None
+    except GateRefused as refusal:
+        report.phase("gate", "failed", time.perf_counter() - start)
+        report.gate.update(decision="refused", message=str(refusal), decided_in="cli")
+        report.status, report.error = "failed", str(refusal)
+        return report

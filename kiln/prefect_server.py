@@ -20,6 +20,25 @@ from pathlib import Path
 from kiln.errors import BadInput
 
 
+def prefect_environment(*, quiet: bool) -> None:
+    """Prefect's settings for a Kiln command, set in os.environ before Prefect is imported.
+
+    What the user set wins (setdefault). The embedded API gets longer than its
+    20 s to start on a busy small machine. The server sends no telemetry: Kiln
+    often runs without internet, and on a fresh SQLite database the telemetry
+    service's session record (a read, then a write, in one deferred
+    transaction) fails at once with "database is locked" when another
+    connection wrote in between; SQLite's busy timeout does not apply to that
+    case, so the service is not started rather than given a longer timeout.
+    `quiet`: Prefect's console shows warnings and errors only; flow and task
+    run logs still reach the API (the UI) at INFO.
+    """
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if quiet:
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+
+
 def check_server(url: str, timeout_s: float = 5.0) -> None:
     """BadInput unless the Prefect API at `url` answers its health check."""
     try:

@@ -92,10 +92,14 @@ class Recipe:
     lease_ttl_s: float = 900.0
     """Seconds a compile lease protects a key from other exports; a stale lease is taken over."""
     flow_retries: int = 2
-    """Times a failed export is tried again (a gate refusal too, with a fresh probe); bad input,
-    integrity and verification failures are never retried."""
+    """Times a failed export is tried again, with a fresh probe; bad input, gate refusals (unless
+    retry_refusals), integrity and verification failures are never retried."""
     flow_retry_delay_s: float = 30.0
-    """Seconds between a failed try of the export and the next one (memory may be freed meanwhile)."""
+    """Seconds between a failed try of the export and the next one."""
+    retry_refusals: bool = False
+    """Whether a gate refusal counts as a failure that flow_retries try again, flow_retry_delay_s
+    apart, with a fresh probe each time: for a deployment that waits for memory to be freed. Off
+    (the default): a refusal is final, and `kiln export` refuses before starting Prefect."""
     artifact_mib_estimate: int = 16
     """Disk one compiled forward takes in a host's cache; a host needs this times the forwards it lacks free."""
 
@@ -125,6 +129,8 @@ class Recipe:
             raise BadInput("compile_s_estimate, verify_atol, verify_half_ratio and lease_ttl_s must be > 0.")
         if not isinstance(self.flow_retries, int) or isinstance(self.flow_retries, bool) or self.flow_retries < 0:
             raise BadInput(f"recipe setting flow_retries must be a whole number >= 0, got {self.flow_retries!r}.")
+        if not isinstance(self.retry_refusals, bool):
+            raise BadInput(f"recipe setting retry_refusals must be true or false, got {self.retry_refusals!r}.")
         if not self.flow_retry_delay_s >= 0:
             raise BadInput(f"recipe setting flow_retry_delay_s must be >= 0 seconds, got {self.flow_retry_delay_s!r}.")
 

@@ -21,7 +21,9 @@ class Report:
         self.error: str | None = None
         self.phases: list[dict] = []
         self.hosts: dict[str, dict] = {}
-        self.gate: dict = {"decision": None, "policy": None, "assignments": {}, "message": None}
+        self.gate: dict = {"decision": None, "policy": None, "assignments": {}, "message": None,
+                           "decided_in": "flow"}
+        """`decided_in`: 'flow' (the flow run's gate) or 'cli' (`kiln export` refused before starting Prefect)."""
         self.counts = {"forwards": 0, "compiled": 0, "reused": 0, "tuning_measured": 0}
         self.forwards: list[dict] = []
         self.kv_plan: dict | None = None
@@ -31,6 +33,16 @@ class Report:
         """Store key of the memory ledger drawn as a PNG (kiln.ledger_plot)."""
         self.signing: dict = {"signed": None}
         """{'signed', 'key_fingerprint', 'source', 'signature', 'note'}: how the manifest is signed."""
+
+    @classmethod
+    def of_job(cls, job, hosts, *, attempt: int = 1) -> "Report":
+        """The report of a starting export of `job` (an ExportJob) on `hosts` (HostSpecs): signing and ranks."""
+        report = cls(job.export_id, model=job.model_name, tp=job.tp, store=job.store_url, attempt=attempt)
+        report.signing = {"signed": job.signing.sign, "key_fingerprint": job.signing.fingerprint,
+                          "source": job.signing.source, "signature": None, "note": job.signing.describe()}
+        for h in hosts:
+            report.host(h.name, ranks=h.ranks)
+        return report
 
     def phase(self, name: str, status: str, duration_s: float, **extra) -> None:
         self.phases.append({"name": name, "status": status, "duration_s": round(duration_s, 3), **extra})

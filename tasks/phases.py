@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from kiln import faults, hostwork, outcome, planning, probe, tuner
+from kiln import faults, hostwork, outcome, planning, tuner
 from kiln.errors import KilnError, VerifyMismatch
 from kiln.gate import Plan
 from kiln.job import ExportJob, HostSpec
@@ -32,11 +32,6 @@ def transient_only(task, task_run, state) -> bool:
     except Exception:
         return True
     return False
-
-
-@task(name="memory", cache_policy=None)
-def memory(host: HostSpec) -> dict:
-    return probe.memory_snapshot()
 
 
 @task(name="probe", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,

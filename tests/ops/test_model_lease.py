@@ -23,9 +23,10 @@ def test_second_export_of_a_model_waits_for_the_lease(prefect_server, ops_env, t
     api = prefect_server.api()
     export_id = f"queued-{uuid.uuid4().hex[:8]}"
     # The run is refused by the gate right after its probe: cheap, and it shows when the probe ran.
+    # retry_refusals (with no retries) makes kiln export leave the refusal to the flow run, after the lease.
     cmd = [sys.executable, "-m", "kiln.cli", "export", "--export-id", export_id, "--buckets", "1x8",
            "--store", f"file://{tmp_path / 'store'}", "--set", "headroom_floor_mib=10000000",
-           "--set", "flow_retries=0"]
+           "--set", "retry_refusals=true", "--set", "flow_retries=0"]
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         ensure_limit(lease_name("tiny"))
         with concurrency(lease_name("tiny"), occupy=1, strict=True):  # another export of tiny is running

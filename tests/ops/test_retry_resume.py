@@ -1,4 +1,5 @@
-"""Retries that resume: flow retries redo only what is missing; deterministic errors are never retried.
+"""Retries that resume: flow retries redo only what is missing; deterministic errors (a gate refusal
+among them, unless the recipe sets retry_refusals) are never retried.
 
 Runs `kiln export` (and the flow itself) against a real Prefect server and
 reads attempts, task runs and logs back through its API.
@@ -76,7 +77,10 @@ from kiln.params import ExportParams
 runs = {
     "bad_input": ExportParams(model=sys.argv[1], settings=["flow_retry_delay_s=1"]),
     "refused": ExportParams(store=sys.argv[2], buckets="1x8",
-                            settings=["headroom_floor_mib=10000000", "flow_retries=1", "flow_retry_delay_s=1"]),
+                            settings=["headroom_floor_mib=10000000", "flow_retry_delay_s=1"]),
+    "waits_for_memory": ExportParams(store=sys.argv[2], buckets="1x8",
+                                     settings=["headroom_floor_mib=10000000", "flow_retries=1",
+                                               "flow_retry_delay_s=1", "retry_refusals=true"]),
 }
 print(json.dumps({name: str(export(p, return_state=True).state_details.flow_run_id) for name, p in runs.items()}))
 """
@@ -103,8 +107,17 @@ def test_bad_input_is_not_retried(failing_runs, prefect_server):
     assert "not retried: BadInput" in prefect_server.api().logs(run["id"])
 
 
-def test_gate_refusal_is_retried_with_a_fresh_probe(failing_runs, prefect_server):
+def test_gate_refusal_is_final(failing_runs, prefect_server):
     run = failing_runs["refused"]
+    # flow_retries is 2 by default: a retried refusal would show run_count 3.
+    assert run["state_type"] == "FAILED" and run["run_count"] == 1
+    assert "MiB short" in run["state"]["message"]
+    assert "not retried: GateRefused is final" in prefect_server.api().logs(run["id"])
+    assert not any(s["name"] == "AwaitingRetry" for s in prefect_server.api().states(run["id"]))
+
+
+def test_gate_refusal_is_retried_with_a_fresh_probe_when_the_recipe_waits(failing_runs, prefect_server):
+    run = failing_runs["waits_for_memory"]
     assert run["state_type"] == "FAILED" and run["run_count"] == 2
     assert "MiB short" in run["state"]["message"]
     api = prefect_server.api()

@@ -9,7 +9,8 @@ from pydantic import ValidationError
 
 from kiln import faults
 from kiln.compiler import CompileFailed
-from kiln.errors import BadInput, GateRefused, IntegrityError, KilnError, StoreError, VerifyMismatch, worth_retrying
+from kiln.errors import (BadInput, GateRefused, HostsLost, IntegrityError, KilnError, StoreError, VerifyMismatch,
+                         worth_retrying)
 from kiln.ledger_plot import draw, ledger_key, markdown
 from kiln.params import ExportParams, build_recipe, default_export_id, export_params, model_name
 from kiln.recipe import Recipe
@@ -72,9 +73,18 @@ def test_default_export_id_is_stable_for_one_run(tmp_path):
 
 # --- what a flow retry may repeat ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("exc", [BadInput("x"), IntegrityError("x"), VerifyMismatch("x"), KeyboardInterrupt()])
+@pytest.mark.parametrize("exc", [BadInput("x"), GateRefused("short"), IntegrityError("x"), VerifyMismatch("x"),
+                                 KeyboardInterrupt()])
 def test_deterministic_errors_are_not_worth_retrying(exc):
     assert not worth_retrying(exc)
+
+
+def test_a_refusal_is_retried_only_when_the_recipe_waits_for_memory():
+    assert Recipe().retry_refusals is False
+    assert worth_retrying(GateRefused("short"), retry_refusals=True)
+    assert not worth_retrying(BadInput("x"), retry_refusals=True)
+    assert build_recipe(ExportParams(retry_refusals=True)).retry_refusals is True
+    assert build_recipe(ExportParams(settings=["retry_refusals=true"])).retry_refusals is True
 
 
 def test_parameter_validation_errors_are_not_worth_retrying():
@@ -83,9 +93,9 @@ def test_parameter_validation_errors_are_not_worth_retrying():
     assert not worth_retrying(info.value)
 
 
-@pytest.mark.parametrize("exc", [GateRefused("short"), ConnectionError("reset"), StoreError("down"),
+@pytest.mark.parametrize("exc", [ConnectionError("reset"), StoreError("down"), HostsLost("gone"),
                                  KilnError("forwards missing after compile"), CompileFailed("killed"), OSError(5)])
-def test_transient_errors_and_refusals_are_worth_retrying(exc):
+def test_transient_errors_are_worth_retrying(exc):
     assert worth_retrying(exc)
 
 
