@@ -107,6 +107,9 @@ def main() -> None:
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"  # a wrong shape raises instead of returning garbage
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.world_size)
+    # The default world group is the packages'; this script's own collectives get a group of their own
+    # (with gloo, host collectives on the packages' group between calls can deadlock the next call).
+    mine = dist.new_group(backend="gloo")
     tensors = read_checkpoint(args.checkpoint)
     vocab = manifest["model"]["config"]["vocab_size"]
     logits = {}
@@ -116,7 +119,7 @@ def main() -> None:
         with torch.no_grad():
             out = package(*step_inputs(forward, vocab))
         logits[forward["bucket"]] = out[0]
-    dist.barrier()
+    dist.barrier(group=mine)
     dist.destroy_process_group()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(logits, args.out / f"rank{args.rank}.pt")

@@ -54,6 +54,20 @@ def solo_group():
         dist.destroy_process_group()
 
 
+def host_group():
+    """A gloo group of every rank for the caller's own collectives, apart from TP_GROUP.
+
+    The default world group belongs to the packages' collectives. Measured with
+    torch 2.13 CPU and gloo: a Python broadcast or all_gather on that group between
+    two calls of a package can leave the next call's all_reduce waiting forever
+    (within a few steps); the same collectives on a group of their own never did.
+    Call it on every rank, in the same order, after init_process_group.
+    """
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over the tensor-parallel group TP_GROUP (native ops: no Python inside a compiled package)."""
     return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", TP_GROUP))

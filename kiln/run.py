@@ -6,7 +6,9 @@ each loads every forward through the checked loader with its own weight
 shard and keeps its own paged KV cache (its share of the KV heads). The
 prompt is fed in the export's buckets as a server would (kiln.decode), then
 one decode step per new token. Rank 0 picks each token (argmax of the last
-position's logits) and broadcasts it, so every rank feeds the same one.
+position's logits) and broadcasts it, so every rank feeds the same one. That
+broadcast runs on a process group of its own: the default world group belongs
+to the packages' collectives (kiln.model.host_group says why).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, queue) -> None:
         from kiln.checkpoint import load_rank_weights
         from kiln.config import ModelConfig
         from kiln.loader import load_forward
+        from kiln.model import host_group
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
@@ -62,8 +65,9 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, queue) -> None:
         weights = load_rank_weights(job["checkpoint"], cfg, tp, rank)
         forwards = {parse_buckets(name)[0]: load_forward(art["path"], weights, art["sha256"])
                     for name, art in sorted(job["artifacts"].items())}
-        generated, logits = _decode(forwards, cfg, tp, job, torch, dist)
-        dist.barrier()
+        side = host_group()
+        generated, logits = _decode(forwards, cfg, tp, job, torch, dist, side)
+        dist.barrier(group=side)
         dist.destroy_process_group()
         queue.put((rank, "ok", {"generated": generated, "logits": logits} if rank == 0 else None))
     except KilnError as exc:
@@ -72,7 +76,7 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, queue) -> None:
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def _decode(forwards: dict[Bucket, object], cfg, tp: int, job: dict, torch, dist) -> tuple[list[int], list]:
+def _decode(forwards: dict[Bucket, object], cfg, tp: int, job: dict, torch, dist, side) -> tuple[list[int], list]:
     """The decode loop of one rank: prefill in chunks, then one step per token; the cache is this rank's."""
     page_tokens, pages_per_seq = job["page_tokens"], job["pages_per_seq"]
     dtype = getattr(torch, cfg.dtype)
@@ -101,7 +105,7 @@ def _decode(forwards: dict[Bucket, object], cfg, tp: int, job: dict, torch, dist
         last = step(s.start, s.count, s.bucket)
     for n in range(job["max_new_tokens"]):
         choice = torch.tensor([int(last.argmax())])
-        dist.broadcast(choice, src=0)  # every rank feeds rank 0's choice
+        dist.broadcast(choice, src=0, group=side)  # every rank feeds rank 0's choice
         generated.append(int(choice))
         logits_out.append(last.tolist())
         if n + 1 == job["max_new_tokens"]:

@@ -44,11 +44,12 @@ def _check_together(rank: int, tp: int, port: int, job: dict) -> dict:
     from kiln.checkpoint import load_rank_weights
     from kiln.config import ModelConfig
     from kiln.loader import eager_outputs, judge, load_forward
-    from kiln.model import example_inputs
+    from kiln.model import example_inputs, host_group
     from kiln.recipe import parse_buckets
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    side = host_group()
     cfg = ModelConfig(**job["config"])
     weights = load_rank_weights(job["checkpoint"], cfg, tp, rank)
     full = load_rank_weights(job["checkpoint"], cfg, 1, 0) if rank == 0 else None
@@ -64,12 +65,12 @@ def _check_together(rank: int, tp: int, port: int, job: dict) -> dict:
         with torch.no_grad():
             logits, new_kv = compiled(tok, start, shard, table)
         parts = [torch.empty_like(new_kv) for _ in range(tp)]
-        dist.all_gather(parts, new_kv.contiguous())
+        dist.all_gather(parts, new_kv.contiguous(), group=side)
         if rank == 0:
             eager, exact = eager_outputs(cfg, 1, full, (tok, start, cache, table))
             diffs[name] = judge((logits, torch.cat(parts, dim=-2)), eager, exact,
                                 atol=job["atol"], half_ratio=job["half_ratio"])
-    dist.barrier()
+    dist.barrier(group=side)
     dist.destroy_process_group()
     return diffs
 

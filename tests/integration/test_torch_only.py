@@ -52,6 +52,7 @@ from kiln.loader import load_forward
 manifest = json.loads(Path(sys.argv[1]).read_text())
 packages, rank, world, port, out = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], Path(sys.argv[6])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+side = dist.new_group(backend="gloo")
 cfg = ModelConfig(**manifest["model"]["config"])
 weights = load_rank_weights(manifest["model"]["checkpoint"], cfg, world, rank)
 logits = {}
@@ -59,7 +60,7 @@ for f in manifest["forwards"]:
     compiled = load_forward(packages / f"{f['key']}.pt2", weights, f["sha256"])
     with torch.no_grad():
         logits[f["bucket"]] = compiled(*step_inputs(f, cfg.vocab_size))[0]
-dist.barrier()
+dist.barrier(group=side)
 dist.destroy_process_group()
 out.mkdir(parents=True, exist_ok=True)
 torch.save(logits, out / f"rank{rank}.pt")
