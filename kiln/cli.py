@@ -87,7 +87,8 @@ def cmd_export(args) -> int:
 
 
 def _refuse_before_flow(params, job, hosts) -> None:
-    """Raise the gate's refusal now, as fast as `kiln plan`, when this machine's hosts would be refused.
+    """Raise the gate's refusal now, as fast as `kiln plan`, when this machine's hosts would be refused
+    (or the BadInput of a host cache that cannot take the forwards it lacks).
 
     Only where the hosts are this machine (not --dask) and a refusal is final (not retry_refusals):
     then no flow run starts, and the report (`gate.decided_in` 'cli') records the refusal.
@@ -96,18 +97,20 @@ def _refuse_before_flow(params, job, hosts) -> None:
         return
     from kiln.plan import refusal_before_flow
     try:
-        report = refusal_before_flow(job, hosts)
+        stopped = refusal_before_flow(job, hosts)
     except BadInput:
         raise
     except Exception:  # the flow probes again, with its I/O retries, and reports what fails
         return
-    if report is None:
+    if stopped is None:
         return
+    report, error = stopped
     if params.report:
         report.write(params.report)
-    print("kiln: refused by the gate before starting Prefect (the probe and gate of `kiln plan`); no flow run "
-          "was started and nothing was compiled.", file=sys.stderr)
-    raise GateRefused(report.error)
+    if isinstance(error, GateRefused):
+        print("kiln: refused by the gate before starting Prefect (the probe and gate of `kiln plan`); no flow "
+              "run was started and nothing was compiled.", file=sys.stderr)
+    raise error
 
 
 @contextmanager

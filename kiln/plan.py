@@ -6,7 +6,7 @@ import time
 
 from kiln import hostwork, planning, probe
 from kiln.cache import check_probed_caches
-from kiln.errors import GateRefused
+from kiln.errors import BadInput, GateRefused, KilnError
 from kiln.gate import Plan
 from kiln.job import ExportJob, HostSpec
 from kiln.params import ExportParams, default_host_names, prepare
@@ -52,8 +52,9 @@ def plan_only(params: ExportParams) -> dict:
             "report": {**plan.to_dict(), "kv_plan": kv}}
 
 
-def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> Report | None:
-    """`kiln export` before it starts Prefect: the failed export's report if the gate refuses, else None.
+def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> tuple[Report, KilnError] | None:
+    """`kiln export` before it starts Prefect: (the failed export's report, the error to raise) if the gate
+    refuses or a host's cache cannot take the forwards it lacks (BadInput), else None.
 
     `hosts` must be this machine (one host, or --hosts N standing for it): they
     are probed here, as `kiln plan` probes them. Tuning is not run: it can only
@@ -75,7 +76,12 @@ def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> Report | None:
     probes = [hostwork.probe_host(job, h) for h in hosts]
     for p in probes:
         report.host(p["name"], target=p["target"])["cache"] = p["cache"]
-    check_probed_caches(probes, job.recipe.artifact_mib_estimate)
+    try:
+        check_probed_caches(probes, job.recipe.artifact_mib_estimate)
+    except BadInput as bad:  # a cache that is unwritable or too full: the flow's probe would stop the same way
+        report.phase("probe", "failed", time.perf_counter() - start)
+        report.status, report.error = "failed", str(bad)
+        return report, bad
     report.phase("probe", "ok", time.perf_counter() - start)
     ledger("probe")
     report.phase("tune", "skipped", 0.0, reason="not run: kiln export refused before starting the flow")
@@ -92,4 +98,4 @@ def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> Report | None:
         report.phase("gate", "failed", time.perf_counter() - start)
         report.gate.update(decision="refused", message=str(refusal), decided_in="cli")
         report.status, report.error = "failed", str(refusal)
-        return report
+        return report, refusal
