@@ -23,6 +23,7 @@ Pure: the standard library only.
 
 from __future__ import annotations
 
+import json
 import re
 import stat
 import unicodedata
@@ -160,7 +161,9 @@ def _read_through(path, zf: zipfile.ZipFile, infos: list[zipfile.ZipInfo], limit
 
 _SHIM = re.compile(r"\b(aoti_torch_[A-Za-z0-9_]+)\s*\(")
 PROXY_CALL = "aoti_torch_proxy_executor_call_function"
-"""How a wrapper calls an op that has no C shim: through the proxy executor, i.e. a Python-registered op."""
+"""How a wrapper calls an op that has no C shim: through the proxy executor, which looks the op up by name."""
+NATIVE_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d", "quantized", "mkldnn", "onednn"})
+"""Op namespaces libtorch registers in C++: an op of these reached through the proxy executor needs no Python."""
 
 
 @dataclass(frozen=True)
@@ -169,21 +172,23 @@ class PackageCalls:
 
     python_free: bool
     ops: tuple[str, ...]
-    """The ATen / c10d op shims it calls (aoti_torch_cpu_<op>), sorted."""
+    """The op shims it calls (aoti_torch_cpu_<op>) and the C++-registered ops it reaches through the proxy
+    executor (by their op name), sorted."""
     why: str | None = None
-    """When not Python-free: the reason, naming the calls."""
+    """When not Python-free: the reason, naming the ops."""
 
     def to_dict(self) -> dict:
         return {"python_free": self.python_free, "ops": list(self.ops), "why": self.why}
 
 
 def package_calls(path: Path | str) -> PackageCalls:
-    """Read the AOTInductor wrapper source(s) of a checked package and classify every call into torch.
+    """Read the AOTInductor wrapper of a checked package and classify every call it makes into torch.
 
     A wrapper calls ops through C shims compiled into libtorch (`aoti_torch_<device>_<op>`), or, for an
-    op without one (a Python `torch.library.custom_op`, or any op AOTInductor cannot lower to a shim),
-    through the proxy executor, which needs that op registered in the loading process, and extern-kernel
-    node files beside the wrapper describe those calls. A package is Python-free when it has neither.
+    op without one, through the proxy executor, which looks the op up by name in the loading process; the
+    extern-kernel node file beside the wrapper names those ops. A package is Python-free when every op
+    it reaches that way is registered in C++ (a namespace of NATIVE_NAMESPACES, not marked as a
+    `torch.library.custom_op`): a Python custom op exists only in a process that registers it.
     """
     with zipfile.ZipFile(path) as zf:
         names = zf.namelist()
@@ -192,13 +197,24 @@ def package_calls(path: Path | str) -> PackageCalls:
             return PackageCalls(False, (), "it holds no wrapper source (data/aotinductor/*.wrapper.cpp) to inspect")
         source = "\n".join(zf.read(n).decode("utf-8", "replace") for n in wrappers)
         extern = [n for n in names if "/data/aotinductor/" in n and n.endswith(".json")
-                  and not n.endswith("_metadata.json") and not n.endswith("_compile_flags.json")
-                  and not n.endswith("_linker_flags.json")]
+                  and not n.endswith(("_metadata.json", "_compile_flags.json", "_linker_flags.json"))]
+        nodes = []
+        for name in extern:
+            try:
+                nodes += [n.get("node", {}) for n in json.loads(zf.read(name)).get("nodes", [])]
+            except (ValueError, AttributeError):
+                return PackageCalls(False, (), f"its extern kernel file {name.rsplit('/', 1)[-1]} is unreadable")
     calls = set(_SHIM.findall(source))
-    ops = tuple(sorted(c for c in calls if re.match(r"aoti_torch_(cpu|cuda|xpu|mps)_", c)))
-    if PROXY_CALL in calls or extern:
-        what = [f"{source.count(PROXY_CALL + '(')} proxy-executor call(s)"] if PROXY_CALL in calls else []
-        what += [f"extern kernel nodes {', '.join(e.rsplit('/', 1)[-1] for e in extern[:2])}"] if extern else []
-        return PackageCalls(False, ops, f"it calls ops that have no C shim ({'; '.join(what)}): a Python "
-                                        "custom op, which only a process that registers it can run")
+    shims = {c for c in calls if re.match(r"aoti_torch_(cpu|cuda|xpu|mps)_", c)}
+    proxied = {str(n.get("target")) for n in nodes}
+    python = sorted({str(n.get("target")) for n in nodes
+                     if "torch_library_custom_op" in str(n.get("metadata", ""))
+                     or str(n.get("target")).split("::")[0].split(".")[0] not in NATIVE_NAMESPACES})
+    ops = tuple(sorted(shims | (proxied - set(python))))
+    if python:
+        return PackageCalls(False, ops, f"it calls {', '.join(python[:3])} through the proxy executor, "
+                                        "a Python custom op that only a process registering it can run")
+    if PROXY_CALL in calls and not nodes:
+        return PackageCalls(False, ops, "it calls ops through the proxy executor without naming them in an "
+                                        "extern kernel file, so they cannot be checked")
     return PackageCalls(True, ops)
