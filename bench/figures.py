@@ -70,7 +70,6 @@ TARGETS: dict[str, Target] = {
     "store_upload_ratio": Target(">=", 0.9),
     "store_download_ratio": Target(">=", 0.9),
     "gate_scale_s": Target("<", 1.0),
-    "python_free_step_ratio": Target("<=", 1.0),
 }
 
 

@@ -23,7 +23,7 @@ def part_collective(ctx: Context) -> dict:
     compiled = json.loads((out / "compiled.json").read_text())
     if not compiled["native"]["python_free"] or compiled["custom"]["python_free"]:
         raise RuntimeError(f"the two packages are not what this part compares: {compiled}")
-    reps, steps = max(3, ctx.s.reps), 20 if ctx.s.quick else 100
+    reps, steps = (3, 20) if ctx.s.quick else (max(5, ctx.s.reps), 100)
     port = free_port()
     procs = [subprocess.Popen([PYTHON, "-m", "bench.collective_step", "rank", str(r), str(port), str(out),
                                str(reps), str(steps)], env=w.env(inductor="collective", kiln_home="collective/home"),
