@@ -41,11 +41,13 @@ class Target:
 # name -> (part, what the figure compares); the order is the table's order.
 FIGURES: dict[str, tuple[str, str]] = {
     "fail_fast_ratio": ("fail_fast", "refused export, start to exit / compile-first baseline, start to failed check"),
-    "fail_fast_ratio_no_startup": ("fail_fast", "refused run's probe..gate phases / baseline's probe..failed check"),
-    "compile_efficiency": ("compile_efficiency", "(sum of per-forward compile s / workers used) / compile-phase wall"),
+    "fail_fast_ratio_no_startup": ("fail_fast", "refused run, probe start to refusal / baseline, probe start to failed "
+                                                "check (both unbroken wall time measured in-process)"),
+    "compile_efficiency": ("compile_efficiency", "ideal pool wall from the loop's per-forward seconds (their sum / "
+                                                 "workers used) / the cold export's compile-phase wall"),
     "pool_vs_loop_ratio": ("pool_vs_loop", "cold `kiln export` wall / plain one-process compile loop wall"),
     "pool_vs_loop_compile_ratio": ("pool_vs_loop", "cold export's compile phase / the loop's compile time"),
-    "dedup_ratio": ("dedup", "forwards compiled / (tp x buckets)"),
+    "dedup_ratio": ("dedup", "a count, not a timing: forwards compiled / (tp x buckets), from the cold report"),
     "warm_cold_ratio": ("warm_cold", "warm re-export wall / cold export wall (embedded API both)"),
     "warm_cold_ratio_no_startup": ("warm_cold", "the same, less the embedded API start-up on both sides"),
     "overhead_ratio": ("overhead", "cold `kiln export` (embedded API) / plain script, same pool and store"),
@@ -54,11 +56,14 @@ FIGURES: dict[str, tuple[str, str]] = {
     "store_download_ratio": ("store", "Kiln S3Store.get_file MiB/s / boto3 download_file MiB/s (median of pairs)"),
     "borrow_ratio": ("borrow", "compile phase: one host compiles for all / all three compile"),
     "borrow_export_ratio": ("borrow", "whole export: one host compiles for all / all three compile"),
-    "borrow_predicted_vs_measured": ("borrow", "gate's predicted compile s / measured compile phase (lending run)"),
+    "borrow_predicted_vs_measured": ("borrow", "a prediction checked: gate's predicted compile s / measured compile "
+                                               "phase (lending run)"),
     "python_free_step_ratio": ("collective", "decode step at tp 2: Python-free package / Python custom-op package "
                                              "(median s per step, alternating samples)"),
-    "gate_scale_s": ("gate_scale", "gate run time, 64 hosts x 8 ranks x 67 buckets (median of 5), seconds"),
-    "gate_scale_predicted_s": ("gate_scale", "gate's predicted compile wall for that layout, seconds"),
+    "gate_scale_s": ("gate_scale", "a synthetic timing, not a ratio: gate run time on paper, 64 hosts x 8 ranks x "
+                                   "67 buckets (median of 5), seconds"),
+    "gate_scale_predicted_s": ("gate_scale", "a prediction, not a measurement: the gate's predicted compile wall "
+                                             "for that layout, seconds"),
 }
 
 TARGETS: dict[str, Target] = {

@@ -39,7 +39,7 @@ PARTS = {"fail_fast": part_fail_fast, "compile_efficiency": part_compile_efficie
          "collective": part_collective}
 QUICK_SKIPS = ("borrow",)
 """Parts `--quick` leaves out unless named: two cold 3-host exports do not fit in its few minutes."""
-NEEDS_PREFECT_SERVER = {"fail_fast", "borrow", "warm_cold", "overhead"}
+NEEDS_PREFECT_SERVER = {"borrow", "warm_cold", "overhead"}
 NEEDS_S3 = {"fail_fast", "borrow", "store"}
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

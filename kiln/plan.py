@@ -72,7 +72,7 @@ def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> tuple[Report, 
             report.memory(h.name, boundary, snap, assumed_available_mib=job.assume_available.get(h.name))
 
     ledger("start")
-    start = time.perf_counter()
+    start = probe_start = time.perf_counter()
     probes = [hostwork.probe_host(job, h) for h in hosts]
     for p in probes:
         report.host(p["name"], target=p["target"])["cache"] = p["cache"]
@@ -96,6 +96,7 @@ def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> tuple[Report, 
         return None
     except GateRefused as refusal:
         report.phase("gate", "failed", time.perf_counter() - start)
-        report.gate.update(decision="refused", message=str(refusal), decided_in="cli")
+        report.gate.update(decision="refused", message=str(refusal), decided_in="cli",
+                           probe_to_decision_s=round(time.perf_counter() - probe_start, 3))
         report.status, report.error = "failed", str(refusal)
         return report, refusal

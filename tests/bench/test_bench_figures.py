@@ -130,3 +130,16 @@ def test_write_results_writes_json_markdown_and_chart(tmp_path):
     assert json.loads(paths["json"].read_text())["figures"]["dedup_ratio"] == 0.5
     assert "`gate_scale_s`" in paths["md"].read_text()
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_readme_quotes_only_results_files_that_exist():
+    """Figures in the README come from a committed results file; a stale or invented reference fails."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    quoted = set(re.findall(r"bench/results/(\d{8}T\d{6}Z)\.(?:md|json|png)", (repo / "README.md").read_text()))
+    assert quoted, "the README quotes no results file"
+    for stamp in quoted:
+        assert (repo / "bench" / "results" / f"{stamp}.json").exists(), f"README quotes {stamp}, not committed"
+        assert (repo / "bench" / "results" / f"{stamp}.md").exists(), f"README quotes {stamp}, not committed"
