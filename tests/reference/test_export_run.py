@@ -106,3 +106,26 @@ def test_a_verify_mismatch_is_final_not_retried(kiln, export_and_run, prefect_se
     assert failed.code == 1
     assert "differs from eager" in failed.err and "not retried" in failed.err
     assert "try 2" not in failed.err
+
+
+def test_a_realistic_bfloat16_export_runs_with_torch_alone(export_and_run, tmp_path):
+    """The consumer contract at a real shape (bfloat16, head_dim 128, vocabulary 32000), from the manifest alone."""
+    import torch
+    from pathlib import Path
+
+    from torch_only_harness import run_torch_only, run_with_kiln
+
+    got = export_and_run("llama-realistic-bf16")
+    root = Path(got["store"].removeprefix("file://"))
+    manifest_path = root / got["report"]["manifest"]
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["runtime"]["python_free"] and manifest["model"]["config"]["dtype"] == "bfloat16"
+    assert {w["dtype"] for w in manifest["weights"].values()} == {"bfloat16"}
+    run_torch_only(manifest_path, root / "forwards", manifest["model"]["checkpoint"], tmp_path / "alone")
+    run_with_kiln(manifest_path, root / "forwards", tmp_path / "kiln")
+    alone = [torch.load(tmp_path / "alone" / f"rank{r}.pt") for r in range(2)]
+    kiln_ = torch.load(tmp_path / "kiln" / "rank0.pt")
+    for bucket, logits in alone[0].items():
+        assert logits.dtype == torch.bfloat16 and logits.shape[-1] == 32000
+        assert torch.equal(logits, alone[1][bucket])  # the all-reduced result is the same on every rank
+        assert torch.equal(logits, kiln_[bucket]), f"{bucket}: torch alone and Kiln's loader differ"
