@@ -6,7 +6,7 @@ PYTHON ?= python3
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup test-setup runner export test test-fast bench bench-quick bench-tuning bench-1b clean
+.PHONY: setup test-setup runner export test test-fast bench bench-quick bench-tuning bench-1b docs clean
 
 setup: $(VENV)/.installed
 
@@ -69,3 +69,7 @@ bench-1b: setup
 
 clean:
 	rm -rf .kiln report.json runner/build
+
+# docs/recipe.md is generated from the recipe's declarations (kiln/core/recipe.py); a test fails when it is stale.
+docs: setup
+	$(BIN)/python -m cli.recipe_doc

@@ -41,10 +41,11 @@ def _custom_all_reduce():
 
 
 def _spec() -> dict:
-    from kiln.compiler import COMPILER_OPTIONS, model_code_fingerprint
-    from kiln.config import TINY
-    from kiln.keys import forward_spec
-    from kiln.recipe import Bucket
+    from kiln.core.config import TINY
+    from kiln.core.forward_keys import forward_spec
+    from kiln.core.recipe import Bucket
+    from kiln.host.compiler import model_code_fingerprint
+    from kiln.host.inductor_options import COMPILER_OPTIONS
 
     return forward_spec(bucket=Bucket(1, 1), graph={"config": TINY.to_dict(), "tp": TP, "code": model_code_fingerprint()},
                         target="bench", torch_version="bench", page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ,
@@ -53,13 +54,13 @@ def _spec() -> dict:
 
 def compile_both(out: Path) -> dict:
     """Compile the native and the custom-op package (one after another, in this process)."""
-    import kiln.model
-    from kiln.compiler import _warm, compile_forward
+    import kiln.host.model
+    from kiln.host.compiler import _warm, compile_forward
 
     _warm()
     out.mkdir(parents=True, exist_ok=True)
     native = compile_forward(_spec(), str(out / "native.pt2"))
-    kiln.model.all_reduce = _custom_all_reduce()  # what _linear_then_reduce calls while tracing
+    kiln.host.model.all_reduce = _custom_all_reduce()  # what _linear_then_reduce calls while tracing
     custom = compile_forward(_spec(), str(out / "custom.pt2"))
     info = {"native": native.calls, "custom": custom.calls,
             "compile_s": {"native": native.compile_s, "custom": custom.compile_s}}
@@ -71,9 +72,9 @@ def rank(rank: int, port: int, out: Path, reps: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from kiln.config import TINY
-    from kiln.loader import load_forward, sha256_of
-    from kiln.model import example_inputs, host_group, random_state_dict, shard_state_dict
+    from kiln.core.config import TINY
+    from kiln.host.loader import load_forward, sha256_of
+    from kiln.host.model import example_inputs, host_group, random_state_dict, shard_state_dict
 
     _custom_all_reduce()  # the custom-op package needs its op registered in the loading process
     torch.set_num_threads(1)

@@ -37,18 +37,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
 
-    from kiln import hostwork, planning
-    from kiln.cli import _assume
-    from kiln.params import ExportParams, default_host_names, prepare
-    from kiln.sizing import required_mib, worker_capacity
+    from flows.params import default_host_names, export_params, parse_assume_available, prepare
+    from kiln.core import decisions
+    from kiln.core.recipe import SETTINGS, parse_buckets
+    from kiln.core.settings import parse_assignments
+    from kiln.core.sizing import required_mib, worker_capacity
+    from tasks import hostwork
 
-    params = ExportParams(model=args.model, hosts=args.hosts, tp=args.tp, buckets=args.buckets, store=args.store,
-                          settings=args.set, assume_available=_assume(args.assume_available),
+    params = export_params(model=args.model, hosts=args.hosts, tp=args.tp, store=args.store,
+                           recipe={"buckets": parse_buckets(args.buckets), **parse_assignments(SETTINGS, args.set)},
+                           assume_available=parse_assume_available(args.assume_available),
                           export_id=f"bench-compile-first-{int(time.time())}")
     job, hosts = prepare(params, host_names=default_host_names(params))
     t_probe = time.perf_counter()
     probes = [hostwork.probe_host(job, h) for h in hosts]
-    reports = planning.host_reports(job, probes)
+    reports = decisions.host_reports(job, probes)
     errors: dict[str, str] = {}
     compiled: dict[str, int] = {}
     t_compile = time.perf_counter()

@@ -3,7 +3,7 @@
 `python -m bench.direct --model DIR --tp N --buckets ... --store URL --json FILE`
 
 Kiln's overhead is `kiln export` against this: both probe, plan KV, run the
-gate, compile in the same `CompilePool` (through `kiln.hostwork`), check the
+gate, compile in the same `CompilePool` (through `tasks.hostwork`), check the
 outcome, fetch and verify every rank against eager, and write the manifest to
 the same kind of store; this script does it in one process on one host, with
 no flow, no tasks, no API server and no artifacts.
@@ -29,15 +29,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
 
-    from kiln import hostwork, outcome, planning, probe
-    from kiln.contract import weight_layout
-    from kiln.manifest import build_manifest
-    from kiln.params import ExportParams, default_host_names, kiln_home, prepare
-    from kiln.trust import write_signed_manifest
+    from blocks.trust import write_signed_manifest
+    from flows.params import ExportParams, default_host_names, prepare
+    from kiln.core import decisions, outcome
+    from kiln.core.contract import weight_layout
+    from kiln.core.home import kiln_home
+    from kiln.core.manifest import build_manifest
+    from kiln.host import probe
+    from tasks import hostwork
 
     phases: dict[str, float] = {}
     ledger: list[dict] = []
-    params = ExportParams(model=args.model, tp=args.tp, buckets=args.buckets, store=args.store,
+    params = ExportParams(model=args.model, tp=args.tp, recipe={"buckets": args.buckets}, store=args.store,
                           export_id=f"bench-direct-{int(time.time())}")
     job, hosts = prepare(params, host_names=default_host_names(params))
     (host,) = hosts
@@ -51,11 +54,11 @@ def main(argv: list[str] | None = None) -> None:
     probes = [hostwork.probe_host(job, host)]
     phase("probe", t)
     t = time.perf_counter()
-    reports = planning.host_reports(job, probes)
-    kv = planning.plan_kv_for(job, probes)
+    reports = decisions.host_reports(job, probes)
+    kv = decisions.plan_kv_for(job, probes)
     phase("kv-plan", t)
     t = time.perf_counter()
-    plan = planning.run_gate(job, probes, kv)
+    plan = decisions.run_gate(job, probes, kv)
     phase("gate", t)
     specs = {s["key"]: s for s in probes[0]["specs"]}
     t = time.perf_counter()

@@ -4,7 +4,7 @@
 
 What a user would write without Kiln: for each bucket, torch.export the same
 sharded model and `aoti_compile_and_package` it with the same Inductor options
-(`kiln.compiler.compile_forward` is exactly that, so both sides compile
+(`kiln.host.compiler.compile_forward` is exactly that, so both sides compile
 identical graphs). No pool, no store, no Prefect. The JSON holds the seconds
 spent importing and compiling, measured inside the process.
 """
@@ -31,11 +31,12 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from kiln.checkpoint import inspect_checkpoint
-    from kiln.compiler import COMPILER_OPTIONS, compile_forward, model_code_fingerprint
-    from kiln.keys import forward_spec
-    from kiln.probe import target_fingerprint
-    from kiln.recipe import Recipe, parse_buckets
+    from kiln.core.forward_keys import forward_spec
+    from kiln.core.recipe import Recipe, parse_buckets
+    from kiln.host.checkpoint import inspect_checkpoint
+    from kiln.host.compiler import compile_forward, model_code_fingerprint
+    from kiln.host.inductor_options import COMPILER_OPTIONS
+    from kiln.host.probe import target_fingerprint
 
     imported = time.perf_counter()
     cfg = inspect_checkpoint(args.model)

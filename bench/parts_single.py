@@ -111,7 +111,7 @@ def part_pool_vs_loop(ctx: Context) -> dict:
                     "export_compile_phase_s": _phase(cold["report"], "compile"), "same_forward_keys": True},
             "notes": "the export side is the whole `kiln export` (embedded API start-up, probe, gate, pool, "
                      "uploads, share + verify of every rank against eager, manifest); the loop compiles the "
-                     "same graphs (the same keys, enforced) with kiln.compiler.compile_forward one after another "
+                     "same graphs (the same keys, enforced) with kiln.host.compiler.compile_forward one after another "
                      f"in one process and does nothing else. {COLD_NOTE}."}
 
 
@@ -158,6 +158,6 @@ def part_overhead(ctx: Context) -> dict:
                     "export_phases_s": {p["name"]: p["duration_s"] for p in cold["report"]["phases"]},
                     "export_milestones_s": cold["milestones_s"],
                     "embedded_api_startup_s": fixed},
-            "notes": "the plain script (bench/direct.py) runs the same phases through kiln.hostwork (same "
+            "notes": "the plain script (bench/direct.py) runs the same phases through tasks.hostwork (same "
                      "CompilePool, same local store, same verify of every rank) in one process without Prefect; "
                      f"both sides cold. {COLD_NOTE}."}

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PYTHON = sys.executable
-KILN = [PYTHON, "-m", "kiln.cli"]
+KILN = [PYTHON, "-m", "cli.main"]
 FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
             "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
 
@@ -41,7 +41,7 @@ def _signing_key() -> str:
     if not _KEY:
         import base64
 
-        from kiln.signing import generate
+        from kiln.core.signing import generate
         _KEY.append(base64.b64encode(generate().private_bytes_raw()).decode())
     return _KEY[0]
 

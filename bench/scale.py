@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import time
 
-from kiln.gate import HostReport, decide
-from kiln.recipe import Bucket, Recipe
-
-INCIDENT_SETTINGS = ("headroom_floor_mib=8192", "recipe_headroom_mib=1024", "worker_host_mib=2048",
-                     "worker_device_mib=2048", "unified_memory=true")
+from bench.context import INCIDENT_SETTINGS
+from kiln.core.gate import HostReport, decide
+from kiln.core.recipe import Bucket, Recipe, recipe_from_text
 
 
 def capture_sizes(max_size: int = 512) -> list[int]:
@@ -26,10 +24,10 @@ def capture_sizes(max_size: int = 512) -> list[int]:
 
 def scale_layout(*, num_hosts: int = 64, ranks_per_host: int = 8, compile_s: float = 20.0,
                  num_cpus: int = 20, policy: str = "borrow") -> dict:
-    """Everything `kiln.gate.decide` needs for the paper layout, plus a description of it."""
+    """Everything `kiln.core.gate.decide` needs for the paper layout, plus a description of it."""
     buckets = tuple(Bucket(s, 1) for s in capture_sizes())
-    recipe = Recipe(buckets=buckets).with_overrides([*INCIDENT_SETTINGS, f"policy={policy}",
-                                                     f"compile_s_estimate={compile_s}"])
+    recipe = recipe_from_text(INCIDENT_SETTINGS, Recipe(buckets=buckets)).replace(policy=policy,
+                                                                                   compile_s_estimate=compile_s)
     target = "cuda-sm121-cuda13.0"
     keys = [f"fwd-{b.batch:03d}x{b.tokens}" for b in buckets]
     hosts = []

@@ -36,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kiln.checkpoint import random_checkpoint  # noqa: E402
-from kiln.config import ModelConfig  # noqa: E402
+from kiln.core.config import ModelConfig  # noqa: E402
+from kiln.host.checkpoint import random_checkpoint  # noqa: E402
 
 LLAMA_32_1B = ModelConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                           head_dim=64, intermediate_size=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
@@ -47,7 +47,7 @@ LLAMA_32_1B = ModelConfig(vocab_size=128256, hidden_size=2048, num_layers=16, nu
 
 def kiln(*args: str, env: dict) -> tuple[subprocess.CompletedProcess, float]:
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "kiln.cli", *args], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "cli.main", *args], env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"kiln {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc, round(time.perf_counter() - start, 1)

@@ -27,11 +27,10 @@ from bench.context import Context, Settings
 from bench.figures import median, render_markdown, round_floats, targets_for
 from bench.parts_collective import part_collective
 from bench.parts_hosts import BUCKET, part_borrow, part_fail_fast, part_gate_scale, s3_client
-from bench.parts_single import (part_compile_efficiency, part_dedup, part_overhead, part_pool_vs_loop,
-                                part_warm_cold)
+from bench.parts_single import part_compile_efficiency, part_dedup, part_overhead, part_pool_vs_loop, part_warm_cold
 from bench.parts_store import part_store
 from bench.runs import LoadSampler, MotoServer, Workdir
-from kiln.errors import BadInput
+from kiln.core.errors import BadInput
 
 PARTS = {"fail_fast": part_fail_fast, "compile_efficiency": part_compile_efficiency,
          "pool_vs_loop": part_pool_vs_loop, "dedup": part_dedup, "warm_cold": part_warm_cold,
@@ -56,7 +55,7 @@ def select(parts: list[str], quick: bool) -> list[str]:
 def _machine() -> dict:
     import psutil
 
-    from kiln.probe import num_cpus
+    from kiln.host.probe import num_cpus
 
     def version(name: str) -> str | None:
         try:
@@ -76,7 +75,7 @@ def _machine() -> dict:
 
 
 def _servers(stack: ExitStack, ctx: Context, selected: list[str], raw: dict) -> None:
-    from kiln.prefect_server import PrefectServer
+    from flows.prefect_server import PrefectServer
 
     work = ctx.work
     if NEEDS_S3.intersection(selected):

@@ -1,10 +1,10 @@
 """Kernel tuning figures, measured side by side in one run; prints one JSON document.
 
-1. tuning cold vs warm: `kiln.tuner.tune_target` for the model's buckets on a
+1. tuning cold vs warm: `kiln.host.tuner.tune_target` for the model's buckets on a
    fresh store (every GEMM candidate benchmarked in a spawned process) and
    the same call again (every shape a verified store hit). CPU forwards cannot
    use Inductor's C++ GEMM templates (they prepack weights at compile time;
-   see kiln/tuning.py), so this measures CPU's ATen-vs-C++ candidates
+   see kiln/core/tuning_plan.py), so this measures CPU's ATen-vs-C++ candidates
    explicitly (backends ATEN,CPP): the mechanism's cost, and what the store saves.
 2. tune_target with mode full vs cached on that warm store.
 3. `kiln export --tuning full` vs `--tuning cached`: two real exports on one
@@ -30,10 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kiln import probe, tuner  # noqa: E402
-from kiln.config import TINY  # noqa: E402
-from kiln.job import ExportJob  # noqa: E402
-from kiln.recipe import Recipe, parse_buckets  # noqa: E402
+from kiln.core.config import TINY  # noqa: E402
+from kiln.core.job import ExportJob  # noqa: E402
+from kiln.core.recipe import Recipe, parse_buckets  # noqa: E402
+from kiln.host import probe, tuner
 
 BACKENDS = "ATEN,CPP"
 
@@ -65,7 +65,7 @@ def tuning_figures(tmp: Path, buckets: str) -> dict:
 
 
 def export(env: dict, store: str, buckets: str, mode: str, report: Path) -> dict:
-    cmd = [sys.executable, "-m", "kiln.cli", "export", "--model", "tiny", "--tp", "2", "--buckets", buckets,
+    cmd = [sys.executable, "-m", "cli.main", "export", "--model", "tiny", "--tp", "2", "--buckets", buckets,
            "--store", store, "--tuning", mode, "--report", str(report)]
     proc, seconds = timed(lambda: subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT))
     if proc.returncode:

@@ -4,8 +4,8 @@ Purpose: a deployment is configured from the Prefect UI by naming blocks
 (`store_block`, `recipe_block` parameters) instead of pasting URLs and secrets.
 Contracts: `KilnStore.open()` returns the same Store as `--store`; credentials
 come from prefect-aws's AwsCredentials or MinIOCredentials blocks and stay
-SecretStr (masked in the UI, never in logs or reports). `KilnRecipe.recipe()`
-returns a validated Recipe. Register with `prefect block register -m blocks.kiln_blocks`.
+SecretStr (masked in the UI, never in logs or reports). `KilnRecipe`'s fields are
+the recipe's settings (derived, never restated); `.recipe()` returns a validated Recipe. Register with `prefect block register -m blocks.kiln_blocks`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from prefect.blocks.core import Block
 from prefect_aws import AwsCredentials, MinIOCredentials
 from pydantic import Field
 
-from kiln.errors import BadInput
-from kiln.recipe import Recipe
+from kiln.core.errors import BadInput
+from kiln.core.recipe import Recipe, recipe_form, recipe_of_form
 
 
 class KilnStore(Block):
@@ -51,35 +51,22 @@ class KilnStore(Block):
                           credentials=self.credentials_dict())
 
 
-_DEFAULT = Recipe()
+_SETTINGS = recipe_form()
 
 
 class KilnRecipe(Block):
-    """The per-cluster choices of an export; see kiln/recipe.py for each setting's meaning."""
+    """The per-cluster choices of an export: every recipe setting, typed, with its default (docs/recipe.md)."""
 
     _block_type_name = "Kiln Recipe"
-    _description = "Buckets, memory constants, gate policy and tuning mode of Kiln exports."
+    _description = "Buckets, memory constants, gate policy, tuning mode and retries of Kiln exports."
 
-    buckets: str = Field(",".join(str(b) for b in _DEFAULT.buckets), description="BATCHxTOKENS,...")
-    headroom_floor_mib: int = Field(_DEFAULT.headroom_floor_mib, gt=0)
-    recipe_headroom_mib: int = Field(_DEFAULT.recipe_headroom_mib, gt=0)
-    worker_host_mib: int | None = Field(None, gt=0, description="Empty: the measured peak when known, else the estimate.")
-    worker_device_mib: int = Field(_DEFAULT.worker_device_mib, ge=0)
-    activation_reserve_mib: int = Field(_DEFAULT.activation_reserve_mib, ge=0)
-    unified_memory: bool | None = Field(None, description="Empty: as probed on each host.")
-    page_tokens: int = Field(_DEFAULT.page_tokens, gt=0)
-    max_context_tokens: int = Field(_DEFAULT.max_context_tokens, gt=0)
-    policy: Literal["borrow", "fail"] = _DEFAULT.policy
-    tuning: Literal["off", "cached", "full"] = _DEFAULT.tuning
-    retry_refusals: bool = Field(_DEFAULT.retry_refusals,
-                                 description="Retry a gate refusal (flow_retries times) to wait for memory; "
-                                             "off: a refusal is final.")
-    settings: dict[str, str] = Field(default_factory=dict, description="Any other recipe setting, NAME: VALUE.")
+    # The fields are the recipe's settings as declared in kiln/core/recipe.py: nothing is restated here.
+    __annotations__ = {name: field.annotation for name, field in _SETTINGS.model_fields.items()}
+    locals().update(_SETTINGS.model_fields)
 
     def recipe(self) -> Recipe:
-        fields = self.model_dump(exclude={"settings", "block_type_slug"})
-        items = [f"{k}={'auto' if v is None else v}" for k, v in fields.items() if k in Recipe.__dataclass_fields__]
-        return Recipe().with_overrides(items + [f"{k}={v}" for k, v in self.settings.items()])
+        """The validated Recipe: the defaults with this block's settings applied."""
+        return recipe_of_form(self.model_dump(include=set(_SETTINGS.model_fields)))
 
 
 def _load(cls, name: str):

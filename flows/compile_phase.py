@@ -16,14 +16,14 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from flows.hosts import HostRunner
-from kiln.errors import HostsLost
-from kiln import planning
-from kiln.gate import HostReport, Plan
-from kiln.hostwork import break_leases, compile_log_key, store_of
-from kiln.job import ExportJob, HostSpec
-from kiln.keys import artifact_key
+from kiln.core import decisions
+from kiln.core.errors import HostsLost
+from kiln.core.forward_keys import artifact_key
+from kiln.core.gate import HostReport, Plan
+from kiln.core.job import ExportJob, HostSpec
 from kiln.store import ObjectMissing
 from tasks import phases
+from tasks.hostwork import break_leases, compile_log_key, store_of
 
 MAX_REPLANS = 3
 
@@ -63,7 +63,7 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
         if round_ == MAX_REPLANS:
             raise HostsLost(f"hosts kept disappearing during compilation ({', '.join(sorted(lost))}); "
                               f"{len(missing)} forward(s) are still missing. Re-run to resume.")
-        assignment = planning.replan_without(job, reports, lost, missing,
+        assignment = decisions.replan_without(job, reports, lost, missing,
                                              {k: specs[k]["target"] for k in missing})
     progress.show(final=True)
     compiled = {}

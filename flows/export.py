@@ -16,19 +16,20 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.context import FlowRunContext
 
-from flows import lease, retry
-from kiln import ledger_plot, outcome, planning, probe, tuning
-from kiln.cache import check_probed_caches
-from kiln.errors import KilnError
-from kiln.job import ExportJob, HostSpec
-from kiln.contract import weight_layout
-from kiln.logs import hide_expected_tracebacks
-from kiln.manifest import build_manifest
-from kiln.params import ExportParams, default_host_names, prepare
-from kiln.recipe import Recipe
-from kiln.report import Report
+from flows import model_lease, retry
 from flows.compile_phase import run_compile_phase
 from flows.hosts import HostRunner
+from flows.logs import hide_expected_tracebacks
+from flows.params import ExportParams, default_host_names, prepare
+from kiln.core import decisions, ledger_plot, outcome, tuning_plan
+from kiln.core.contract import weight_layout
+from kiln.core.errors import KilnError
+from kiln.core.job import ExportJob, HostSpec
+from kiln.core.manifest import build_manifest
+from kiln.core.recipe import Recipe
+from kiln.core.report import Report
+from kiln.host import probe
+from kiln.host.cache import check_probed_caches
 from tasks import phases
 
 
@@ -66,15 +67,15 @@ def export(params: ExportParams) -> dict:
     follows the recipe's flow retries; deterministic errors are not retried.
     """
     hide_expected_tracebacks()
-    with retry.resumable(params) as params, lease.model_lease(params):
-        return _export(params)
+    with retry.resumable(params) as (params, recipe), model_lease.model_lease(params):
+        return _export(params, recipe)
 
 
-def _export(params: ExportParams) -> dict:
+def _export(params: ExportParams, recipe: Recipe) -> dict:
     """One try of the export: the report is written, and the run's artifacts published, whatever happens."""
     with HostRunner(dask_address=params.dask, num_local_hosts=params.hosts,
                     local_name=(default_host_names(params) or [None])[0]) as runner:
-        job, hosts = prepare(params, host_names=runner.host_names)
+        job, hosts = prepare(params, host_names=runner.host_names, recipe=recipe)
         ctx = FlowRunContext.get()
         report = Report.of_job(job, hosts, attempt=ctx.flow_run.run_count if ctx and ctx.flow_run else 1)
         phase = Phases(report, hosts, runner)
@@ -106,9 +107,9 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         # Once per distinct target, on one of its hosts; the others load the results from the store.
         by_name = {h.name: h for h in hosts}
         runs = [runner.submit(by_name[name], phases.tune, job=job, target=target)
-                for target, name in tuning.tuning_hosts(probes).items()]
+                for target, name in tuning_plan.tuning_hosts(probes).items()]
         results = [f.result() for f in runs]
-        info.update(tuning.summarize(results))
+        info.update(tuning_plan.summarize(results))
         report.counts["tuning_measured"] = info["measured"]
         if job.recipe.tuning != "off" and info["status"] == "skipped":
             # A warning only when asked for: the default ('cached') has nothing to tune on CPU hosts, every time.
@@ -118,7 +119,7 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         if any(r["changed"] for r in results):  # new results change forward keys: probe them again
             probes = [f.result() for f in [runner.submit(h, phases.probe_host, job=job, host=h) for h in hosts]]
     specs = {s["key"]: s for p in probes for s in p["specs"]}
-    reports = planning.host_reports(job, probes)
+    reports = decisions.host_reports(job, probes)
     with phase("kv-plan"):
         report.kv_plan = phases.kv_plan(job, probes)
     report.gate["policy"] = job.recipe.policy

@@ -21,18 +21,33 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 
 import dask
 
-from kiln.errors import BadInput
+from kiln.core.errors import BadInput
 
 RESOURCE_PREFIX = "kiln-host-"
-dask.config.set({"distributed.worker.daemon": False})
-# Worker processes read these at start: compile pools inside them, and logs that stay readable.
-os.environ.setdefault("DASK_DISTRIBUTED__WORKER__DAEMON", "False")
-os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
-logging.getLogger("distributed").setLevel(logging.WARNING)
+WORKER_ENV = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False", "DASK_LOGGING__DISTRIBUTED": "warning"}
+"""What a host's Dask worker process needs at start: non-daemonic (compile pools start processes
+inside it) and logs that stay readable. Set while a local cluster runs; an external `dask worker`
+is started with them by its operator (see docs/several-hosts.md)."""
+
+
+@contextmanager
+def _worker_settings():
+    """Dask config and environment for the worker processes this process starts, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in WORKER_ENV}
+    os.environ.update(WORKER_ENV)
+    try:
+        with dask.config.set({"distributed.worker.daemon": False}):
+            yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class _Done:
@@ -91,6 +106,7 @@ class HostRunner:
         workers = {f"host-{i}": {"cls": Nanny, "options": {
             "nthreads": 2, "name": f"host-{i}", "host": "127.0.0.1",
             "resources": {f"{RESOURCE_PREFIX}host-{i}": 1}}} for i in range(n)}
+        self._stack.enter_context(_worker_settings())
         cluster = SpecCluster(scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": False}},
                               workers=workers, silence_logs=logging.WARNING)
         self._stack.enter_context(cluster)

@@ -5,7 +5,7 @@ flow-level `retry_condition_fn`. The server decides whether a failed flow run
 is tried again from the run's own policy (`empirical_policy.retries` against
 `run_count`), so `resumable` sets that policy from the run's recipe when each
 try starts and sets it to 0 when a try fails with an error that would fail the
-same way again (kiln.errors.worth_retrying): a gate refusal among them,
+same way again (kiln.core.errors.worth_retrying): a gate refusal among them,
 unless the recipe's `retry_refusals` says the deployment waits for memory.
 
 Contracts: the decorator's `retries`/`retry_delay_seconds` are only the
@@ -29,8 +29,9 @@ from prefect import get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 
-from kiln.errors import GateRefused, worth_retrying
-from kiln.params import ExportParams, build_recipe, default_export_id
+from flows.params import ExportParams, build_recipe, default_export_id
+from kiln.core.errors import GateRefused, worth_retrying
+from kiln.core.recipe import Recipe
 
 
 def _set_policy(flow_run_id, *, retries: int, delay_s: float | None = None) -> None:
@@ -43,12 +44,13 @@ def _set_policy(flow_run_id, *, retries: int, delay_s: float | None = None) -> N
 
 
 @contextmanager
-def resumable(params: ExportParams) -> Iterator[ExportParams]:
-    """Around one try of the export flow: yields `params` with the run's fixed export id."""
+def resumable(params: ExportParams) -> Iterator[tuple[ExportParams, Recipe]]:
+    """Around one try of the export flow: yields `params` with the run's fixed export id, and the try's
+    recipe (built here, once per try: the recipe block is read once)."""
     ctx = FlowRunContext.get()
     run = ctx.flow_run if ctx else None
     if run is None:  # not inside a flow run: nothing to orchestrate
-        yield params
+        yield params, build_recipe(params)
         return
     log = get_run_logger()
     recipe = None
@@ -61,7 +63,7 @@ def resumable(params: ExportParams) -> Iterator[ExportParams]:
         if run.run_count > 1:  # a warning: the console shows it by default (kiln export without --verbose)
             log.warning("try %d of %d: resuming export %s; forwards already in the store are reused",
                         run.run_count, recipe.flow_retries + 1, params.export_id)
-        yield params
+        yield params, recipe
     except Exception as exc:
         if not worth_retrying(exc, retry_refusals=recipe is not None and recipe.retry_refusals):
             _set_policy(run.id, retries=0)

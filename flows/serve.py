@@ -2,13 +2,13 @@
 
 Purpose: schedules (cron or interval) and runs triggered from the Prefect UI or
 API execute here, each in its own subprocess. The deployment's only parameter
-is `params` (kiln.params.ExportParams), whose schema the UI renders as the run
+is `params` (flows.params.ExportParams), whose schema the UI renders as the run
 form and the API enforces. Its default is `{}`: a plain "Run" exports the tiny
 model to the default store (KILN_HOME/store of the serving process).
 
 Contracts: needs a Prefect server (PREFECT_API_URL); the embedded API would
 vanish with this process. Runs of one model queue on the model's lease
-(flows/lease.py). `infra/prefect.yaml` declares the same deployment for a
+(flows/model_lease.py). `infra/prefect.yaml` declares the same deployment for a
 process work pool (`prefect deploy`).
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from prefect.deployments.runner import EntrypointType
 
-from kiln.errors import BadInput
-from kiln.params import ExportParams
+from flows.params import ExportParams
+from kiln.core.errors import BadInput
 
 DEPLOYMENT = "default"
 """Deployment name; the full name is 'kiln-export/default'."""

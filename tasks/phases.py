@@ -3,7 +3,7 @@
 Purpose: each task is one phase (or one host's share of it). Contracts: the
 per-host tasks run on the host they name; reductions (KV plan, gate, outcome
 check, manifest) take every host's result. Anti-patterns: decisions in here;
-they belong to kiln.gate, kiln.sizing and kiln.manifest. Pitfalls: retries
+they belong to kiln.core.gate, kiln.core.sizing and kiln.core.manifest. Pitfalls: retries
 only on I/O (store transfers); a deterministic error (bad input, a refusal, an
 integrity failure) is never retried.
 """
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from prefect import task
 
-from kiln import faults, hostwork, outcome, planning, tuner
-from kiln.errors import KilnError, VerifyMismatch
-from kiln.gate import Plan
-from kiln.job import ExportJob, HostSpec
-from kiln.keys import manifest_key
-
+from kiln.core import decisions, outcome
+from kiln.core.errors import KilnError, VerifyMismatch
+from kiln.core.forward_keys import manifest_key
+from kiln.core.gate import Plan
+from kiln.core.job import ExportJob, HostSpec
+from kiln.host import faults, tuner
+from tasks import hostwork
 
 IO_RETRY_DELAYS_S = [2, 5, 10]
 """Backoff of the I/O tasks (store and network): three tries more, 17 s in all."""
@@ -43,18 +44,18 @@ def probe_host(job: ExportJob, host: HostSpec) -> dict:
 
 @task(name="tune", cache_policy=None)
 def tune(job: ExportJob, target: str) -> dict:
-    """Kernel tuning for one target, on one host of that target (see kiln.tuner.tune_target)."""
+    """Kernel tuning for one target, on one host of that target (see kiln.host.tuner.tune_target)."""
     return tuner.tune_target(job, target)
 
 
 @task(name="kv-plan", cache_policy=None)
 def kv_plan(job: ExportJob, probes: list[dict]) -> dict:
-    return planning.plan_kv_for(job, probes)
+    return decisions.plan_kv_for(job, probes)
 
 
 @task(name="gate", cache_policy=None)
 def gate(job: ExportJob, probes: list[dict], kv: dict | None = None) -> Plan:
-    return planning.run_gate(job, probes, kv)
+    return decisions.run_gate(job, probes, kv)
 
 
 @task(name="compile", cache_policy=None)
@@ -68,7 +69,7 @@ def compile_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int
       retry_condition_fn=transient_only, cache_policy=None)
 def outcome_check(job: ExportJob, forwards: dict[str, dict]) -> dict[str, dict]:
     """Every key of the export must be in the store with a sha256, and its package Python-free
-    (kiln.outcome.check_outcome); returns key -> {'sha256', 'size_bytes', 'calls'}."""
+    (kiln.core.outcome.check_outcome); returns key -> {'sha256', 'size_bytes', 'calls'}."""
     found, missing = hostwork.stored_forwards(hostwork.store_of(job), sorted(forwards))
     return outcome.check_outcome(found, missing, forwards)
 
@@ -96,8 +97,8 @@ def verify_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
       retry_condition_fn=transient_only, cache_policy=None)
 def write_manifest(job: ExportJob, manifest: dict) -> dict:
     """Sign (the key is loaded here, never passed in) and write the manifest last; the report's signing entry."""
-    from kiln.params import kiln_home
-    from kiln.trust import write_signed_manifest
+    from blocks.trust import write_signed_manifest
+    from kiln.core.home import kiln_home
 
     store = hostwork.store_of(job)
     entry = write_signed_manifest(store, job.export_id, manifest, job.signing, kiln_home())

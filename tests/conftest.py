@@ -139,7 +139,7 @@ def s3_bucket(s3_server: S3Server, aws_test_env: None, monkeypatch: pytest.Monke
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory):
     """A Prefect server (SQLite) for the session; yields its API URL. Nothing in os.environ changes."""
-    from kiln.prefect_server import PrefectServer
+    from flows.prefect_server import PrefectServer
 
     server = PrefectServer(tmp_path_factory.mktemp("prefect-server"))
     yield server.url
@@ -156,7 +156,7 @@ def signing_key_env() -> dict[str, str]:
     """{'KILN_SIGNING_KEY': base64 seed} of a key made for this session (S3 exports must be signed)."""
     import base64
 
-    from kiln.signing import generate
+    from kiln.core.signing import generate
 
     return {"KILN_SIGNING_KEY": base64.b64encode(generate().private_bytes_raw()).decode()}
 
@@ -173,10 +173,11 @@ def small_forward(tmp_path_factory: pytest.TempPathFactory) -> dict:
     Returns {'path', 'sha256', 'size_bytes', 'config' (ModelConfig fields), 'batch', 'tokens',
     'page_tokens', 'pages_per_seq'}. Treat the file as read-only; copy it to change it.
     """
-    from kiln.compiler import COMPILER_OPTIONS, CompilePool, model_code_fingerprint
-    from kiln.config import TINY
-    from kiln.keys import forward_spec
-    from kiln.recipe import Bucket
+    from kiln.core.config import TINY
+    from kiln.core.forward_keys import forward_spec
+    from kiln.core.recipe import Bucket
+    from kiln.host.compiler import CompilePool, model_code_fingerprint
+    from kiln.host.inductor_options import COMPILER_OPTIONS
 
     cfg = TINY.replace(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=128, vocab_size=128)
@@ -194,7 +195,7 @@ def small_forward(tmp_path_factory: pytest.TempPathFactory) -> dict:
 # The CLI: `kiln` in a subprocess, as a user runs it
 # =============================================================================
 
-KILN = [sys.executable, "-m", "kiln.cli"]
+KILN = [sys.executable, "-m", "cli.main"]
 
 
 @dataclass

@@ -21,10 +21,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kiln.errors import BadInput
+from kiln.core.errors import BadInput
+from kiln.core.key_rules import (
+    check_no_collisions,
+    normalized_key,
+    sha256_bytes,
+    sha256_file,
+    validate_bucket,
+    validate_key,
+    validate_prefix,
+)
 from kiln.store.base import ObjectInfo, ObjectMissing, Store
-from kiln.store.keys import (check_no_collisions, normalized_key, sha256_bytes, sha256_file, validate_bucket,
-                             validate_key, validate_prefix)
 from kiln.store.local import LocalStore
 
 __all__ = [

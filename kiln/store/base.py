@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from kiln.errors import IntegrityError
+from kiln.core.errors import IntegrityError
 
 
 class ObjectMissing(KeyError):

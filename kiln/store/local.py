@@ -33,10 +33,16 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from kiln.errors import BadInput, IntegrityError, StoreError
+from kiln.core.errors import BadInput, IntegrityError, StoreError
+from kiln.core.key_rules import (
+    CHUNK_BYTES,
+    normalized_key,
+    sha256_bytes,
+    validate_key,
+    validate_prefix,
+    validate_sha256,
+)
 from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, write_verified
-from kiln.store.keys import (CHUNK_BYTES, normalized_key, sha256_bytes, validate_key, validate_prefix,
-                             validate_sha256)
 
 _INTERNAL = ".kiln"
 _BLOB_NAME = re.compile(r"^([0-9a-f]{64})\.[0-9a-f]{32}$")

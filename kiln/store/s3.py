@@ -52,19 +52,25 @@ from typing import Any
 
 import botocore.session
 from botocore.config import Config
-from botocore.exceptions import (BotoCoreError, ClientError, ConnectionClosedError, IncompleteReadError,
-                                 ReadTimeoutError, ResponseStreamingError)
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionClosedError,
+    IncompleteReadError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from kiln.errors import BadInput, IntegrityError, StoreError
-from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, replaced_on_success
-from kiln.store.keys import (
+from kiln.core.errors import BadInput, IntegrityError, StoreError
+from kiln.core.key_rules import (
     sha256_bytes,
     validate_bucket,
     validate_key,
     validate_prefix,
     validate_sha256,
 )
+from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, replaced_on_success
 from kiln.store.s3_errors import MISSING_KEY, error_code, explain_check_error, lost_race
 from kiln.store.s3_parts import byte_ranges, fetch_in_order, upload_in_parts, write_at
 

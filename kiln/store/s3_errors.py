@@ -17,7 +17,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
-from kiln.errors import BadInput
+from kiln.core.errors import BadInput
 
 MISSING_KEY = ("404", "NoSuchKey", "NotFound")
 _NO_BUCKET = ("404", "NoSuchBucket", "NotFound")

@@ -8,10 +8,20 @@ import sys
 
 import pytest
 
-from bench.figures import (FIGURES, Target, compile_efficiency, less, median, ratio, render_markdown,
-                           round_floats, targets_for, throughput_mib_s)
+from bench.figures import (
+    FIGURES,
+    Target,
+    compile_efficiency,
+    less,
+    median,
+    ratio,
+    render_markdown,
+    round_floats,
+    targets_for,
+    throughput_mib_s,
+)
 from bench.scale import capture_sizes, scale_layout, simulate
-from kiln.errors import BadInput
+from kiln.core.errors import BadInput
 
 
 def test_pure_modules_import_no_torch_prefect_or_boto3():

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 def test_quick_bench_writes_figures(tmp_path):
     env = {**os.environ, "KILN_HOME": str(tmp_path / "home"), "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
-    run = subprocess.run([sys.executable, "-m", "kiln.cli", "bench", "--quick", "--out", str(tmp_path / "results")],
+    run = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--quick", "--out", str(tmp_path / "results")],
                          env=env, capture_output=True, text=True, timeout=1800, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
     (result_json,) = (tmp_path / "results").glob("*.json")

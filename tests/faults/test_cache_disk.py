@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from kiln.errors import DiskError
-from kiln.hostwork import fetch_missing
-from kiln.job import ExportJob, HostSpec
-from kiln.keys import artifact_key
-from kiln.recipe import Recipe
+from kiln.core.errors import DiskError
+from kiln.core.forward_keys import artifact_key
+from kiln.core.job import ExportJob, HostSpec
+from kiln.core.recipe import Recipe
 from kiln.store import LocalStore
+from tasks.hostwork import fetch_missing
 
 
 def _mount(*args: str) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln import faults
-from kiln.compiler import CompileFailed, CompilePool, CompileResult
+from kiln.host import faults
+from kiln.host.compiler import CompileFailed, CompilePool, CompileResult
 
 
 def fake_compile(spec: dict, out_path: str) -> CompileResult:

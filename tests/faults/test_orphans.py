@@ -13,7 +13,7 @@ import psutil
 import pytest
 from procmarks import marked, wait_gone
 
-KILN = [sys.executable, "-m", "kiln.cli"]
+KILN = [sys.executable, "-m", "cli.main"]
 
 pytestmark = pytest.mark.slow
 

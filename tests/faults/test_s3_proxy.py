@@ -17,9 +17,9 @@ from urllib.parse import urlparse
 
 import boto3
 import pytest
+from s3_fault_proxy import FaultProxy
 
 from kiln.store.s3 import S3Store
-from s3_fault_proxy import FaultProxy
 
 pytestmark = pytest.mark.slow
 MIB = 2**20

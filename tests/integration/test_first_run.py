@@ -21,7 +21,7 @@ def test_fresh_export_prints_progress_and_summary_only(kiln_env, tmp_path):
     # settings: what Kiln sets by itself is what is tested.
     env = {k: v for k, v in kiln_env.items() if k != "PREFECT_SERVER_ANALYTICS_ENABLED"}
     env.update(KILN_HOME=str(tmp_path / "home"), PREFECT_HOME=str(tmp_path / "prefect"))
-    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "export", "--model", "tiny", "--tp", "2",
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "export", "--model", "tiny", "--tp", "2",
                            "--report", str(tmp_path / "r.json")], env=env, capture_output=True,
                           text=True, timeout=900)
     output = proc.stdout + proc.stderr

@@ -10,7 +10,6 @@ import uuid
 
 import boto3
 import pytest
-
 from conftest import free_port
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,7 @@
 `examples/torch_only.py` is the consumer a user would write from the manifest
 alone. It runs here as two gloo ranks in fresh interpreters in which importing
 Kiln is made impossible; their logits must match Kiln's own loader (the same
-packages, weights bound by kiln.loader.load_forward from kiln.checkpoint) and
+packages, weights bound by kiln.host.loader.load_forward from kiln.host.checkpoint) and
 the unsharded eager model.
 """
 
@@ -51,9 +51,9 @@ def test_every_package_runs_with_torch_alone_and_matches_kiln(manifest, tmp_path
     run_torch_only(path, packages, ckpt, tmp_path / "alone")
     run_with_kiln(path, packages, tmp_path / "kiln")
 
-    from kiln.checkpoint import load_rank_weights
-    from kiln.config import ModelConfig
-    from kiln.model import ShardedDecoder
+    from kiln.core.config import ModelConfig
+    from kiln.host.checkpoint import load_rank_weights
+    from kiln.host.model import ShardedDecoder
     sys.path.insert(0, str(EXAMPLE.parent))
     from torch_only import step_inputs
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.compiler import COMPILER_OPTIONS, CompilePool
-from kiln.config import TINY
+from kiln.core.config import TINY
+from kiln.host.compiler import CompilePool
+from kiln.host.inductor_options import COMPILER_OPTIONS
 
 pytestmark = pytest.mark.slow
 

@@ -185,7 +185,7 @@ def serve(prefect_server, ops_env, tmp_path) -> Iterator[Callable[..., Served]]:
         name = f"test-{uuid.uuid4().hex[:8]}"
         log = tmp_path / f"serve-{name}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", "--name", name, *flags],
+            proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--name", name, *flags],
                                     stdout=out, stderr=subprocess.STDOUT, env=ops_env, cwd=tmp_path,
                                     start_new_session=True)
         served = Served(name, {}, proc, log)
@@ -209,7 +209,7 @@ def serve(prefect_server, ops_env, tmp_path) -> Iterator[Callable[..., Served]]:
 def kiln_run(ops_env, tmp_path) -> Callable[..., subprocess.CompletedProcess]:
     """`kiln_run(*args, env={...})`: the kiln CLI against the test server, from tmp_path."""
     def run(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "kiln.cli", *args], env={**ops_env, **(env or {})},
+        return subprocess.run([sys.executable, "-m", "cli.main", *args], env={**ops_env, **(env or {})},
                               cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
     return run
 

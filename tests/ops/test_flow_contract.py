@@ -7,10 +7,10 @@ import pickle
 import cloudpickle
 
 from flows.export import export
-from flows.lease import lease_name
+from flows.model_lease import lease_name
+from flows.params import ExportParams
 from flows.serve import deployment_parameters
-from kiln.params import ExportParams
-from kiln.recipe import Recipe
+from kiln.core.recipe import SETTINGS, Recipe
 
 
 def test_the_deployment_takes_one_pydantic_model():
@@ -18,8 +18,10 @@ def test_the_deployment_takes_one_pydantic_model():
     assert list(schema["properties"]) == ["params"]
     assert schema["required"] == ["params"]
     form = schema["definitions"]["ExportParams"]["properties"]
-    assert {"model", "tp", "buckets", "store", "policy", "tuning", "flow_retries",
-            "flow_retry_delay_s", "settings"} <= set(form)
+    assert {"model", "tp", "store", "recipe"} <= set(form)
+    recipe = schema["definitions"]["RecipeSettings"]["properties"]
+    assert list(recipe) == [s.name for s in SETTINGS]  # every setting, typed, in declaration order
+    assert "settings" not in form  # no NAME=VALUE list
 
 
 def test_flow_retries_default_to_the_recipe():
@@ -30,13 +32,14 @@ def test_flow_retries_default_to_the_recipe():
 def test_served_flow_validates_parameters_after_pickling():
     # A served flow reaches its run process pickled; the parameter annotation must survive that.
     flow = pickle.loads(cloudpickle.dumps(export))
-    params = flow.validate_parameters({"params": {"buckets": "1x8"}})["params"]
-    assert isinstance(params, ExportParams) and params.buckets == "1x8"
+    params = flow.validate_parameters({"params": {"recipe": {"buckets": "1x8"}}})["params"]
+    assert isinstance(params, ExportParams) and params.recipe.buckets == "1x8"
 
 
 def test_default_deployment_parameters_are_empty():
     assert deployment_parameters(ExportParams()) == {"params": {}}
-    assert deployment_parameters(ExportParams(buckets="1x8", tp=1)) == {"params": {"buckets": "1x8", "tp": 1}}
+    assert deployment_parameters(ExportParams(recipe={"buckets": "1x8"}, tp=1)) == {
+        "params": {"recipe": {"buckets": "1x8"}, "tp": 1}}
 
 
 def test_lease_names_are_one_per_model():

@@ -18,13 +18,13 @@ def test_second_export_of_a_model_waits_for_the_lease(prefect_server, ops_env, t
     from prefect.concurrency.sync import concurrency
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.lease import ensure_limit, lease_name
+    from flows.model_lease import ensure_limit, lease_name
 
     api = prefect_server.api()
     export_id = f"queued-{uuid.uuid4().hex[:8]}"
     # The run is refused by the gate right after its probe: cheap, and it shows when the probe ran.
     # retry_refusals (with no retries) makes kiln export leave the refusal to the flow run, after the lease.
-    cmd = [sys.executable, "-m", "kiln.cli", "export", "--export-id", export_id, "--buckets", "1x8",
+    cmd = [sys.executable, "-m", "cli.main", "export", "--export-id", export_id, "--buckets", "1x8",
            "--store", f"file://{tmp_path / 'store'}", "--set", "headroom_floor_mib=10000000",
            "--set", "retry_refusals=true", "--set", "flow_retries=0"]
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
@@ -58,15 +58,15 @@ def test_a_killed_export_frees_the_model_lease(prefect_server, ops_env, tmp_path
 
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from flows.lease import LEASE_S, lease_name
     from procmarks import wait_gone
 
+    from flows.model_lease import LEASE_S, lease_name
+
     model = tmp_path / f"lease-victim-{uuid.uuid4().hex[:6]}"
-    subprocess.run([sys.executable, "-m", "kiln.cli", "checkpoint", str(model)], env=ops_env, check=True,
+    subprocess.run([sys.executable, "-m", "cli.main", "checkpoint", str(model)], env=ops_env, check=True,
                    capture_output=True, timeout=300)
     mark = uuid.uuid4().hex
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "export", "--model", str(model), "--tp", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "export", "--model", str(model), "--tp", "2",
                              "--buckets", "1x8,2x8,4x8", "--store", f"file://{tmp_path / 'store'}"],
                             env={**ops_env, "KILN_TEST_MARK": mark}, cwd=tmp_path, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -72,15 +72,15 @@ def test_transient_store_error_is_retried_by_the_task(kiln_run, prefect_server, 
 _FAILING_RUNS = """
 import json, sys
 from flows.export import export
-from kiln.params import ExportParams
+from flows.params import ExportParams
 
 runs = {
-    "bad_input": ExportParams(model=sys.argv[1], settings=["flow_retry_delay_s=1"]),
-    "refused": ExportParams(store=sys.argv[2], buckets="1x8",
-                            settings=["headroom_floor_mib=10000000", "flow_retry_delay_s=1"]),
-    "waits_for_memory": ExportParams(store=sys.argv[2], buckets="1x8",
-                                     settings=["headroom_floor_mib=10000000", "flow_retries=1",
-                                               "flow_retry_delay_s=1", "retry_refusals=true"]),
+    "bad_input": ExportParams(model=sys.argv[1], recipe={"flow_retry_delay_s": 1}),
+    "refused": ExportParams(store=sys.argv[2],
+                            recipe={"buckets": "1x8", "headroom_floor_mib": 10000000, "flow_retry_delay_s": 1}),
+    "waits_for_memory": ExportParams(store=sys.argv[2],
+                                     recipe={"buckets": "1x8", "headroom_floor_mib": 10000000, "flow_retries": 1,
+                                             "flow_retry_delay_s": 1, "retry_refusals": True}),
 }
 print(json.dumps({name: str(export(p, return_state=True).state_details.flow_run_id) for name, p in runs.items()}))
 """

@@ -56,7 +56,7 @@ def test_api_refuses_out_of_bounds_parameters(serve, prefect_server):
     served = serve()
     api = prefect_server.api()
     bad = api.post(f"/deployments/{served.deployment['id']}/create_flow_run",
-                   {"parameters": {"params": {"tp": 0, "buckets": "ax3"}}})
+                   {"parameters": {"params": {"tp": 0, "recipe": {"buckets": "ax3"}}}})
     assert bad.status_code in (409, 422), bad.text
     assert not api.flow_runs(deployment_id={"any_": [served.deployment["id"]]})
     schema = served.deployment["parameter_openapi_schema"]

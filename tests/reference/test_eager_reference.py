@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kiln.checkpoint import inspect_checkpoint, load_rank_weights
-from kiln.model import ShardedDecoder
-
 from hf_models import CASES, CLASSES, transformers, write_case
+
+from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights
+from kiln.host.model import ShardedDecoder
 
 FEATURE_OFF = {
     # case: the ModelConfig fields that turn its feature off

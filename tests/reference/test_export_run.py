@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from hf_models import reference_generate, write_case
 
 pytestmark = pytest.mark.slow
@@ -110,9 +109,9 @@ def test_a_verify_mismatch_is_final_not_retried(kiln, export_and_run, prefect_se
 
 def test_a_realistic_bfloat16_export_runs_with_torch_alone(export_and_run, tmp_path):
     """The consumer contract at a real shape (bfloat16, head_dim 128, vocabulary 32000), from the manifest alone."""
-    import torch
     from pathlib import Path
 
+    import torch
     from torch_only_harness import run_torch_only, run_with_kiln
 
     got = export_and_run("llama-realistic-bf16")

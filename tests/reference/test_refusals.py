@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from hf_models import hf_config, hf_model
 
 REFUSED = {

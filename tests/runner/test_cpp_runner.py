@@ -2,7 +2,7 @@
 
 The test builds the runner (CMake, against the wheel's libtorch), compiles one weightless tp 2 forward,
 writes a bf16 checkpoint in two shards (so the runner reads an index and casts to the float32 the
-package was compiled for) and a version 3 manifest from kiln.contract, runs two ranks of the runner
+package was compiled for) and a version 3 manifest from kiln.core.contract, runs two ranks of the runner
 over a TCPStore and compares each rank's logits with `ShardedDecoder(cfg, 1)` on the full weights.
 """
 
@@ -57,13 +57,14 @@ def export(tmp_path_factory) -> dict:
     """A tp 2 export of a 1-layer model: bf16 checkpoint (2 shards), one 1x8 package, a version 3 manifest."""
     import torch
 
-    from kiln.checkpoint import write_checkpoint
-    from kiln.compiler import COMPILER_OPTIONS, CompilePool, model_code_fingerprint
-    from kiln.config import TINY
-    from kiln.contract import PROCESS_GROUP, forward_interface, weight_layout
-    from kiln.keys import forward_spec
-    from kiln.model import random_state_dict
-    from kiln.recipe import Bucket
+    from kiln.core.config import TINY
+    from kiln.core.contract import PROCESS_GROUP, forward_interface, weight_layout
+    from kiln.core.forward_keys import forward_spec
+    from kiln.core.recipe import Bucket
+    from kiln.host.checkpoint import write_checkpoint
+    from kiln.host.compiler import CompilePool, model_code_fingerprint
+    from kiln.host.inductor_options import COMPILER_OPTIONS
+    from kiln.host.model import random_state_dict
 
     root = tmp_path_factory.mktemp("cpp-export")
     # head_dim 32: the rotary frequencies are too long for Inductor to inline; they must come from the graph.
@@ -122,7 +123,7 @@ def _run_ranks(runner: Path, export: dict, tokens: list[int], out: Path, world_s
 def _eager_logits(export: dict, tokens: list[int]):
     import torch
 
-    from kiln.model import ShardedDecoder
+    from kiln.host.model import ShardedDecoder
 
     cfg = export["cfg"]
     model = ShardedDecoder(cfg, 1).eval()
@@ -166,9 +167,9 @@ def test_cpp_runner_runs_what_kiln_export_wrote(runner, tp2_export, tmp_path):
     """The manifest and packages of a real `kiln export --tp 2` are enough for the runner, for every bucket."""
     import torch
 
-    from kiln.checkpoint import load_rank_weights
-    from kiln.config import ModelConfig
-    from kiln.model import ShardedDecoder
+    from kiln.core.config import ModelConfig
+    from kiln.host.checkpoint import load_rank_weights
+    from kiln.host.model import ShardedDecoder
 
     root = Path(tp2_export["store"].removeprefix("file://"))
     r = tp2_export["cold_report"]

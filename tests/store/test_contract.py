@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.errors import IntegrityError
+from kiln.core.errors import IntegrityError
 from kiln.store import LocalStore, ObjectMissing, Store, open_store, sha256_bytes, sha256_file
 from kiln.store.base import json_bytes
 

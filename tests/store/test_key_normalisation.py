@@ -6,7 +6,7 @@ import unicodedata
 
 import pytest
 
-from kiln.errors import BadInput
+from kiln.core.errors import BadInput
 from kiln.store import LocalStore, check_no_collisions, normalized_key, validate_key
 
 CAFE_NFC = "caf\u00e9"

@@ -4,9 +4,9 @@ import hashlib
 
 import pytest
 
-from kiln.errors import BadInput
+from kiln.core.errors import BadInput
+from kiln.core.key_rules import validate_bucket, validate_sha256
 from kiln.store import sha256_bytes, sha256_file, validate_key, validate_prefix
-from kiln.store.keys import validate_bucket, validate_sha256
 
 
 @pytest.mark.parametrize("key", ["a", "forwards/ab12.pt2", "a/b/c.json", "x.y-z_1", "a/.hidden", "a/..b"])

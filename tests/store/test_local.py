@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kiln.errors import BadInput, IntegrityError, StoreError
+from kiln.core.errors import BadInput, IntegrityError, StoreError
 from kiln.store import LocalStore, sha256_bytes
 
 

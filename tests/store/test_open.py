@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.errors import BadInput
+from kiln.core.errors import BadInput
 from kiln.store import LocalStore, open_store
 from kiln.store.s3 import S3Store
 

@@ -11,7 +11,7 @@ import boto3
 import pytest
 from botocore.exceptions import IncompleteReadError
 
-from kiln.errors import BadInput, IntegrityError, StoreError
+from kiln.core.errors import BadInput, IntegrityError, StoreError
 from kiln.store import open_store, sha256_bytes
 from kiln.store.s3 import S3Store
 

@@ -9,11 +9,11 @@ import zipfile
 
 import pytest
 
-from kiln import trust
-from kiln.errors import IntegrityError
-from kiln.manifest import build_manifest
+from blocks import trust
+from cli.verify import fetch_verified_export
+from kiln.core.errors import IntegrityError
+from kiln.core.manifest import build_manifest
 from kiln.store import LocalStore
-from kiln.verify import fetch_verified_export
 
 KEY = "ab" * 16
 

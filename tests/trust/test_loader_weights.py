@@ -17,10 +17,10 @@ pytestmark = pytest.mark.slow
 LOAD = r"""
 import json, sys
 import torch
-from kiln.config import ModelConfig
-from kiln.errors import UnloadablePackage
-from kiln.loader import load_forward
-from kiln.model import ShardedDecoder
+from kiln.core.config import ModelConfig
+from kiln.core.errors import UnloadablePackage
+from kiln.host.loader import load_forward
+from kiln.host.model import ShardedDecoder
 
 job = json.loads(sys.argv[1])
 cfg = ModelConfig(**job["config"])

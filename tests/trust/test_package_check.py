@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.errors import IntegrityError
-from kiln.package_check import PackageLimits, check_package
+from kiln.core.errors import IntegrityError
+from kiln.core.package_check import PackageLimits, check_package
 
 ROOT = "fwd"
 GOOD = {

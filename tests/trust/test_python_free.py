@@ -1,4 +1,4 @@
-"""Which packages need Python: kiln.package_check.package_calls, proven against a fresh interpreter.
+"""Which packages need Python: kiln.core.package_check.package_calls, proven against a fresh interpreter.
 
 A package that calls a Python `torch.library.custom_op` is what Kiln's forwards
 were before they used torch's native collectives: the inspection must call it
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.package_check import check_package, package_calls
+from kiln.core.package_check import check_package, package_calls
 from kiln.store import LocalStore
 
 pytestmark = pytest.mark.slow
@@ -72,8 +72,8 @@ def test_kiln_packages_inspect_as_python_free_with_native_collectives(tp2_export
 
 def test_the_outcome_check_inspects_a_package_that_has_no_record(tp2_export):
     """A host that died between uploading a package and its record: the outcome check inspects the bytes."""
-    from kiln import hostwork
-    from kiln.keys import inspection_key
+    from kiln.core.forward_keys import inspection_key
+    from tasks import hostwork
 
     store = LocalStore(Path(tp2_export["store"].removeprefix("file://")))
     keys = sorted(f["key"] for f in tp2_export["cold_report"]["forwards"])

@@ -15,18 +15,18 @@ import zipfile
 
 import pytest
 
-from kiln.errors import IntegrityError
-from kiln.loader import load_forward, sha256_of
-from kiln.package_check import check_package
+from kiln.core.errors import IntegrityError
+from kiln.core.package_check import check_package
+from kiln.host.loader import load_forward, sha256_of
 
 pytestmark = pytest.mark.slow
 
 LOAD_AND_CALL = r"""
 import json, sys
 import torch
-from kiln.config import ModelConfig
-from kiln.loader import load_forward
-from kiln.model import ShardedDecoder, example_inputs
+from kiln.core.config import ModelConfig
+from kiln.host.loader import load_forward
+from kiln.host.model import ShardedDecoder, example_inputs
 
 job = json.loads(sys.argv[1])
 cfg = ModelConfig(**job["config"])

@@ -15,7 +15,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from kiln import signing
+from kiln.core import signing
 
 pytestmark = pytest.mark.slow
 
@@ -228,8 +228,14 @@ def _prefect_records(api_url: str, export_id: str) -> tuple[str, list[str]]:
     """(this export's flow run id, everything the server holds about that run as JSON: the flow run, its
     task runs, all its logs and all its artifacts), read page by page and filtered by the run."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId,
-                                                LogFilter, LogFilterFlowRunId)
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     key = export_id.lower().replace("_", "-").replace(".", "-")  # the flow's artifact keys start with it

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from kiln import signing
-from kiln.errors import BadInput, IntegrityError
-from kiln.signing import SigningPlan
+from kiln.core import signing
+from kiln.core.errors import BadInput, IntegrityError
+from kiln.core.signing import SigningPlan
 
 MANIFEST = {"version": 3, "export_id": "e1", "tp": 2, "signing": {"signed": True, "key_fingerprint": None},
             "forwards": [{"key": "ab" * 16, "bucket": "1x8", "sha256": "0" * 64, "object": f"forwards/{'ab' * 16}.pt2", "python_free": True}],
@@ -73,8 +73,8 @@ def test_bad_private_keys_name_the_source_not_the_bytes(text):
 
 
 def test_private_key_of_another_algorithm_is_refused():
-    from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
     other = ec.generate_private_key(ec.SECP256R1()).private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     with pytest.raises(BadInput, match="not an Ed25519 private key"):
@@ -154,7 +154,7 @@ def test_signing_plan_carries_no_secret(key):
 
 
 def test_signing_module_imports_no_torch_prefect_or_boto3():
-    code = ("import sys, kiln.signing, kiln.manifest, kiln.package_check, kiln.cache, kiln.faults; "
+    code = ("import sys, kiln.core.signing, kiln.core.manifest, kiln.core.package_check, kiln.host.cache, kiln.host.faults; "
             "print(sorted(m for m in ('torch', 'prefect', 'boto3') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -8,10 +8,11 @@ import stat
 
 import pytest
 
-from kiln import signing, trust
-from kiln.errors import BadInput, IntegrityError, KilnError
-from kiln.manifest import check_manifest
-from kiln.signing import SigningPlan
+from blocks import trust
+from kiln.core import signing
+from kiln.core.errors import BadInput, IntegrityError, KilnError
+from kiln.core.manifest import check_manifest
+from kiln.core.signing import SigningPlan
 from kiln.store import LocalStore, open_store
 
 

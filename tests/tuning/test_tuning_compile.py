@@ -1,7 +1,7 @@
 """The tuning mechanism for real: measure, store, reuse, and a compile worker that benchmarks nothing.
 
 CPU forwards cannot use what CPU max-autotune offers besides ATen (the C++
-GEMM templates prepack weights at compile time; see kiln.tuning), so the tune
+GEMM templates prepack weights at compile time; see kiln.core.tuning_plan), so the tune
 phase of a CPU export measures nothing. These tests measure CPU's ATen and
 C++ candidates explicitly (backends 'ATEN,CPP') to check the mechanism every
 tuned target relies on, and keep checking why CPU forwards do not use it: if a
@@ -21,11 +21,13 @@ import time
 
 import pytest
 
-from kiln import probe, tuner, tuning
-from kiln.compiler import CompilePool, compiler_options
-from kiln.config import TINY
-from kiln.job import ExportJob
-from kiln.recipe import Recipe, parse_buckets
+from kiln.core import tuning_plan
+from kiln.core.config import TINY
+from kiln.core.job import ExportJob
+from kiln.core.recipe import Recipe, parse_buckets
+from kiln.host import probe, tuner
+from kiln.host.compiler import CompilePool
+from kiln.host.inductor_options import compiler_options
 from kiln.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -65,7 +67,7 @@ def test_cold_run_measures_every_candidate_warm_run_nothing(tuned):
     results = stored(tuned)
     assert len(results) == 6
     # Candidates benchmarked (Inductor's counter) = timings stored: every shape's ATen and C++ candidates.
-    assert cold["measured"] == sum(tuning.count_timings(r["entries"]) for r in results.values()) >= 12
+    assert cold["measured"] == sum(tuning_plan.count_timings(r["entries"]) for r in results.values()) >= 12
     assert (warm["measured"], warm["hits"], warm["misses"], warm["changed"]) == (0, 6, 0, False)
     assert warm["measure_s"] == 0 and tuned["warm_s"] < tuned["cold_s"] / 10
 
@@ -85,25 +87,25 @@ def test_compile_uses_stored_choices_without_benchmarking(tuned, tmp_path, monke
     entries = tuner.load_for_compile(store, [spec], torch.__version__)
     with CompilePool(1, tuning_entries=entries) as pool:
         [result] = pool.run([(spec, str(tmp_path / "f.pt2"))], lambda r: None)
-    from kiln.model import ShardedDecoder
+    from kiln.host.model import ShardedDecoder
 
     linears = collections.Counter((m.in_features, m.out_features) for m in ShardedDecoder(TINY, 2).modules()
                                   if isinstance(m, torch.nn.Linear))
     assert result.autotune["selections"] == sum(linears.values()) == 15
     assert result.autotune["benchmarked"] == 0
-    assert result.autotune["tuning_timings"] == tuning.count_timings(entries)
+    assert result.autotune["tuning_timings"] == tuning_plan.count_timings(entries)
     chosen = {}
     for r in stored(tuned).values():
-        [win] = [c for ins in tuning.winners(r["entries"]).values() for p in ins.values() for c in p.values()]
+        [win] = [c for ins in tuning_plan.winners(r["entries"]).values() for p in ins.values() for c in p.values()]
         chosen[(r["shape"]["k"], r["shape"]["n"])] = win
     cpp_gemms = sum(n for kn, n in linears.items() if chosen[kn].startswith("Cpp"))
     loaded = _load_with_rank_weights(result.path)
     assert loaded["extra_constants"] == cpp_gemms, (chosen, loaded)
     assert (loaded["error"] is not None) == (cpp_gemms > 0), loaded
     if cpp_gemms:  # Kiln's loader names the cause instead of AOTInductor's bare RuntimeError
-        from kiln.errors import KilnError
-        from kiln.loader import load_forward
-        from kiln.model import random_state_dict, shard_state_dict
+        from kiln.core.errors import KilnError
+        from kiln.host.loader import load_forward
+        from kiln.host.model import random_state_dict, shard_state_dict
 
         weights = shard_state_dict(random_state_dict(TINY), TINY, 2, 0)
         with pytest.raises(KilnError, match=f"needs {cpp_gemms} constant"):
@@ -114,10 +116,10 @@ def _load_with_rank_weights(path: str) -> dict:
     """In a fresh process: the package's constants beyond a rank's weights, and whether the weights load."""
     code = textwrap.dedent(f"""
         import json, torch
-        import kiln.model
-        from kiln.config import TINY
-        from kiln.loader import _compact
-        weights = kiln.model.shard_state_dict(kiln.model.random_state_dict(TINY), TINY, 2, 0)
+        import kiln.host.model
+        from kiln.core.config import TINY
+        from kiln.host.loader import _compact
+        weights = kiln.host.model.shard_state_dict(kiln.host.model.random_state_dict(TINY), TINY, 2, 0)
         package = torch._inductor.aoti_load_package({path!r})
         names = set(package.get_constant_fqns())
         error = None

@@ -1,14 +1,14 @@
 """Two exports in a row through the real flow, with tuning forced onto CPU's C++ GEMM candidates.
 
 A CPU export measures nothing (weightless forwards cannot use the C++
-templates; see kiln.tuning). To run the flow's tuning path for real on this
+templates; see kiln.core.tuning_plan). To run the flow's tuning path for real on this
 CPU machine, the flow runs in a subprocess that admits 'CPP' for CPU forwards
 first (in this process: one local host, so the tasks run here and see it).
 What it shows:
 
 - tuning runs once for the target, measures every candidate of a fresh
   store, and the next export measures nothing, quickly (that several hosts of
-  one target tune once is kiln.tuning.tuning_hosts, unit-tested);
+  one target tune once is kiln.core.tuning_plan.tuning_hosts, unit-tested);
 - the compile workers, given the stored results, autotune every GEMM and
   benchmark nothing;
 - the forwards then carry C++ kernels whose prepacked weights no rank can
@@ -30,11 +30,11 @@ pytestmark = pytest.mark.slow
 
 RUN_FLOW = textwrap.dedent("""
     import json, sys
-    from kiln import tuning
-    tuning.WEIGHTLESS_GEMM_BACKENDS["cpu"] = ("ATEN", "CPP")  # what CPU forwards must not use (see module doc)
+    from kiln.core import tuning_plan
+    tuning_plan.WEIGHTLESS_GEMM_BACKENDS["cpu"] = ("ATEN", "CPP")  # what CPU forwards must not use (see module doc)
     from flows.export import export
-    from kiln.params import ExportParams
-    from kiln.errors import KilnError
+    from flows.params import ExportParams
+    from kiln.core.errors import KilnError
     params = ExportParams(**json.loads(sys.argv[1]))
     try:
         export(params)
@@ -63,8 +63,8 @@ def two_exports(tmp_path_factory):
     env.pop("PREFECT_API_URL", None)
     reports = []
     for name in ("first", "second"):
-        params = {"model": "tiny", "tp": 2, "buckets": "1x16,2x8", "store": f"file://{d / 'store'}",
-                  "export_id": f"tuned-{name}", "flow_retries": 0, "report": str(d / f"{name}.json")}
+        params = {"model": "tiny", "tp": 2, "store": f"file://{d / 'store'}", "export_id": f"tuned-{name}",
+                  "recipe": {"buckets": "1x16,2x8", "flow_retries": 0}, "report": str(d / f"{name}.json")}
         run = subprocess.run([sys.executable, "-c", RUN_FLOW, json.dumps(params)], env=env, capture_output=True,
                              text=True, timeout=1500)
         assert (d / f"{name}.json").exists(), run.stderr[-3000:]
@@ -106,7 +106,7 @@ def test_compile_workers_used_the_stored_choices(two_exports):
 def test_share_verify_refuses_forwards_with_prepacked_weights(two_exports):
     r = two_exports["first"]
     store = two_exports["dir"] / "store"
-    from kiln.tuning import winners
+    from kiln.core.tuning_plan import winners
 
     cpp = any(w.startswith("Cpp")
               for p in (store / "tuning").glob("*.json")

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from kiln import tuner, tuning
-from kiln.compiler import compiler_options
-from kiln.config import TINY
-from kiln.errors import IntegrityError, KilnError
-from kiln.job import ExportJob
-from kiln.recipe import Recipe, parse_buckets
+from kiln.core import tuning_plan
+from kiln.core.config import TINY
+from kiln.core.errors import IntegrityError, KilnError
+from kiln.core.job import ExportJob
+from kiln.core.recipe import Recipe, parse_buckets
+from kiln.host import tuner
+from kiln.host.inductor_options import compiler_options
 from kiln.store import open_store
 
 T, V, B = "cpu-x86_64-avx512-test", "2.13.0+cpu", "ATEN,CPP"
@@ -42,7 +43,7 @@ def fake_run(shapes, *, cpp_ms: float = 0.01) -> dict:
 
 
 def save(store, shapes, *, replace=False, cpp_ms=0.01):
-    decision = tuning.TuningDecision(measure=tuple(shapes), hits=(), replace=replace)
+    decision = tuning_plan.TuningDecision(measure=tuple(shapes), hits=(), replace=replace)
     tuner._save(store, fake_run(shapes, cpp_ms=cpp_ms), decision, target=T, torch_version=V, backends=B)
 
 
@@ -52,7 +53,7 @@ def specs(job, found) -> dict[str, dict]:
 
 
 def rows16(job):
-    return tuning.export_shapes(job.model_config, job.tp, job.recipe.buckets)["1x16"]
+    return tuning_plan.export_shapes(job.model_config, job.tp, job.recipe.buckets)["1x16"]
 
 
 def test_lookup_gives_each_bucket_its_results_and_digest(tmp_path):
@@ -65,7 +66,7 @@ def test_lookup_gives_each_bucket_its_results_and_digest(tmp_path):
     assert found["4x8"] == {"digest": None, "objects": [], "missing": 6}
     by_bucket = specs(job, found)
     entries = tuner.load_for_compile(store, [by_bucket["1x16"], by_bucket["2x8"]], V)
-    assert tuning.count_timings(entries) == 12
+    assert tuning_plan.count_timings(entries) == 12
     with pytest.raises(KilnError, match="lacks tuning results for 6 GEMM shape"):
         tuner.load_for_compile(store, [by_bucket["4x8"]], V)
     assert tuner.load_for_compile(store, [{**by_bucket["1x16"], "tuning": None}], V) is None
@@ -116,9 +117,9 @@ def test_a_result_for_another_target_or_torch_is_never_applied(tmp_path):
     assert tuner.lookup(store, job, "cpu-x86_64-avx2-other", V, B)["1x16"]["missing"] == 6
     # Even copied under the other target's key, the result says what it is for and is refused.
     shape = rows16(job)[0]
-    data = store.get_bytes(tuning.object_key(T, V, B, shape))
-    store.put_bytes(tuning.object_key("cpu-x86_64-avx2-other", V, B, shape), data)
-    with pytest.raises(tuning.TuningMismatch, match="never applied"):
+    data = store.get_bytes(tuning_plan.object_key(T, V, B, shape))
+    store.put_bytes(tuning_plan.object_key("cpu-x86_64-avx2-other", V, B, shape), data)
+    with pytest.raises(tuning_plan.TuningMismatch, match="never applied"):
         tuner.lookup(store, job, "cpu-x86_64-avx2-other", V, B)
 
 
@@ -126,9 +127,9 @@ def test_racing_cached_writer_keeps_the_first_result(tmp_path):
     job = make_job(tmp_path, buckets="1x16")
     store = open_store(job.store_url)
     save(store, rows16(job), cpp_ms=0.01)
-    before = store.stat(tuning.object_key(T, V, B, rows16(job)[0])).sha256
+    before = store.stat(tuning_plan.object_key(T, V, B, rows16(job)[0])).sha256
     save(store, rows16(job), cpp_ms=0.5)  # create-once: someone else's result stands, once it verifies
-    assert store.stat(tuning.object_key(T, V, B, rows16(job)[0])).sha256 == before
+    assert store.stat(tuning_plan.object_key(T, V, B, rows16(job)[0])).sha256 == before
 
 
 def test_cpu_tune_phase_measures_nothing_and_says_why(tmp_path):
@@ -150,7 +151,7 @@ def test_install_merges_into_inductor_autotune_cache(tmp_path):
     code = textwrap.dedent(f"""
         import json
         from torch._inductor.codecache import CacheBase
-        from kiln import tuner
+        from kiln.host import tuner
         CacheBase().update_local_cache({{"mm": {{"other": {{"highest": {{"mm-aten": 1.0}}}}}}}})
         first = tuner.install({entries!r})
         second = tuner.install({entries!r})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.cache import cache_root, cache_status, check_caches, check_probed_caches, need_mib
-from kiln.errors import BadInput
+from kiln.core.errors import BadInput
+from kiln.host.cache import cache_root, cache_status, check_caches, check_probed_caches, need_mib
 
 
 def test_a_writable_cache_reports_free_space_and_leaves_no_probe(tmp_path):

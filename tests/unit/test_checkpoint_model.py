@@ -3,9 +3,9 @@
 import torch
 import torch.nn.functional as F
 
-from kiln.checkpoint import inspect_checkpoint, load_rank_weights, random_checkpoint
-from kiln.config import ModelConfig
-from kiln.model import ShardedDecoder, example_inputs, random_state_dict, shard_state_dict
+from kiln.core.config import ModelConfig
+from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights, random_checkpoint
+from kiln.host.model import ShardedDecoder, example_inputs, random_state_dict, shard_state_dict
 
 SMALL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=8, intermediate_size=48)
@@ -63,8 +63,8 @@ def test_checkpoint_tensors_must_match_the_config(tmp_path):
     """A tensor the config does not account for (a bias) is refused; a tied head needs no lm_head.weight."""
     import pytest
 
-    from kiln.checkpoint import write_checkpoint
-    from kiln.errors import BadInput
+    from kiln.core.errors import BadInput
+    from kiln.host.checkpoint import write_checkpoint
 
     state = random_state_dict(SMALL, seed=0)
     write_checkpoint(tmp_path / "extra", SMALL, {**state, "model.layers.0.self_attn.q_proj.bias": torch.zeros(32)})

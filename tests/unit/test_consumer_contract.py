@@ -1,13 +1,13 @@
-"""The consumer contract (kiln.contract) against the torch module it describes, and the outcome check."""
+"""The consumer contract (kiln.core.contract) against the torch module it describes, and the outcome check."""
 
 from __future__ import annotations
 
 import pytest
 
-from kiln.config import TINY
-from kiln.contract import forward_interface, parameter_shapes, shard_slice, weight_layout
-from kiln.errors import KilnError, NotPythonFree
-from kiln.outcome import check_outcome, forward_records
+from kiln.core.config import TINY
+from kiln.core.contract import forward_interface, parameter_shapes, shard_slice, weight_layout
+from kiln.core.errors import KilnError, NotPythonFree
+from kiln.core.outcome import check_outcome, forward_records
 
 CONFIGS = {
     "tiny": TINY,
@@ -19,7 +19,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", CONFIGS)
 def test_parameter_shapes_are_the_torch_modules_own(name):
     pytest.importorskip("torch")
-    from kiln.model import ShardedDecoder
+    from kiln.host.model import ShardedDecoder
 
     cfg = CONFIGS[name]
     module = {n: tuple(p.shape) for n, p in ShardedDecoder(cfg, 1).to("meta").state_dict().items()}
@@ -31,7 +31,7 @@ def test_parameter_shapes_are_the_torch_modules_own(name):
 def test_weight_layout_cuts_are_the_ranks_own_shards(name, tp):
     """What a consumer cuts from the manifest alone is bit for bit what Kiln's own sharding binds."""
     torch = pytest.importorskip("torch")
-    from kiln.model import ShardedDecoder, random_state_dict, shard_state_dict
+    from kiln.host.model import ShardedDecoder, random_state_dict, shard_state_dict
 
     cfg = CONFIGS[name]
     full = random_state_dict(cfg, seed=3)
@@ -61,7 +61,7 @@ def test_layout_says_which_tensors_are_cut_and_how():
 
 def test_interface_matches_the_inputs_and_outputs_of_a_real_step():
     torch = pytest.importorskip("torch")
-    from kiln.model import ShardedDecoder, example_inputs, solo_group
+    from kiln.host.model import ShardedDecoder, example_inputs, solo_group
 
     cfg, tp = CONFIGS["gqa hd64"], 2
     inputs = {"batch": 2, "tokens": 4, "page_tokens": 16, "pages_per_seq": 3}

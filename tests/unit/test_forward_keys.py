@@ -1,7 +1,7 @@
 """Forward keys change with what changes the code, and only with that."""
 
-from kiln.keys import forward_spec
-from kiln.recipe import Bucket
+from kiln.core.forward_keys import forward_spec
+from kiln.core.recipe import Bucket
 
 BASE = dict(bucket=Bucket(1, 16), graph={"config": {"h": 1}, "tp": 2, "code": "abc"}, target="avx2",
             torch_version="2.13.0", page_tokens=16, pages_per_seq=16, compiler={"max_autotune": False})

@@ -2,9 +2,9 @@
 
 import pytest
 
-from kiln.errors import GateRefused
-from kiln.gate import HostReport, decide
-from kiln.recipe import Recipe
+from kiln.core.errors import GateRefused
+from kiln.core.gate import HostReport, decide
+from kiln.core.recipe import Recipe
 
 INCIDENT = Recipe(headroom_floor_mib=8192, recipe_headroom_mib=1024, worker_host_mib=2048,
                   worker_device_mib=2048, unified_memory=True)
@@ -159,8 +159,8 @@ def test_scale_on_paper_assigns_every_key_once():
 
 
 def test_replan_without_lost_hosts_gives_their_keys_to_the_rest():
-    from kiln.job import ExportJob
-    from kiln.planning import replan_without
+    from kiln.core.decisions import replan_without
+    from kiln.core.job import ExportJob
 
     job = ExportJob(export_id="e", model_name="m", checkpoint="/x", config={}, tp=2, recipe=Recipe(),
                     store_url="file:///s")

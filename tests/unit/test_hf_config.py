@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from kiln.config import TINY, ModelConfig
-from kiln.errors import BadInput
-from kiln.hf_config import from_hf, to_hf
-from kiln.job import ExportJob
-from kiln.recipe import Recipe
+from kiln.core.config import TINY, ModelConfig
+from kiln.core.errors import BadInput
+from kiln.core.hf_config import from_hf, to_hf
+from kiln.core.job import ExportJob
+from kiln.core.recipe import Recipe
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 128,
          "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -123,8 +123,8 @@ def test_every_config_field_is_in_the_forward_key():
 
 def test_dtype_override_changes_what_is_compiled(tmp_path, monkeypatch):
     """--dtype replaces the checkpoint's dtype in the job (and so in every forward key); weights are converted."""
-    from kiln.checkpoint import random_checkpoint
-    from kiln.params import ExportParams, prepare
+    from flows.params import ExportParams, prepare
+    from kiln.host.checkpoint import random_checkpoint
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
     small = TINY.replace(num_layers=1, vocab_size=64)

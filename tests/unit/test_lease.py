@@ -1,4 +1,4 @@
-from kiln.lease import decide_lease, generation_of, lease_key, new_lease
+from kiln.core.leases import decide_lease, generation_of, lease_key, new_lease
 
 
 def test_free_key_creates_generation_zero():

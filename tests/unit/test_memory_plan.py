@@ -3,12 +3,12 @@ and a refusal when the KV cache could not hold the largest bucket. Pure: no serv
 
 import pytest
 
-from kiln.config import TINY
-from kiln.errors import GateRefused
-from kiln.gate import HostReport, decide
-from kiln.job import ExportJob
-from kiln.planning import describe, host_reports, measured_worker_mib, plan_kv_for, run_gate
-from kiln.recipe import Bucket, Recipe
+from kiln.core.config import TINY
+from kiln.core.decisions import describe, host_reports, measured_worker_mib, plan_kv_for, run_gate
+from kiln.core.errors import GateRefused
+from kiln.core.gate import HostReport, decide
+from kiln.core.job import ExportJob
+from kiln.core.recipe import Bucket, Recipe, recipe_from_text
 
 
 def test_the_per_worker_figure_says_where_it_comes_from():
@@ -16,7 +16,7 @@ def test_the_per_worker_figure_says_where_it_comes_from():
     assert r.worker_host_source(None) == (1024, "estimate")
     assert r.worker_host_source(500) == (500, "measured")
     assert Recipe(worker_host_mib=2048).worker_host_source(500) == (2048, "recipe"), "a set figure always wins"
-    assert Recipe().with_overrides(["worker_host_mib=auto"]).worker_host_mib is None
+    assert recipe_from_text(["worker_host_mib=auto"]).worker_host_mib is None
     assert measured_worker_mib(Recipe(worker_mib_margin=1.15), [400, 430, 412]) == 495  # ceil(430 x 1.15)
     assert measured_worker_mib(Recipe(), []) is None
 
@@ -78,9 +78,9 @@ def test_reports_carry_the_measured_figure():
 
 
 def test_checks_that_would_not_fit_are_refused_before_they_start():
-    from kiln.errors import MemoryShort
-    from kiln.hostwork import check_memory
-    from kiln.sizing import check_peak_mib, verify_peak_mib
+    from kiln.core.errors import MemoryShort
+    from kiln.core.sizing import check_peak_mib, verify_peak_mib
+    from tasks.hostwork import check_memory
 
     j = job()
     shard = TINY.weight_bytes_per_rank(2)

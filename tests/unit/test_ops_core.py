@@ -7,59 +7,74 @@ import struct
 import pytest
 from pydantic import ValidationError
 
-from kiln import faults
-from kiln.compiler import CompileFailed
-from kiln.errors import (BadInput, GateRefused, HostsLost, IntegrityError, KilnError, StoreError, VerifyMismatch,
-                         worth_retrying)
-from kiln.ledger_plot import draw, ledger_key, markdown
-from kiln.params import ExportParams, build_recipe, default_export_id, export_params, model_name
-from kiln.recipe import Recipe
-from kiln.report import Report
-
+from flows.params import ExportParams, build_recipe, default_export_id, export_params, model_name
+from kiln.core.errors import (
+    BadInput,
+    GateRefused,
+    HostsLost,
+    IntegrityError,
+    KilnError,
+    StoreError,
+    VerifyMismatch,
+    worth_retrying,
+)
+from kiln.core.ledger_plot import draw, ledger_key, markdown
+from kiln.core.recipe import Recipe, recipe_from_text
+from kiln.core.report import Report
+from kiln.host import faults
+from kiln.host.compiler import CompileFailed
 
 # --- parameters: the run form's bounds --------------------------------------------------------------
 
 def test_empty_parameters_are_the_tiny_default_export():
     p = ExportParams.model_validate({})
-    assert (p.model, p.tp, p.buckets, p.store, p.settings) == ("tiny", 2, None, None, [])
+    assert (p.model, p.tp, p.store, p.recipe.buckets, p.recipe.policy) == ("tiny", 2, None, "1x16,2x16,4x32,8x64",
+                                                                          "borrow")
 
 
-@pytest.mark.parametrize("bad", [{"tp": 0}, {"tp": 2000}, {"buckets": "ax3"}, {"buckets": "1x16,4"},
-                                 {"flow_retries": -1}, {"flow_retries": 11}, {"flow_retry_delay_s": -1},
-                                 {"settings": ["no equals sign"]}, {"assume_available": {"h": -5}},
-                                 {"export_id": "a/b"}, {"policy": "lend"}, {"nonsense": 1}])
+@pytest.mark.parametrize("bad", [{"tp": 0}, {"tp": 2000}, {"recipe": {"buckets": "ax3"}},
+                                 {"recipe": {"buckets": "1x16,4"}}, {"recipe": {"buckets": "0x16"}},
+                                 {"recipe": {"flow_retries": -1}}, {"recipe": {"flow_retries": 11}},
+                                 {"recipe": {"flow_retry_delay_s": -1}}, {"recipe": {"nonsense": 1}},
+                                 {"assume_available": {"h": -5}}, {"recipe": {"page_tokens": 0}},
+                                 {"export_id": "a/b"}, {"recipe": {"policy": "lend"}}, {"nonsense": 1}])
 def test_out_of_bounds_parameters_are_rejected(bad):
     with pytest.raises(ValidationError):
         ExportParams.model_validate(bad)
 
 
 def test_schema_carries_bounds_for_the_ui():
-    props = ExportParams.model_json_schema()["properties"]
+    schema = ExportParams.model_json_schema()
+    props = schema["properties"]
     assert props["tp"]["minimum"] == 1 and props["tp"]["maximum"] == 1024
-    assert props["flow_retries"]["anyOf"][0]["maximum"] == 10
-    assert "pattern" in props["buckets"]["anyOf"][0]
+    recipe = schema["$defs"]["RecipeSettings"]["properties"]
+    assert recipe["flow_retries"]["maximum"] == 10 and recipe["flow_retries"]["default"] == 2
+    assert "pattern" in recipe["buckets"] and recipe["buckets"]["default"] == "1x16,2x16,4x32,8x64"
+    assert recipe["policy"] == {**recipe["policy"], "enum": ["borrow", "fail"], "default": "borrow"}
     assert all(props[name].get("description") for name in props)
-    assert ExportParams.model_json_schema()["additionalProperties"] is False
+    assert all(recipe[name].get("description") for name in recipe)
+    assert schema["additionalProperties"] is False
+    assert schema["$defs"]["RecipeSettings"]["additionalProperties"] is False
 
 
 def test_cli_values_out_of_bounds_are_bad_input_naming_the_flag():
-    with pytest.raises(BadInput, match=r"--buckets 'ax3'.*BATCHxTOKENS"):
-        export_params(buckets="ax3")
+    with pytest.raises(BadInput, match=r"--flow-retries 11.*less than or equal to 10"):
+        export_params(recipe={"flow_retries": 11})
     with pytest.raises(BadInput, match="--tp 0"):
         export_params(tp=0)
 
 
 def test_flow_retry_fields_reach_the_recipe():
-    r = build_recipe(ExportParams(flow_retries=0, flow_retry_delay_s=1.5))
+    r = build_recipe(ExportParams(recipe={"flow_retries": 0, "flow_retry_delay_s": 1.5}))
     assert (r.flow_retries, r.flow_retry_delay_s) == (0, 1.5)
     assert (Recipe().flow_retries, Recipe().flow_retry_delay_s) == (2, 30.0)
-    assert build_recipe(ExportParams(settings=["flow_retries=5"])).flow_retries == 5
+    assert build_recipe(export_params(recipe={"flow_retries": 5})).flow_retries == 5
 
 
 @pytest.mark.parametrize("item", ["flow_retries=-1", "flow_retry_delay_s=-2", "flow_retries=x"])
 def test_bad_flow_retry_settings(item):
     with pytest.raises(BadInput):
-        Recipe().with_overrides([item])
+        recipe_from_text([item])
 
 
 def test_default_export_id_is_stable_for_one_run(tmp_path):
@@ -83,8 +98,8 @@ def test_a_refusal_is_retried_only_when_the_recipe_waits_for_memory():
     assert Recipe().retry_refusals is False
     assert worth_retrying(GateRefused("short"), retry_refusals=True)
     assert not worth_retrying(BadInput("x"), retry_refusals=True)
-    assert build_recipe(ExportParams(retry_refusals=True)).retry_refusals is True
-    assert build_recipe(ExportParams(settings=["retry_refusals=true"])).retry_refusals is True
+    assert build_recipe(ExportParams(recipe={"retry_refusals": True})).retry_refusals is True
+    assert recipe_from_text(["retry_refusals=true"]).retry_refusals is True
 
 
 def test_parameter_validation_errors_are_not_worth_retrying():

@@ -2,10 +2,11 @@
 
 import pytest
 
-from kiln.config import TINY, ModelConfig
-from kiln.errors import BadInput
-from kiln.recipe import Bucket, Recipe, parse_buckets
-from kiln.sizing import floor_admitting_one, page_bytes, plan_kv, required_mib, worker_capacity
+from kiln.core.config import TINY, ModelConfig
+from kiln.core.errors import BadInput
+from kiln.core.hf_config import from_hf, to_hf
+from kiln.core.recipe import Bucket, Recipe, parse_buckets, recipe_from_text
+from kiln.core.sizing import floor_admitting_one, page_bytes, plan_kv, required_mib, worker_capacity
 
 
 def test_incident_one_worker_needs_12288():
@@ -51,12 +52,12 @@ def test_buckets_sorted_and_deduplicated():
                                   "max_context_tokens=100", "buckets=", "unified_memory=maybe"])
 def test_bad_overrides(item):
     with pytest.raises(BadInput):
-        Recipe().with_overrides([item])
+        recipe_from_text([item])
 
 
 def test_overrides_are_typed():
-    r = Recipe().with_overrides(["headroom_floor_mib=8192", "unified_memory=true", "buckets=2x8",
-                                 "verify_atol=0.01", "policy=fail"])
+    r = recipe_from_text(["headroom_floor_mib=8192", "unified_memory=true", "buckets=2x8",
+                          "verify_atol=0.01", "policy=fail"])
     assert r.headroom_floor_mib == 8192 and r.unified_memory is True
     assert r.buckets == (Bucket(2, 8),) and r.verify_atol == 0.01 and r.policy == "fail"
     assert Recipe.from_dict(r.to_dict()) == r
@@ -93,8 +94,8 @@ def test_tp_must_divide_heads():
 
 
 def test_config_round_trip():
-    assert ModelConfig.from_hf(TINY.to_hf()) == TINY
+    assert from_hf(to_hf(TINY)) == TINY
     with pytest.raises(BadInput, match="neither model_type nor architectures"):
-        ModelConfig.from_hf({"vocab_size": 3})
+        from_hf({"vocab_size": 3})
     with pytest.raises(BadInput, match="lacks"):
-        ModelConfig.from_hf({"model_type": "llama", "vocab_size": 3})
+        from_hf({"model_type": "llama", "vocab_size": 3})

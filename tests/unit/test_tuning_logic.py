@@ -2,13 +2,29 @@
 
 import pytest
 
-from kiln.config import TINY
-from kiln.keys import forward_spec
-from kiln.recipe import Bucket
-from kiln.compiler import COMPILER_OPTIONS, compiler_options
-from kiln.tuning import (GemmShape, TuningMismatch, bucket_shapes, build_result, check_result, decide,
-                         distinct_shapes, export_shapes, gemm_backends, merge_entries, object_key, result_id,
-                         summarize, tuning_digest, tuning_hosts, untuned_reason, winners)
+from kiln.core.config import TINY
+from kiln.core.forward_keys import forward_spec
+from kiln.core.recipe import Bucket
+from kiln.core.tuning_plan import (
+    GemmShape,
+    TuningMismatch,
+    bucket_shapes,
+    build_result,
+    check_result,
+    decide,
+    distinct_shapes,
+    export_shapes,
+    gemm_backends,
+    merge_entries,
+    object_key,
+    result_id,
+    summarize,
+    tuning_digest,
+    tuning_hosts,
+    untuned_reason,
+    winners,
+)
+from kiln.host.inductor_options import COMPILER_OPTIONS, compiler_options
 
 T, V, B = "cpu-x86_64-avx512-1234", "2.13.0+cpu", "ATEN,CPP"
 S16 = GemmShape(16, 384, 192, "float32")
@@ -147,7 +163,7 @@ def test_bucket_shapes_match_the_exported_graph():
     torch = pytest.importorskip("torch")
     from torch.export import Dim
 
-    from kiln.model import ShardedDecoder, example_inputs
+    from kiln.host.model import ShardedDecoder, example_inputs
 
     tp, bucket = 2, Bucket(2, 8)
     model = ShardedDecoder(TINY, tp).eval()

@@ -1,0 +1,334 @@
+"""`kiln`: export, serve, plan, verify, checkpoint, keygen and bench.
+
+Every input is checked before Prefect starts or anything is written, so bad
+input exits with code 2 in about a second. Exit codes: 0 done, 2 bad input,
+3 the gate refused, 1 anything else. Expected errors print one or two plain
+sentences to stderr, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from contextlib import contextmanager
+
+from kiln.core.errors import BadInput, GateRefused, KilnError
+from kiln.core.recipe import SETTING, SETTINGS
+from kiln.host.procs import Reaper
+
+
+def _params(args):
+    from flows.params import export_params, parse_assume_available
+    return export_params(hosts=args.hosts, dask=args.dask, store_block=args.store_block,
+                         recipe_block=args.recipe_block, s3_checksum=args.s3_checksum, model=args.model,
+                         tp=args.tp, store=args.store, s3_endpoint=args.s3_endpoint, recipe=_recipe_settings(args),
+                         assume_available=parse_assume_available(args.assume_available),
+                         export_id=getattr(args, "export_id", None), report=args.report,
+                         sign=not getattr(args, "unsigned", False),
+                         signing_key_block=getattr(args, "signing_key_block", None), dtype=args.dtype)
+
+
+def _recipe_settings(args) -> dict:
+    """{setting: typed value} from the recipe flags and `--set NAME=VALUE` (one spelling per setting)."""
+    from kiln.core.settings import parse_assignments
+    flags = {s.name: v for s in SETTINGS if (v := getattr(args, _dest(s))) is not None}
+    sets = parse_assignments(SETTINGS, args.set)
+    both = sorted(set(flags) & set(sets))
+    if both:
+        raise BadInput(f"{SETTING[both[0]].flag} and --set {both[0]}=... both set {both[0]}; give one.")
+    return {**flags, **sets}
+
+
+def _dest(s) -> str:
+    return f"recipe_{s.name}"
+
+
+def _typed(s):
+    """argparse type for setting `s`: its own parser, with argparse's error (exit 2) on bad input."""
+    def parse(text: str):
+        try:
+            return s.parse(text)
+        except BadInput as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse.__name__ = s.kind
+    return parse
+
+
+def _recipe_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per recipe setting, derived from its declaration (kiln/core/recipe.py)."""
+    g = p.add_argument_group("recipe settings", "each defaults to the recipe's (see docs/recipe.md); "
+                             "--set NAME=VALUE sets any of them too")
+    for s in SETTINGS:
+        kind = {"choices": s.choices} if s.kind == "choice" else {"type": _typed(s)}
+        metavar = {"choice": None, "bool": "true|false", "text": s.example}.get(s.kind, (s.unit or "N").upper())
+        if s.nullable and s.kind != "choice":
+            metavar = f"{metavar}|auto"
+        g.add_argument(s.flag, dest=_dest(s), metavar=metavar, **kind,
+                       help=f"{s.describe().rstrip('.')}; default: {s.show(s.default)}".replace("%", "%%"))
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face-layout checkpoint directory")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="compile and run in this dtype (default: the checkpoint's config.json dtype)")
+    p.add_argument("--store", help="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store)")
+    p.add_argument("--s3-endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL)")
+    p.add_argument("--s3-checksum", choices=["when_required", "when_supported"], default="when_required",
+                   help="boto3 checksum mode (some S3-compatible servers reject when_supported)")
+    p.add_argument("--store-block", help="name of a 'Kiln Store' Prefect block")
+    p.add_argument("--recipe-block", help="name of a 'Kiln Recipe' Prefect block")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="set a recipe setting (any of the recipe settings below)")
+    p.add_argument("--assume-available", action="append", default=[], metavar="HOST=MIB",
+                   help="replace a host's available-memory reading")
+    p.add_argument("--report", help="write the JSON report here (also on failure)")
+    p.add_argument("--hosts", type=int, help="start a local Dask cluster of N workers standing for hosts host-0..")
+    p.add_argument("--dask", metavar="ADDRESS", help="Dask scheduler whose workers are the hosts")
+    _recipe_flags(p)
+
+
+def cmd_export(args) -> int:
+    from blocks.trust import DEV_KEY_NAME
+    from flows.params import default_host_names, prepare
+    from kiln.core.home import kiln_home
+    params = _params(args)
+    dev_key = kiln_home() / "keys" / f"{DEV_KEY_NAME}.key"
+    had_dev_key = dev_key.exists()
+    job, hosts = prepare(params, host_names=default_host_names(params))  # fail fast on bad input, before Prefect starts
+    _refuse_before_flow(params, job, hosts)
+    created = " (created now)" if job.signing.source == "dev" and not had_dev_key else ""
+    print(f"kiln: the manifest will be {job.signing.describe()}{created}", file=sys.stderr)
+    if job.signing.source == "dev":
+        print("kiln: the development key is for local stores on this machine; for S3 stores or other machines "
+              "create a key with `kiln keygen DIR` and set KILN_SIGNING_KEY.", file=sys.stderr)
+    with prefect_server_for(params):
+        if params.dask:
+            from flows.hosts import HostRunner
+            with HostRunner(dask_address=params.dask):  # an unreachable scheduler is bad input: say so now
+                pass
+        from flows.export import export
+        report = export(params)
+    print(_summary(report))
+    return 0
+
+
+def _refuse_before_flow(params, job, hosts) -> None:
+    """Raise the gate's refusal now, as fast as `kiln plan`, when this machine's hosts would be refused
+    (or the BadInput of a host cache that cannot take the forwards it lacks).
+
+    Only where the hosts are this machine (not --dask) and a refusal is final (not retry_refusals):
+    then no flow run starts, and the report (`gate.decided_in` 'cli') records the refusal.
+    """
+    if params.dask or job.recipe.retry_refusals:
+        return
+    from cli.plan import refusal_before_flow
+    try:
+        stopped = refusal_before_flow(job, hosts)
+    except BadInput:
+        raise
+    except Exception:  # the flow probes again, with its I/O retries, and reports what fails
+        return
+    if stopped is None:
+        return
+    report, error = stopped
+    if params.report:
+        report.write(params.report)
+    if isinstance(error, GateRefused):
+        print("kiln: refused by the gate before starting Prefect (the probe and gate of `kiln plan`); no flow "
+              "run was started and nothing was compiled.", file=sys.stderr)
+    raise error
+
+
+@contextmanager
+def prefect_server_for(params):
+    """Several hosts need a real Prefect server: check the one named, or start one for --hosts N."""
+    from flows.prefect_server import check_server, local_server
+    url = os.environ.get("PREFECT_API_URL")
+    if url:
+        check_server(url)
+        yield url
+    elif params.hosts:
+        with local_server() as started:
+            yield started
+    elif params.dask:
+        raise BadInput("a multi-host export (--dask) needs a Prefect server that every host reaches: "
+                       "start `prefect server start` and set PREFECT_API_URL.")
+    else:
+        yield None
+
+
+def _summary(report: dict) -> str:
+    lines = [f"export {report['export_id']}: {report['status']}"]
+    for p in report["phases"]:
+        lines.append(f"  {p['name']:<14} {p['status']:<8} {p['duration_s']:8.1f} s")
+    c = report["counts"]
+    lines.append(f"  forwards {c['forwards']}: compiled {c['compiled']}, reused {c['reused']}; "
+                 f"tuning measured {c['tuning_measured']}")
+    lines.append(f"  manifest {report['store'].rstrip('/')}/{report['manifest']}")
+    sig = report.get("signing") or {}
+    lines.append(f"  signed: {'yes, ' + sig['key_fingerprint'] if sig.get('signed') else 'NO (--unsigned)'}")
+    return "\n".join(lines)
+
+
+def cmd_serve(args) -> int:
+    from flows.params import prepare
+    params = _params(args)
+    prepare(params)  # the deployment's defaults must make a valid export
+    from flows.serve import serve
+    serve(params, name=args.name, cron=args.cron, interval_s=args.interval, limit=args.limit)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from cli.plan import plan_only
+    params = _params(args)
+    result = plan_only(params)
+    print(result["text"])
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(result["report"], f, indent=2)
+    return 0 if result["feasible"] else 3
+
+
+def cmd_verify(args) -> int:
+    from cli.verify import verify_export
+    result = verify_export(args.store, args.export_id, model=args.model, s3_endpoint=args.s3_endpoint,
+                           verify_keys=args.verify_key, verify_key_block=args.verify_key_block,
+                           allow_unsigned=args.allow_unsigned)
+    for line in result["lines"]:
+        print(line)
+    return 0
+
+
+def cmd_run(args) -> int:
+    from cli.run import run_export
+    from kiln.core.decode import parse_tokens
+    result = run_export(args.store, args.export_id, prompt=parse_tokens(args.tokens),
+                        max_new_tokens=args.max_new_tokens, json_path=args.json, model=args.model,
+                        s3_endpoint=args.s3_endpoint, verify_keys=args.verify_key,
+                        verify_key_block=args.verify_key_block, allow_unsigned=args.allow_unsigned)
+    print(",".join(map(str, result["generated"])))
+    return 0
+
+
+def cmd_keygen(args) -> int:
+    from blocks.trust import keygen
+    key, pub, fp = keygen(args.dir, args.name)
+    print(f"wrote {key} (private, mode 0600) and {pub} (public); fingerprint {fp}")
+    print("sign exports:  export KILN_SIGNING_KEY=\"$(cat " + str(key) + ")\"   "
+          "(or keep it in a Prefect Secret block and pass --signing-key-block NAME)")
+    print(f"verify them:   kiln verify EXPORT_ID --verify-key {pub}   (or set KILN_VERIFY_KEY)")
+    return 0
+
+
+def cmd_checkpoint(args) -> int:
+    from kiln.core.config import TINY
+    from kiln.host.checkpoint import random_checkpoint
+    cfg = TINY.replace(**{k: v for k, v in {
+        "num_layers": args.layers, "hidden_size": args.hidden, "num_heads": args.heads,
+        "num_kv_heads": args.kv_heads, "head_dim": args.head_dim, "intermediate_size": args.intermediate,
+        "vocab_size": args.vocab}.items() if v is not None})
+    path = random_checkpoint(args.dir, cfg, seed=args.seed, num_shards=args.shards)
+    print(f"wrote {path} ({cfg.num_params() / 1e6:.1f} M parameters, {args.shards} shard(s))")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from bench.suite import run_suite
+    return run_suite(args.parts, quick=args.quick, out_dir=args.out, keep=args.keep)
+
+
+def _fetch_flags(p: argparse.ArgumentParser) -> None:
+    """Where a finished export is and whom to trust: shared by verify and run."""
+    p.add_argument("--store", help="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store)")
+    p.add_argument("--s3-endpoint")
+    p.add_argument("--model", help="checkpoint directory (default: the one the manifest names)")
+    p.add_argument("--verify-key", action="append", default=[], metavar="FILE",
+                   help="trusted Ed25519 public key(s), PEM or base64 (repeatable; default: KILN_VERIFY_KEY, "
+                        "else the public half of KILN_SIGNING_KEY or of the local development key)")
+    p.add_argument("--verify-key-block", metavar="NAME", help="Prefect Secret block holding trusted public key(s)")
+    p.add_argument("--allow-unsigned", action="store_true",
+                   help="accept an export made with --unsigned (sha256s are still checked)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kiln", description="Fail-fast multi-host AOTInductor export on Prefect.")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="run an export")
+    _common(e)
+    e.add_argument("--export-id", help="name of the export (default: model, tp and time)")
+    e.add_argument("--signing-key-block", metavar="NAME",
+                   help="Prefect Secret block holding the Ed25519 signing key (default: KILN_SIGNING_KEY, "
+                        "or the local development key for a local store)")
+    e.add_argument("--unsigned", action="store_true",
+                   help="do not sign the manifest (kiln verify then needs --allow-unsigned)")
+    e.add_argument("--verbose", action="store_true", help="show Prefect's own INFO logs (default: warnings only)")
+    e.set_defaults(func=cmd_export)
+    s = sub.add_parser("serve", help="serve the export flow as a Prefect deployment (schedules, UI runs)")
+    _common(s)
+    when = s.add_mutually_exclusive_group()
+    when.add_argument("--cron", metavar="EXPR", help="schedule: cron expression, e.g. '0 3 * * *'")
+    when.add_argument("--interval", type=float, metavar="SECONDS", help="schedule: every SECONDS")
+    s.add_argument("--name", default="default", help="deployment name (default: default)")
+    s.add_argument("--limit", type=int, help="most flow runs this process runs at once")
+    s.set_defaults(func=cmd_serve)
+    pl = sub.add_parser("plan", help="probe, plan KV and run the gate without compiling")
+    _common(pl)
+    pl.set_defaults(func=cmd_plan)
+    v = sub.add_parser("verify", help="re-check a finished export: digests and all ranks against eager")
+    v.add_argument("export_id")
+    _fetch_flags(v)
+    v.set_defaults(func=cmd_verify)
+    r = sub.add_parser("run", help="decode greedily with an export's forwards across all its ranks")
+    r.add_argument("export_id")
+    r.add_argument("--tokens", required=True, help="the prompt as comma-separated token ids, e.g. 1,2,3")
+    r.add_argument("--max-new-tokens", type=int, default=8, help="tokens to generate (default 8)")
+    r.add_argument("--json", metavar="FILE", help="write {prompt, generated, logits} here (logits: the full "
+                   "vocabulary at the position that chose each generated token)")
+    _fetch_flags(r)
+    r.set_defaults(func=cmd_run)
+    k = sub.add_parser("keygen", help="write an Ed25519 key pair for signing manifests")
+    k.add_argument("dir")
+    k.add_argument("--name", default="kiln-signing", help="file name stem (default kiln-signing)")
+    k.set_defaults(func=cmd_keygen)
+    c = sub.add_parser("checkpoint", help="write a small random Llama-style checkpoint")
+    c.add_argument("dir")
+    for flag in ("layers", "hidden", "heads", "kv-heads", "head-dim", "intermediate", "vocab"):
+        c.add_argument(f"--{flag}", type=int)
+    c.add_argument("--shards", type=int, default=1)
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(func=cmd_checkpoint)
+    b = sub.add_parser("bench", help="run the benchmark suite (or named parts); write bench/results/<stamp>.*")
+    b.add_argument("parts", nargs="*", metavar="PART", help="fail_fast, compile_efficiency, pool_vs_loop, dedup, "
+                   "warm_cold, overhead, store, borrow, gate_scale (default: all)")
+    b.add_argument("--quick", action="store_true", help="fewer buckets, one repetition, no borrow part (minutes)")
+    b.add_argument("--out", help="results directory (default: bench/results)")
+    b.add_argument("--keep", action="store_true", help="keep the work directory (logs, stores, caches)")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from flows.prefect_server import prefect_environment
+    prefect_environment(quiet=args.func is cmd_export and not args.verbose)  # before Prefect is imported
+    # Whatever this command starts (compile workers, ranks, Prefect's embedded server) dies with it.
+    reaper = Reaper() if args.func not in (cmd_keygen, cmd_checkpoint) else None
+    try:
+        return args.func(args)
+    except KilnError as exc:
+        print(f"kiln: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("kiln: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if reaper:
+            reaper.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""`kiln plan` and `kiln export`'s fast refusal: probe, KV plan and gate without compiling or Prefect."""
+
+from __future__ import annotations
+
+import time
+
+from flows.params import ExportParams, default_host_names, prepare
+from kiln.core import decisions
+from kiln.core.errors import BadInput, GateRefused, KilnError
+from kiln.core.gate import Plan
+from kiln.core.job import ExportJob, HostSpec
+from kiln.core.report import Report
+from kiln.host import probe
+from kiln.host.cache import check_probed_caches
+from tasks import hostwork
+
+
+def _probe_all(params: ExportParams) -> tuple:
+    """Probe every host: on its Dask worker for --dask; here otherwise (--hosts N stands for this machine)."""
+    if not params.dask:
+        job, hosts = prepare(params, host_names=default_host_names(params), signing=False)
+        return job, [hostwork.probe_host(job, h) for h in hosts]
+    from distributed import Client
+
+    from flows.hosts import RESOURCE_PREFIX, HostRunner
+    with HostRunner(dask_address=params.dask) as runner:
+        job, hosts = prepare(params, host_names=runner.host_names, signing=False)
+        with Client(params.dask, timeout=10, set_as_default=False) as client:
+            futures = [client.submit(hostwork.probe_host, job, h, pure=False,
+                                     resources={f"{RESOURCE_PREFIX}{h.name}": 1}) for h in hosts]
+            return job, client.gather(futures)
+
+
+def _gate(job: ExportJob, probes: list[dict]) -> tuple[dict, Plan | None, GateRefused | None]:
+    """(KV plan, the gate's plan or None, its refusal or None) for these probes."""
+    check_probed_caches(probes, job.recipe.artifact_mib_estimate)
+    kv = decisions.plan_kv_for(job, probes)
+    try:
+        return kv, decisions.run_gate(job, probes, kv), None
+    except GateRefused as exc:
+        return kv, None, exc
+
+
+def plan_only(params: ExportParams) -> dict:
+    """The gate's decision for `params`: {'feasible', 'text', 'report'}; nothing is compiled or stored."""
+    job, probes = _probe_all(params)
+    kv, plan, refusal = _gate(job, probes)
+    kv_line = f"kv plan: {kv['pages_per_rank']} pages per rank of {kv['page_bytes']} bytes (limited by rank {kv['limiting_rank']})"
+    if refusal is not None:
+        return {"feasible": False, "text": f"{kv_line}\ngate: refused: {refusal}",
+                "report": {"decision": "refused", "message": str(refusal), "kv_plan": kv}}
+    reports = decisions.host_reports(job, probes)
+    return {"feasible": True, "text": f"{kv_line}\n{decisions.describe(plan, reports)}",
+            "report": {**plan.to_dict(), "kv_plan": kv}}
+
+
+def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> tuple[Report, KilnError] | None:
+    """`kiln export` before it starts Prefect: (the failed export's report, the error to raise) if the gate
+    refuses or a host's cache cannot take the forwards it lacks (BadInput), else None.
+
+    `hosts` must be this machine (one host, or --hosts N standing for it): they
+    are probed here, as `kiln plan` probes them. Tuning is not run: it can only
+    change forward keys, so it cannot make a refused export feasible. The
+    report has the flow's phases (tune 'skipped') and memory ledger, and
+    `gate.decided_in` 'cli'. None: the flow runs and decides
+    again (with the model's lease held and tuning done).
+    """
+    report = Report.of_job(job, hosts)
+    report.gate["policy"] = job.recipe.policy
+
+    def ledger(boundary: str) -> None:
+        snap = probe.memory_snapshot()  # every host is this machine
+        for h in hosts:
+            report.memory(h.name, boundary, snap, assumed_available_mib=job.assume_available.get(h.name))
+
+    ledger("start")
+    start = probe_start = time.perf_counter()
+    probes = [hostwork.probe_host(job, h) for h in hosts]
+    for p in probes:
+        report.host(p["name"], target=p["target"])["cache"] = p["cache"]
+    try:
+        check_probed_caches(probes, job.recipe.artifact_mib_estimate)
+    except BadInput as bad:  # a cache that is unwritable or too full: the flow's probe would stop the same way
+        report.phase("probe", "failed", time.perf_counter() - start)
+        report.status, report.error = "failed", str(bad)
+        return report, bad
+    report.phase("probe", "ok", time.perf_counter() - start)
+    ledger("probe")
+    report.phase("tune", "skipped", 0.0, reason="not run: kiln export refused before starting the flow")
+    ledger("tune")
+    start = time.perf_counter()
+    report.kv_plan = decisions.plan_kv_for(job, probes)
+    report.phase("kv-plan", "ok", time.perf_counter() - start)
+    ledger("kv-plan")
+    start = time.perf_counter()
+    try:
+        decisions.run_gate(job, probes, report.kv_plan)
+        return None
+    except GateRefused as refusal:
+        report.phase("gate", "failed", time.perf_counter() - start)
+        report.gate.update(decision="refused", message=str(refusal), decided_in="cli",
+                           probe_to_decision_s=round(time.perf_counter() - probe_start, 3))
+        report.status, report.error = "failed", str(refusal)
+        return report, refusal

@@ -1,0 +1,115 @@
+"""`kiln run`: greedy decoding with an export's compiled forwards, across all its ranks.
+
+The export is fetched and checked as `kiln verify` checks it (signature,
+sha256, package members), then `tp` spawned processes join one gloo group;
+each loads every forward through the checked loader with its own weight
+shard and keeps its own paged KV cache (its share of the KV heads). The
+prompt is fed in the export's buckets as a server would (kiln.core.decode), then
+one decode step per new token. Rank 0 picks each token (argmax of the last
+position's logits) and broadcasts it, so every rank feeds the same one. That
+broadcast runs on a process group of its own: the default world group belongs
+to the packages' collectives (kiln.host.model.host_group says why).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+from cli.verify import open_export
+from kiln.core.decode import check_request, pick_bucket, prefill_steps
+from kiln.core.errors import KilnError
+from kiln.core.recipe import Bucket, parse_buckets
+from kiln.host.verify_ranks import spawn_ranks
+
+
+def run_export(store_url: str | None, export_id: str, *, prompt: list[int], max_new_tokens: int,
+               json_path: str | None = None, **options) -> dict:
+    """Decode `max_new_tokens` tokens after `prompt`; returns {'prompt', 'generated', 'logits'}.
+
+    `logits` holds, for each generated token, the full-vocabulary logits (as
+    floats) of the position that chose it. `options` are open_export's.
+    """
+    manifest, checkpoint, cfg, artifacts, _ = open_export(store_url, export_id, "run", **options)
+    recipe = manifest["recipe"]
+    check_request(prompt, max_new_tokens, vocab_size=cfg.vocab_size, context_tokens=recipe["max_context_tokens"])
+    job = {"checkpoint": str(checkpoint), "config": cfg.to_dict(), "artifacts": artifacts, "prompt": prompt,
+           "max_new_tokens": max_new_tokens, "page_tokens": recipe["page_tokens"],
+           "pages_per_seq": recipe["max_context_tokens"] // recipe["page_tokens"]}
+    result = spawn_ranks(_rank_main, manifest["tp"], job, timeout_s=1800)[0]
+    out = {"prompt": list(prompt), "generated": result["generated"], "logits": result["logits"]}
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f)
+    return out
+
+
+def _rank_main(rank: int, tp: int, port: int, job: dict, queue) -> None:
+    from kiln.host.procs import die_with_parent
+
+    die_with_parent()
+    os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"  # a wrong shape raises instead of crashing or lying
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from kiln.core.config import ModelConfig
+        from kiln.host.checkpoint import load_rank_weights
+        from kiln.host.loader import load_forward
+        from kiln.host.model import host_group
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+        cfg = ModelConfig(**job["config"])
+        weights = load_rank_weights(job["checkpoint"], cfg, tp, rank)
+        forwards = {parse_buckets(name)[0]: load_forward(art["path"], weights, art["sha256"])
+                    for name, art in sorted(job["artifacts"].items())}
+        side = host_group()
+        generated, logits = _decode(forwards, cfg, tp, job, torch, dist, side)
+        dist.barrier(group=side)
+        dist.destroy_process_group()
+        queue.put((rank, "ok", {"generated": generated, "logits": logits} if rank == 0 else None))
+    except KilnError as exc:
+        queue.put((rank, "refused", str(exc)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def _decode(forwards: dict[Bucket, object], cfg, tp: int, job: dict, torch, dist, side) -> tuple[list[int], list]:
+    """The decode loop of one rank: prefill in chunks, then one step per token; the cache is this rank's."""
+    page_tokens, pages_per_seq = job["page_tokens"], job["pages_per_seq"]
+    dtype = getattr(torch, cfg.dtype)
+    # Sequence 0 owns pages 0..pages_per_seq-1; padding rows of a wider bucket read the same pages, write none.
+    cache = torch.zeros(cfg.num_layers, 2, pages_per_seq + 1, page_tokens, cfg.num_kv_heads // tp, cfg.head_dim,
+                        dtype=dtype)
+    pages = torch.arange(pages_per_seq)
+    buckets = sorted(forwards)
+    sequence = list(job["prompt"])
+    generated, logits_out = [], []
+
+    def step(start: int, count: int, bucket: Bucket) -> torch.Tensor:
+        tokens = torch.zeros(bucket.batch, bucket.tokens, dtype=torch.int64)
+        tokens[0, :count] = torch.tensor(sequence[start:start + count])
+        start_pos = torch.zeros(bucket.batch, dtype=torch.int64)
+        start_pos[0] = start
+        table = pages[None].expand(bucket.batch, -1).contiguous()
+        with torch.no_grad():
+            logits, new_kv = forwards[bucket](tokens, start_pos, cache, table)
+        for i in range(count):  # write the real tokens' keys and values into their pages
+            pos = start + i
+            cache[:, :, pos // page_tokens, pos % page_tokens] = new_kv[:, :, 0, i]
+        return logits[0, count - 1].float()
+
+    for s in prefill_steps(buckets, len(sequence)):
+        last = step(s.start, s.count, s.bucket)
+    for n in range(job["max_new_tokens"]):
+        choice = torch.tensor([int(last.argmax())])
+        dist.broadcast(choice, src=0, group=side)  # every rank feeds rank 0's choice
+        generated.append(int(choice))
+        logits_out.append(last.tolist())
+        if n + 1 == job["max_new_tokens"]:
+            break
+        sequence.append(int(choice))
+        last = step(len(sequence) - 1, 1, pick_bucket(buckets, 1))
+    return generated, logits_out

@@ -1,0 +1,117 @@
+"""`kiln verify`: re-check a finished export from its manifest.
+
+In this order, and nothing is loaded before all of it passed: the manifest's
+signature against the trusted keys (blocks.trust), the manifest's structure, each
+artifact's sha256 on download, each package's members (kiln.core.package_check,
+inside the loader). Then all `tp` ranks run the compiled forwards together
+under gloo, with AOTInductor's runtime input checks on, and the combined output
+is compared with the unsharded eager model.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import psutil
+
+from blocks.trust import read_verified_manifest, trusted_keys
+from kiln.core.config import ModelConfig
+from kiln.core.errors import BadInput, MemoryShort, VerifyMismatch
+from kiln.core.forward_keys import check_export_id, manifest_key
+from kiln.core.home import kiln_home
+from kiln.core.manifest import check_manifest
+from kiln.core.package_check import check_package
+from kiln.core.recipe import Recipe
+from kiln.core.sizing import verify_peak_mib
+from kiln.host.checkpoint import inspect_checkpoint, tiny_checkpoint
+from kiln.host.verify_ranks import verify_all_ranks
+from kiln.store import Store, open_store, validate_key
+
+
+def fetch_verified_export(store: Store, export_id: str, dest: Path, *, trusted,
+                          allow_unsigned: bool = False) -> tuple[dict, dict[str, dict], list[str]]:
+    """Everything a loader of a finished export needs, checked: (manifest, artifacts, lines).
+
+    The signature first (`trusted` returns the trusted keys), then the
+    manifest's structure, then each artifact's sha256 (against the signed
+    manifest) as it lands in `dest`, then each package's members. `artifacts`
+    maps a bucket ('1x8') to {'path', 'sha256'}; load them with
+    kiln.host.loader.load_forward, which checks both again.
+    """
+    check_export_id(export_id)
+    raw, signature_line = read_verified_manifest(store, export_id, trusted=trusted, allow_unsigned=allow_unsigned)
+    manifest = check_manifest(raw, export_id=export_id)
+    lines = [f"manifest {store.url}/{manifest_key(export_id)}: {len(manifest['forwards'])} forward(s)",
+             signature_line]
+    artifacts = {}
+    for f in manifest["forwards"]:
+        path = dest / f"{f['key']}.pt2"
+        store.get_file(validate_key(f["object"]), path, f["sha256"])  # raises IntegrityError on mismatch
+        artifacts[f["bucket"]] = {"path": str(path), "sha256": f["sha256"]}
+    lines.append(f"sha256 ok for {len(artifacts)} artifact(s)")
+    for art in artifacts.values():
+        check_package(art["path"])  # the loader checks again; here a refusal stops before any process starts
+    lines.append(f"package members ok for {len(artifacts)} artifact(s); loading with runtime input checks on")
+    return manifest, artifacts, lines
+
+
+def open_export(store_url: str | None, export_id: str, dest: str, *, model: str | None = None,
+                s3_endpoint: str | None = None, verify_keys: list[str] = (), verify_key_block: str | None = None,
+                allow_unsigned: bool = False) -> tuple[dict, Path, ModelConfig, dict[str, dict], list[str]]:
+    """A finished export, checked and fetched into KILN_HOME/`dest`/EXPORT_ID: (manifest, checkpoint, config,
+    artifacts, lines). The checkpoint (`model`, else the one the manifest names) must be the exported model."""
+    home = kiln_home()
+    check_export_id(export_id)
+    store = open_store(store_url or f"file://{home / 'store'}", s3_endpoint=s3_endpoint)
+    store.check()
+    trusted = partial(trusted_keys, files=list(verify_keys), block=verify_key_block, store=store, home=home)
+    # The manifest is read (and its signature checked) before the checkpoint, which the manifest names.
+    raw, _ = read_verified_manifest(store, export_id, trusted=trusted, allow_unsigned=allow_unsigned)
+    manifest = check_manifest(raw, export_id=export_id)
+    if model:
+        checkpoint = Path(model).resolve()
+    elif manifest["model"]["name"] == "tiny":
+        checkpoint = tiny_checkpoint(home)
+    else:
+        checkpoint = Path(manifest["model"].get("checkpoint", ""))
+    exported = ModelConfig(**manifest["model"]["config"])
+    cfg = inspect_checkpoint(checkpoint).replace(dtype=exported.dtype)  # --dtype may have chosen another
+    if cfg != exported:
+        raise BadInput(f"checkpoint {checkpoint} does not match the model the export was made from; "
+                       "pass the right one with --model.")
+    manifest, artifacts, lines = fetch_verified_export(store, export_id, home / dest / export_id,
+                                                       trusted=trusted, allow_unsigned=allow_unsigned)
+    return manifest, checkpoint, cfg, artifacts, lines
+
+
+def verify_export(store_url: str | None, export_id: str, **options) -> dict:
+    """`kiln verify`: all ranks together against the unsharded eager model, per bucket."""
+    manifest, checkpoint, cfg, artifacts, lines = open_export(store_url, export_id, "verify", **options)
+    recipe = Recipe.from_dict(manifest["recipe"])
+    predicted = verify_peak_mib(shard_bytes=cfg.weight_bytes_per_rank(manifest["tp"]),
+                                full_bytes=cfg.weight_bytes_per_rank(1), tp=manifest["tp"],
+                                num_forwards=len(artifacts), half=cfg.dtype != "float32",
+                                process_base_mib=recipe.process_base_mib)
+    available = psutil.virtual_memory().available // 2**20
+    if predicted > available:
+        raise MemoryShort(f"kiln verify runs all {manifest['tp']} ranks and the unsharded model on this machine: "
+                          f"about {predicted} MiB, but {available} MiB are available. Free memory, or verify on "
+                          "a larger machine (the export itself was checked rank by rank on its hosts).")
+    lines.append(f"memory: about {predicted} MiB predicted for {manifest['tp']} ranks and the unsharded model "
+                 f"({available} MiB available)")
+    checks, peak_mib = verify_all_ranks(checkpoint=str(checkpoint), config=manifest["model"]["config"], tp=manifest["tp"],
+                              artifacts=artifacts, page_tokens=recipe.page_tokens, pages_per_seq=recipe.pages_per_seq,
+                              atol=recipe.verify_atol, half_ratio=recipe.verify_half_ratio)
+    for bucket, c in sorted(checks.items()):
+        lines.append(f"  {bucket}: {manifest['tp']} ranks together vs unsharded eager: max |diff| {c['diff']:.2e} "
+                     f"(scaled; limit {c['limit']:.2e})")
+    failed = sorted(b for b, c in checks.items() if c["diff"] > c["limit"])
+    if failed:
+        c = checks[failed[0]]
+        raise VerifyMismatch(f"export {export_id}: compiled ranks of bucket {failed[0]} differ from the unsharded "
+                             f"model by {c['diff']:.2e} (scaled; limit {c['limit']:.2e} for {cfg.dtype}).")
+    lines.append(f"verify ok: {manifest['tp']} ranks match the unsharded model ({cfg.dtype}; "
+                 f"{'within ' + str(recipe.verify_atol) if cfg.dtype == 'float32' else 'compared in float32'})")
+    lines.append(f"memory: peak {peak_mib} MiB measured over the rank processes (predicted {predicted} MiB)")
+    return {"lines": lines, "diffs": checks, "memory": {"predicted_mib": predicted, "peak_mib": peak_mib}}

@@ -1,0 +1,68 @@
+"""One export per model at a time: a Prefect global concurrency limit per model, enqueueing.
+
+Purpose: two runs of the same model (two schedules, a schedule and a UI click,
+a retry and a manual re-run) must not compile the same forward keys at once.
+Each try of the export flow holds a slot of the global concurrency limit
+`kiln-model-<name>` (created with limit 1 the first time) from its probe to its
+manifest. A second run waits for the slot (it is enqueued, not cancelled), then
+probes the store and compiles only what the first one did not store.
+
+Contracts: the slot is a lease that the holder's process renews; a process
+that dies frees it when the lease expires (`LEASE_S`). The limit lives on the
+Prefect server: runs that talk to different servers (or each to its own
+embedded API) do not see each other's leases. An operator may raise the limit
+(concurrent exports of one model, accepting duplicate compiles) or set it
+inactive in the UI's Concurrency page to stop enforcing it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prefect import get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+from flows.params import ExportParams, model_name
+
+LEASE_S = 120.0
+"""Lease of the slot; renewed every 0.75 * LEASE_S while the export runs."""
+
+
+def lease_name(model: str) -> str:
+    """The global concurrency limit of one model: 'kiln-model-' + a slug of its name."""
+    slug = re.sub(r"[^a-z0-9._-]+", "-", model.lower()).strip("-.") or "model"
+    return f"kiln-model-{slug}"[:120]
+
+
+def ensure_limit(name: str, limit: int = 1) -> None:
+    """Create the global concurrency limit `name` unless it exists (an operator's changes are kept)."""
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+            return
+        except ObjectNotFound:
+            pass
+        try:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=limit))
+        except ObjectAlreadyExists:  # another run created it first
+            pass
+
+
+@contextmanager
+def model_lease(params: ExportParams) -> Iterator[str]:
+    """Hold the model's slot for the duration of the block; waits while another export holds it."""
+    log = get_run_logger()
+    name = lease_name(model_name(params))
+    ensure_limit(name)
+    start = time.monotonic()
+    log.info("taking the model lease %s (waits while another export of this model runs)", name)
+    with concurrency(name, occupy=1, strict=True, lease_duration=LEASE_S):
+        waited_s = time.monotonic() - start
+        log.info("took the model lease %s after %.1f s", name, waited_s)
+        yield name

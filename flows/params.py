@@ -1,0 +1,189 @@
+"""The export's parameters: one pydantic model shared by the CLI, the flow and deployments.
+
+Descriptions, defaults and bounds here are what the Prefect UI renders as the
+run form. `prepare` turns them into an ExportJob and its hosts, checking every
+input before any expensive work starts.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import secrets
+import socket
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kiln.core.errors import BadInput
+from kiln.core.forward_keys import check_export_id, manifest_key
+from kiln.core.home import kiln_home
+from kiln.core.job import ExportJob, HostSpec, place_ranks
+from kiln.core.recipe import SETTING, Recipe, recipe_form, recipe_of_form
+from kiln.host.cache import cache_root, cache_status, check_caches
+
+_NAME = r"^[A-Za-z0-9._-]+$"
+RecipeSettings = recipe_form()
+"""The recipe's settings as the run form's typed fields (derived from kiln/core/recipe.py)."""
+
+
+# The Prefect UI renders ExportParams as the run form (its docstring is the
+# form's introduction): bounds and patterns reject bad values before a run is
+# created, since deployments enforce their parameter schema; `prepare` checks
+# the rest (checkpoint, tp against the heads, the store) before any work.
+class ExportParams(BaseModel):
+    """What to export and how. Empty fields take the recipe's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("tiny", min_length=1, title="Model",
+                       description="'tiny' (the bundled model) or a Hugging Face-layout checkpoint directory.")
+    tp: int = Field(2, ge=1, le=1024, title="Tensor-parallel degree",
+                    description="Tensor-parallel degree: ranks that share the model.")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, title="Dtype", description="Compile and run in this dtype (default: the checkpoint's config.json dtype).")
+    store: str | None = Field(None, title="Store", description="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store).")
+    s3_endpoint: str | None = Field(None, title="S3 endpoint", description="S3 endpoint URL (default: AWS_ENDPOINT_URL).")
+    s3_checksum: Literal["when_required", "when_supported"] = Field(
+        "when_required", title="S3 checksum mode",
+        description="boto3 checksum mode; some S3-compatible servers reject 'when_supported'.")
+    store_block: Annotated[str, Field(pattern=_NAME)] | None = Field(
+        None, title="Store block", description="Name of a 'Kiln Store' block (replaces store, S3 endpoint and checksum mode).")
+    recipe_block: Annotated[str, Field(pattern=_NAME)] | None = Field(
+        None, title="Recipe block", description="Name of a 'Kiln Recipe' block; recipe settings and fields here override it.")
+    hosts: int | None = Field(None, ge=1, le=64, title="Local hosts",
+                              description="Start a local Dask cluster of this many worker processes standing for hosts host-0..host-N-1.")
+    dask: str | None = Field(None, title="Dask scheduler",
+                             description="Address of a Dask scheduler whose workers are the hosts (each started with --resources kiln-host-NAME=1).")
+    sign: bool = Field(True, title="Sign the manifest",
+                       description="Sign the manifest (Ed25519). False only on purpose: `kiln verify` then needs --allow-unsigned.")
+    signing_key_block: Annotated[str, Field(pattern=_NAME)] | None = Field(
+        None, title="Signing key block",
+        description="Name of a Prefect Secret block holding the Ed25519 signing key (default: KILN_SIGNING_KEY, or the local development key for a local store).")
+    recipe: RecipeSettings = Field(
+        default_factory=RecipeSettings, title="Recipe settings",
+        description="Every recipe setting with its default (docs/recipe.md). With a recipe block, the settings "
+                    "changed here from their defaults override the block's.")
+    assume_available: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict, title="Assume available (MiB)", description="host -> MiB to assume available.")
+    export_id: Annotated[str, Field(pattern=_NAME, max_length=200)] | None = Field(
+        None, title="Export id", description="Name of the export (default: model, tp and time).")
+    report: str | None = Field(None, title="Report file",
+                               description="Path of the JSON report to write, also on failure.")
+
+
+def parse_assume_available(items: list[str]) -> dict[str, int]:
+    """`--assume-available HOST=MIB` items as {host: MiB}; BadInput on anything else."""
+    out = {}
+    for item in items:
+        host, sep, mib = item.partition("=")
+        if not sep or not host or not mib.strip().isdigit():
+            raise BadInput(f"--assume-available {item!r}: expected HOST=MIB, e.g. host-1=12038.")
+        out[host] = int(mib)
+    return out
+
+
+def model_name(params: ExportParams) -> str:
+    """The model's short name: 'tiny' or the checkpoint directory's name."""
+    return "tiny" if params.model == "tiny" else Path(params.model).expanduser().resolve().name
+
+
+def export_params(*, recipe: dict | None = None, **fields) -> ExportParams:
+    """ExportParams from typed values (the CLI's): `recipe` {setting: value}, the rest ExportParams' fields.
+    A value out of its bounds is BadInput naming the flag and what it takes."""
+    form = {k: SETTING[k].show(v) if SETTING[k].kind == "text" else v for k, v in (recipe or {}).items()}
+    try:
+        return ExportParams(recipe=form, **fields)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            name = str(err["loc"][-1] if err["loc"] and err["loc"][0] == "recipe" else err["loc"][0]) \
+                if err["loc"] else "parameters"
+            field = ExportParams.model_fields.get(name)
+            value = fields.get(name, err.get("input"))
+            hint = f" ({field.description})" if field and field.description else ""
+            problems.append(f"--{name.replace('_', '-')} {value!r}: {err['msg'].lower()}{hint}")
+        raise BadInput("; ".join(problems) + ".") from None
+
+
+def default_export_id(params: ExportParams, when: dt.datetime | None = None, salt: str | None = None) -> str:
+    """`<model>-tp<tp>-<UTC time>-<salt>`; salt defaults to 4 random hex digits."""
+    when = when or dt.datetime.now(dt.timezone.utc)
+    return f"{model_name(params)}-tp{params.tp}-{when.astimezone(dt.timezone.utc):%Y%m%dT%H%M%S}-{salt or secrets.token_hex(2)}"
+
+
+def build_recipe(params: ExportParams) -> Recipe:
+    """The try's recipe: the recipe block's (or the defaults), then the form's changed settings."""
+    base = Recipe()
+    if params.recipe_block:
+        from blocks.kiln_blocks import load_recipe_block
+        base = load_recipe_block(params.recipe_block).recipe()
+    return recipe_of_form(params.recipe.model_dump(), base)
+
+
+def default_host_names(params: ExportParams) -> list[str] | None:
+    """Host names known before any cluster starts: host-0.. for --hosts N, this machine alone, or None for --dask."""
+    if params.dask:
+        return None
+    if params.hosts:
+        return [f"host-{i}" for i in range(params.hosts)]
+    return [socket.gethostname() or "local"]
+
+
+def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_store: bool = True,
+            signing: bool = True, recipe: Recipe | None = None) -> tuple[ExportJob, list[HostSpec]]:
+    """Validate every input and build the job; raises BadInput before anything is written to the store.
+
+    `host_names` None means the hosts are not known yet (a Dask cluster not yet
+    asked): host checks are skipped and no hosts are returned. Hosts on this
+    machine (not --dask) get their cache directory checked for writes here.
+    `signing` False leaves the signing key undecided (`kiln plan` signs nothing).
+    `recipe`: the try's recipe when the caller built it already (it is built once per try).
+    """
+    if params.hosts and params.dask:
+        raise BadInput("--hosts starts a local cluster and --dask names an existing one; give one of them.")
+    from kiln.host.checkpoint import inspect_checkpoint, tiny_checkpoint
+    from kiln.store import open_store, validate_key
+
+    recipe = recipe or build_recipe(params)
+    home = kiln_home()
+    name = model_name(params)
+    checkpoint = tiny_checkpoint(home) if params.model == "tiny" else Path(params.model).expanduser().resolve()
+    cfg = inspect_checkpoint(checkpoint)
+    if params.dtype:
+        cfg = cfg.replace(dtype=params.dtype)
+    cfg.check_tp(params.tp)
+    names = host_names or []
+    unknown = sorted(set(params.assume_available) - set(names))
+    if unknown and host_names is not None:
+        raise BadInput(f"--assume-available names unknown host(s) {', '.join(unknown)}; hosts are: {', '.join(names)}.")
+    for host, mib in params.assume_available.items():
+        if mib < 0:
+            raise BadInput(f"--assume-available {host}={mib}: memory must be >= 0 MiB.")
+    if params.store_block:
+        if params.store or params.s3_endpoint:
+            raise BadInput("--store-block names the store; drop --store and --s3-endpoint, or the block.")
+        from blocks.kiln_blocks import load_store_block
+        store = load_store_block(params.store_block).open()
+    else:
+        store = open_store(params.store or f"file://{home / 'store'}", s3_endpoint=params.s3_endpoint,
+                           checksum_mode=params.s3_checksum)
+    if check_store:
+        store.check()
+    export_id = params.export_id or default_export_id(params)
+    check_export_id(export_id)
+    validate_key(manifest_key(export_id))
+    ranks = place_ranks(params.tp, names) if names else {}
+    hosts = [HostSpec(n, ranks[n]) for n in names]
+    if not params.dask:  # these hosts are this machine: their caches can be checked now
+        check_caches({h.name: cache_status(cache_root(h.name, h.cache_dir)) for h in hosts}, {})
+    plan = None
+    if signing:
+        from blocks.trust import plan_signing
+        plan, _ = plan_signing(sign=params.sign, block=params.signing_key_block, store=store, home=home)
+    job = ExportJob(export_id=export_id, model_name=name, checkpoint=str(checkpoint),
+                    config=cfg.to_dict(), tp=params.tp, recipe=recipe, store_url=store.url,
+                    s3_endpoint=params.s3_endpoint, checksum_mode=params.s3_checksum,
+                    store_block=params.store_block, assume_available=dict(params.assume_available),
+                    signing=plan)
+    return job, hosts

@@ -1,0 +1,120 @@
+"""A Prefect server to talk to: check the one PREFECT_API_URL names, or run a local one.
+
+Several processes (Dask workers) report to Prefect in a multi-host export;
+Prefect's embedded API would start one temporary server per process, so they
+need a real server. SQLite is fine on one machine; Postgres for deployments.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+from kiln.core.errors import BadInput
+
+
+def prefect_environment(*, quiet: bool) -> None:
+    """Prefect's settings for a Kiln command, set in os.environ before Prefect is imported.
+
+    What the user set wins (setdefault). The embedded API gets longer than its
+    20 s to start on a busy small machine. The server sends no telemetry: Kiln
+    often runs without internet, and on a fresh SQLite database the telemetry
+    service's session record (a read, then a write, in one deferred
+    transaction) fails at once with "database is locked" when another
+    connection wrote in between; SQLite's busy timeout does not apply to that
+    case, so the service is not started rather than given a longer timeout.
+    `quiet`: Prefect's console shows warnings and errors only; flow and task
+    run logs still reach the API (the UI) at INFO.
+    """
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if quiet:
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+
+
+def check_server(url: str, timeout_s: float = 5.0) -> None:
+    """BadInput unless the Prefect API at `url` answers its health check."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as resp:
+            if resp.status == 200:
+                return
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise BadInput(f"cannot reach the Prefect server at PREFECT_API_URL={url} ({exc}); "
+                       "start it (`prefect server start`) or unset PREFECT_API_URL.") from None
+    raise BadInput(f"the Prefect server at {url} is not healthy; check its logs.")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _drain_logs() -> None:
+    """Send Prefect's queued logs while the server is still up (else they fail after it stops)."""
+    if "prefect" in sys.modules:
+        from prefect.logging.handlers import APILogWorker
+        try:
+            APILogWorker.drain_all(timeout=10)
+        except Exception:  # best effort: the export itself is done
+            pass
+
+
+class PrefectServer:
+    """`prefect server start` on loopback in its own process session; `url` is its API address."""
+
+    def __init__(self, home: Path | None = None, start_timeout_s: float = 120.0, ui: bool = False):
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}/api"
+        env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED=str(ui).lower())
+        env.pop("PREFECT_API_URL", None)
+        if home is not None:
+            env["PREFECT_HOME"] = str(home)
+        prefect = Path(sys.executable).with_name("prefect")
+        self.proc = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                check_server(self.url, timeout_s=1.0)
+                return
+            except BadInput:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"prefect server did not answer within {start_timeout_s:.0f} s") from None
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@contextmanager
+def local_server(home: Path | None = None):
+    """Start a loopback Prefect server, point PREFECT_API_URL at it for this process, stop it after."""
+    server = PrefectServer(home)
+    old = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = server.url
+    try:
+        yield server.url
+    finally:
+        _drain_logs()
+        if old is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = old
+        server.stop()

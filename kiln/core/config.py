@@ -1,0 +1,154 @@
+"""The model configuration: what a decoder computes, everything but its weights.
+
+Pure: no torch import. `ModelConfig` holds every setting that changes the
+math of a forward step; each of its fields goes into the forward key (through
+kiln.core.job), so two models that compute differently never share a compiled
+forward. `kiln.core.hf_config.from_hf` builds one from a Hugging Face
+`config.json`, refusing what Kiln does not compute; `check_tp` says whether a
+tensor-parallel degree can split the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kiln.core.errors import BadInput
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+"""model_type -> the transformers class whose math Kiln reproduces."""
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2)."""
+
+    vocab_size: int
+    """Rows of the embedding and of the output head."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_layers: int
+    """Decoder blocks."""
+    num_heads: int
+    """Query heads; split across tensor-parallel ranks."""
+    num_kv_heads: int
+    """Key/value heads (grouped-query attention); split across ranks."""
+    head_dim: int
+    """Width of one attention head."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP; split across ranks."""
+    rope_theta: float = 10000.0
+    """Base of the rotary embedding frequencies."""
+    rms_norm_eps: float = 1e-5
+    """Epsilon of RMSNorm."""
+    dtype: str = "float32"
+    """Dtype of weights and activations; forwards are compiled in it."""
+    architecture: str = "llama"
+    """Hugging Face model_type: llama, mistral or qwen2."""
+    rope_type: str = "default"
+    """Rotary frequency scaling: default (none), linear (positions / rope_factor) or llama3."""
+    rope_factor: float = 1.0
+    """linear and llama3: the scaling factor."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_position / this are divided by rope_factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_position / this are kept; between, interpolated."""
+    rope_original_max_position: int = 8192
+    """llama3: the context length the model was pretrained with."""
+    qkv_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2; Llama's attention_bias)."""
+    o_bias: bool = False
+    """The attention output projection carries a bias (Llama's attention_bias)."""
+    mlp_bias: bool = False
+    """gate/up/down projections carry a bias (Llama's mlp_bias)."""
+    tie_word_embeddings: bool = False
+    """The output head is the embedding matrix (no lm_head.weight in the checkpoint)."""
+    sliding_window: int | None = None
+    """Tokens a query may look back (itself included) on sliding layers; None: unlimited."""
+    first_sliding_layer: int = 0
+    """Layers from this index on use the sliding window (Qwen2's max_window_layers); earlier ones do not."""
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "hidden_size", "num_layers", "num_heads",
+                      "num_kv_heads", "head_dim", "intermediate_size", "rope_original_max_position"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise BadInput(f"config.json: {field} must be a positive integer, got {value!r}.")
+        if self.num_heads % self.num_kv_heads:
+            raise BadInput(
+                f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads}).")
+        if self.head_dim % 2:
+            raise BadInput(f"config.json: head_dim ({self.head_dim}) must be even for rotary embeddings.")
+        if self.dtype not in DTYPE_BYTES:
+            raise BadInput(f"config.json: dtype {self.dtype!r} is not supported; use one of {sorted(DTYPE_BYTES)}.")
+        if self.architecture not in ARCHITECTURES:
+            raise BadInput(f"config.json: model_type {self.architecture!r} is not supported; "
+                           f"Kiln computes {', '.join(sorted(ARCHITECTURES))}.")
+        if self.rope_type not in ROPE_TYPES:
+            raise BadInput(f"config.json: rope_type {self.rope_type!r} is not supported; "
+                           f"Kiln computes {', '.join(ROPE_TYPES)}.")
+        for field in ("rope_theta", "rope_factor", "rms_norm_eps", "rope_low_freq_factor", "rope_high_freq_factor"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise BadInput(f"config.json: {field} must be a positive number, got {value!r}.")
+        if self.rope_type == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise BadInput("config.json: rope_scaling high_freq_factor must be greater than low_freq_factor.")
+        if self.sliding_window is not None and (
+                not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool)
+                or self.sliding_window <= 0):
+            raise BadInput(f"config.json: sliding_window must be a positive integer or null, got {self.sliding_window!r}.")
+        if not isinstance(self.first_sliding_layer, int) or self.first_sliding_layer < 0:
+            raise BadInput(f"config.json: max_window_layers must be >= 0, got {self.first_sliding_layer!r}.")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer`, or None when it attends to all its context."""
+        return self.sliding_window if layer >= self.first_sliding_layer else None
+
+    def to_dict(self) -> dict:
+        """Every field, JSON-ready; `ModelConfig(**d)` reads it back."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def check_tp(self, tp: int) -> None:
+        """Raise BadInput unless `tp` ranks can split heads, KV heads and the MLP evenly."""
+        if not isinstance(tp, int) or tp <= 0:
+            raise BadInput(f"--tp must be a positive integer, got {tp!r}.")
+        for what, count in (("attention heads", self.num_heads), ("KV heads", self.num_kv_heads),
+                            ("MLP intermediate size", self.intermediate_size)):
+            if count % tp:
+                ok = [d for d in range(1, count + 1) if count % d == 0 and self.num_heads % d == 0
+                      and self.num_kv_heads % d == 0 and self.intermediate_size % d == 0]
+                raise BadInput(
+                    f"--tp {tp} does not divide the model's {count} {what}; "
+                    f"use a tp that divides heads, KV heads and the MLP: {', '.join(map(str, ok))}.")
+
+    def _param_counts(self, tp: int) -> int:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = self.hidden_size * (2 * q + 2 * kv) // tp
+        attn += ((q + 2 * kv) // tp if self.qkv_bias else 0) + (self.hidden_size if self.o_bias else 0)
+        mlp = 3 * self.hidden_size * self.intermediate_size // tp
+        mlp += 2 * self.intermediate_size // tp + self.hidden_size if self.mlp_bias else 0
+        per_layer = attn + mlp + 2 * self.hidden_size
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_layers * per_layer + heads * self.vocab_size * self.hidden_size + self.hidden_size
+
+    def num_params(self) -> int:
+        return self._param_counts(1)
+
+    def weight_bytes_per_rank(self, tp: int) -> int:
+        """Bytes of one rank's weights: sharded attention and MLP, replicated embeddings and norms."""
+        return self._param_counts(tp) * self.dtype_bytes
+
+
+TINY = ModelConfig(vocab_size=1024, hidden_size=384, num_layers=2, num_heads=24,
+                   num_kv_heads=12, head_dim=16, intermediate_size=1152)
+"""The bundled tiny model: ~4M parameters; tp 1, 2, 3, 4 and 6 all divide it."""

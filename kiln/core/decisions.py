@@ -1,0 +1,116 @@
+"""From probe results to the gate's and KV planner's inputs. Pure."""
+
+from __future__ import annotations
+
+import math
+
+from kiln.core.errors import GateRefused
+from kiln.core.gate import HostReport, Plan, check_kv, decide
+from kiln.core.job import ExportJob
+from kiln.core.sizing import page_bytes, plan_kv, required_mib
+
+
+def host_reports(job: ExportJob, probes: list[dict]) -> list[HostReport]:
+    """One HostReport per probe, with `--assume-available` figures applied and marked."""
+    out = []
+    for p in probes:
+        assumed = job.assume_available.get(p["name"])
+        out.append(HostReport(
+            name=p["name"], ranks=tuple(p["ranks"]), num_cpus=p["num_cpus"], target=p["target"],
+            available_mib=assumed if assumed is not None else p["memory"]["host_available_mib"],
+            available_assumed=assumed is not None, unified=p["unified"],
+            device_free_mib=p["memory"]["device_free_mib"], local_keys=frozenset(p["local_keys"]),
+            measured_worker_mib=measured_worker_mib(job.recipe, p.get("worker_peaks_mib") or [])))
+    return out
+
+
+def measured_worker_mib(recipe, peaks_mib: list[int]) -> int | None:
+    """The per-worker figure from measured compile peaks of this graph and target: largest x margin."""
+    return math.ceil(max(peaks_mib) * recipe.worker_mib_margin) if peaks_mib else None
+
+
+def page_size(job: ExportJob) -> int:
+    cfg = job.model_config
+    return page_bytes(num_layers=cfg.num_layers, kv_heads_per_rank=cfg.num_kv_heads // job.tp,
+                      head_dim=cfg.head_dim, page_tokens=job.recipe.page_tokens, dtype_bytes=cfg.dtype_bytes)
+
+
+def planned_workers(job: ExportJob, probes: list[dict]) -> dict[str, int]:
+    """host -> compile workers the gate will start (0 everywhere when it would refuse)."""
+    try:
+        plan = decide(host_reports(job, probes), job.recipe, needed_keys(probes), _store_keys(probes))
+    except GateRefused:
+        return {p["name"]: 0 for p in probes}
+    return {name: hp.workers for name, hp in plan.hosts.items()}
+
+
+def plan_kv_for(job: ExportJob, probes: list[dict]) -> dict:
+    """The KV plan of these probes, reserving the compile workers the gate will start."""
+    return kv_plan(job, host_reports(job, probes), planned_workers(job, probes))
+
+
+def kv_plan(job: ExportJob, reports: list[HostReport], workers: dict[str, int]) -> dict:
+    """Pages per rank after weights, activation reserve and (on unified memory) the compile workers that
+    will run (`workers`: host -> count, from planned_workers)."""
+    rows = []
+    for h in reports:
+        n = workers.get(h.name, 0)
+        pool_mib = required_mib(job.recipe, n, h.unified, h.measured_worker_mib) if n and h.unified else 0
+        memory_mib = h.available_mib if h.unified or h.device_free_mib is None else h.device_free_mib
+        rows.append((list(h.ranks), memory_mib, pool_mib))
+    plan = plan_kv(job.recipe, page_size_bytes=page_size(job),
+                   weight_bytes_per_rank=job.model_config.weight_bytes_per_rank(job.tp), hosts=rows).to_dict()
+    plan["pool_workers"] = dict(sorted(workers.items()))
+    return plan
+
+
+def needed_keys(probes: list[dict]) -> dict[str, list[str]]:
+    """target -> the forward keys its hosts need."""
+    needed: dict[str, list[str]] = {}
+    for p in probes:
+        needed.setdefault(p["target"], sorted(s["key"] for s in p["specs"]))
+    return needed
+
+
+def _store_keys(probes: list[dict]) -> set[str]:
+    return {k for p in probes for k in p["store_keys"]}
+
+
+def run_gate(job: ExportJob, probes: list[dict], kv: dict | None = None) -> Plan:
+    """The gate's plan; with `kv`, also refused when the KV plan cannot hold the largest bucket."""
+    reports = host_reports(job, probes)
+    plan = decide(reports, job.recipe, needed_keys(probes), _store_keys(probes),
+                  page_size_bytes=page_size(job), kv_pages_per_rank=kv["pages_per_rank"] if kv else None)
+    if kv is not None and kv["limiting_rank"] >= 0:
+        largest = max(job.recipe.buckets, key=lambda b: (b.batch, b.tokens))
+        host = next((r.name for r in reports if kv["limiting_rank"] in r.ranks), "?")
+        check_kv(kv["pages_per_rank"], need_pages=largest.batch * job.recipe.pages_per_seq, largest=str(largest),
+                 batch=largest.batch, pages_per_seq=job.recipe.pages_per_seq, page_tokens=job.recipe.page_tokens,
+                 context_tokens=job.recipe.max_context_tokens, limiting=f"rank {kv['limiting_rank']} on {host}")
+    return plan
+
+
+def describe(plan: Plan, reports: list[HostReport]) -> str:
+    """The table `kiln plan` prints: per host available, required, workers, keys and predicted seconds."""
+    rows = [f"gate: {plan.decision} (policy {plan.policy}): {plan.message}",
+            f"{'host':<16} {'available':>10} {'per worker':>21} {'1 worker':>9} {'workers':>8} {'compile':>8} "
+            f"{'download':>9} {'predicted':>10}"]
+    by_name = {r.name: r for r in reports}
+    for name, h in sorted(plan.hosts.items()):
+        avail = f"{h.available_mib}{'*' if by_name[name].available_assumed else ''}"
+        per = f"{h.worker_mib} ({h.worker_mib_source})"
+        rows.append(f"{name:<16} {avail:>10} {per:>21} {h.required_one_mib:>9} {h.workers:>8} {len(h.compile):>8} "
+                    f"{len(h.download):>9} {h.predicted_s:>9.0f}s")
+    if any(r.available_assumed for r in reports):
+        rows.append("* assumed (--assume-available)")
+    return "\n".join(rows)
+
+
+def replan_without(job: ExportJob, reports: list[HostReport], lost: set[str], missing: list[str],
+                   target_of: dict[str, str]) -> dict[str, tuple[list[str], int]]:
+    """host -> (keys, workers) for the `missing` keys over the hosts not `lost` (same gate, same targets)."""
+    needed: dict[str, list[str]] = {}
+    for key in missing:
+        needed.setdefault(target_of[key], []).append(key)
+    plan = decide([r for r in reports if r.name not in lost], job.recipe, needed, set())
+    return {n: (hp.compile, hp.workers) for n, hp in plan.hosts.items() if hp.compile}

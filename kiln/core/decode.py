@@ -1,0 +1,68 @@
+"""How a server would feed a prompt through an export's buckets: pure scheduling, no torch.
+
+A step processes `n` new tokens of one sequence in a bucket of `tokens >= n`
+(padded at the end: later positions never affect earlier ones under the
+causal mask) or, when no bucket is that wide, the prompt is cut into chunks
+of the widest bucket (chunked prefill). Decode steps feed one token each in
+the narrowest bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.core.errors import BadInput
+from kiln.core.recipe import Bucket
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward call: tokens [start, start + count) of the sequence, in `bucket`."""
+
+    start: int
+    count: int
+    bucket: Bucket
+
+
+def pick_bucket(buckets: list[Bucket], count: int) -> Bucket:
+    """The narrowest bucket that takes `count` tokens of one sequence (the smallest batch among equals)."""
+    fits = [b for b in buckets if b.tokens >= count]
+    if not fits:
+        raise ValueError(f"no bucket takes {count} tokens")
+    return min(fits, key=lambda b: (b.tokens, b.batch))
+
+
+def prefill_steps(buckets: list[Bucket], prompt_len: int) -> list[Step]:
+    """The steps that feed a prompt of `prompt_len` tokens, chunked by the widest bucket."""
+    widest = max(b.tokens for b in buckets)
+    steps, start = [], 0
+    while start < prompt_len:
+        count = min(widest, prompt_len - start)
+        steps.append(Step(start, count, pick_bucket(buckets, count)))
+        start += count
+    return steps
+
+
+def check_request(prompt: list[int], max_new_tokens: int, *, vocab_size: int, context_tokens: int) -> None:
+    """BadInput unless the prompt's ids are in the vocabulary and prompt + generated tokens fit the context."""
+    if not prompt:
+        raise BadInput("--tokens is empty; give the prompt as comma-separated token ids, e.g. --tokens 1,2,3.")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise BadInput(f"--tokens: id {bad[0]} is outside the model's vocabulary (0..{vocab_size - 1}).")
+    if max_new_tokens < 1:
+        raise BadInput(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
+    # The last generated token is never fed back, so the cache holds prompt + max_new_tokens - 1 tokens.
+    need = len(prompt) + max_new_tokens - 1
+    if need > context_tokens:
+        raise BadInput(f"a {len(prompt)}-token prompt plus {max_new_tokens} new tokens needs {need} tokens of "
+                       f"context, but the export was made for {context_tokens} (max_context_tokens); shorten "
+                       "the request or export with a larger --set max_context_tokens.")
+
+
+def parse_tokens(text: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3]; BadInput on anything else."""
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise BadInput(f"--tokens {text!r}: expected comma-separated token ids, e.g. 1,2,3.") from None

@@ -1,0 +1,99 @@
+"""Forward keys: what determines a compiled forward's code, hashed.
+
+A key hashes the graph fingerprint, the input specs, the compiler options, the
+torch version, the target and, when kernel tuning is on, the digest of the
+tuned kernel choices the forward compiles with. Not the weights (they are loaded at run time)
+and not the KV page count (a dynamic dimension), so every rank of an export
+shares one artifact per bucket and a new KV plan reuses every forward.
+Pure: no torch import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from kiln.core.recipe import Bucket
+
+KEY_HEX_CHARS = 32
+
+
+def canonical_json(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def digest(obj, chars: int = KEY_HEX_CHARS) -> str:
+    """sha256 of the canonical JSON of `obj`, truncated to `chars` hex characters."""
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()[:chars]
+
+
+@dataclass(frozen=True)
+class ForwardSpec:
+    """Everything a compile worker needs to build one forward, and nothing else."""
+
+    key: str
+    bucket: Bucket
+    target: str
+    graph: dict
+    """Model config (as config.json), tp and the model code's fingerprint."""
+    inputs: dict
+    """Static input dims of the forward; the page count is dynamic and absent."""
+    compiler: dict
+    """Inductor options that change the generated code."""
+    tuning: dict | None = None
+    """With kernel tuning: {'digest', 'objects': [{'key', 'sha256'}], 'missing'} (see kiln.host.tuner.lookup)."""
+
+    def to_dict(self) -> dict:
+        return {"key": self.key, "bucket": str(self.bucket), "target": self.target,
+                "graph": self.graph, "inputs": self.inputs, "compiler": self.compiler, "tuning": self.tuning}
+
+
+def forward_spec(*, bucket: Bucket, graph: dict, target: str, torch_version: str,
+                 page_tokens: int, pages_per_seq: int, compiler: dict, tuning: dict | None = None) -> ForwardSpec:
+    """The spec of one bucket's forward with its key.
+
+    `tuning` None (tuning off) leaves the key as without tuning; otherwise its
+    'digest' (None while results are missing: a provisional key) is hashed in.
+    """
+    inputs = {"batch": bucket.batch, "tokens": bucket.tokens, "page_tokens": page_tokens,
+              "pages_per_seq": pages_per_seq, "num_pages": "dynamic"}
+    hashed = {"graph": graph, "inputs": inputs, "compiler": compiler, "torch": torch_version, "target": target}
+    if tuning is not None:
+        hashed["tuning"] = tuning.get("digest") or "pending"
+    return ForwardSpec(key=digest(hashed), bucket=bucket, target=target, graph=graph, inputs=inputs,
+                       compiler=compiler, tuning=tuning)
+
+
+def artifact_key(key: str) -> str:
+    """Where a forward's package lives in the store."""
+    return f"forwards/{key}.pt2"
+
+
+def inspection_key(key: str) -> str:
+    """Where the record of what a forward's package calls lives (kiln.core.package_check.package_calls), with
+    the sha256 of the bytes inspected."""
+    return f"inspections/{key}.json"
+
+
+def manifest_key(export_id: str) -> str:
+    return f"exports/{export_id}/manifest.json"
+
+
+def signature_key(export_id: str) -> str:
+    """The manifest's signature document, beside it."""
+    return f"exports/{export_id}/manifest.sig"
+
+
+def check_export_id(export_id: str) -> str:
+    """An export id names a store folder and a local one: letters, digits, '-', '_', '.'; no leading or
+    trailing '.', at most 128 characters. BadInput otherwise."""
+    from kiln.core.errors import BadInput
+
+    ok = (isinstance(export_id, str) and 0 < len(export_id) <= 128 and export_id.isascii()
+          and export_id.replace("-", "").replace("_", "").replace(".", "").isalnum()
+          and not export_id.startswith(".") and not export_id.endswith("."))
+    if not ok:
+        raise BadInput(f"export id {export_id!r} may hold only letters, digits, '-', '_' and '.' (not at its "
+                       "start or end), at most 128 characters.")
+    return export_id

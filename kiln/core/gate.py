@@ -1,0 +1,227 @@
+"""The fail-fast gate: decide who compiles what before anything compiles.
+
+A pure function of every host's report and the recipe. It either returns a
+`Plan` (host -> keys to compile and to download, workers, predicted seconds)
+or raises `GateRefused` naming each short host, by how many MiB, and what
+would fix it. No prefect, torch or boto3 import: unit-tested on paper layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kiln.core.errors import GateRefused
+from kiln.core.recipe import Recipe
+from kiln.core.sizing import floor_admitting_one, required_mib, worker_capacity
+
+
+@dataclass(frozen=True)
+class HostReport:
+    """What one host says about itself before compilation."""
+
+    name: str
+    ranks: tuple[int, ...]
+    available_mib: int
+    """Host memory available now (psutil), or the user's assumed figure."""
+    num_cpus: int
+    target: str
+    """Compile target fingerprint: hosts of one target can compile for each other."""
+    unified: bool = True
+    device_free_mib: int | None = None
+    local_keys: frozenset[str] = frozenset()
+    """Forward keys the host's local cache already holds."""
+    available_assumed: bool = False
+    compile_s: float | None = None
+    """Measured seconds per forward on this host, when known."""
+    measured_worker_mib: int | None = None
+    """A compile worker's measured peak for this graph and target, margin included (None: not measured)."""
+
+
+@dataclass
+class HostPlan:
+    name: str
+    target: str
+    available_mib: int
+    required_one_mib: int
+    """Memory one worker needs on this host."""
+    worker_mib: int
+    """Host memory the gate counts per worker."""
+    worker_mib_source: str
+    """Where worker_mib comes from: 'measured' (this graph's peak), 'recipe' (set) or 'estimate'."""
+    capacity: int
+    """Workers memory and CPUs allow."""
+    workers: int = 0
+    """Workers the plan starts: capacity capped by the work assigned."""
+    compile: list[str] = field(default_factory=list)
+    download: list[str] = field(default_factory=list)
+    predicted_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("name", "target", "available_mib", "required_one_mib", "worker_mib",
+                                               "worker_mib_source", "capacity", "workers", "compile", "download",
+                                               "predicted_s")}
+
+
+@dataclass
+class Plan:
+    decision: str
+    """'compile' or 'nothing_to_do'."""
+    policy: str
+    hosts: dict[str, HostPlan]
+    predicted_s: float
+    message: str
+
+    @property
+    def assignments(self) -> dict[str, list[str]]:
+        return {name: list(h.compile) for name, h in self.hosts.items()}
+
+    def to_dict(self) -> dict:
+        return {"decision": self.decision, "policy": self.policy, "predicted_s": self.predicted_s,
+                "assignments": self.assignments, "message": self.message,
+                "hosts": {n: h.to_dict() for n, h in self.hosts.items()}}
+
+
+def decide(hosts: list[HostReport], recipe: Recipe, needed: dict[str, list[str]],
+           store_keys: set[str] | frozenset[str], *, compile_s: dict[str, float] | None = None,
+           page_size_bytes: int | None = None, kv_pages_per_rank: int | None = None) -> Plan:
+    """Plan the compile phase or refuse it.
+
+    `needed` maps each target to the forward keys its ranks need; `store_keys`
+    are keys already in the store; `compile_s` holds measured seconds per key.
+    """
+    if not hosts:
+        raise GateRefused("no hosts reported; start at least one host (Dask worker) and try again.")
+    names = [h.name for h in hosts]
+    if len(set(names)) != len(names):
+        raise GateRefused(f"host names must be distinct, got {names}.")
+    compile_s = compile_s or {}
+    plans = {h.name: HostPlan(
+        name=h.name, target=h.target, available_mib=h.available_mib,
+        required_one_mib=required_mib(recipe, 1, h.unified, h.measured_worker_mib),
+        worker_mib=recipe.worker_host_source(h.measured_worker_mib)[0],
+        worker_mib_source=recipe.worker_host_source(h.measured_worker_mib)[1],
+        capacity=worker_capacity(recipe, available_mib=h.available_mib, unified=h.unified, num_cpus=h.num_cpus,
+                                 device_free_mib=h.device_free_mib, measured_host_mib=h.measured_worker_mib))
+        for h in sorted(hosts, key=lambda h: h.name)}
+    by_name = {h.name: h for h in hosts}
+
+    # Which hosts lack which keys, and which keys nobody has yet.
+    short: list[HostReport] = []
+    missing_by_target: dict[str, list[str]] = {}
+    for h in hosts:
+        want = needed.get(h.target, []) if h.ranks else []
+        plans[h.name].download = sorted(k for k in want if k in store_keys and k not in h.local_keys)
+        lacks = [k for k in want if k not in store_keys and k not in h.local_keys]
+        if lacks and plans[h.name].capacity == 0 and recipe.policy == "fail":
+            short.append(h)
+    for target, keys in needed.items():
+        missing = sorted({k for k in keys if k not in store_keys})
+        if not missing:
+            continue
+        missing_by_target[target] = missing
+        if not any(p.capacity > 0 for p in plans.values() if p.target == target):
+            short.extend(h for h in hosts if h.target == target and h not in short)
+    if short:
+        raise GateRefused(_refusal(short, plans, by_name, recipe, page_size_bytes, kv_pages_per_rank))
+
+    for target, missing in missing_by_target.items():
+        _assign(missing, [p for p in plans.values() if p.target == target and p.capacity > 0],
+                by_name, compile_s, recipe.compile_s_estimate)
+    for p in plans.values():
+        # A key this host compiles is not downloaded by it; a key it lacks that
+        # another host compiles is downloaded after the outcome check.
+        lacking = [k for k in needed.get(p.target, []) if by_name[p.name].ranks
+                   and k not in by_name[p.name].local_keys and k not in p.compile]
+        p.download = sorted(set(lacking))
+    predicted = max((p.predicted_s for p in plans.values()), default=0.0)
+    todo = sum(len(p.compile) for p in plans.values())
+    decision = "compile" if todo else "nothing_to_do"
+    message = (f"compile {todo} forward(s) on {sum(1 for p in plans.values() if p.compile)} host(s), "
+               f"about {predicted:.0f} s" if todo else "every forward is already in the store")
+    return Plan(decision, recipe.policy, plans, predicted, message)
+
+
+def _assign(keys: list[str], compilers: list[HostPlan], by_name: dict[str, HostReport],
+            compile_s: dict[str, float], estimate_s: float) -> None:
+    """Longest-first list scheduling over every compiler slot.
+
+    Each key goes to the slot where it finishes first; among equal finishes,
+    to the host with the fewest keys so far, so idle hosts share the work.
+    """
+    slots = [[0.0, p.name, i] for p in compilers for i in range(p.capacity)]
+    plans = {p.name: p for p in compilers}
+    used: dict[str, set[int]] = {p.name: set() for p in compilers}
+    for key in sorted(keys, key=lambda k: (-compile_s.get(k, estimate_s), k)):
+        def finish(slot):
+            return slot[0] + (compile_s.get(key) or by_name[slot[1]].compile_s or estimate_s)
+        best = min(slots, key=lambda sl: (finish(sl), len(plans[sl[1]].compile), sl[1], sl[2]))
+        best[0] = finish(best)
+        plans[best[1]].compile.append(key)
+        plans[best[1]].predicted_s = max(plans[best[1]].predicted_s, best[0])
+        used[best[1]].add(best[2])
+    for p in compilers:
+        p.compile.sort()
+        p.workers = len(used[p.name])
+
+
+def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[str, HostReport],
+             recipe: Recipe, page_size_bytes: int | None, kv_pages_per_rank: int | None) -> str:
+    lines = []
+    for h in sorted(short, key=lambda h: h.name):
+        p = plans[h.name]
+        assumed = " (assumed)" if h.available_assumed else ""
+        gap = p.required_one_mib - h.available_mib
+        measured = f" (its worker peak measured {p.worker_mib} MiB)" if p.worker_mib_source == "measured" else ""
+        if gap > 0:
+            lines.append(f"{h.name} has {h.available_mib} MiB available{assumed} but one compile worker "
+                         f"needs {p.required_one_mib} MiB{measured}: {gap} MiB short")
+        elif h.device_free_mib is not None and not h.unified:
+            lines.append(f"{h.name} has {h.device_free_mib} MiB free on its device but one compile worker "
+                         f"needs {recipe.worker_device_mib} MiB there")
+        else:
+            lines.append(f"{h.name} can run no compile worker ({h.num_cpus} CPUs)")
+    fixes = []
+    floors = [floor_admitting_one(recipe, available_mib=h.available_mib, unified=h.unified,
+                                  measured_host_mib=h.measured_worker_mib) for h in short]
+    if all(f is not None for f in floors) and any(plans[h.name].required_one_mib > h.available_mib for h in short):
+        fixes.append(f"--set headroom_floor_mib={min(floors)} would admit one worker on every short host")
+    lenders = {p.name: p.capacity for p in plans.values() if p.capacity > 0
+               and any(p.target == h.target for h in short)}
+    if recipe.policy == "fail" and lenders:
+        who = ", ".join(f"{n} ({c} worker{'s' if c > 1 else ''})" for n, c in sorted(lenders.items()))
+        fixes.append(f"--policy borrow lets them lend their forwards to {who}")
+    frees = []
+    for h in short:
+        gap = plans[h.name].required_one_mib - h.available_mib
+        if gap > 0:
+            text = f"{gap} MiB on {h.name}"
+            if page_size_bytes and h.ranks:
+                # Only a remedy when the KV cache is large enough to give that much back.
+                pages = math.ceil(gap * 2**20 / page_size_bytes / len(h.ranks))
+                if kv_pages_per_rank is None or pages <= kv_pages_per_rank:
+                    text += f" ({pages} fewer KV pages per rank)"
+            frees.append(text)
+    if frees:
+        fixes.append("free " + ", ".join(frees))
+    if not lenders:
+        fixes.append("add a host of the same target with memory for a compile worker")
+    return ("export refused before compiling: " + "; ".join(lines) + ". "
+            + "To fix: " + "; or ".join(fixes) + ".")
+
+
+def check_kv(kv_pages_per_rank: int, *, need_pages: int, largest: str, batch: int, pages_per_seq: int,
+             page_tokens: int, context_tokens: int, limiting: str) -> None:
+    """Refuse an export whose KV cache cannot hold its largest bucket: it could serve nothing of that size.
+
+    `need_pages` = batch x pages_per_seq of the largest bucket; `limiting` names the rank and host
+    whose memory set the plan.
+    """
+    if kv_pages_per_rank >= need_pages:
+        return
+    raise GateRefused(
+        f"export refused before compiling: the KV plan leaves {kv_pages_per_rank} pages per rank (limited by "
+        f"{limiting}) but bucket {largest} needs {need_pages} ({batch} sequences x {pages_per_seq} pages of "
+        f"{page_tokens} tokens for max_context_tokens {context_tokens}). To fix: fewer compile workers on that "
+        "host (--set max_compile_workers=N; the plan reserves their memory), smaller buckets (a smaller largest "
+        "batch), a shorter --set max_context_tokens, or more memory on that host.")

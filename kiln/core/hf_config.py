@@ -1,0 +1,235 @@
+"""Hugging Face `config.json` -> ModelConfig, by an allow-list.
+
+Pure: no torch import. Every field of a config.json is one of:
+- read: mapped onto a ModelConfig field (and so into every forward key);
+- checked: accepted only with the value Kiln computes (`hidden_act: silu`);
+- inert: does not change what one forward step computes (token ids, the
+  initializer, dropout, which is off at inference, ...);
+and any other field is bad input, named with its value, before anything
+starts. So a field Kiln does not know can never be silently ignored.
+
+Both spellings are read: transformers 4.x (top-level `rope_theta`,
+`rope_scaling`, `torch_dtype`) and transformers 5 (`rope_parameters`,
+`dtype`). Supported families: Llama 2/3/3.1/3.2 (rope default, linear,
+llama3; tied embeddings; attention_bias, mlp_bias), Mistral (sliding window)
+and Qwen2 (q/k/v biases; sliding window from max_window_layers or
+layer_types).
+"""
+
+from __future__ import annotations
+
+from kiln.core.config import ARCHITECTURES, ModelConfig
+from kiln.core.errors import BadInput
+
+_COMMON = {"architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+           "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps", "hidden_act", "rope_theta",
+           "rope_scaling", "rope_parameters", "dtype", "torch_dtype", "tie_word_embeddings"}
+READ = {
+    "llama": _COMMON | {"attention_bias", "mlp_bias"},
+    "mistral": _COMMON | {"sliding_window"},
+    "qwen2": _COMMON | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
+}
+"""Fields each family's config may hold that change the math; Kiln reads every one of them."""
+
+INERT = {
+    "transformers_version": "the library that wrote the file",
+    "_name_or_path": "where the file came from",
+    "bos_token_id": "a tokenizer id", "eos_token_id": "a tokenizer id", "pad_token_id": "a tokenizer id",
+    "use_cache": "a generate() setting", "initializer_range": "how random weights are drawn",
+    "max_position_embeddings": "a documented limit; Kiln's own limit is the recipe's max_context_tokens",
+    "attention_dropout": "dropout is off at inference", "pretraining_tp": "splits the same matmuls (same math)",
+    "output_attentions": "a generate() setting", "output_hidden_states": "a generate() setting",
+    "return_dict": "a generate() setting", "tokenizer_class": "a tokenizer setting",
+}
+"""Fields that do not change what a forward step computes, with why."""
+
+_ROPE_KEYS = {
+    "default": {"rope_type", "rope_theta"},
+    "linear": {"rope_type", "rope_theta", "factor"},
+    "llama3": {"rope_type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"},
+}
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
+           "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+
+
+def from_hf(raw: dict) -> ModelConfig:
+    """The ModelConfig of a Hugging Face `config.json` dict; BadInput naming any field Kiln does not compute."""
+    if not isinstance(raw, dict):
+        raise BadInput("config.json must hold a JSON object.")
+    family = _family(raw)
+    unknown = sorted(set(raw) - READ[family] - set(INERT))
+    if unknown:
+        shown = ", ".join(f"{k}={raw[k]!r}" for k in unknown[:4])
+        raise BadInput(f"config.json: {shown}: Kiln does not compute what {'this field changes' if len(unknown) == 1 else 'these fields change'} "
+                       f"for a {family} model, so it cannot export it faithfully (supported fields are listed in "
+                       "the README's 'Supported models').")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size") if k not in raw]
+    if missing:
+        raise BadInput(f"config.json lacks {', '.join(missing)}; it must describe a decoder of a supported family.")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise BadInput(f"config.json: hidden_act={raw['hidden_act']!r}: Kiln computes the SwiGLU MLP with silu only.")
+    heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
+    head_dim = raw.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
+                                       and heads else 0)
+    bias = _flag(raw, "attention_bias")
+    window, first_sliding = _sliding(raw, family)
+    return ModelConfig(
+        architecture=family,
+        vocab_size=raw["vocab_size"], hidden_size=hidden, num_layers=raw["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
+        intermediate_size=raw["intermediate_size"],
+        rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),  # every family's default
+        dtype=_dtype(raw),
+        qkv_bias=bias or family == "qwen2", o_bias=bias, mlp_bias=_flag(raw, "mlp_bias"),
+        tie_word_embeddings=_flag(raw, "tie_word_embeddings"),
+        sliding_window=window, first_sliding_layer=first_sliding,
+        **_rope(raw),
+    )
+
+
+def _family(raw: dict) -> str:
+    model_type = raw.get("model_type")
+    archs = raw.get("architectures")
+    if model_type is None and isinstance(archs, list) and len(archs) == 1:
+        model_type = {v: k for k, v in ARCHITECTURES.items()}.get(archs[0])
+    if model_type is None and archs is None:
+        raise BadInput("config.json names neither model_type nor architectures; Kiln exports "
+                       f"{', '.join(f'{t} ({c})' for t, c in ARCHITECTURES.items())}.")
+    if model_type not in ARCHITECTURES:
+        what = f"model_type={model_type!r}" if "model_type" in raw else f"architectures={archs!r}"
+        raise BadInput(f"config.json: {what} is not supported; Kiln exports "
+                       f"{', '.join(f'{t} ({c})' for t, c in ARCHITECTURES.items())}.")
+    if archs is not None and archs != [ARCHITECTURES[model_type]]:
+        raise BadInput(f"config.json: architectures={archs!r} is not supported for model_type {model_type!r}; "
+                       f"Kiln exports {ARCHITECTURES[model_type]} (a causal LM head over the decoder).")
+    return model_type
+
+
+def _flag(raw: dict, name: str) -> bool:
+    value = raw.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadInput(f"config.json: {name}={value!r} must be true or false.")
+    return value
+
+
+def _number(raw: dict, name: str, default: float) -> float:
+    value = raw.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadInput(f"config.json: {name}={value!r} must be a number.")
+    return float(value)
+
+
+def _dtype(raw: dict) -> str:
+    spelled = {k: raw[k] for k in ("dtype", "torch_dtype") if raw.get(k) is not None}
+    values = {_DTYPES.get(str(v).removeprefix("torch."), str(v)) for v in spelled.values()}
+    if len(values) > 1:
+        raise BadInput(f"config.json: dtype={raw['dtype']!r} and torch_dtype={raw['torch_dtype']!r} disagree; "
+                       "keep one, or pass --dtype.")
+    value = values.pop() if values else "float32"
+    if value not in ("float32", "bfloat16", "float16"):
+        name = next(iter(spelled))
+        raise BadInput(f"config.json: {name}={raw[name]!r} is not supported; Kiln compiles float32, bfloat16 "
+                       "or float16 (pass --dtype to choose one).")
+    return value
+
+
+def _rope(raw: dict) -> dict:
+    """ModelConfig's rope_* fields from either spelling."""
+    params = raw.get("rope_parameters")
+    scaling = raw.get("rope_scaling")
+    if params is not None and scaling is not None:
+        raise BadInput("config.json has both rope_parameters (transformers 5) and rope_scaling (4.x); keep one.")
+    where = "rope_parameters" if params is not None else "rope_scaling"
+    rope = dict(params if params is not None else scaling or {})
+    if not isinstance(rope, dict):
+        raise BadInput(f"config.json: {where}={rope!r} must be an object or null.")
+    if "type" in rope and "rope_type" not in rope:  # the older spelling of rope_type
+        rope["rope_type"] = rope.pop("type")
+    kind = rope.get("rope_type", "default")
+    if kind not in _ROPE_KEYS:
+        raise BadInput(f"config.json: {where}.rope_type={kind!r} is not supported; Kiln computes rope types "
+                       f"{', '.join(_ROPE_KEYS)} (a model with {kind!r} would be computed wrongly).")
+    extra = sorted(set(rope) - _ROPE_KEYS[kind])
+    if extra:
+        raise BadInput(f"config.json: {where}.{extra[0]}={rope[extra[0]]!r} is not understood for rope type "
+                       f"{kind!r}; Kiln reads {', '.join(sorted(_ROPE_KEYS[kind]))}.")
+    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if "rope_theta" in rope and "rope_theta" in raw and rope["rope_theta"] != raw["rope_theta"]:
+        raise BadInput(f"config.json: rope_theta={raw['rope_theta']!r} and {where}.rope_theta="
+                       f"{rope['rope_theta']!r} disagree; keep one.")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise BadInput(f"config.json: rope_theta={theta!r} must be a number.")
+    out = {"rope_type": kind, "rope_theta": float(theta)}
+    if kind in ("linear", "llama3"):
+        if "factor" not in rope:
+            raise BadInput(f"config.json: {where} of type {kind!r} lacks factor.")
+        out["rope_factor"] = _number(rope, "factor", 1.0)
+    if kind == "llama3":
+        for key, field in (("low_freq_factor", "rope_low_freq_factor"), ("high_freq_factor", "rope_high_freq_factor"),
+                           ("original_max_position_embeddings", "rope_original_max_position")):
+            if key not in rope:
+                raise BadInput(f"config.json: {where} of type 'llama3' lacks {key}.")
+            out[field] = rope[key] if key.startswith("original") else _number(rope, key, 1.0)
+    return out
+
+
+def _sliding(raw: dict, family: str) -> tuple[int | None, int]:
+    """(sliding_window, first sliding layer), as the family's transformers class decides them."""
+    if family == "mistral":
+        return raw.get("sliding_window"), 0
+    if family != "qwen2" or not _flag(raw, "use_sliding_window") or raw.get("sliding_window") is None:
+        return None, 0
+    layers = raw["num_hidden_layers"]
+    types = raw.get("layer_types")
+    if types is None:
+        first = raw.get("max_window_layers", 28)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise BadInput(f"config.json: max_window_layers={first!r} must be an integer >= 0.")
+        return raw["sliding_window"], min(first, layers)
+    if not isinstance(types, list) or not set(types) <= {"full_attention", "sliding_attention"}:
+        raise BadInput(f"config.json: layer_types={types!r} must list 'full_attention' / 'sliding_attention'.")
+    first = types.index("sliding_attention") if "sliding_attention" in types else layers
+    if types != ["full_attention"] * first + ["sliding_attention"] * (len(types) - first) or len(types) != layers:
+        raise BadInput(f"config.json: layer_types={types!r}: Kiln computes full-attention layers followed by "
+                       "sliding ones, one entry per layer.")
+    return raw["sliding_window"], first
+
+
+def to_hf(cfg: ModelConfig) -> dict:
+    """The `config.json` (transformers 4.x spelling) of `cfg`; BadInput for a combination no family has."""
+    family = cfg.architecture
+    if family == "qwen2" and (not cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias):
+        raise BadInput("a qwen2 config has q/k/v biases and no other biases.")
+    if family != "qwen2" and cfg.qkv_bias != cfg.o_bias:
+        raise BadInput("a llama config's attention_bias covers q, k, v and o together.")
+    if family != "llama" and (cfg.o_bias or cfg.mlp_bias):
+        raise BadInput(f"a {family} config has no attention_bias / mlp_bias.")
+    if family == "llama" and cfg.sliding_window is not None:
+        raise BadInput("a llama config has no sliding window (use mistral or qwen2).")
+    out = {
+        "architectures": [ARCHITECTURES[family]], "model_type": family,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": None, "torch_dtype": cfg.dtype,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+    }
+    if cfg.rope_type == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_factor}
+    elif cfg.rope_type == "llama3":
+        out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_factor,
+                               "low_freq_factor": cfg.rope_low_freq_factor,
+                               "high_freq_factor": cfg.rope_high_freq_factor,
+                               "original_max_position_embeddings": cfg.rope_original_max_position}
+    if family == "llama":
+        out.update(attention_bias=cfg.o_bias, mlp_bias=cfg.mlp_bias)
+    elif family == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    else:
+        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                   max_window_layers=cfg.first_sliding_layer)
+    return out

@@ -1,0 +1,63 @@
+"""The description of one export that every task and host receives. Pure and picklable."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from kiln.core.config import ModelConfig
+from kiln.core.forward_keys import ForwardSpec, forward_spec
+from kiln.core.recipe import Recipe
+from kiln.core.signing import SigningPlan
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One host of the export: its name, the ranks it holds and its local cache directory."""
+
+    name: str
+    ranks: tuple[int, ...]
+    cache_dir: str = ""
+    """Local cache directory; empty: KILN_HOME/cache/<name>, resolved on the host itself."""
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    export_id: str
+    model_name: str
+    checkpoint: str
+    """Absolute path of the Hugging Face-layout checkpoint directory."""
+    config: dict
+    """ModelConfig fields."""
+    tp: int
+    recipe: Recipe
+    store_url: str
+    s3_endpoint: str | None = None
+    checksum_mode: str = "when_required"
+    store_block: str | None = None
+    """A 'Kiln Store' Prefect block each host loads itself, so secrets never travel in task parameters."""
+    assume_available: dict[str, int] = field(default_factory=dict)
+    """host name -> MiB that replaces the probed available memory ("what if")."""
+    signing: SigningPlan | None = None
+    """How the manifest is signed (no secret: the key is loaded where it signs); None: not decided (plan)."""
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(**self.config)
+
+    def specs(self, *, target: str, torch_version: str, code: str, compiler: dict,
+              tuning: dict[str, dict] | None = None) -> list[ForwardSpec]:
+        """One forward spec per bucket for hosts of `target`; `tuning` maps bucket name -> its tuning."""
+        graph = {"config": self.config, "tp": self.tp, "code": code}
+        return [forward_spec(bucket=b, graph=graph, target=target, torch_version=torch_version,
+                             page_tokens=self.recipe.page_tokens, pages_per_seq=self.recipe.pages_per_seq,
+                             compiler=compiler, tuning=None if tuning is None else tuning[str(b)])
+                for b in self.recipe.buckets]
+
+    def replace(self, **changes) -> "ExportJob":
+        return dataclasses.replace(self, **changes)
+
+
+def place_ranks(tp: int, host_names: list[str]) -> dict[str, tuple[int, ...]]:
+    """Rank r goes to host r mod N."""
+    return {name: tuple(r for r in range(tp) if r % len(host_names) == i) for i, name in enumerate(host_names)}

@@ -1,0 +1,79 @@
+"""The memory ledger as a picture: per host, per phase boundary, host available and device free MiB.
+
+Pure apart from matplotlib (Agg backend, no display): `draw` takes the report's
+host entries and returns PNG bytes. The flow stores them with the export
+(`ledger_key`) and links them from the run's summary.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+from kiln.core.key_rules import sha256_bytes
+
+
+def ledger_key(export_id: str, png: bytes) -> str:
+    """Store key of one drawing: content-addressed, so every try of an export keeps its own picture."""
+    return f"exports/{export_id}/memory-{sha256_bytes(png)[:12]}.png"
+
+
+def draw(hosts: list[dict], *, title: str = "memory ledger") -> bytes:
+    """PNG of every host's memory at every phase boundary (one panel per host, MiB on the y axis).
+
+    `hosts` are the report's host entries: {'name', 'memory': [{'phase',
+    'host_available_mib', 'device_free_mib', 'assumed_available_mib'?}, ...]}.
+    A host without a device shows only its available memory; an assumed figure
+    (--assume-available) is drawn as a dashed line; the memory one compile worker
+    needs ('required_one_mib', from the gate) as a dotted line, and the lowest
+    reading while compiling (phase 'compile (lowest)') as a triangle.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    hosts = [h for h in hosts if h.get("memory")] or [{"name": "(no host reported)", "memory": []}]
+    fig = Figure(figsize=(8, 2.2 + 2.4 * len(hosts)), dpi=100, layout="constrained")
+    axes = fig.subplots(len(hosts), 1, squeeze=False)[:, 0]
+    for ax, host in zip(axes, hosts):
+        rows = host["memory"]
+        x = list(range(len(rows)))
+        phases = [r["phase"] for r in rows]
+        avail = [r.get("host_available_mib") for r in rows]
+        ax.plot(x, avail, marker="o", label="host available")
+        if any(r.get("device_free_mib") is not None for r in rows):
+            ax.plot(x, [r.get("device_free_mib") for r in rows], marker="s", label="device free")
+        if any("assumed_available_mib" in r for r in rows):
+            ax.plot(x, [r.get("assumed_available_mib") for r in rows], linestyle="--",
+                    marker="x", label="assumed available")
+        if host.get("required_one_mib"):
+            ax.axhline(host["required_one_mib"], color="tab:red", linestyle=":", linewidth=1.2,
+                       label=f"needed for one compile worker ({host['required_one_mib']})")
+        for xi, row in zip(x, rows):
+            if row["phase"] == "compile (lowest)" and row.get("host_available_mib") is not None:
+                ax.plot([xi], [row["host_available_mib"]], marker="v", color="tab:orange", markersize=9,
+                        linestyle="none", label="lowest while compiling")
+        for xi, value in zip(x, avail):
+            if value is not None:
+                ax.annotate(f"{value}", (xi, value), textcoords="offset points", xytext=(0, 6),
+                            ha="center", fontsize=7)
+        ax.set_title(f"host {host['name']}", fontsize=10, loc="left")
+        ax.set_ylabel("MiB")
+        ax.set_ylim(bottom=0)  # from zero: a small dip must look small
+        ax.set_xticks(x, phases, rotation=30, ha="right", fontsize=8)
+        ax.grid(True, alpha=0.3)
+        if rows:
+            ax.legend(fontsize=8, loc="best")
+    fig.suptitle(title, fontsize=11)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def markdown(png: bytes, url: str | None) -> str:
+    """A markdown page showing the picture inline (a data URI, so no store access is needed) and its address."""
+    data = base64.b64encode(png).decode("ascii")
+    where = f" Stored at [{url}]({url})." if url else " Not stored: the export stopped before writing anything."
+    return (f"# Memory ledger\n\nEvery host's memory at every phase boundary (MiB).{where}\n\n"
+            f"![memory ledger](data:image/png;base64,{data})\n")

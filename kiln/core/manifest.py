@@ -1,0 +1,82 @@
+"""The export manifest: what an export produced, written last, checked before use. Pure.
+
+The manifest is signed (kiln.core.signing; the signature lives beside it) and says
+so in its `signing` entry: {'signed': bool, 'key_fingerprint': str | None}.
+`check_manifest` is the structural check that follows the signature check: every
+forward names a well-formed key, its object `forwards/<key>.pt2`, a bucket and
+a sha256, says whether it is Python-free, and no two keys or objects collide
+after normalisation.
+
+It is also a consumer contract (kiln.core.contract; the README's "Run an export
+without Kiln"): `runtime` names the process group the packages' collectives
+expect and whether every package runs without Python; `weights` maps each
+package constant to its checkpoint tensor and how each rank cuts it; each
+forward carries its `interface` (inputs and outputs: names, dtypes, shapes with
+the dynamic dimension named), the native `ops` it calls and its `constants`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kiln.core.errors import BadInput, IntegrityError
+from kiln.core.forward_keys import artifact_key
+from kiln.core.key_rules import check_no_collisions
+
+MANIFEST_VERSION = 3
+_KEY = re.compile(r"^[0-9a-f]{16,64}$")
+_BUCKET = re.compile(r"^[1-9][0-9]*x[1-9][0-9]*$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def build_manifest(*, export_id: str, model: dict, recipe: dict, tp: int, buckets: list[str],
+                   forwards: list[dict], weights: dict, kv_plan: dict, hosts: list[dict], phases: list[dict],
+                   signing: dict) -> dict:
+    """`forwards` are kiln.core.outcome.forward_records; `weights` is kiln.core.contract.weight_layout;
+    `signing` is {'signed', 'key_fingerprint'} (kiln.core.signing.SigningPlan.manifest_entry)."""
+    groups = sorted({f["interface"]["process_group"] for f in forwards if f["interface"]["process_group"]})
+    runtime = {"process_group": groups[0] if groups else None, "world_size": tp,
+               "python_free": all(f["python_free"] for f in forwards)}
+    return {"version": MANIFEST_VERSION, "export_id": export_id, "model": model, "recipe": recipe,
+            "tp": tp, "buckets": buckets, "runtime": runtime, "weights": weights,
+            "forwards": sorted(forwards, key=lambda f: (f["target"], f["bucket"])),
+            "kv_plan": kv_plan, "hosts": hosts, "phases": phases, "signing": dict(signing)}
+
+
+def check_manifest(manifest: object, *, export_id: str | None = None) -> dict:
+    """Structural check of a manifest read from the store; raises IntegrityError on anything odd.
+
+    With `export_id`, the manifest must be that export's (a signed manifest
+    copied under another export's name is refused).
+    """
+    if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
+        raise IntegrityError("the manifest is not a Kiln manifest of a version this Kiln reads "
+                             f"(version {MANIFEST_VERSION}).")
+    if export_id is not None and manifest.get("export_id") != export_id:
+        raise IntegrityError(f"the manifest stored for export {export_id!r} belongs to export "
+                             f"{manifest.get('export_id')!r}; refusing it.")
+    signing = manifest.get("signing")
+    if not isinstance(signing, dict) or not isinstance(signing.get("signed"), bool):
+        raise IntegrityError("the manifest does not say whether it is signed (no 'signing' entry).")
+    forwards = manifest.get("forwards")
+    if not isinstance(forwards, list) or not forwards:
+        raise IntegrityError("the manifest lists no forwards.")
+    for f in forwards:
+        if not isinstance(f, dict) or not all(isinstance(f.get(k), str) for k in ("key", "bucket", "sha256", "object")):
+            raise IntegrityError(f"manifest entry {f!r} lacks key, bucket, sha256 or object.")
+        if not _KEY.match(f["key"]):
+            raise IntegrityError(f"manifest entry {f['key']!r} is not a forward key (16-64 lowercase hex digits).")
+        if f["object"] != artifact_key(f["key"]):
+            raise IntegrityError(f"manifest entry for {f['key']} points at {f['object']!r}, "
+                                 f"not at {artifact_key(f['key'])!r}.")
+        if not _BUCKET.match(f["bucket"]):
+            raise IntegrityError(f"manifest entry for {f['key']} has a malformed bucket {f['bucket']!r}.")
+        if not _SHA256.match(f["sha256"]):
+            raise IntegrityError(f"manifest entry for {f['key']} has a malformed sha256.")
+        if not isinstance(f.get("python_free"), bool):
+            raise IntegrityError(f"manifest entry for {f['key']} does not say whether it is Python-free.")
+    try:
+        check_no_collisions([f["object"] for f in forwards], what="manifest objects")
+    except BadInput as exc:
+        raise IntegrityError(str(exc)) from None
+    return manifest

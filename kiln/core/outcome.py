@@ -1,0 +1,49 @@
+"""The compile phase's outcome, decided: is every forward stored and runnable without Python. Pure.
+
+`check_outcome` is the check that makes the compile phase OK (every key in the
+store with a sha256, every package Python-free); `forward_records` joins what
+was planned, stored and compiled into the forwards of the report and manifest,
+each with the consumer contract of kiln.core.contract (interface and constants).
+"""
+
+from __future__ import annotations
+
+from kiln.core.config import ModelConfig
+from kiln.core.contract import forward_interface, parameter_shapes
+from kiln.core.errors import KilnError, NotPythonFree
+from kiln.core.forward_keys import artifact_key
+
+
+def check_outcome(found: dict[str, dict], missing: list[str], specs: dict[str, dict]) -> dict[str, dict]:
+    """`found` key -> {'sha256', 'size_bytes', 'calls'}; raises unless every spec's forward is stored
+    and Python-free. Returns `found`."""
+    if missing:
+        raise KilnError(f"{len(missing)} forward(s) are not in the store after compilation, e.g. {missing[0]}; "
+                        "the compile phase failed on some host (see its log); re-run to resume.")
+    impure = sorted(k for k in specs if not found[k]["calls"]["python_free"])
+    if impure:
+        key = impure[0]
+        raise NotPythonFree(f"{len(impure)} forward(s) would need Python to run, e.g. {key} "
+                            f"({specs[key]['bucket']}): {found[key]['calls']['why']}. Kiln's forwards call only "
+                            "native ops; this model or compiler setting brings in one without a C shim.")
+    return found
+
+
+def forward_records(specs: dict[str, dict], stored: dict[str, dict], compiled: dict[str, dict],
+                    cfg: ModelConfig, tp: int) -> list[dict]:
+    """One record per forward, ordered by (target, bucket): what it is, where it lives, who compiled
+    it and how, and its consumer contract (interface, process group, constants)."""
+    constants = sorted(parameter_shapes(cfg))
+    out = []
+    for key, spec in sorted(specs.items(), key=lambda kv: (kv[1]["target"], kv[1]["bucket"])):
+        c = compiled.get(key) or {}
+        s = stored[key]
+        out.append({"key": key, "bucket": spec["bucket"], "target": spec["target"], "sha256": s["sha256"],
+                    "size_bytes": s["size_bytes"], "object": artifact_key(key),
+                    "compiled_by": c.get("compiled_by"), "compile_s": c.get("compile_s"),
+                    "autotune": c.get("autotune"), "tuning": (spec.get("tuning") or {}).get("digest"),
+                    "compile_attempts": c.get("attempts", 1) if c else 0,
+                    "compile_peak_mib": c.get("compile_peak_mib"),
+                    "python_free": s["calls"]["python_free"], "ops": s["calls"]["ops"],
+                    "interface": forward_interface(cfg, tp, spec["inputs"]), "constants": constants})
+    return out

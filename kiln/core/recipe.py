@@ -1,0 +1,220 @@
+"""The recipe: every per-cluster, per-run choice of an export, typed, documented and validated once.
+
+Pure: no torch, prefect or boto3 import. Each field of `Recipe` is a setting,
+declared once with `setting(...)`: its type (`Literal` for a list of choices),
+default, unit, bounds and a docstring. Everything else is derived from these
+declarations by `kiln.core.settings`: the CLI's flags, the deployment's form
+fields, the `Kiln Recipe` block and `docs/recipe.md`. Overrides are typed
+replacements (`Recipe.replace`); text (`--set NAME=VALUE`) is parsed only at
+the edge, by the setting it names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from dataclasses import dataclass
+from typing import Literal
+
+from kiln.core.errors import BadInput
+from kiln.core.settings import Setting, form_model, setting, settings_of
+
+Policy = Literal["borrow", "fail"]
+TuningMode = Literal["off", "cached", "full"]
+POLICIES: tuple[str, ...] = typing.get_args(Policy)
+TUNING_MODES: tuple[str, ...] = typing.get_args(TuningMode)
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """One input shape class the serving engine needs: `batch` sequences of `tokens` new tokens."""
+
+    batch: int
+    tokens: int
+
+    def __str__(self) -> str:
+        return f"{self.batch}x{self.tokens}"
+
+
+BUCKET_PATTERN = r"^\s*[1-9]\d*\s*[xX]\s*[1-9]\d*\s*(,\s*[1-9]\d*\s*[xX]\s*[1-9]\d*\s*)*$"
+"""What the text of `buckets` looks like (the run form checks it before a run is created)."""
+
+
+def parse_buckets(spec: str) -> tuple[Bucket, ...]:
+    """Parse `BxT,BxT,...` into sorted, distinct buckets; BadInput on anything else."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise BadInput("buckets is empty; give at least one bucket as BATCHxTOKENS, e.g. 1x16,4x64.")
+    out = set()
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", part)
+        if not m or int(m[1]) <= 0 or int(m[2]) <= 0:
+            raise BadInput(f"bucket {part.strip()!r} is not BATCHxTOKENS with positive integers; "
+                           "write buckets like 1x16,4x64.")
+        out.add(Bucket(int(m[1]), int(m[2])))
+    return tuple(sorted(out))
+
+
+DEFAULT_BUCKETS = (Bucket(1, 16), Bucket(2, 16), Bucket(4, 32), Bucket(8, 64))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Choices of one export. Memory is MiB, time seconds; docs/recipe.md lists every setting."""
+
+    buckets: tuple[Bucket, ...] = setting(
+        DEFAULT_BUCKETS, "Shape classes to compile, one forward each: BATCHxTOKENS (sequences x new tokens).",
+        parse=lambda text: parse_buckets(text), show=lambda buckets: ",".join(map(str, buckets)),
+        pattern=BUCKET_PATTERN, example="1x16,4x64")
+    policy: Policy = setting(
+        "borrow", "What the gate does when a host can run no compile worker: lend its forwards to a host that "
+        "can (borrow) or refuse the export (fail).")
+    tuning: TuningMode = setting(
+        "cached", "Kernel tuning: off; cached measures only the GEMM shapes the store lacks; full measures all "
+        "again and replaces them. CPU forwards have nothing to tune.")
+    headroom_floor_mib: int = setting(
+        2048, "Memory a host keeps free whatever else runs (the incident's fixed 8 GiB floor).", unit="MiB", gt=0)
+    recipe_headroom_mib: int = setting(
+        1024, "Memory the recipe's own preparation needs; the larger of this and headroom_floor_mib applies.",
+        unit="MiB", gt=0)
+    worker_host_mib: int | None = setting(
+        None, "Host memory one compile worker takes at its peak, its compiler children included. A number "
+        "always wins.", unit="MiB", gt=0,
+        null="the peak measured for this graph and target (kept in the store) times worker_mib_margin, or "
+             "worker_host_estimate_mib before anything was measured")
+    worker_host_estimate_mib: int = setting(
+        1024, "The per-worker figure used before any compile of this graph on this target was measured.",
+        unit="MiB", gt=0)
+    worker_mib_margin: float = setting(
+        1.15, "Factor over the largest measured worker peak (the next forwards may be a little larger).", ge=1)
+    max_compile_workers: int = setting(
+        0, "Most compile workers a host starts (0: as many as memory and CPUs allow).", ge=0)
+    process_base_mib: int = setting(
+        512, "Memory of a process that has imported torch and loaded compiled forwards, before any weights "
+        "(used to predict the checks' memory).", unit="MiB", gt=0)
+    worker_device_mib: int = setting(
+        0, "Device memory one compile worker takes (its CUDA context); about 2048 on GPU hosts, 0 on CPU-only "
+        "hosts.", unit="MiB", ge=0)
+    activation_reserve_mib: int = setting(
+        256, "Memory each rank keeps for activations when serving; not given to the KV cache.", unit="MiB", ge=0)
+    unified_memory: bool | None = setting(
+        None, "Whether device memory is the host's own pool (GB10, CPU-only hosts).", null="as probed on each host")
+    page_tokens: int = setting(16, "Tokens per KV-cache page.", unit="tokens", gt=0)
+    max_context_tokens: int = setting(
+        256, "Longest context a sequence can attend to; pages per sequence = this / page_tokens.", unit="tokens",
+        gt=0)
+    kv_max_pages: int = setting(4096, "Upper bound on KV pages per rank, whatever the memory would allow.",
+                                unit="pages", gt=0)
+    compile_s_estimate: float = setting(
+        30.0, "Predicted seconds to compile one forward when nothing was measured yet.", unit="s", gt=0)
+    max_compile_attempts: int = setting(2, "Times one forward is tried when its compile worker dies.", gt=0)
+    verify_atol: float = setting(
+        1e-3, "Largest difference allowed between a compiled forward and eager, as max |compiled - eager| / "
+        "max(1, max |eager|) (absolute for outputs up to 1, relative above).", gt=0)
+    verify_half_ratio: float = setting(
+        2.0, "bfloat16 / float16 forwards: compared with eager in float32 on the same weights, they may be off "
+        "by this many times eager's own error in their dtype (and always by verify_atol).", gt=0)
+    lease_ttl_s: float = setting(
+        900.0, "Seconds a compile lease protects a key from other exports; a stale lease is taken over.",
+        unit="s", gt=0)
+    flow_retries: int = setting(
+        2, "Times a failed export is tried again, with a fresh probe; bad input, gate refusals (unless "
+        "retry_refusals), integrity and verification failures are never retried.", ge=0, le=10)
+    flow_retry_delay_s: float = setting(30.0, "Seconds between a failed try of the export and the next one.",
+                                        unit="s", ge=0, le=86400)
+    retry_refusals: bool = setting(
+        False, "Whether a gate refusal counts as a failure that flow_retries try again, flow_retry_delay_s "
+        "apart, with a fresh probe each time: for a deployment that waits for memory to be freed. Off: a refusal "
+        "is final, and kiln export refuses before starting Prefect.")
+    artifact_mib_estimate: int = setting(
+        16, "Disk one compiled forward takes in a host's cache; a host needs this times the forwards it lacks "
+        "free.", unit="MiB", ge=0)
+
+    def __post_init__(self) -> None:
+        for s in SETTINGS:
+            s.check(getattr(self, s.name))
+        if self.max_context_tokens % self.page_tokens:
+            raise BadInput(f"max_context_tokens ({self.max_context_tokens}) must be a multiple of "
+                           f"page_tokens ({self.page_tokens}).")
+
+    def replace(self, **changes) -> "Recipe":
+        """This recipe with typed replacements; an unknown name is BadInput naming the known ones."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise BadInput(f"unknown recipe setting(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}.")
+        return dataclasses.replace(self, **changes)
+
+    def changed(self) -> dict:
+        """{name: value} of every setting that differs from its default."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.max_context_tokens // self.page_tokens
+
+    def worker_mib(self, unified: bool, measured_host_mib: int | None = None) -> int:
+        """Memory one compile worker takes out of the pool that host sizing looks at.
+
+        `measured_host_mib` (a worker's measured peak, margin included) applies unless
+        worker_host_mib is set.
+        """
+        return self.worker_host_source(measured_host_mib)[0] + (self.worker_device_mib if unified else 0)
+
+    def worker_host_source(self, measured_host_mib: int | None) -> tuple[int, str]:
+        """(host MiB of one worker, where it comes from: 'recipe', 'measured' or 'estimate')."""
+        if self.worker_host_mib is not None:
+            return self.worker_host_mib, "recipe"
+        if measured_host_mib is not None:
+            return measured_host_mib, "measured"
+        return self.worker_host_estimate_mib, "estimate"
+
+    def floor_mib(self) -> int:
+        return max(self.headroom_floor_mib, self.recipe_headroom_mib)
+
+    def to_dict(self) -> dict:
+        """JSON-ready: buckets as `BxT` strings; `from_dict` reads it back."""
+        out = dataclasses.asdict(self)
+        out["buckets"] = [str(b) for b in self.buckets]
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Recipe":
+        """Inverse of `to_dict`; also takes buckets as one `BxT,...` string. Unknown names are bad input."""
+        raw = dict(raw)
+        if "buckets" in raw and not isinstance(raw["buckets"], tuple):
+            b = raw["buckets"]
+            raw["buckets"] = parse_buckets(",".join(b) if isinstance(b, (list, tuple)) else str(b))
+        return cls().replace(**raw)
+
+
+SETTINGS: tuple[Setting, ...] = settings_of(Recipe)
+"""Every recipe setting, in declaration order: the CLI's flags, the form's fields and docs/recipe.md."""
+SETTING: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def recipe_from_text(items: list[str] | tuple[str, ...], base: Recipe | None = None) -> Recipe:
+    """`base` (default: the defaults) with `NAME=VALUE` items applied, each parsed by the setting it names."""
+    from kiln.core.settings import parse_assignments
+
+    return (base or Recipe()).replace(**parse_assignments(SETTINGS, items))
+
+
+_FORM = None
+
+
+def recipe_form():
+    """The pydantic model of the recipe's settings (typed fields with the defaults): the run form's
+    `recipe` field and the `Kiln Recipe` block are made of it."""
+    global _FORM
+    if _FORM is None:
+        _FORM = form_model(SETTINGS, "RecipeSettings", "Recipe settings: every choice of an export, with its default.")
+    return _FORM
+
+
+def recipe_of_form(values: dict, base: Recipe | None = None) -> Recipe:
+    """`base` with the settings of a form model's dump that differ from their defaults applied."""
+    from kiln.core.settings import from_form
+
+    typed = from_form(SETTINGS, values)
+    return (base or Recipe()).replace(**{k: v for k, v in typed.items() if v != SETTING[k].default})

@@ -1,0 +1,122 @@
+"""The export report: one JSON document, written also when the export fails. Pure."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class Report:
+    """Accumulates what an export did; `to_dict` is the `--report` JSON."""
+
+    def __init__(self, export_id: str, *, model: str, tp: int, store: str, attempt: int = 1):
+        self.export_id = export_id
+        self.attempt = attempt
+        """Which try of the export's flow run wrote this report (1 for the first)."""
+        self.model = model
+        self.tp = tp
+        self.store = store
+        self.status = "running"
+        self.error: str | None = None
+        self.phases: list[dict] = []
+        self.hosts: dict[str, dict] = {}
+        self.gate: dict = {"decision": None, "policy": None, "assignments": {}, "message": None,
+                           "decided_in": "flow"}
+        """`decided_in`: 'flow' (the flow run's gate) or 'cli' (`kiln export` refused before starting Prefect)."""
+        self.counts = {"forwards": 0, "compiled": 0, "reused": 0, "tuning_measured": 0}
+        self.forwards: list[dict] = []
+        self.kv_plan: dict | None = None
+        self.verify: dict = {}
+        self.manifest: str | None = None
+        self.ledger_picture: str | None = None
+        """Store key of the memory ledger drawn as a PNG (kiln.core.ledger_plot)."""
+        self.signing: dict = {"signed": None}
+        """{'signed', 'key_fingerprint', 'source', 'signature', 'note'}: how the manifest is signed."""
+
+    @classmethod
+    def of_job(cls, job, hosts, *, attempt: int = 1) -> "Report":
+        """The report of a starting export of `job` (an ExportJob) on `hosts` (HostSpecs): signing and ranks."""
+        report = cls(job.export_id, model=job.model_name, tp=job.tp, store=job.store_url, attempt=attempt)
+        report.signing = {"signed": job.signing.sign, "key_fingerprint": job.signing.fingerprint,
+                          "source": job.signing.source, "signature": None, "note": job.signing.describe()}
+        for h in hosts:
+            report.host(h.name, ranks=h.ranks)
+        return report
+
+    def phase(self, name: str, status: str, duration_s: float, **extra) -> None:
+        self.phases.append({"name": name, "status": status, "duration_s": round(duration_s, 3), **extra})
+
+    def host(self, name: str, *, ranks=(), workers: int | None = None, target: str | None = None) -> dict:
+        entry = self.hosts.setdefault(name, {"name": name, "ranks": list(ranks), "workers": 0,
+                                             "target": target, "memory": []})
+        if workers is not None:
+            entry["workers"] = workers
+        if target is not None:
+            entry["target"] = target
+        return entry
+
+    def memory(self, host: str, phase: str, snapshot: dict, *, assumed_available_mib: int | None = None) -> None:
+        """One memory-ledger entry: the host's figures at a phase boundary."""
+        entry = {"phase": phase, "host_available_mib": snapshot.get("host_available_mib"),
+                 "device_free_mib": snapshot.get("device_free_mib"),
+                 "allocated_mib": snapshot.get("allocated_mib"), "reserved_mib": snapshot.get("reserved_mib")}
+        if assumed_available_mib is not None:
+            entry["assumed_available_mib"] = assumed_available_mib
+        self.host(host)["memory"].append(entry)
+
+    def to_dict(self) -> dict:
+        return {"export_id": self.export_id, "attempt": self.attempt, "model": self.model, "tp": self.tp, "store": self.store,
+                "status": self.status, "error": self.error, "phases": self.phases,
+                "hosts": [self.hosts[n] for n in sorted(self.hosts)], "gate": self.gate,
+                "counts": self.counts, "forwards": self.forwards, "kv_plan": self.kv_plan,
+                "verify": self.verify, "manifest": self.manifest, "ledger_picture": self.ledger_picture,
+                "signing": self.signing}
+
+    def write(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, default=str))
+        os.replace(tmp, path)
+
+    def summary(self) -> str:
+        """The few lines `kiln export` prints at the end."""
+        lines = [f"export {self.export_id}: {self.status}" + (f" ({self.error})" if self.error else "")]
+        for p in self.phases:
+            lines.append(f"  {p['name']:<14} {p['status']:<8} {p['duration_s']:8.1f} s")
+        c = self.counts
+        lines.append(f"  forwards {c['forwards']}: compiled {c['compiled']}, reused {c['reused']}; "
+                     f"tuning measured {c['tuning_measured']}")
+        if self.manifest:
+            lines.append(f"  manifest {self.manifest}")
+        if self.signing.get("note"):
+            lines.append(f"  {self.signing['note']}")
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        """The Prefect artifact: phases, gate decision and every host's memory at every boundary."""
+        out = [f"# Kiln export `{self.export_id}`: {self.status}", ""]
+        if self.error:
+            out += [f"**Error:** {self.error}", ""]
+        out += ["| phase | status | seconds |", "|---|---|---|"]
+        out += [f"| {p['name']} | {p['status']} | {p['duration_s']:.1f} |" for p in self.phases]
+        out += ["", f"**Gate:** {self.gate.get('decision')} (policy {self.gate.get('policy')}): "
+                f"{self.gate.get('message')}", "", "## Memory ledger (MiB)", "",
+                "| host | phase | host available | device free |", "|---|---|---|---|"]
+        for name in sorted(self.hosts):
+            for m in self.hosts[name]["memory"]:
+                avail = m["host_available_mib"]
+                if "assumed_available_mib" in m:
+                    avail = f"{avail} (assumed {m['assumed_available_mib']})"
+                out.append(f"| {name} | {m['phase']} | {avail} | {m['device_free_mib'] or '-'} |")
+        if self.ledger_picture:
+            out += ["", f"Memory ledger picture: [{self.ledger_picture}]({self._url(self.ledger_picture)})"]
+        if self.manifest:
+            out += ["", f"Manifest: [{self.manifest}]({self._url(self.manifest)})"]
+        if self.signing.get("note"):
+            out += ["", f"Signing: {self.signing['note']}"]
+        return "\n".join(out)
+
+    def _url(self, key: str) -> str:
+        return f"{self.store.rstrip('/')}/{key}"

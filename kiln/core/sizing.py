@@ -1,0 +1,114 @@
+"""Compile-worker sizing and KV-cache planning: pure arithmetic over MiB.
+
+    required(n) = max(headroom_floor, recipe_headroom) + n * (worker_host + worker_device)
+    workers     = largest n with required(n) <= available, capped by CPUs and by work
+
+On unified memory (GB10, CPU-only hosts) worker_device comes out of the same
+pool as worker_host; on a discrete GPU it comes out of device memory and is
+checked against the device's free memory separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.core.recipe import Recipe
+
+
+def required_mib(recipe: Recipe, num_workers: int, unified: bool, measured_host_mib: int | None = None) -> int:
+    """Host memory needed to run `num_workers` compile workers (`measured_host_mib`: see Recipe.worker_mib)."""
+    return recipe.floor_mib() + num_workers * recipe.worker_mib(unified, measured_host_mib)
+
+
+def worker_capacity(recipe: Recipe, *, available_mib: int, unified: bool, num_cpus: int,
+                    device_free_mib: int | None = None, measured_host_mib: int | None = None) -> int:
+    """How many compile workers a host can run by memory, CPUs and max_compile_workers (not yet capped by work)."""
+    by_host = max(0, (available_mib - recipe.floor_mib()) // recipe.worker_mib(unified, measured_host_mib))
+    limits = [by_host, max(0, num_cpus)]
+    if not unified and recipe.worker_device_mib > 0 and device_free_mib is not None:
+        limits.append(max(0, device_free_mib // recipe.worker_device_mib))
+    if recipe.max_compile_workers:
+        limits.append(recipe.max_compile_workers)
+    return min(limits)
+
+
+def floor_admitting_one(recipe: Recipe, *, available_mib: int, unified: bool,
+                        measured_host_mib: int | None = None) -> int | None:
+    """The largest headroom floor with which one worker fits, or None if lowering the floor cannot help."""
+    floor = available_mib - recipe.worker_mib(unified, measured_host_mib)
+    if floor < recipe.recipe_headroom_mib or floor <= 0:
+        return None
+    return floor
+
+
+@dataclass(frozen=True)
+class KvPlan:
+    """Pages per rank (all ranks take the minimum) and the arithmetic behind them."""
+
+    pages_per_rank: int
+    page_bytes: int
+    per_rank_pages: dict[int, int]
+    """rank -> pages its host could hold, before taking the minimum."""
+    limiting_rank: int
+
+    def to_dict(self) -> dict:
+        return {"pages_per_rank": self.pages_per_rank, "page_bytes": self.page_bytes,
+                "per_rank_pages": {str(r): p for r, p in sorted(self.per_rank_pages.items())},
+                "limiting_rank": self.limiting_rank}
+
+
+def page_bytes(*, num_layers: int, kv_heads_per_rank: int, head_dim: int, page_tokens: int,
+               dtype_bytes: int) -> int:
+    """Bytes of one KV page of one rank: keys and values of every layer."""
+    return 2 * num_layers * kv_heads_per_rank * head_dim * page_tokens * dtype_bytes
+
+
+def plan_kv(recipe: Recipe, *, page_size_bytes: int, weight_bytes_per_rank: int,
+            hosts: list[tuple[list[int], int, int]]) -> KvPlan:
+    """Pages per rank from each host's memory.
+
+    `hosts` holds (ranks, memory_mib, pool_reservation_mib) per host: memory_mib
+    is what the KV cache draws from (host available on unified memory, device
+    free otherwise), pool_reservation_mib what the compile pool takes out of it.
+    Each rank gets an equal share of what is left after every rank's weights and
+    activation reserve; all ranks take the minimum, capped by `kv_max_pages`.
+    """
+    per_rank: dict[int, int] = {}
+    for ranks, memory_mib, pool_mib in hosts:
+        if not ranks:
+            continue
+        left_bytes = (memory_mib - pool_mib - len(ranks) * recipe.activation_reserve_mib) * 2**20 \
+            - len(ranks) * weight_bytes_per_rank
+        pages = max(0, left_bytes // len(ranks) // page_size_bytes)
+        for r in ranks:
+            per_rank[r] = min(int(pages), recipe.kv_max_pages)
+    if not per_rank:
+        return KvPlan(0, page_size_bytes, {}, -1)
+    limiting = min(per_rank, key=lambda r: (per_rank[r], r))
+    return KvPlan(per_rank[limiting], page_size_bytes, per_rank, limiting)
+
+
+TRANSIENT_COPIES = 1
+"""One more weights-sized allocation at a check's peak (loading and converting while the last copy lives);
+calibrated on the Llama-3.2-1B-shaped bench (bench/scale_1b.py), where leaving it out under-predicted by 4-12%."""
+
+
+def check_peak_mib(*, shard_bytes: int, num_forwards: int, half: bool, process_base_mib: int) -> int:
+    """Predicted peak of one rank's check process (load every forward with the rank's weights, run eager).
+
+    The rank's weights, a copy per loaded forward (load_constants takes its own),
+    the eager shard (for bfloat16/float16 also in float32: twice the bytes of a
+    16-bit shard; one eager model at a time) and TRANSIENT_COPIES.
+    """
+    copies = 1 + num_forwards + (2 if half else 1) + TRANSIENT_COPIES
+    return process_base_mib + -(-copies * shard_bytes // 2**20)
+
+
+def verify_peak_mib(*, shard_bytes: int, full_bytes: int, tp: int, num_forwards: int, half: bool,
+                    process_base_mib: int) -> int:
+    """Predicted peak of `kiln verify` on one machine: tp rank processes at once, each holding its weights and
+    a copy per forward, and rank 0 also the unsharded weights and the unsharded eager model (in float32 too
+    for 16-bit exports) with TRANSIENT_COPIES of it."""
+    ranks = tp * (process_base_mib + -(-(1 + num_forwards) * shard_bytes // 2**20))
+    unsharded = -(-(1 + (2 if half else 1) + TRANSIENT_COPIES) * full_bytes // 2**20)
+    return ranks + unsharded

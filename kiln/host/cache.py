@@ -1,0 +1,92 @@
+"""A host's local cache directory: where it is, whether it takes writes, whether it has room.
+
+Each host keeps its compiled and downloaded forwards in its cache directory
+(KILN_CACHE_DIR, else KILN_HOME/cache/<host>). A cache that cannot be written,
+or lacks room for the forwards the host will hold, is found before anything
+compiles: `cache_status` runs on the host (it creates the directory and
+writes, fsyncs and removes a probe file), and `check_caches` (pure) turns the
+statuses of every host into one BadInput naming each bad host and its path.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from kiln.core.errors import BadInput
+
+CACHE_DIR_ENV = "KILN_CACHE_DIR"
+MIB = 2**20
+DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENOTDIR, errno.EEXIST)
+"""OSError numbers that mean "this disk or directory cannot take the write", not a transient hiccup."""
+
+
+def cache_root(host_name: str, configured: str = "") -> Path:
+    """The host's cache directory, resolved where this runs (on the host itself)."""
+    if configured:
+        return Path(configured)
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV]).expanduser().resolve() / host_name
+    from kiln.core.home import kiln_home
+    return kiln_home() / "cache" / host_name
+
+
+def _free_mib(path: Path) -> int | None:
+    for candidate in (path, *path.parents):
+        try:
+            return shutil.disk_usage(candidate).free // MIB
+        except OSError:
+            continue
+    return None
+
+
+def cache_status(root: Path) -> dict:
+    """{'path', 'error' (None when writable), 'free_mib'} of the cache at `root` (its forwards/ dir)."""
+    forwards = root / "forwards"
+    error = None
+    probe = forwards / f".kiln-probe-{uuid.uuid4().hex}"
+    try:
+        forwards.mkdir(parents=True, exist_ok=True)
+        with open(probe, "xb") as f:
+            f.write(b"kiln cache probe\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        where = exc.filename or forwards
+        error = f"{exc.strerror or exc} ({where})"
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass
+    return {"path": str(root), "error": error, "free_mib": _free_mib(forwards)}
+
+
+def check_caches(statuses: dict[str, dict], need_mib: dict[str, int]) -> None:
+    """Raise BadInput naming every host whose cache is unwritable or has less than `need_mib` free. Pure."""
+    problems = []
+    for host in sorted(statuses):
+        st, need = statuses[host], need_mib.get(host, 0)
+        if st.get("error"):
+            problems.append(f"host {host}'s cache directory {st['path']} is not writable: {st['error']}")
+        elif need and st.get("free_mib") is not None and st["free_mib"] < need:
+            problems.append(f"host {host}'s cache directory {st['path']} has {st['free_mib']} MiB free but the "
+                            f"export's forwards need about {need} MiB there (artifact_mib_estimate)")
+    if problems:
+        raise BadInput("; ".join(problems) + ". Free space or fix permissions, or point KILN_CACHE_DIR at a "
+                       "writable local disk with room.")
+
+
+def need_mib(num_forwards: int, num_local: int, artifact_mib_estimate: int) -> int:
+    """Room a host's cache needs for the forwards it does not hold yet. Pure."""
+    return max(0, num_forwards - num_local) * artifact_mib_estimate
+
+
+def check_probed_caches(probes: list[dict], artifact_mib_estimate: int) -> None:
+    """`check_caches` over every host's probe (hostwork.probe_host puts the status under 'cache'). Pure."""
+    check_caches({p["name"]: p["cache"] for p in probes if "cache" in p},
+                 {p["name"]: need_mib(len(p["specs"]), len(p["local_keys"]), artifact_mib_estimate)
+                  for p in probes})

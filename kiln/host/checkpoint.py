@@ -1,0 +1,178 @@
+"""Hugging Face-layout checkpoints: `config.json` plus `*.safetensors` shards.
+
+`inspect_checkpoint` reads only headers (cheap: run before any expensive work)
+and refuses missing files, corrupt headers, truncated files and shapes that do
+not match config.json. `load_rank_weights` reads one rank's slices without
+materialising the whole model. `write_checkpoint` writes the same layout,
+sharded with an index file when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kiln.core.config import TINY, ModelConfig
+from kiln.core.errors import BadInput
+from kiln.core.hf_config import from_hf, to_hf
+from kiln.host.model import expected_shapes, random_state_dict, shard_slice
+
+INDEX = "model.safetensors.index.json"
+
+
+def _weight_map(path: Path) -> dict[str, Path]:
+    """tensor name -> shard file, from the index when there is one."""
+    index = path / INDEX
+    if index.exists():
+        try:
+            raw = json.loads(index.read_text())
+            mapping = raw["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BadInput(f"{index} is not a valid safetensors index ({exc}); re-save the checkpoint.") from None
+        return {name: path / file for name, file in mapping.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise BadInput(f"{path} has no *.safetensors files; a checkpoint needs config.json and its weights.")
+    out: dict[str, Path] = {}
+    for file in files:
+        for name in _open(file).keys():
+            out[name] = file
+    return out
+
+
+def _open(file: Path):
+    if not file.exists():
+        raise BadInput(f"{file} is listed in the checkpoint index but does not exist; re-download it.")
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as exc:  # safetensors raises its own error types for every header fault
+        raise BadInput(f"{file} is not a readable safetensors file ({exc}); it is corrupt or truncated: "
+                       "re-download or re-save it.") from None
+
+
+def read_config(path: Path | str) -> ModelConfig:
+    path = Path(path)
+    if not path.is_dir():
+        raise BadInput(f"checkpoint directory {path} does not exist; pass --model tiny or a directory "
+                       "with config.json and *.safetensors (kiln checkpoint DIR writes one).")
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise BadInput(f"{path} has no config.json; a Hugging Face-layout checkpoint needs one.")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except ValueError as exc:
+        raise BadInput(f"{cfg_file} is not valid JSON ({exc}).") from None
+    return from_hf(raw)
+
+
+def _spare(name: str, cfg: ModelConfig) -> bool:
+    """Tensors a checkpoint may hold that the model does not read: a tied head's copy, cached rotary tables."""
+    return (name == "lm_head.weight" and cfg.tie_word_embeddings) or name.endswith("rotary_emb.inv_freq")
+
+
+def inspect_checkpoint(path: Path | str) -> ModelConfig:
+    """Check config, headers, file sizes and shapes without loading weights; return the config.
+
+    Every tensor config.json implies must be there with its shape, and every
+    tensor there must be one the model reads: a bias the config does not
+    declare would otherwise be dropped silently.
+    """
+    path = Path(path)
+    cfg = read_config(path)
+    want = expected_shapes(cfg)
+    mapping = _weight_map(path)
+    missing = sorted(set(want) - set(mapping))
+    if missing:
+        hint = (" (config.json says tie_word_embeddings: false; a checkpoint without lm_head.weight ties it "
+                "to the embeddings)" if missing == ["lm_head.weight"] else "")
+        raise BadInput(f"{path} lacks {len(missing)} tensor(s) that config.json implies, e.g. {missing[0]}{hint}; "
+                       "the checkpoint does not match its config.")
+    unused = sorted(n for n in set(mapping) - set(want) if not _spare(n, cfg))
+    if unused:
+        raise BadInput(f"{path} holds {len(unused)} tensor(s) that config.json does not account for, e.g. "
+                       f"{unused[0]}; Kiln would ignore them and compute something else. Fix config.json "
+                       "(e.g. attention_bias / mlp_bias) or remove them.")
+    handles = {}
+    for name, shape in want.items():
+        file = mapping[name]
+        if file not in handles:
+            handles[file] = _open(file)
+        got = tuple(handles[file].get_slice(name).get_shape())
+        if got != shape:
+            raise BadInput(f"{file.name}: tensor {name} has shape {list(got)} but config.json implies "
+                           f"{list(shape)}; the checkpoint does not match its config.")
+    return cfg
+
+
+def load_rank_weights(path: Path | str, cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """One rank's shard of every parameter, read slice by slice, in `cfg.dtype` (the dtype compiled for)."""
+    path = Path(path)
+    mapping = _weight_map(path)
+    dtype = getattr(torch, cfg.dtype)
+    out = {}
+    handles = {}
+    for name in expected_shapes(cfg):
+        file = mapping[name]
+        if file not in handles:
+            handles[file] = _open(file)
+        sl = handles[file].get_slice(name)
+        cut = shard_slice(name, cfg, tp, rank)
+        if cut is None:
+            tensor = sl[:]
+        elif cut[0] == 0:
+            tensor = sl[cut[1]:cut[2]]
+        else:
+            tensor = sl[:, cut[1]:cut[2]]
+        out[name] = tensor.to(dtype).contiguous()
+    return out
+
+
+def write_checkpoint(path: Path | str, cfg: ModelConfig, state: dict[str, torch.Tensor],
+                     num_shards: int = 1) -> Path:
+    """Write config.json and the weights; with num_shards > 1, several files and an index."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    names = sorted(state)
+    if num_shards <= 1:
+        save_file({n: state[n].contiguous() for n in names}, str(path / "model.safetensors"))
+    else:
+        weight_map = {}
+        for i in range(num_shards):
+            file = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+            part = names[i::num_shards]
+            save_file({n: state[n].contiguous() for n in part}, str(path / file))
+            weight_map.update({n: file for n in part})
+        (path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    (path / "config.json").write_text(json.dumps(to_hf(cfg), indent=2))
+    return path
+
+
+def checkpoint_fingerprint(path: Path | str) -> str:
+    """A cheap identity of a checkpoint's files: names, sizes and modification times (not contents)."""
+    import hashlib
+    path = Path(path)
+    items = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.iterdir() if f.is_file())
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def random_checkpoint(path: Path | str, cfg: ModelConfig, *, seed: int = 0, num_shards: int = 1) -> Path:
+    return write_checkpoint(path, cfg, random_state_dict(cfg, seed), num_shards)
+
+
+def tiny_checkpoint(home: Path | str) -> Path:
+    """The bundled tiny model, written once under `home`/models/tiny (seeded, so always the same)."""
+    path = Path(home) / "models" / "tiny"
+    if (path / "config.json").exists():
+        return path
+    tmp = path.with_name(f"tiny.tmp-{os.getpid()}")
+    random_checkpoint(tmp, TINY, seed=0, num_shards=2)
+    try:
+        tmp.rename(path)
+    except OSError:  # another process wrote it first
+        pass
+    return path

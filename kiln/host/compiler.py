@@ -1,0 +1,298 @@
+"""AOTInductor compilation in a pool of spawned worker processes (never threads).
+
+torch.export and Inductor keep process-global state (the FX tracing flag, mode
+stacks), so concurrent compiles in one process race; each worker is its own
+process, started with `spawn` and kept warm across forwards. Each worker is a
+single-process executor of its own, so a worker that dies (OOM kill, SIGKILL)
+costs only the forward it was compiling: that worker is replaced and that
+forward tried again, up to `max_attempts` times; forwards on other workers
+carry on and finished ones are never compiled again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from kiln.core.errors import DiskError, KilnError
+from kiln.core.package_check import package_calls
+from kiln.host import faults
+from kiln.host.cache import DISK_ERRNOS
+from kiln.host.inductor_options import FORWARD_DEVICE
+
+# Inductor options that go into every forward (and therefore into its key).
+CONSTANTS_METADATA = "kiln.constants"
+"""Package metadata key: JSON {name: [dtype, shape, 'weight' | 'buffer']} of the module's tensors compiled for."""
+
+@dataclass(frozen=True)
+class CompileResult:
+    key: str
+    path: str
+    sha256: str
+    size_bytes: int
+    compile_s: float
+    pid: int
+    attempts: int = 1
+    """Times the forward was submitted; more than 1 when a compile worker died on it."""
+    peak_mib: int = 0
+    """Largest resident memory of the worker and its compiler children while compiling this forward."""
+    autotune: dict | None = None
+    """GEMMs autotuned ('selections'), candidates benchmarked during this compile ('benchmarked'), and
+    the tuning timings installed in the worker ('tuning_timings'); None when compiled without max-autotune."""
+    calls: dict | None = None
+    """What the package's wrapper calls (kiln.core.package_check.PackageCalls.to_dict): whether it is Python-free."""
+
+
+def model_code_fingerprint() -> str:
+    """sha256 of the model's source: a change to the graph's code changes every key."""
+    import kiln.host.model
+    return hashlib.sha256(Path(kiln.host.model.__file__).read_bytes()).hexdigest()[:16]
+
+
+# Per worker process: the tuning entries it installed, and how many GEMMs Inductor autotuned.
+_TUNING: dict | None = None
+_SELECTIONS = 0
+
+
+def _count_selection(*_args, **_kwargs) -> None:
+    global _SELECTIONS
+    _SELECTIONS += 1
+
+
+def _warm(tuning_entries: dict | None = None) -> None:
+    """Pool initializer: import torch once per worker and install the tuning results before any compile."""
+    global _TUNING
+    from kiln.host.procs import die_with_parent
+
+    die_with_parent()  # a worker never outlives the pool's owner (it would hold memory the next gate measures)
+    import warnings
+
+    # torch 2.13's own export path deep-copies its deprecated pytree LeafSpec: a FutureWarning in every compile
+    # worker. Nothing in Kiln uses LeafSpec, so only that message is silenced.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
+    import torch  # noqa: F401
+    from torch._inductor import select_algorithm
+
+    import kiln.host.model  # noqa: F401
+    from kiln.host import tuner
+
+    select_algorithm.add_feedback_saver(_count_selection)
+    _TUNING = tuning_entries
+    if tuning_entries:
+        tuner.install(tuning_entries)
+
+
+def compile_forward(spec: dict, out_path: str) -> CompileResult:
+    """Export one bucket's forward and compile it into a weightless AOTInductor package.
+
+    Runs inside a spawned worker, in the config's dtype. The weights are
+    uninitialized placeholders of the right shapes and dtype: the package holds
+    no constants and the loader supplies the rank's real weights. The result
+    carries the worker's peak memory (itself and its compiler children, sampled).
+    """
+    from kiln.host.model import solo_group
+    from kiln.host.procs import PeakSampler
+
+    with PeakSampler() as sampler, solo_group():  # tracing the collectives resolves their group
+        result = _compile_forward(spec, out_path)
+    return dataclasses.replace(result, peak_mib=sampler.peak_mib)
+
+
+def _compile_forward(spec: dict, out_path: str) -> CompileResult:
+    import torch
+    from torch.export import Dim
+
+    from kiln.core import tuning_plan
+    from kiln.core.config import ModelConfig
+    from kiln.host import tuner
+    from kiln.host.model import ShardedDecoder, example_inputs
+
+    start = time.perf_counter()
+    _remove_stale_tmp(out_path)
+    cfg = ModelConfig(**spec["graph"]["config"])
+    tp = spec["graph"]["tp"]
+    inputs = spec["inputs"]
+    # Built on the meta device, then given storage that is never touched: the worker's memory depends on
+    # the graph, not on the weights (the package holds none of them anyway).
+    with torch.device("meta"):
+        model = ShardedDecoder(cfg, tp).to(getattr(torch, cfg.dtype)).eval()
+    model = model.to_empty(device=FORWARD_DEVICE)
+    args = example_inputs(cfg, tp, inputs["batch"], inputs["tokens"], page_tokens=inputs["page_tokens"],
+                          pages_per_seq=inputs["pages_per_seq"], num_pages=inputs["pages_per_seq"] + 2)
+    num_pages = Dim("num_pages", min=2, max=1 << 24)
+    with torch.no_grad():
+        program = torch.export.export(model, args, dynamic_shapes=({}, {}, {2: num_pages}, {}))
+    faults.maybe_kill_compile(spec, "export")
+    tmp = f"{out_path.removesuffix('.pt2')}.tmp-{os.getpid()}.pt2"
+    if _TUNING:
+        tuner.install(_TUNING)  # again: another process may have rewritten Inductor's cache file since
+    selections, benchmarked = _SELECTIONS, tuner.benchmark_count()
+    try:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        # The package records the dtype and shape of each constant it expects, so a loader can refuse
+        # weights that do not fit (load_constants would take them and compute garbage).
+        constants = {name: [str(t.dtype).removeprefix("torch."), list(t.shape), kind]
+                     for kind, tensors in (("buffer", program.constants), ("weight", program.state_dict))
+                     for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+        configs = {**spec["compiler"], "aot_inductor.metadata": {CONSTANTS_METADATA: json.dumps(constants)}}
+        torch._inductor.aoti_compile_and_package(program, package_path=tmp, inductor_configs=configs)
+        faults.maybe_kill_compile(spec, "written")
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+        os.replace(tmp, out_path)
+    except (OSError, RuntimeError) as exc:
+        # torch's zip writer reports a short write (full disk) as RuntimeError("... unexpected pos ..."):
+        # look at the disk while the partial file still fills it.
+        full = _nearly_full(Path(tmp).parent)
+        with contextlib.suppress(OSError):
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
+            why, where = exc.strerror, exc.filename or tmp
+        elif full is not None:
+            why, where = f"No space left on device ({full} bytes free)", tmp
+        else:
+            raise
+        raise DiskError(f"compiling forward {spec['key']} ({spec['bucket']}) failed writing {where}: {why}; "
+                        "free space there or point KILN_CACHE_DIR (the host's cache) or TMPDIR (the "
+                        "compiler's scratch) at a disk with room.") from None
+    autotune = None
+    if spec["compiler"].get("max_autotune"):
+        autotune = {"selections": _SELECTIONS - selections, "benchmarked": tuner.benchmark_count() - benchmarked,
+                    "tuning_timings": tuning_plan.count_timings(_TUNING) if _TUNING else 0}
+    return CompileResult(key=spec["key"], path=out_path, sha256=digest, size_bytes=os.path.getsize(out_path),
+                         compile_s=time.perf_counter() - start, pid=os.getpid(), autotune=autotune,
+                         calls=package_calls(out_path).to_dict())
+
+
+def _nearly_full(directory: Path, threshold_bytes: int = 1 << 20) -> int | None:
+    """Free bytes of the disk holding `directory` when below `threshold_bytes`, else None."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return None
+    return free if free < threshold_bytes else None
+
+
+def _remove_stale_tmp(out_path: str) -> None:
+    """Remove partial packages of this forward left by workers that died (their pid is gone)."""
+    out = Path(out_path)
+    for tmp in out.parent.glob(f"{out.name.removesuffix('.pt2')}.tmp-*.pt2") if out.parent.is_dir() else []:
+        pid = tmp.name.rsplit("tmp-", 1)[-1].removesuffix(".pt2")
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class CompileFailed(KilnError):
+    """A forward could not be compiled within its attempts."""
+
+
+class CompilePool:
+    """A warm pool of spawned compile workers, one single-process executor per worker.
+
+    `compile_fn(spec, out_path) -> CompileResult` runs in the workers (a
+    module-level function, so it pickles); `initializer` warms each new worker.
+    `tuning_entries` (verified autotune entries, see kiln.host.tuner) are installed
+    into every worker's Inductor cache when it starts, before it compiles.
+    """
+
+    def __init__(self, num_workers: int, *, max_attempts: int = 2,
+                 compile_fn: Callable[[dict, str], CompileResult] = compile_forward,
+                 initializer: Callable[..., None] | None = _warm, tuning_entries: dict | None = None):
+        if num_workers < 1:
+            raise ValueError("a compile pool needs at least one worker")
+        self.num_workers = num_workers
+        self.max_attempts = max_attempts
+        self.worker_deaths = 0
+        self._fn = compile_fn
+        self._initializer = initializer
+        self.tuning_entries = tuning_entries
+        self._slots = [self._new() for _ in range(num_workers)]
+
+    def _new(self) -> ProcessPoolExecutor:
+        args = (self.tuning_entries,) if self.tuning_entries and self._initializer is _warm else ()
+        return ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=self._initializer,
+                                   initargs=args)
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for ex in self._slots for p in (ex._processes or {}).values()]
+
+    def run(self, jobs: list[tuple[dict, str]], on_done: Callable[[CompileResult], None]) -> list[CompileResult]:
+        """Compile every (spec, out_path); call `on_done` as each finishes (in this thread).
+
+        A forward whose worker dies is retried on a fresh worker; after
+        `max_attempts` deaths, or on a compile error, no new forward starts,
+        the ones in flight finish (and reach `on_done`), then the error is raised.
+        """
+        attempts = {spec["key"]: 0 for spec, _ in jobs}
+        queue = deque(jobs)
+        free = list(range(self.num_workers))
+        running: dict[Future, tuple[int, dict, str]] = {}
+        results: list[CompileResult] = []
+        error: BaseException | None = None
+        while running or (queue and error is None):
+            while queue and free and error is None:
+                slot, (spec, out) = free.pop(), queue.popleft()
+                attempts[spec["key"]] += 1
+                running[self._slots[slot].submit(self._fn, spec, out)] = (slot, spec, out)
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in done:
+                slot, spec, out = running.pop(fut)
+                try:
+                    result = fut.result()
+                except BrokenProcessPool:
+                    # Only this slot's worker died, and it was compiling `spec`: replace it.
+                    self.worker_deaths += 1
+                    self._slots[slot].shutdown(wait=False, cancel_futures=True)
+                    self._slots[slot] = self._new()
+                    free.append(slot)
+                    if attempts[spec["key"]] >= self.max_attempts:
+                        error = error or CompileFailed(
+                            f"forward {spec['key']} ({spec.get('bucket', '?')}) killed its compile worker "
+                            f"{attempts[spec['key']]} times (max_compile_attempts={self.max_attempts}; out of "
+                            "memory?); lower the number of workers or raise worker_host_mib.")
+                    else:
+                        queue.appendleft((spec, out))
+                    continue
+                except BaseException as exc:  # a deterministic compile error: not retried
+                    free.append(slot)
+                    error = error or exc
+                    continue
+                free.append(slot)
+                result = dataclasses.replace(result, attempts=attempts[spec["key"]])
+                results.append(result)
+                on_done(result)
+        if error is not None:
+            raise error
+        return results
+
+    def close(self) -> None:
+        for ex in self._slots:
+            ex.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "CompilePool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

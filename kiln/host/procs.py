@@ -1,0 +1,190 @@
+"""The processes Kiln starts: they die with their parent, and their memory peak is measured.
+
+Every process Kiln spawns (compile workers, rank checks, verify and run
+ranks) calls `die_with_parent()` first: on Linux the kernel sends it SIGKILL
+when the process that started it goes away, however that one ended (exit,
+exception, SIGKILL), so no worker outlives its export holding the memory the
+next export's gate measures. Elsewhere a watchdog thread polls the parent.
+
+`PeakSampler` samples the resident memory of a process and its children
+(the compiler's g++ processes included) on a thread while work runs; sampling
+is I/O, not compilation, so a thread is fine here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import time
+
+import psutil
+
+MIB = 2**20
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Make this process die when its parent does (call first thing in a spawned process)."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl")
+    except (OSError, AttributeError):
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="kiln-parent-watch").start()
+        return
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def tree_rss_bytes(proc: psutil.Process) -> int:
+    """Resident bytes of `proc` and all its descendants (those that vanish meanwhile count 0)."""
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+class PeakSampler:
+    """Largest resident memory of this process and its children while the `with` block runs (`peak_mib`).
+
+    Also tracks the host's smallest available memory over the same time (`min_available_mib`).
+    """
+
+    def __init__(self, interval_s: float = 0.05, pid: int | None = None):
+        self.interval_s = interval_s
+        self._proc = psutil.Process(pid)
+        self.peak_bytes = 0
+        self.min_available_bytes: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kiln-peak-sampler")
+
+    def _sample(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, tree_rss_bytes(self._proc))
+        available = psutil.virtual_memory().available
+        if self.min_available_bytes is None or available < self.min_available_bytes:
+            self.min_available_bytes = available
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> "PeakSampler":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    @property
+    def peak_mib(self) -> int:
+        return -(-self.peak_bytes // MIB)
+
+    @property
+    def min_available_mib(self) -> int | None:
+        return None if self.min_available_bytes is None else self.min_available_bytes // MIB
+
+
+class Reaper:
+    """Kills what a process started, directly or not, if that process dies without cleaning up.
+
+    A `die_with_parent()` child cannot outlive its parent, but processes that
+    libraries start for us (Prefect's embedded API server) do not call it. The
+    reaper is a small separate process: this one tells it, every half second,
+    which descendants it has (pid and start time, so a reused pid is never
+    killed). When this process dies (SIGKILL, crash) the pipe breaks and the
+    reaper kills every descendant it was told about that is still running.
+    When it ends normally it says so, and the reaper gives those descendants
+    `grace_s` to finish on their own (a server shutting down) before it kills
+    what is left (a leaked worker would hold memory, and the caller's pipes).
+    """
+
+    def __init__(self, interval_s: float = 0.5):
+        import subprocess
+        import sys
+
+        # Its own session (a Ctrl-C to ours does not stop it) and no share in our output pipes.
+        self._proc = subprocess.Popen([sys.executable, "-m", "kiln.host.procs"], stdin=subprocess.PIPE, text=True,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self._me = psutil.Process()
+        self._known: set[tuple[int, float]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True, name="kiln-reaper")
+        self._thread.start()
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.report()
+
+    def report(self) -> None:
+        """Tell the reaper about descendants it has not heard of yet."""
+        for child in self._me.children(recursive=True):
+            try:
+                ident = (child.pid, child.create_time())
+            except psutil.Error:
+                continue
+            if ident not in self._known and child.pid != self._proc.pid:
+                self._known.add(ident)
+                try:
+                    self._proc.stdin.write(f"{ident[0]} {ident[1]!r}\n")
+                    self._proc.stdin.flush()
+                except (OSError, ValueError):
+                    return
+
+    def close(self) -> None:
+        """This process is ending normally: the reaper kills what is left after its grace period."""
+        self._stop.set()
+        self._thread.join()
+        try:
+            self._proc.stdin.write("done\n")
+            self._proc.stdin.close()
+        except (OSError, ValueError):
+            pass  # it keeps watching on its own; nobody waits for it
+
+
+def _reap(grace_s: float = 10.0) -> None:
+    """The reaper's main: read 'PID CREATE_TIME' lines; at 'done' wait `grace_s`, at end of input at once,
+    then kill every one still running."""
+    import sys
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group; outlive it to clean up
+    known = []
+    deadline = 0.0  # the pipe broke: at once
+    for line in sys.stdin:
+        if line.strip() == "done":
+            deadline = time.monotonic() + grace_s
+            break
+        pid, created = line.split()
+        known.append((int(pid), float(created)))
+    procs = []
+    for pid, created in known:
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() == created:
+                procs.append(proc)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=max(0.0, deadline - time.monotonic()))
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+if __name__ == "__main__":
+    _reap()

@@ -1,0 +1,293 @@
+"""Kernel tuning with Inductor max-autotune: measure, store, look up, install.
+
+Side effects only; the decisions (shapes, ids, what to measure, digests,
+applicability) are in `kiln.core.tuning_plan`.
+
+- `tune_target(job, target)`: the tune phase for one target, on one host of
+  that target. Looks up every GEMM shape's result in the store (verified),
+  measures what the mode asks for in a *spawned* process (never a thread:
+  Inductor is not thread-safe), stores each shape's result with its sha256.
+  When weightless forwards have nothing to choose between on the forward
+  device (CPU: see kiln.core.tuning_plan), it measures nothing and says why.
+- `lookup(...)`: per bucket, the stored results a forward is compiled with
+  and their digest (for the forward's key); used by the probe.
+- `load_for_compile(...)`: the verified union of the results a host's
+  forwards need; `install(entries)` merges it into a compile worker's Inductor
+  autotune cache, so Inductor finds every timing and benchmarks nothing.
+
+How measuring works: one AOTInductor compile (max_autotune on, C++ sources
+only) of a graph of bias-free linears, one per missing shape, in a fresh
+Inductor cache directory. Its GEMMs produce the same autotune cache keys as
+the forwards' (same op, input layouts and candidate kernels); the timings are
+read back from that directory's autotune cache. Measured counts are Inductor's
+own counters of benchmarked candidates, not autotune calls.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+from kiln.core import tuning_plan
+from kiln.core.errors import IntegrityError, KilnError
+from kiln.core.job import ExportJob
+from kiln.core.tuning_plan import GemmShape
+from kiln.host import probe
+from kiln.host.inductor_options import FORWARD_DEVICE, compiler_options
+from kiln.host.procs import die_with_parent
+from kiln.store import Store, open_store, sha256_bytes
+
+
+def benchmark_count() -> int:
+    """Candidates Inductor benchmarked in this process so far (its CPU and GPU benchmark counters)."""
+    from torch._dynamo.utils import counters
+
+    return sum(v for k, v in counters["inductor"].items()
+               if k.startswith("benchmarking.") and k.endswith((".benchmark_cpu", ".benchmark_gpu")))
+
+
+def fetch_result(store: Store, target: str, torch_version: str, backends: str,
+                 shape: GemmShape) -> tuple[dict, str, str]:
+    """One stored result, sha256-verified and checked to be for this target, torch, backends and shape.
+
+    Returns (result, store key, sha256). IntegrityError when the bytes do not
+    match their recorded sha256 or the result is for something else.
+    """
+    key = tuning_plan.object_key(target, torch_version, backends, shape)
+    data = store.get_bytes(key)
+    try:
+        result = json.loads(data)
+    except ValueError:
+        raise tuning_plan.TuningMismatch(f"{key} is not JSON; delete it and tune again.") from None
+    tuning_plan.check_result(result, target=target, torch_version=torch_version, backends=backends, shape=shape,
+                        key=key)
+    return result, key, sha256_bytes(data)
+
+
+def lookup(store: Store, job: ExportJob, target: str, torch_version: str, backends: str) -> dict[str, dict]:
+    """bucket -> {'digest', 'objects', 'missing'} from the results stored for `target`, torch and backends.
+
+    'digest' is `tuning_plan.tuning_digest` of the bucket's results, or None while
+    `missing` of its shapes have none (the tune phase measures them and the
+    flow probes again). 'objects' lists {'key', 'sha256'} of the results found.
+    """
+    by_bucket = tuning_plan.export_shapes(job.model_config, job.tp, job.recipe.buckets)
+    found: dict[GemmShape, tuple[dict, str, str] | None] = {}
+    for shape in tuning_plan.distinct_shapes(by_bucket):
+        key = tuning_plan.object_key(target, torch_version, backends, shape)
+        found[shape] = fetch_result(store, target, torch_version, backends, shape) if store.exists(key) else None
+    out = {}
+    for bucket, shapes in by_bucket.items():
+        have = [found[s] for s in shapes if found[s] is not None]
+        missing = len(shapes) - len(have)
+        out[bucket] = {"digest": None if missing else tuning_plan.tuning_digest([r for r, _, _ in have]),
+                       "objects": [{"key": k, "sha256": sha} for _, k, sha in have], "missing": missing}
+    return out
+
+
+def load_for_compile(store: Store, specs: list[dict], torch_version: str) -> dict | None:
+    """The merged autotune entries `specs` were keyed with, verified; None when none is tuned.
+
+    Each object is fetched against the sha256 its spec recorded and must be for
+    the spec's target and this torch; each spec's digest is recomputed from
+    them, so a forward is never compiled with results other than its key says.
+    """
+    tuned = [s for s in specs if s.get("tuning")]
+    if not tuned:
+        return None
+    results: dict[str, dict] = {}
+    for spec in tuned:
+        t = spec["tuning"]
+        if t.get("digest") is None:
+            raise KilnError(f"forward {spec['key']} ({spec['bucket']}) lacks tuning results for {t.get('missing')} "
+                            "GEMM shape(s); the tune phase must run before compiling.")
+        mine = []
+        for ref in t["objects"]:
+            if ref["key"] not in results:
+                result = json.loads(store.get_bytes(ref["key"], ref["sha256"]))
+                tuning_plan.check_result(result, target=spec["target"], torch_version=torch_version,
+                                    backends=spec["compiler"].get("max_autotune_gemm_backends"), key=ref["key"])
+                results[ref["key"]] = result
+            mine.append(results[ref["key"]])
+        if tuning_plan.tuning_digest(mine) != t["digest"]:
+            raise IntegrityError(f"the tuning results listed for forward {spec['key']} do not give the digest in "
+                                 f"its key ({t['digest']}); refusing to compile it with other kernel choices.")
+    return tuning_plan.merge_entries(list(results.values()))
+
+
+def install(entries: dict) -> int:
+    """Merge `entries` into this process's Inductor autotune cache file; returns timings written.
+
+    Runs in a compile worker (torch imported). The file is Inductor's local
+    autotune cache under its cache dir; the merge holds a file lock, so
+    workers installing at once do not lose each other's writes. Stored timings
+    replace local ones for the same choice; other local entries are kept.
+    """
+    from filelock import FileLock
+    from torch._inductor.codecache import CacheBase
+
+    cache = CacheBase()
+    path = CacheBase.get_local_cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.kiln-lock"):
+        local = cache.get_local_cache()
+        written = 0
+        for op, ins in entries.items():
+            for inputs, precs in ins.items():
+                for precision, choices in precs.items():
+                    slot = local.setdefault(op, {}).setdefault(inputs, {}).setdefault(precision, {})
+                    for choice, ms in choices.items():
+                        if slot.get(choice) != ms:
+                            slot[choice] = ms
+                            written += 1
+        if written:
+            cache.update_local_cache(local)
+    return written
+
+
+def tune_target(job: ExportJob, target: str, *, backends: str | None = None) -> dict:
+    """The tune phase for `target`, run on a host of that target; returns what it did.
+
+    Keys of the result: target, mode, backends, status ('ok' or 'skipped'),
+    reason (when skipped), shapes, hits (shapes served from the store), misses
+    (shapes the store lacked), measured (candidates benchmarked), measure_s
+    (seconds spent measuring), changed (whether stored results were created or
+    replaced: forward keys may have changed).
+
+    `backends` overrides what weightless forwards may use (benchmarks and the
+    tests of this mechanism measure CPU's C++ templates that way; forwards
+    never use results measured with backends other than their own).
+    """
+    mode = job.recipe.tuning
+    if mode != "off":
+        backends = backends or tuning_plan.gemm_backends(mode, FORWARD_DEVICE)
+    out = {"target": target, "mode": mode, "backends": backends, "status": "skipped", "shapes": 0, "hits": 0,
+           "misses": 0, "measured": 0, "measure_s": 0.0, "changed": False}
+    if mode == "off" or backends is None:
+        return {**out, "backends": None, "reason": tuning_plan.untuned_reason(mode, FORWARD_DEVICE)}
+    import torch
+
+    here = probe.target_fingerprint()
+    if here != target:
+        raise KilnError(f"tuning for target {target} must run on a host of that target; this host is {here}.")
+    version = torch.__version__
+    store = open_store(job.store_url, s3_endpoint=job.s3_endpoint, checksum_mode=job.checksum_mode)
+    shapes = tuning_plan.distinct_shapes(tuning_plan.export_shapes(job.model_config, job.tp, job.recipe.buckets))
+    stored = {s for s in shapes if store.exists(tuning_plan.object_key(target, version, backends, s))}
+    decision = tuning_plan.decide(mode, shapes, stored)
+    for shape in decision.hits:
+        fetch_result(store, target, version, backends, shape)  # a hit is used only if it verifies
+    out.update(status="ok", shapes=len(shapes), hits=len(decision.hits), misses=len(set(shapes) - stored))
+    if decision.measure:
+        run = measure(decision.measure, target=target, torch_version=version, backends=backends)
+        _save(store, run, decision, target=target, torch_version=version, backends=backends)
+        out.update(measured=run["benchmarked"], measure_s=round(run["measure_s"], 3), changed=True)
+    return out
+
+
+def _save(store: Store, run: dict, decision: tuning_plan.TuningDecision, *, target: str, torch_version: str,
+          backends: str) -> None:
+    info = {k: run[k] for k in ("benchmarked", "measure_s", "selections")} | {"shapes": len(decision.measure)}
+    for shape in decision.measure:
+        entries = run["results"].get(str(shape))
+        if not entries:
+            raise KilnError(f"tuning GEMM {shape} produced no autotune entries (Inductor offered one candidate?; "
+                            f"GEMMs it tuned instead: {run.get('unmatched', [])[:3]}); run with --tuning off, "
+                            "or report this with the tune log.")
+        result = tuning_plan.build_result(target=target, torch_version=torch_version, backends=backends, shape=shape,
+                                     entries=entries, measured_by=socket.gethostname(), run=info)
+        key = tuning_plan.object_key(target, torch_version, backends, shape)
+        if decision.replace:
+            store.put_json(key, result, overwrite=True)
+            continue
+        try:
+            store.put_json(key, result)
+        except IntegrityError:
+            # Another export stored this shape since we looked: keep theirs, once it verifies.
+            fetch_result(store, target, torch_version, backends, shape)
+
+
+def measure(shapes: tuple[GemmShape, ...], *, target: str, torch_version: str, backends: str) -> dict:
+    """Benchmark `shapes` over `backends` in a spawned process; returns its run (see `_measure_in_child`)."""
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1, initializer=die_with_parent) as ex:
+        return ex.submit(_measure_in_child, [s.to_dict() for s in shapes], target, torch_version,
+                         backends).result()
+
+
+def _measure_in_child(shapes: list[dict], target: str, torch_version: str, backends: str) -> dict:
+    """In a fresh process and a fresh Inductor cache dir, autotune every shape once.
+
+    Returns {'results': {str(shape): entries}, 'benchmarked': candidates,
+    'selections': GEMMs autotuned, 'measure_s': seconds, 'unmatched': [...]}.
+    """
+    scratch = tempfile.mkdtemp(prefix="kiln-tune-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "inductor")
+    try:
+        return _autotune(shapes, target, torch_version, backends, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _autotune(raw_shapes: list[dict], target: str, torch_version: str, backends: str, scratch: str) -> dict:
+    import torch
+    from torch._inductor import select_algorithm
+    from torch._inductor.codecache import CacheBase
+
+    if torch.__version__ != torch_version or probe.target_fingerprint() != target:
+        raise KilnError(f"this tuning process runs torch {torch.__version__} on {probe.target_fingerprint()}, "
+                        f"not torch {torch_version} on {target}.")
+    if not str(CacheBase.get_local_cache_path()).startswith(scratch):
+        raise KilnError("Inductor's autotune cache is not in the tuning scratch directory; refusing to measure.")
+    shapes = [GemmShape.from_dict(s) for s in raw_shapes]
+    seen: list[tuple[str, str, str, list[tuple[int, ...]]]] = []
+
+    def record(timings, name, input_nodes, *rest) -> None:
+        sizes = [tuple(int(d) for d in n.get_size()) for n in input_nodes]
+        dtype = str(input_nodes[0].get_dtype()).removeprefix("torch.")
+        seen.append((name, select_algorithm.create_inputs_key(input_nodes), dtype, sizes))
+
+    select_algorithm.add_feedback_saver(record)
+    pairs = sorted({(s.k, s.n, s.dtype) for s in shapes})
+    which = [pairs.index((s.k, s.n, s.dtype)) for s in shapes]
+
+    class Gemms(torch.nn.Module):
+        """One bias-free linear per (k, n, dtype), applied to one input per shape."""
+
+        def __init__(self):
+            super().__init__()
+            self.linears = torch.nn.ModuleList(torch.nn.Linear(k, n, bias=False, dtype=getattr(torch, dt))
+                                               for k, n, dt in pairs)
+
+        def forward(self, *xs):
+            return tuple(self.linears[i](x) for i, x in zip(which, xs))
+
+    inputs = tuple(torch.randn(s.m, s.k, dtype=getattr(torch, s.dtype)) for s in shapes)
+    with torch.no_grad():
+        program = torch.export.export(Gemms().eval(), inputs)
+    before, start = benchmark_count(), time.perf_counter()
+    torch._inductor.aoti_compile_and_package(
+        program, package_path=os.path.join(scratch, "gemms.pt2"),
+        inductor_configs={**compiler_options(backends), "aot_inductor.package_cpp_only": True})
+    measure_s, benchmarked = time.perf_counter() - start, benchmark_count() - before
+    cache = CacheBase().get_local_cache()
+    by_dims = {(s.m, s.k, s.n, s.dtype): s for s in shapes}
+    results: dict[str, dict] = {}
+    unmatched = []
+    for op, inputs_key, dtype, sizes in seen:
+        shape = None
+        if len(sizes) == 2 and len(sizes[0]) == 2 and len(sizes[1]) == 2 and sizes[0][1] == sizes[1][0]:
+            shape = by_dims.get((sizes[0][0], sizes[0][1], sizes[1][1], dtype))
+        timings = cache.get(op, {}).get(inputs_key)
+        if shape is None or not timings:
+            unmatched.append(f"{op}{sizes}")
+            continue
+        results.setdefault(str(shape), {}).setdefault(op, {})[inputs_key] = timings
+    return {"results": results, "benchmarked": benchmarked, "selections": len(seen),
+            "measure_s": measure_s, "unmatched": unmatched}

@@ -1,0 +1,151 @@
+"""The folders are layers: imports point down only, there is no cycle, the core is pure, and
+importing a module configures nothing.
+
+Layers, bottom to top: kiln.core (pure decisions) < kiln.store (object stores) < kiln.host (what runs
+on one host: torch) < blocks (Prefect blocks, signing keys) < tasks (Prefect tasks and their
+bodies) < flows < bench < cli (`kiln bench` runs the bench). Every import counts, also one inside a function.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = ("kiln.core", "kiln.store", "kiln.host", "blocks", "tasks", "flows", "bench", "cli")
+CORE_FORBIDDEN = {"prefect", "prefect_aws", "prefect_dask", "torch", "boto3", "botocore", "s3transfer", "dask",
+                  "distributed", "safetensors", "transformers"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for top in ("kiln", "blocks", "tasks", "flows", "cli", "bench"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            out[_module_name(path)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every module `name` imports (the most specific known name), wherever the import statement sits."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(pkg + ([node.module] if node.module else []))
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return found
+
+
+def _local(target: str) -> str | None:
+    while target and target not in MODULES:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def _layer(name: str) -> int | None:
+    for i, prefix in enumerate(LAYERS):
+        if name == prefix or name.startswith(prefix + "."):
+            return i
+    return None
+
+
+GRAPH = {name: {t for t in map(_local, _imports(name, path)) if t and t != name} for name, path in MODULES.items()}
+
+
+def test_every_module_belongs_to_a_layer():
+    loose = sorted(n for n in MODULES if _layer(n) is None and n not in ("kiln",))
+    assert not loose, f"modules outside every layer {LAYERS}: {loose}"
+
+
+def test_imports_point_down_only():
+    upward = sorted(f"{a} ({LAYERS[_layer(a)]}) imports {b} ({LAYERS[_layer(b)]})"
+                    for a, deps in GRAPH.items() for b in deps
+                    if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a))
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle():
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(GRAPH[n]):
+            if m.startswith(n + "."):  # a package's __init__ importing its own modules is not a cycle
+                continue
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (cycle := visit(m)):
+                return cycle
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(GRAPH):
+        if n not in state and (cycle := visit(n)):
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+
+
+def test_core_is_pure():
+    bad = sorted(f"{name} imports {imp}" for name, path in MODULES.items() if _layer(name) == 0
+                 for imp in _imports(name, path) if imp.split(".")[0] in CORE_FORBIDDEN)
+    assert not bad, "the core imports a framework:\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_violations():
+    """The walk finds what it must: a known upward import and a known cycle shape would show."""
+    assert "kiln.core.errors" in GRAPH["kiln.core.recipe"]
+    assert "flows.export" in GRAPH["cli.main"]  # a lazy import inside a function counts
+    assert _layer("flows.export") > _layer("tasks.phases") > _layer("kiln.host.compiler") > _layer("kiln.core.gate")
+
+
+_PROBE = """
+import importlib, json, logging, os, sys
+names = json.loads(sys.argv[1])
+import dask
+before_env = dict(os.environ)
+before_dask = json.dumps(dask.config.config, sort_keys=True, default=str)
+levels = lambda: {n: logging.getLogger(n).level for n in ["", "distributed", "prefect", "torch", "botocore"]}
+before_levels = levels()
+for name in names:
+    importlib.import_module(name)
+env = {k: v for k, v in os.environ.items() if before_env.get(k) != v}
+gone = sorted(set(before_env) - set(os.environ))
+print(json.dumps({"env": env, "gone": gone, "dask": json.dumps(dask.config.config, sort_keys=True, default=str) != before_dask,
+                  "levels": {k: v for k, v in levels().items() if before_levels[k] != v}}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_importing_configures_nothing():
+    """Importing every module of the prefect layers and below leaves the environment, Dask's config and
+    the loggers' levels as they were (torch and prefect themselves may set things; they are imported first)."""
+    names = [n for n in MODULES if _layer(n) is not None and _layer(n) <= LAYERS.index("cli") and _layer(n) != LAYERS.index("bench")]
+    pre = ("import torch, prefect, prefect.flows, prefect.blocks.core, prefect_aws, prefect_dask, distributed, boto3, "
+           "matplotlib; ")
+    out = subprocess.run([sys.executable, "-c", pre + _PROBE, json.dumps(names)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=280, env={k: v for k, v in __import__("os").environ.items()
+                                                      if not k.startswith(("DASK_", "PREFECT_LOGGING"))})
+    assert out.returncode == 0, out.stderr[-3000:]
+    changed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert changed == {"env": {}, "gone": [], "dask": False, "levels": {}}, changed
