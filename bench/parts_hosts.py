@@ -16,6 +16,7 @@ from bench.figures import median, ratio
 from bench.parts_single import measured_compile_s
 from bench.runs import FAKE_AWS, KILN, PYTHON, BenchFailed
 from bench.scale import simulate
+from kiln.core import layout
 
 BUCKET = "kiln-bench"
 
@@ -27,7 +28,7 @@ def s3_client(ctx: Context):
 
 
 def _stored(ctx: Context, prefix: str) -> list[str]:
-    listing = s3_client(ctx).list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/forwards/")
+    listing = s3_client(ctx).list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/{layout.FORWARDS}")
     return [o["Key"] for o in listing.get("Contents", [])]
 
 

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from kiln.core import signing
 from kiln.core.errors import BadInput, IntegrityError, KilnError
-from kiln.core.forward_keys import manifest_key, signature_key
+from kiln.core.layout import manifest_key, signature_key
 from kiln.core.signing import SigningPlan
 from kiln.store import LocalStore, ObjectMissing, Store
 

@@ -18,8 +18,9 @@ import psutil
 from blocks.trust import read_verified_manifest, trusted_keys
 from kiln.core.config import ModelConfig
 from kiln.core.errors import BadInput, MemoryShort, VerifyMismatch
-from kiln.core.forward_keys import check_export_id, manifest_key
+from kiln.core.forward_keys import check_export_id
 from kiln.core.home import kiln_home
+from kiln.core.layout import manifest_key
 from kiln.core.manifest import check_manifest
 from kiln.core.package_check import check_package
 from kiln.core.recipe import Recipe

@@ -16,14 +16,14 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from flows.hosts import HostRunner
-from kiln.core import decisions
+from kiln.core import decisions, layout
 from kiln.core.errors import HostsLost
-from kiln.core.forward_keys import artifact_key
 from kiln.core.gate import HostReport, Plan
 from kiln.core.job import ExportJob, HostSpec
+from kiln.core.layout import artifact_key, compile_log_key
 from kiln.store import ObjectMissing
 from tasks import phases
-from tasks.hostwork import break_leases, compile_log_key, store_of
+from tasks.hostwork import break_leases, store_of
 
 MAX_REPLANS = 3
 
@@ -90,14 +90,14 @@ class _Progress:
     """The live line and the Prefect progress artifact: forwards done over every host."""
 
     def __init__(self, job: ExportJob, store, keys: list[str]):
-        self.store, self.keys, self.shown = store, {artifact_key(k) for k in keys}, -1
+        self.store, self.keys, self.shown = store, set(keys), -1
         self.artifact = create_progress_artifact(0.0, description=f"forwards compiled for {job.export_id}") \
             if keys else None
 
     def show(self, final: bool = False) -> None:
         if not self.keys:
             return
-        done = len(self.keys.intersection(self.store.list("forwards/")))
+        done = len(self.keys & layout.forward_keys_in(self.store.list(layout.FORWARDS)))
         if done != self.shown:
             self.shown = done
             print(f"Compile forwards: {done}/{len(self.keys)} (all hosts)", file=sys.stderr, flush=True)

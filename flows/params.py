@@ -16,9 +16,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kiln.core.errors import BadInput
-from kiln.core.forward_keys import check_export_id, manifest_key
+from kiln.core.forward_keys import check_export_id
 from kiln.core.home import kiln_home
 from kiln.core.job import ExportJob, HostSpec, place_ranks
+from kiln.core.layout import manifest_key
 from kiln.core.recipe import SETTING, Recipe, recipe_form, recipe_of_form
 from kiln.host.cache import cache_root, cache_status, check_caches
 

@@ -15,10 +15,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from kiln.core import leases, tuning_plan
+from kiln.core import layout, leases, tuning_plan
 from kiln.core.errors import DiskError, IntegrityError, MemoryShort
-from kiln.core.forward_keys import artifact_key, digest, inspection_key
 from kiln.core.job import ExportJob, HostSpec
+from kiln.core.layout import artifact_key, compile_log_key, inspection_key, worker_memory_key, worker_memory_prefix
 from kiln.core.sizing import check_peak_mib
 from kiln.host import cache, faults, probe, tuner
 from kiln.host.compiler import CompilePool, CompileResult, model_code_fingerprint
@@ -60,7 +60,7 @@ def probe_host(job: ExportJob, host: HostSpec) -> dict:
     tuned = None if backends is None else tuner.lookup(store, job, target, torch.__version__, backends)
     specs = job.specs(target=target, torch_version=torch.__version__, code=model_code_fingerprint(),
                       compiler=compiler_options(backends), tuning=tuned)
-    stored = set(k.rsplit("/", 1)[-1].removesuffix(".pt2") for k in store.list("forwards/"))
+    stored = layout.forward_keys_in(store.list(layout.FORWARDS))
     return {
         "name": host.name, "ranks": list(host.ranks), "memory": snap, "num_cpus": probe.num_cpus(),
         "unified": probe.unified_memory() if job.recipe.unified_memory is None else job.recipe.unified_memory,
@@ -72,10 +72,6 @@ def probe_host(job: ExportJob, host: HostSpec) -> dict:
     }
 
 
-def compile_log_key(export_id: str, key: str) -> str:
-    return f"exports/{export_id}/compiled/{key}.json"
-
-
 class Leases:
     """Compile leases of one host in one export (see kiln.core.leases)."""
 
@@ -83,24 +79,24 @@ class Leases:
         self.store, self.owner, self.ttl_s = store, owner, ttl_s
 
     def acquire(self, key: str) -> bool:
-        existing = sorted(self.store.list(leases.lease_prefix(key)))
+        existing = sorted(self.store.list(layout.lease_prefix(key)))
         latest = None
         if existing:
             try:
-                latest = (leases.generation_of(existing[-1]), self.store.get_json(existing[-1]))
+                latest = (layout.generation_of(existing[-1]), self.store.get_json(existing[-1]))
             except (IntegrityError, ObjectMissing):
-                latest = (leases.generation_of(existing[-1]), {})
+                latest = (layout.generation_of(existing[-1]), {})
         decision = leases.decide_lease(latest, self.owner, time.time())
         if decision.action != "create":
             return decision.action == "hold"
         try:
-            return self.store.put_json(leases.lease_key(key, decision.generation),
+            return self.store.put_json(layout.lease_key(key, decision.generation),
                                        leases.new_lease(self.owner, time.time(), self.ttl_s))
         except IntegrityError:
             return False  # another contender created that generation first
 
     def release(self, key: str) -> None:
-        for obj in self.store.list(leases.lease_prefix(key)):
+        for obj in self.store.list(layout.lease_prefix(key)):
             self.store.delete(obj)
 
 
@@ -110,7 +106,7 @@ def break_leases(job: ExportJob, keys: list[str], hosts: set[str]) -> int:
     owners = {f"{job.export_id}:{h}" for h in hosts}
     broken = 0
     for key in keys:
-        for obj in store.list(leases.lease_prefix(key)):
+        for obj in store.list(layout.lease_prefix(key)):
             try:
                 doc = store.get_json(obj)
             except (IntegrityError, ObjectMissing):
@@ -189,15 +185,6 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     return {"forwards": uploaded, "memory": {"min_available_mib": sampler.min_available_mib,
                                              "peak_tree_mib": sampler.peak_mib},
             "waited_for_lease": sorted(waited)}
-
-
-def worker_memory_key(spec: dict, key: str) -> str:
-    """Where a forward's measured worker peak lives: per (graph, target), so new buckets of one graph use it."""
-    return f"{worker_memory_prefix(spec)}{key}.json"
-
-
-def worker_memory_prefix(spec: dict) -> str:
-    return f"memory/{digest({k: spec[k] for k in ('graph', 'target', 'compiler')})}/"
 
 
 def measured_peaks(store, specs: list) -> list[int]:

@@ -14,9 +14,9 @@ from prefect import task
 
 from kiln.core import decisions, outcome
 from kiln.core.errors import KilnError, VerifyMismatch
-from kiln.core.forward_keys import manifest_key
 from kiln.core.gate import Plan
 from kiln.core.job import ExportJob, HostSpec
+from kiln.core.layout import manifest_key
 from kiln.host import faults, tuner
 from tasks import hostwork
 

@@ -65,26 +65,6 @@ def forward_spec(*, bucket: Bucket, graph: dict, target: str, torch_version: str
                        compiler=compiler, tuning=tuning)
 
 
-def artifact_key(key: str) -> str:
-    """Where a forward's package lives in the store."""
-    return f"forwards/{key}.pt2"
-
-
-def inspection_key(key: str) -> str:
-    """Where the record of what a forward's package calls lives (kiln.core.package_check.package_calls), with
-    the sha256 of the bytes inspected."""
-    return f"inspections/{key}.json"
-
-
-def manifest_key(export_id: str) -> str:
-    return f"exports/{export_id}/manifest.json"
-
-
-def signature_key(export_id: str) -> str:
-    """The manifest's signature document, beside it."""
-    return f"exports/{export_id}/manifest.sig"
-
-
 def check_export_id(export_id: str) -> str:
     """An export id names a store folder and a local one: letters, digits, '-', '_', '.'; no leading or
     trailing '.', at most 128 characters. BadInput otherwise."""

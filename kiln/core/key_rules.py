@@ -58,7 +58,7 @@ def validate_key(key: str) -> str:
     if not isinstance(key, str):
         raise BadInput(f"store key must be a string, not {type(key).__name__}: {key!r}")
     if key == "":
-        raise BadInput("store key is empty; name the object, e.g. 'forwards/<key>.pt2'")
+        raise BadInput("store key is empty; name the object, e.g. 'folder/name.json'")
     parts = key.split("/")
     _check_parts("key", key, parts)
     for part in parts:

@@ -10,20 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PREFIX = "leases/"
-
-
-def lease_prefix(key: str) -> str:
-    return f"{PREFIX}{key}/"
-
-
-def lease_key(key: str, generation: int) -> str:
-    return f"{PREFIX}{key}/{generation:08d}.json"
-
-
-def generation_of(object_key: str) -> int:
-    return int(object_key.rsplit("/", 1)[-1].removesuffix(".json"))
-
 
 def new_lease(owner: str, now_s: float, ttl_s: float) -> dict:
     return {"owner": owner, "acquired_at": now_s, "expires_at": now_s + ttl_s}

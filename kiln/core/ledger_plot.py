@@ -11,11 +11,12 @@ import base64
 import io
 
 from kiln.core.key_rules import sha256_bytes
+from kiln.core.layout import ledger_picture_key
 
 
 def ledger_key(export_id: str, png: bytes) -> str:
     """Store key of one drawing: content-addressed, so every try of an export keeps its own picture."""
-    return f"exports/{export_id}/memory-{sha256_bytes(png)[:12]}.png"
+    return ledger_picture_key(export_id, sha256_bytes(png)[:12])
 
 
 def draw(hosts: list[dict], *, title: str = "memory ledger") -> bytes:

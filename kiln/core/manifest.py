@@ -20,8 +20,8 @@ from __future__ import annotations
 import re
 
 from kiln.core.errors import BadInput, IntegrityError
-from kiln.core.forward_keys import artifact_key
 from kiln.core.key_rules import check_no_collisions
+from kiln.core.layout import artifact_key
 
 MANIFEST_VERSION = 3
 _KEY = re.compile(r"^[0-9a-f]{16,64}$")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from kiln.core.config import ModelConfig
 from kiln.core.contract import forward_interface, parameter_shapes
 from kiln.core.errors import KilnError, NotPythonFree
-from kiln.core.forward_keys import artifact_key
+from kiln.core.layout import artifact_key
 
 
 def check_outcome(found: dict[str, dict], missing: list[str], specs: dict[str, dict]) -> dict[str, dict]:

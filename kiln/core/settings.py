@@ -228,11 +228,22 @@ def form_model(settings: tuple[Setting, ...], name: str, doc: str):
         default = None if s.default is None else (s.show(s.default) if s.kind == "text" else s.default)
         if s.nullable:
             typ = Optional[typ]
-        title = s.name.replace("_", " ").capitalize().replace(" mib", " (MiB)").replace(" s", " (s)") \
-            if s.name.endswith(("_mib", "_s")) else s.name.replace("_", " ").capitalize()
-        fields[s.name] = (typ, Field(default, title=title, description=s.describe(),
+        fields[s.name] = (typ, Field(default, title=_title(s.name), description=s.describe(),
                                      json_schema_extra={"example": s.example} if s.example else None))
     return create_model(name, __doc__=doc, __config__=ConfigDict(extra="forbid"), **fields)
+
+
+def _title(name: str) -> str:
+    """`headroom_floor_mib` -> 'Headroom floor (MiB)': the form's label."""
+    words = name.split("_")
+    unit = {"mib": "MiB", "s": "s"}.get(words[-1]) if len(words) > 1 else None
+    if unit:
+        words.pop()
+    words = ["MiB" if w == "mib" else w for w in words]
+    words[0] = words[0][:1].upper() + words[0][1:]
+    return " ".join(words) + (f" ({unit})" if unit else "")
+
+
 
 
 def from_form(settings: tuple[Setting, ...], values: dict) -> dict:

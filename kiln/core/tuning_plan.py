@@ -39,11 +39,11 @@ from dataclasses import dataclass
 from kiln.core.config import ModelConfig
 from kiln.core.errors import IntegrityError
 from kiln.core.forward_keys import digest
+from kiln.core.layout import tuning_key
 from kiln.core.recipe import TUNING_MODES, Bucket
 
 FORMAT = 1
 """Version of the stored result layout; part of every result id."""
-PREFIX = "tuning/"
 
 WEIGHTLESS_GEMM_BACKENDS: dict[str, tuple[str, ...]] = {"cpu": ("ATEN",)}
 """Forward device -> Inductor GEMM backends whose kernels take the weight as a run-time constant.
@@ -133,8 +133,8 @@ def result_id(target: str, torch_version: str, backends: str, shape: GemmShape) 
 
 
 def object_key(target: str, torch_version: str, backends: str, shape: GemmShape) -> str:
-    """Store key of one shape's result: `tuning/<result_id>.json`."""
-    return f"{PREFIX}{result_id(target, torch_version, backends, shape)}.json"
+    """Store key of one shape's result (kiln.core.layout.tuning_key)."""
+    return tuning_key(result_id(target, torch_version, backends, shape))
 
 
 @dataclass(frozen=True)

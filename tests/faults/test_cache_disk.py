@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from kiln.core.errors import DiskError
-from kiln.core.forward_keys import artifact_key
 from kiln.core.job import ExportJob, HostSpec
+from kiln.core.layout import artifact_key
 from kiln.core.recipe import Recipe
 from kiln.store import LocalStore
 from tasks.hostwork import fetch_missing

@@ -229,7 +229,8 @@ def test_a_stale_lease_of_a_dead_export_is_taken_over(kiln, exported, tmp_path):
     """A key leased by an export that died long ago is compiled at once, not waited for."""
     import time
 
-    from kiln.core.leases import lease_key, new_lease
+    from kiln.core.layout import lease_key
+    from kiln.core.leases import new_lease
     from kiln.store import LocalStore
 
     f = next(f for f in exported["cold_report"]["forwards"] if f["bucket"] == "1x16")

@@ -2,7 +2,7 @@
 
 The UI test drives Debian's chromium (headless, no downloads) with Playwright:
 deployments list -> the deployment -> Run -> Custom run -> the parameter form
-(a bad value first, which the form must refuse, then buckets 1x8) -> Submit.
+(the recipe's defaults visible, a bad bucket first, which the form must refuse, then buckets 1x8) -> Submit.
 It reads the outcome back through the API and saves screenshots of the
 finished run under the test's tmp_path and .kiln/test-artifacts/.
 """
@@ -92,20 +92,28 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
         page.wait_for_load_state("networkidle")
         _prop(page, "Run Name").locator("input").first.fill(run_name)
 
+        # The recipe's settings are typed fields with their defaults filled in (derived from kiln/core/recipe.py).
+        # ("Optional": each has a default, so an API caller may leave it out.)
         buckets = _prop(page, "Buckets (Optional)")
-        buckets.get_by_role("button", name="str", exact=True).click()
-        buckets.locator("textarea, input").first.fill("ax3")
+        field = buckets.locator("textarea, input").first
+        assert field.input_value() == "1x16,2x16,4x32,8x64"
+        policy = _prop(page, "Policy (Optional)")  # a dropdown with the default selected
+        assert policy.locator(".p-select-button__value").first.inner_text().strip() == "borrow"
+        assert _prop(page, "Headroom floor (MiB) (Optional)").locator("input").first.input_value() == "2048"
+        page.screenshot(path=shots / "run-form.png", full_page=True)
+        field.fill("ax3")
         page.get_by_role("button", name="Submit", exact=True).click()
-        page.get_by_text("is not valid").first.wait_for()  # the form refuses it; nothing is created
+        page.wait_for_timeout(3000)  # the form refuses it: still on the form, nothing is created
+        page.screenshot(path=shots / "run-form-refused.png", full_page=True)
         assert "/run" in page.url and not api.flow_runs(name={"any_": [run_name]})
 
-        buckets.locator("textarea, input").first.fill("1x8")
+        field.fill("1x8")
         page.get_by_role("button", name="Submit", exact=True).click()
         page.wait_for_url("**/deployments/deployment/*?tab=Runs")
 
         [created] = api.flow_runs(name={"any_": [run_name]})
         assert created["deployment_id"] == served.deployment["id"]
-        assert created["parameters"]["params"]["buckets"] == "1x8"
+        assert created["parameters"]["params"]["recipe"]["buckets"] == "1x8"
         run = api.wait_final(created["id"], timeout_s=900)
         assert run["state_type"] == "COMPLETED", (run["state"], served.log.read_text()[-4000:])
 

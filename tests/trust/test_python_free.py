@@ -72,7 +72,7 @@ def test_kiln_packages_inspect_as_python_free_with_native_collectives(tp2_export
 
 def test_the_outcome_check_inspects_a_package_that_has_no_record(tp2_export):
     """A host that died between uploading a package and its record: the outcome check inspects the bytes."""
-    from kiln.core.forward_keys import inspection_key
+    from kiln.core.layout import inspection_key
     from tasks import hostwork
 
     store = LocalStore(Path(tp2_export["store"].removeprefix("file://")))

@@ -1,4 +1,5 @@
-from kiln.core.leases import decide_lease, generation_of, lease_key, new_lease
+from kiln.core.layout import generation_of, lease_key
+from kiln.core.leases import decide_lease, new_lease
 
 
 def test_free_key_creates_generation_zero():

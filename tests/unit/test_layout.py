@@ -1,0 +1,65 @@
+"""The store layout has one owner (kiln/core/layout.py): every builder's key parses back to its arguments,
+no two kinds of object can share a key, and no other module spells a store path."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kiln.core import layout
+from kiln.core.key_rules import validate_key
+
+KEY = "0123456789abcdef0123456789abcdef"
+SPEC = {"graph": {"layers": 2}, "target": "cpu-x86_64", "compiler": {}}
+BUILT = [
+    (layout.artifact_key(KEY), {"kind": "forward", "key": KEY}),
+    (layout.inspection_key(KEY), {"kind": "inspection", "key": KEY}),
+    (layout.worker_memory_key(SPEC, KEY), {"kind": "worker_memory", "graph": layout.graph_digest(SPEC), "key": KEY}),
+    (layout.tuning_key("ab" * 16), {"kind": "tuning", "result_id": "ab" * 16}),
+    (layout.lease_key(KEY, 7), {"kind": "lease", "key": KEY, "generation": 7}),
+    (layout.manifest_key("tiny-tp2.x_1"), {"kind": "manifest", "export_id": "tiny-tp2.x_1"}),
+    (layout.signature_key("tiny-tp2.x_1"), {"kind": "signature", "export_id": "tiny-tp2.x_1"}),
+    (layout.compile_log_key("e1", KEY), {"kind": "compile_log", "export_id": "e1", "key": KEY}),
+    (layout.ledger_picture_key("e1", "0123456789ab"), {"kind": "ledger_picture", "export_id": "e1",
+                                                       "png_sha12": "0123456789ab"}),
+]
+
+
+@pytest.mark.parametrize("key, parsed", BUILT, ids=[p["kind"] for _, p in BUILT])
+def test_every_key_parses_back_to_what_built_it(key, parsed):
+    assert layout.parse(key) == parsed
+    assert validate_key(key) == key  # a valid store key on every backend
+
+
+def test_kinds_do_not_overlap():
+    for key, parsed in BUILT:
+        matches = [kind for kind, pattern in layout._PATTERNS if pattern.fullmatch(key)]
+        assert matches == [parsed["kind"]], (key, matches)
+
+
+def test_listings_and_generations():
+    keys = [layout.artifact_key("a1"), layout.artifact_key("b2"), layout.inspection_key("a1"), "forwards/x.txt"]
+    assert layout.forward_keys_in(keys) == {"a1", "b2"}
+    assert layout.generation_of(layout.lease_key(KEY, 12)) == 12
+    assert layout.lease_key(KEY, 3).startswith(layout.lease_prefix(KEY))
+    assert layout.worker_memory_key(SPEC, KEY).startswith(layout.worker_memory_prefix(SPEC))
+    with pytest.raises(ValueError):
+        layout.generation_of(layout.artifact_key(KEY))
+    assert layout.parse("somewhere/else.json") is None
+
+
+def test_no_other_module_spells_a_store_path():
+    root = Path(__file__).resolve().parents[2]
+    literal = re.compile(r"""["'](?:forwards|inspections|memory|tuning|leases|exports)/""")
+    found = []
+    for top in ("kiln", "flows", "tasks", "blocks", "cli", "bench"):
+        for path in (root / top).rglob("*.py"):
+            if path.name == "layout.py" and path.parent.name == "core":
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#", 1)[0]
+                if literal.search(code) and not code.strip().startswith(('"""', "'")):
+                    found.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not found, "store paths outside kiln/core/layout.py:\n" + "\n".join(found)
