@@ -38,7 +38,7 @@ def transient_only(task, task_run, state) -> bool:
 @task(name="probe", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,
       retry_condition_fn=transient_only, cache_policy=None)
 def probe_host(job: ExportJob, host: HostSpec) -> dict:
-    faults.probe()
+    faults.point("probe")
     return hostwork.probe_host(job, host)
 
 
@@ -62,7 +62,7 @@ def gate(job: ExportJob, probes: list[dict], kv: dict | None = None) -> Plan:
 def compile_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int) -> dict:
     """No task retries: a retry would compile its whole share again. A flow retry probes the store
     and compiles only what is missing."""
-    return hostwork.compile_on_host(job, host, specs, workers, on_done=faults.after_uploads())
+    return hostwork.compile_on_host(job, host, specs, workers)
 
 
 @task(name="outcome-check", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,

@@ -18,6 +18,18 @@ from pathlib import Path
 import pytest
 
 # =============================================================================
+# Faults: the seam (tests/fault_seam/) is installed here and, through PYTHONPATH, in every
+# Python process a test starts; Kiln itself only marks the points (kiln/host/faults.py).
+# =============================================================================
+
+FAULT_SEAM = Path(__file__).resolve().parent / "fault_seam"
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAULT_SEAM), os.environ.get("PYTHONPATH")) if p)
+sys.path.insert(0, str(FAULT_SEAM))
+import kiln_faults  # noqa: E402
+
+kiln_faults.install_all()
+
+# =============================================================================
 # Store: a real S3 API (moto_server) started by the tests themselves
 # =============================================================================
 

@@ -135,7 +135,7 @@ def _compile_forward(spec: dict, out_path: str) -> CompileResult:
     num_pages = Dim("num_pages", min=2, max=1 << 24)
     with torch.no_grad():
         program = torch.export.export(model, args, dynamic_shapes=({}, {}, {2: num_pages}, {}))
-    faults.maybe_kill_compile(spec, "export")
+    faults.point("compile", spec, "export")
     tmp = f"{out_path.removesuffix('.pt2')}.tmp-{os.getpid()}.pt2"
     if _TUNING:
         tuner.install(_TUNING)  # again: another process may have rewritten Inductor's cache file since
@@ -149,7 +149,7 @@ def _compile_forward(spec: dict, out_path: str) -> CompileResult:
                      for name, t in tensors.items() if isinstance(t, torch.Tensor)}
         configs = {**spec["compiler"], "aot_inductor.metadata": {CONSTANTS_METADATA: json.dumps(constants)}}
         torch._inductor.aoti_compile_and_package(program, package_path=tmp, inductor_configs=configs)
-        faults.maybe_kill_compile(spec, "written")
+        faults.point("compile", spec, "written")
         digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, out_path)
     except (OSError, RuntimeError) as exc:

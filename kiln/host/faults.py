@@ -1,120 +1,39 @@
-"""Test-only fault injection; does nothing unless its environment variables are set.
+"""Fault points: named places where a test may inject a fault. Nothing in Kiln installs a hook.
 
-- KILN_FAULT_AFTER_UPLOADS=N: the compile phase raises a transient error
-  (ConnectionError, as a dropped connection to the store would) right after
-  its N-th upload, once per process. The forwards uploaded so far stay in the
-  store; a retry or re-run must compile only the rest.
-- KILN_FAULT_PROBE_ERRORS=N: the first N probes in this process fail with a
-  transient store error before touching anything.
-- KILN_FAULT_DIE_AFTER_UPLOADS=N: the host's process kills itself (SIGKILL)
-  right after its N-th upload: a host lost mid-compile.
+Purpose: tests break an export at a chosen place (a dropped store connection,
+a compile worker killed midway, a host lost after an upload) without any
+test-only code in Kiln: production code only marks the places, and calling a
+point with no hook installed does nothing.
 
-"Once per process" matters: Prefect retries a flow or task in the same
-process, so the retry runs without the fault.
+Points and their arguments:
+- "probe" (): before a host's probe touches anything.
+- "uploaded" (num_uploaded,): after each forward a host uploaded in the compile phase.
+- "compile" (spec, stage): in a compile worker; stage 'export' (after torch.export,
+  before Inductor) or 'written' (the package written, not yet published to the cache).
 
-KILN_FAULT_KILL_COMPILE=<match>:<count>[:<stage>] makes a compile worker
-SIGKILL itself while compiling a forward whose bucket ('1x8') or key starts
-with <match> ('*' matches every forward), at most <count> times per forward
-over all processes. The stage is 'export' (after torch.export, before Inductor starts;
-the default) or 'written' (after the package file is written, before it is
-published to the cache). The count is kept with create-once marker files in
-KILN_FAULT_DIR, so the fault fires exactly <count> times whatever the number of
-workers and retries.
+Contracts: `install` is called by whoever wants faults in this process (the
+test suite's seam, tests/fault_seam/, installs itself in every Python process
+the tests start). A hook may raise or end the process; its exception
+propagates from the point.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Callable
-from pathlib import Path
 
-_fired: dict[str, int] = {}
-
-
-def _limit(name: str) -> int:
-    raw = os.environ.get(name, "").strip()
-    return int(raw) if raw.isdigit() else 0
+POINTS = ("probe", "uploaded", "compile")
+_hooks: dict[str, list[Callable]] = {}
 
 
-def after_uploads() -> Callable[[object], None] | None:
-    """An `on_done` hook for hostwork.compile_on_host, or None when KILN_FAULT_AFTER_UPLOADS is unset."""
-    limit = _limit("KILN_FAULT_AFTER_UPLOADS")
-    if not limit or _fired.get("uploads"):
-        return None
-    count = 0
-
-    def hook(result) -> None:
-        nonlocal count
-        count += 1
-        if count >= limit and not _fired.get("uploads"):
-            _fired["uploads"] = 1
-            raise ConnectionError(f"injected fault (KILN_FAULT_AFTER_UPLOADS={limit}): "
-                                  f"connection lost after {count} upload(s)")
-    return hook
+def install(point: str, hook: Callable) -> Callable[[], None]:
+    """Call `hook(*args)` at every `point(name, *args)` in this process; returns what uninstalls it."""
+    if point not in POINTS:
+        raise ValueError(f"unknown fault point {point!r}; known: {', '.join(POINTS)}")
+    _hooks.setdefault(point, []).append(hook)
+    return lambda: _hooks[point].remove(hook)
 
 
-def probe() -> None:
-    """Raise a transient store error for the first KILN_FAULT_PROBE_ERRORS calls in this process."""
-    limit = _limit("KILN_FAULT_PROBE_ERRORS")
-    if _fired.get("probe", 0) < limit:
-        _fired["probe"] = _fired.get("probe", 0) + 1
-        raise ConnectionError(f"injected fault (KILN_FAULT_PROBE_ERRORS={limit}): store unreachable "
-                              f"(probe {_fired['probe']} of {limit})")
-
-
-def die_after_uploads(num_uploaded: int) -> None:
-    """SIGKILL this process once it has uploaded KILN_FAULT_DIE_AFTER_UPLOADS artifacts."""
-    limit = _limit("KILN_FAULT_DIE_AFTER_UPLOADS")
-    if limit and num_uploaded >= limit:
-        os.kill(os.getpid(), signal.SIGKILL)
-KILL_COMPILE_ENV = "KILN_FAULT_KILL_COMPILE"
-FAULT_DIR_ENV = "KILN_FAULT_DIR"
-STAGES = ("export", "written")
-
-
-def parse_kill_compile(value: str) -> tuple[str, int, str]:
-    """(match, count, stage) from the variable's value; ValueError when malformed."""
-    match, _, rest = value.partition(":")
-    count, _, stage = rest.partition(":")
-    stage = stage or "export"
-    if not match or not count.isdigit() or stage not in STAGES:
-        raise ValueError(f"{KILL_COMPILE_ENV}={value!r}: expected MATCH:COUNT[:{'|'.join(STAGES)}]")
-    return match, int(count), stage
-
-
-def _claim(directory: Path, name: str, count: int) -> bool:
-    """Take one of `count` create-once markers named `name`; False when all are taken."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for i in range(count):
-        try:
-            fd = os.open(directory / f"{name}.{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            continue
-        os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
-        return True
-    return False
-
-
-def maybe_kill_compile(spec: dict, stage: str) -> None:
-    """SIGKILL this process if KILN_FAULT_KILL_COMPILE asks for it at `stage` of compiling `spec`."""
-    value = os.environ.get(KILL_COMPILE_ENV)
-    if not value:
-        return
-    match, count, want_stage = parse_kill_compile(value)
-    if stage != want_stage:
-        return
-    if match != "*" and spec["bucket"] != match and not spec["key"].startswith(match):
-        return
-    directory = os.environ.get(FAULT_DIR_ENV)
-    if not directory:
-        raise RuntimeError(f"{KILL_COMPILE_ENV} needs {FAULT_DIR_ENV} (a directory for its markers)")
-    if _claim(Path(directory), f"kill-compile-{spec['key']}", count):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def fired(directory: Path | str, prefix: str = "kill-compile-") -> list[str]:
-    """Names of the markers of faults that fired (for tests)."""
-    d = Path(directory)
-    return sorted(p.name for p in d.glob(f"{prefix}*")) if d.is_dir() else []
+def point(name: str, *args) -> None:
+    """A place where a fault may be injected: runs the hooks installed for `name`, if any."""
+    for hook in tuple(_hooks.get(name, ())):
+        hook(*args)

@@ -11,9 +11,10 @@ import os
 import time
 from pathlib import Path
 
+import kiln_faults as faults
 import pytest
 
-from kiln.host import faults
+from kiln.host import faults as fault_points
 from kiln.host.compiler import CompileFailed, CompilePool, CompileResult
 
 
@@ -21,7 +22,7 @@ def fake_compile(spec: dict, out_path: str) -> CompileResult:
     """Runs in a spawned worker: log the start, maybe die, take a moment, write the artifact."""
     with open(spec["log"], "a") as log:
         log.write(f"{spec['key']} {os.getpid()}\n")
-    faults.maybe_kill_compile(spec, "export")
+    fault_points.point("compile", spec, "export")  # Kiln's own fault point, as compile_forward calls it
     time.sleep(spec.get("sleep_s", 0.2))
     Path(out_path).write_text(spec["key"])
     return CompileResult(key=spec["key"], path=out_path, sha256="0" * 64, size_bytes=len(spec["key"]),

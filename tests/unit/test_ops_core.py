@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import kiln_faults as faults
 import pytest
 from pydantic import ValidationError
 
@@ -21,7 +22,7 @@ from kiln.core.errors import (
 from kiln.core.ledger_plot import draw, ledger_key, markdown
 from kiln.core.recipe import Recipe, recipe_from_text
 from kiln.core.report import Report
-from kiln.host import faults
+from kiln.host import faults as fault_points
 from kiln.host.compiler import CompileFailed
 
 # --- parameters: the run form's bounds --------------------------------------------------------------
@@ -165,23 +166,33 @@ def test_faults_do_nothing_unless_set(monkeypatch):
     monkeypatch.delenv("KILN_FAULT_AFTER_UPLOADS", raising=False)
     monkeypatch.delenv("KILN_FAULT_PROBE_ERRORS", raising=False)
     monkeypatch.setattr(faults, "_fired", {})
-    assert faults.after_uploads() is None
-    faults.probe()
+    fault_points.point("uploaded", 5)  # the seam is installed in this process (tests/conftest.py)
+    fault_points.point("probe")
 
 
 def test_upload_fault_fires_once_after_n_uploads(monkeypatch):
     monkeypatch.setenv("KILN_FAULT_AFTER_UPLOADS", "2")
     monkeypatch.setattr(faults, "_fired", {})
-    hook = faults.after_uploads()
-    hook(None)
+    fault_points.point("uploaded", 1)
     with pytest.raises(ConnectionError, match="after 2 upload"):
-        hook(None)
-    assert faults.after_uploads() is None  # a retry in the same process runs clean
+        fault_points.point("uploaded", 2)
+    fault_points.point("uploaded", 3)  # a retry in the same process runs clean
+
+
+def test_fault_points_call_only_what_was_installed():
+    calls = []
+    uninstall = fault_points.install("probe", lambda: calls.append("probe"))
+    fault_points.point("probe")
+    uninstall()
+    fault_points.point("probe")
+    assert calls == ["probe"]
+    with pytest.raises(ValueError, match="unknown fault point"):
+        fault_points.install("nowhere", print)
 
 
 def test_probe_fault_fires_n_times(monkeypatch):
     monkeypatch.setenv("KILN_FAULT_PROBE_ERRORS", "1")
     monkeypatch.setattr(faults, "_fired", {})
     with pytest.raises(ConnectionError):
-        faults.probe()
-    faults.probe()
+        fault_points.point("probe")
+    fault_points.point("probe")
