@@ -10,12 +10,12 @@ from typing import Callable
 
 from bench.runs import PYTHON, Workdir
 
-# The incident of BACKGROUND.md on local hosts: one rank per host, two hosts short of one worker.
+# The incident (docs/several-hosts.md) on local hosts: one rank per host, two hosts short of one worker.
 INCIDENT_SETTINGS = ["headroom_floor_mib=8192", "recipe_headroom_mib=1024", "worker_host_mib=2048",
                      "worker_device_mib=2048", "unified_memory=true"]
 INCIDENT_ASSUME = ["host-1=12038", "host-2=11939"]
 DEFAULT_COMPILE_S = 20.0
-"""Per-forward compile seconds when this run measured none (DESIGN.md: 17-30 s cold on 2 cores)."""
+"""Per-forward compile seconds when this run measured none (the tiny model's ~20 s cold on 2 cores; bench/README.md)."""
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
-"""`kiln`: export, serve, plan, verify, checkpoint, keygen and bench.
+"""`kiln`: export, serve, plan, verify, run, checkpoint, keygen and bench.
 
 Every input is checked before Prefect starts or anything is written, so bad
 input exits with code 2 in about a second. Exit codes: 0 done, 2 bad input,
-3 the gate refused, 1 anything else. Expected errors print one or two plain
-sentences to stderr, no traceback.
+3 the gate refused or a check would not fit in memory, 1 anything else.
+Expected errors print one or two plain sentences to stderr, no traceback.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Run one step of every forward of a Kiln export with torch alone: no Kiln, no Python op registered.
 
-A worked example of the manifest's consumer contract (README, "Run an export
-without Kiln"). Every rank of the export runs this script; they join one gloo
-group, whose default world group is the process group the packages'
-collectives name (`runtime.process_group`, "0"). Each rank reads its tensors
-straight from the checkpoint's safetensors files (a short reader below), cuts
-them as `weights` says, binds them to each package before its first call, and
-runs one prefill step with an empty paged KV cache:
+A worked example of the manifest's consumer contract (docs/run-without-kiln.md).
+Every rank of the export runs this script; they join one gloo group, whose
+default world group is the process group the packages' collectives name
+(`runtime.process_group`, "0"). Each rank reads its tensors straight from
+the checkpoint's safetensors files (a short reader below), cuts them as
+`weights` says, binds them to each package before its first call, and runs
+one prefill step with an empty paged KV cache:
 
     python examples/torch_only.py --manifest M.json --packages STORE/forwards \\
         --checkpoint CKPT --rank R --world-size 2 --port 29511 --out OUT_DIR

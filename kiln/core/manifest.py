@@ -7,9 +7,9 @@ forward names a well-formed key, its object `forwards/<key>.pt2`, a bucket and
 a sha256, says whether it is Python-free, and no two keys or objects collide
 after normalisation.
 
-It is also a consumer contract (kiln.core.contract; the README's "Run an export
-without Kiln"): `runtime` names the process group the packages' collectives
-expect and whether every package runs without Python; `weights` maps each
+It is also a consumer contract (kiln.core.contract; docs/run-without-kiln.md):
+`runtime` names the process group the packages' collectives expect and
+whether every package runs without Python; `weights` maps each
 package constant to its checkpoint tensor and how each rank cuts it; each
 forward carries its `interface` (inputs and outputs: names, dtypes, shapes with
 the dynamic dimension named), the native `ops` it calls and its `constants`.

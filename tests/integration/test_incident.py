@@ -1,4 +1,4 @@
-"""The incident of BACKGROUND.md as tests: three hosts, one rank each, two of them short of memory.
+"""The incident of docs/several-hosts.md as tests: three hosts, one rank each, two of them short of memory.
 
 Real pieces throughout: a local Dask cluster of three worker processes standing
 for host-0..host-2, a real Prefect server, a real S3 server process (moto), and

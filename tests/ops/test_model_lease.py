@@ -53,7 +53,7 @@ def test_second_export_of_a_model_waits_for_the_lease(prefect_server, ops_env, t
 
 
 def test_a_killed_export_frees_the_model_lease(prefect_server, ops_env, tmp_path):
-    """The README's promise: a run killed while holding its model's slot frees it within two minutes."""
+    """The promise of docs/operations.md: a run killed while holding its model's slot frees it within two minutes."""
     import signal
 
     from prefect.client.orchestration import get_client
