@@ -12,8 +12,8 @@ import json
 import re
 
 import pytest
+from kiln_faults import fired
 
-from kiln.host.faults import fired
 from kiln.store import open_store
 
 pytestmark = pytest.mark.slow
