@@ -57,14 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     t_compile = time.perf_counter()
     for host, probe, report in zip(hosts, probes, reports):
         workers = min(worker_capacity(job.recipe, available_mib=report.available_mib, unified=report.unified,
-                                      num_cpus=report.num_cpus), len(probe["specs"]))
+                                      num_cpus=report.num_cpus), len(probe.specs))
         if workers == 0:
             need = required_mib(job.recipe, 1, report.unified)
             errors[host.name] = (f"MemoryError: {report.available_mib} MiB available, one compile worker "
                                  f"needs {need} MiB")
             continue
         # Each host compiles what its ranks need, whatever the others do (no gate, no lending).
-        done = hostwork.compile_on_host(job, host, probe["specs"], workers)
+        done = hostwork.compile_on_host(job, host, probe.specs, workers)
         compiled[host.name] = len(done["forwards"])
     t_check = time.perf_counter()
     # The outcome all-gather, after compiling: any host's error fails the export.

@@ -54,13 +54,13 @@ def main(argv: list[str] | None = None) -> None:
     probes = [hostwork.probe_host(job, host)]
     phase("probe", t)
     t = time.perf_counter()
-    reports = decisions.host_reports(job, probes)
-    kv = decisions.plan_kv_for(job, probes)
-    phase("kv-plan", t)
-    t = time.perf_counter()
-    plan = decisions.run_gate(job, probes, kv)
-    phase("gate", t)
-    specs = {s["key"]: s for s in probes[0]["specs"]}
+    decision = decisions.decide_export(job, probes)
+    if decision.refusal:
+        raise decision.refusal
+    kv, plan = decision.kv_plan, decision.plan
+    phases["kv-plan"], phases["gate"] = decision.kv_plan_s, decision.gate_s
+    ledger.append({"phase": "gate", **probe.memory_snapshot()})
+    specs = {s["key"]: s for s in probes[0].specs}
     t = time.perf_counter()
     hp = plan.hosts[host.name]
     done = hostwork.compile_on_host(job, host, [specs[k] for k in hp.compile], hp.workers)

@@ -6,8 +6,7 @@ import time
 
 from flows.params import ExportParams, default_host_names, prepare
 from kiln.core import decisions
-from kiln.core.errors import BadInput, GateRefused, KilnError
-from kiln.core.gate import Plan
+from kiln.core.errors import BadInput, KilnError
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.report import Report
 from kiln.host import probe
@@ -31,20 +30,12 @@ def _probe_all(params: ExportParams) -> tuple:
             return job, client.gather(futures)
 
 
-def _gate(job: ExportJob, probes: list[dict]) -> tuple[dict, Plan | None, GateRefused | None]:
-    """(KV plan, the gate's plan or None, its refusal or None) for these probes."""
-    check_probed_caches(probes, job.recipe.artifact_mib_estimate)
-    kv = decisions.plan_kv_for(job, probes)
-    try:
-        return kv, decisions.run_gate(job, probes, kv), None
-    except GateRefused as exc:
-        return kv, None, exc
-
-
 def plan_only(params: ExportParams) -> dict:
     """The gate's decision for `params`: {'feasible', 'text', 'report'}; nothing is compiled or stored."""
     job, probes = _probe_all(params)
-    kv, plan, refusal = _gate(job, probes)
+    check_probed_caches(probes, job.recipe.artifact_mib_estimate)
+    decision = decisions.decide_export(job, probes)
+    kv, plan, refusal = decision.kv_plan, decision.plan, decision.refusal
     kv_line = f"kv plan: {kv['pages_per_rank']} pages per rank of {kv['page_bytes']} bytes (limited by rank {kv['limiting_rank']})"
     if refusal is not None:
         return {"feasible": False, "text": f"{kv_line}\ngate: refused: {refusal}",
@@ -77,7 +68,7 @@ def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> tuple[Report, 
     start = probe_start = time.perf_counter()
     probes = [hostwork.probe_host(job, h) for h in hosts]
     for p in probes:
-        report.host(p["name"], target=p["target"])["cache"] = p["cache"]
+        report.host(p.name, target=p.target)["cache"] = p.cache
     try:
         check_probed_caches(probes, job.recipe.artifact_mib_estimate)
     except BadInput as bad:  # a cache that is unwritable or too full: the flow's probe would stop the same way
@@ -88,17 +79,14 @@ def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> tuple[Report, 
     ledger("probe")
     report.phase("tune", "skipped", 0.0, reason="not run: kiln export refused before starting the flow")
     ledger("tune")
-    start = time.perf_counter()
-    report.kv_plan = decisions.plan_kv_for(job, probes)
-    report.phase("kv-plan", "ok", time.perf_counter() - start)
+    decision = decisions.decide_export(job, probes)
+    report.kv_plan = decision.kv_plan
+    report.phase("kv-plan", "ok", decision.kv_plan_s)
     ledger("kv-plan")
-    start = time.perf_counter()
-    try:
-        decisions.run_gate(job, probes, report.kv_plan)
+    if decision.refusal is None:
         return None
-    except GateRefused as refusal:
-        report.phase("gate", "failed", time.perf_counter() - start)
-        report.gate.update(decision="refused", message=str(refusal), decided_in="cli",
-                           probe_to_decision_s=round(time.perf_counter() - probe_start, 3))
-        report.status, report.error = "failed", str(refusal)
-        return report, refusal
+    report.phase("gate", "failed", decision.gate_s)
+    report.gate.update(decision="refused", message=str(decision.refusal), decided_in="cli",
+                       probe_to_decision_s=round(time.perf_counter() - probe_start, 3))
+    report.status, report.error = "failed", str(decision.refusal)
+    return report, decision.refusal

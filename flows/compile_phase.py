@@ -9,6 +9,7 @@ target; what the lost host already uploaded is kept.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 
@@ -17,15 +18,10 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from flows.hosts import HostRunner
 from kiln.core import decisions, layout
-from kiln.core.errors import HostsLost
 from kiln.core.gate import HostReport, Plan
 from kiln.core.job import ExportJob, HostSpec
-from kiln.core.layout import artifact_key, compile_log_key
-from kiln.store import ObjectMissing
 from tasks import phases
-from tasks.hostwork import break_leases, store_of
-
-MAX_REPLANS = 3
+from tasks.hostwork import store_of
 
 
 def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: dict[str, dict],
@@ -41,7 +37,7 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
     lost: set[str] = set()
     memory: dict[str, dict] = {}
     assignment = {n: (hp.compile, hp.workers) for n, hp in plan.hosts.items() if hp.compile}
-    for round_ in range(MAX_REPLANS + 1):
+    for round_ in itertools.count():
         running = {n: runner.submit(by_name[n], phases.compile_host, job=job, host=by_name[n],
                                     specs=[specs[k] for k in keys], workers=workers)
                    for n, (keys, workers) in assignment.items()}
@@ -54,25 +50,17 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
         if not gone:
             break
         lost |= gone
-        missing = sorted(k for k in to_compile if not store.exists(artifact_key(k)))
+        missing = phases.missing_forwards(job, to_compile)
         log.warning("lost host(s) %s mid-compile; %d forward(s) left to compile on the others",
                     ", ".join(sorted(gone)), len(missing))
         if not missing:
             break
-        break_leases(job, missing, lost)  # their holders are gone: nobody else must wait out the TTL
-        if round_ == MAX_REPLANS:
-            raise HostsLost(f"hosts kept disappearing during compilation ({', '.join(sorted(lost))}); "
-                              f"{len(missing)} forward(s) are still missing. Re-run to resume.")
-        assignment = decisions.replan_without(job, reports, lost, missing,
-                                             {k: specs[k]["target"] for k in missing})
+        phases.break_leases(job, missing, lost)  # their holders are gone: nobody else must wait out the TTL
+        assignment = decisions.replan_after_loss(job, reports, lost, missing,
+                                                 {k: specs[k]["target"] for k in missing}, replans_done=round_)
     progress.show(final=True)
-    compiled = {}
-    for key in to_compile:
-        try:
-            compiled[key] = store.get_json(compile_log_key(job.export_id, key))
-        except ObjectMissing:
-            pass  # compiled by another export that held its lease: reused
-    return compiled, lost, memory
+    # Keys without a record were compiled by another export that held their lease: reused.
+    return phases.compile_records(job, to_compile), lost, memory
 
 
 def _watch(running: dict, runner: HostRunner, progress: "_Progress") -> set[str]:
@@ -97,7 +85,10 @@ class _Progress:
     def show(self, final: bool = False) -> None:
         if not self.keys:
             return
-        done = len(self.keys & layout.forward_keys_in(self.store.list(layout.FORWARDS)))
+        try:  # a reading for the progress line, not a phase: a failed listing waits for the next one
+            done = len(self.keys & layout.forward_keys_in(self.store.list(layout.FORWARDS)))
+        except Exception:
+            return
         if done != self.shown:
             self.shown = done
             print(f"Compile forwards: {done}/{len(self.keys)} (all hosts)", file=sys.stderr, flush=True)

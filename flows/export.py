@@ -101,7 +101,7 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
     with phase("probe"):
         probes = [f.result() for f in [runner.submit(h, phases.probe_host, job=job, host=h) for h in hosts]]
         for p in probes:
-            report.host(p["name"], target=p["target"])["cache"] = p["cache"]
+            report.host(p.name, target=p.target)["cache"] = p.cache
         check_probed_caches(probes, job.recipe.artifact_mib_estimate)  # unwritable or full: stop before compiling
     with phase("tune") as info:
         # Once per distinct target, on one of its hosts; the others load the results from the store.
@@ -118,22 +118,25 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
                                                  info.get("reason"))
         if any(r["changed"] for r in results):  # new results change forward keys: probe them again
             probes = [f.result() for f in [runner.submit(h, phases.probe_host, job=job, host=h) for h in hosts]]
-    specs = {s["key"]: s for p in probes for s in p["specs"]}
+    specs = {s["key"]: s for p in probes for s in p.specs}
     reports = decisions.host_reports(job, probes)
-    with phase("kv-plan"):
-        report.kv_plan = phases.kv_plan(job, probes)
+    decision = phases.decide(job, probes)  # the KV plan, then the gate on it: two phases of the report
+    report.kv_plan = decision.kv_plan
+    report.phase("kv-plan", "ok", decision.kv_plan_s)
+    phase.ledger("kv-plan")
     report.gate["policy"] = job.recipe.policy
-    with phase("gate"):
-        try:
-            plan = phases.gate(job, probes, report.kv_plan)
-        except KilnError as exc:
-            report.gate.update(decision="refused", message=str(exc))
-            raise
-        report.gate.update(decision=plan.decision, assignments=plan.assignments, message=plan.message,
-                           predicted_s=plan.predicted_s, hosts={n: h.to_dict() for n, h in plan.hosts.items()})
-        for name, hp in plan.hosts.items():
-            report.host(name, workers=hp.workers).update(worker_mib=hp.worker_mib, worker_mib_source=hp.worker_mib_source,
-                                                         required_one_mib=hp.required_one_mib)
+    if decision.refusal is not None:
+        report.phase("gate", "failed", decision.gate_s)
+        report.gate.update(decision="refused", message=str(decision.refusal))
+        raise decision.refusal
+    plan = decision.plan
+    report.phase("gate", "ok", decision.gate_s)
+    phase.ledger("gate")
+    report.gate.update(decision=plan.decision, assignments=plan.assignments, message=plan.message,
+                       predicted_s=plan.predicted_s, hosts={n: h.to_dict() for n, h in plan.hosts.items()})
+    for name, hp in plan.hosts.items():
+        report.host(name, workers=hp.workers).update(worker_mib=hp.worker_mib, worker_mib_source=hp.worker_mib_source,
+                                                     required_one_mib=hp.required_one_mib)
     log.info("gate: %s", plan.message)
     with phase("compile") as info:
         compiled, lost, during = run_compile_phase(job, hosts, plan, specs, reports, runner)
@@ -154,7 +157,7 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
     report.forwards = forwards
     report.counts.update(forwards=len(forwards), compiled=len(compiled), reused=len(forwards) - len(compiled))
     with phase("share-verify"):
-        target_of = {p["name"]: p["target"] for p in probes}
+        target_of = {p.name: p.target for p in probes}
         mine = {h.name: [f for f in forwards if f["target"] == target_of[h.name]] for h in hosts}
         fetches = [runner.submit(h, phases.share_host, job=job, host=h, forwards=mine[h.name]) for h in hosts]
         for h, f in zip(hosts, fetches):
@@ -184,7 +187,7 @@ def _store_ledger_picture(report: Report, job: ExportJob) -> bytes | None:
         png = ledger_plot.draw(list(report.hosts.values()), title=f"memory ledger of {report.export_id}")
         if any(p["name"] == "compile" for p in report.phases):
             key = ledger_plot.ledger_key(report.export_id, png)
-            phases.hostwork.store_of(job).put_bytes(key, png)
+            phases.store_picture(job, key, png)
             report.ledger_picture = key
         return png
     except Exception as exc:  # a picture is a convenience; never fail an export over it

@@ -18,6 +18,7 @@ from kiln.core import layout, leases, tuning_plan
 from kiln.core.errors import DiskError, IntegrityError, MemoryShort
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.layout import artifact_key, compile_log_key, inspection_key, worker_memory_key, worker_memory_prefix
+from kiln.core.probes import HostProbe
 from kiln.core.sizing import check_peak_mib
 from kiln.host import cache, faults, probe, tuner
 from kiln.host.compiler import CompilePool, CompileResult, model_code_fingerprint
@@ -44,7 +45,7 @@ def local_path(host: HostSpec, key: str) -> Path:
     return cache_dir(host) / "forwards" / f"{key}.pt2"
 
 
-def probe_host(job: ExportJob, host: HostSpec) -> dict:
+def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
     """Memory, CPUs, target, this host's forward specs and which of them are local or stored.
 
     With tuning on, each spec carries the stored tuning results of its GEMMs
@@ -60,15 +61,14 @@ def probe_host(job: ExportJob, host: HostSpec) -> dict:
     specs = job.specs(target=target, torch_version=torch.__version__, code=model_code_fingerprint(),
                       compiler=compiler_options(backends), tuning=tuned)
     stored = layout.forward_keys_in(store.list(layout.FORWARDS))
-    return {
-        "name": host.name, "ranks": list(host.ranks), "memory": snap, "num_cpus": probe.num_cpus(),
-        "unified": probe.unified_memory() if job.recipe.unified_memory is None else job.recipe.unified_memory,
-        "target": target, "specs": [s.to_dict() for s in specs],
-        "local_keys": sorted(s.key for s in specs if local_path(host, s.key).exists()),
-        "store_keys": sorted(s.key for s in specs if s.key in stored),
-        "cache": cache.cache_status(cache_dir(host)),
-        "worker_peaks_mib": measured_peaks(store, specs),
-    }
+    return HostProbe(
+        name=host.name, ranks=tuple(host.ranks), memory=snap, num_cpus=probe.num_cpus(),
+        unified=probe.unified_memory() if job.recipe.unified_memory is None else job.recipe.unified_memory,
+        target=target, specs=tuple(s.to_dict() for s in specs),
+        local_keys=tuple(sorted(s.key for s in specs if local_path(host, s.key).exists())),
+        store_keys=tuple(sorted(s.key for s in specs if s.key in stored)),
+        cache=cache.cache_status(cache_dir(host)),
+        worker_peaks_mib=tuple(measured_peaks(store, specs)))
 
 
 class Leases:
@@ -97,6 +97,17 @@ class Leases:
     def release(self, key: str) -> None:
         for obj in self.store.list(layout.lease_prefix(key)):
             self.store.delete(obj)
+
+
+def compile_records(job: ExportJob, keys: list[str]) -> dict[str, dict]:
+    """key -> the compile record this export wrote for it; a key another export compiled has none."""
+    store, out = store_of(job), {}
+    for key in keys:
+        try:
+            out[key] = store.get_json(compile_log_key(job.export_id, key))
+        except ObjectMissing:
+            pass
+    return out
 
 
 def break_leases(job: ExportJob, keys: list[str], hosts: set[str]) -> int:

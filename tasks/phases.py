@@ -13,10 +13,10 @@ from __future__ import annotations
 from prefect import task
 
 from kiln.core import decisions, outcome
-from kiln.core.errors import KilnError, VerifyMismatch
-from kiln.core.gate import Plan
+from kiln.core.errors import KilnError
 from kiln.core.job import ExportJob, HostSpec
-from kiln.core.layout import manifest_key
+from kiln.core.layout import artifact_key, manifest_key
+from kiln.core.probes import HostProbe
 from kiln.host import faults, tuner
 from tasks import hostwork
 
@@ -37,7 +37,7 @@ def transient_only(task, task_run, state) -> bool:
 
 @task(name="probe", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,
       retry_condition_fn=transient_only, cache_policy=None)
-def probe_host(job: ExportJob, host: HostSpec) -> dict:
+def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
     faults.point("probe")
     return hostwork.probe_host(job, host)
 
@@ -48,14 +48,10 @@ def tune(job: ExportJob, target: str) -> dict:
     return tuner.tune_target(job, target)
 
 
-@task(name="kv-plan", cache_policy=None)
-def kv_plan(job: ExportJob, probes: list[dict]) -> dict:
-    return decisions.plan_kv_for(job, probes)
-
-
-@task(name="gate", cache_policy=None)
-def gate(job: ExportJob, probes: list[dict], kv: dict | None = None) -> Plan:
-    return decisions.run_gate(job, probes, kv)
+@task(name="kv-plan-gate", cache_policy=None)
+def decide(job: ExportJob, probes: list[HostProbe]) -> decisions.Decision:
+    """The KV plan and the gate's plan or refusal (kiln.core.decisions.decide_export)."""
+    return decisions.decide_export(job, probes)
 
 
 @task(name="compile", cache_policy=None)
@@ -83,13 +79,7 @@ def share_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
 @task(name="verify", cache_policy=None)
 def verify_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
     result = hostwork.check_ranks(job, host, forwards)
-    checks = result["checks"]
-    failed = {name: c for name, c in checks.items() if c["diff"] > c["limit"]}
-    if failed:
-        name, c = max(failed.items(), key=lambda kv: kv[1]["diff"] / kv[1]["limit"])
-        raise VerifyMismatch(f"compiled forward {name} on {host.name} differs from eager by {c['diff']:.2e} "
-                             f"(scaled; limit {c['limit']:.2e} for {job.model_config.dtype}); the artifact is not "
-                             "trustworthy.")
+    outcome.check_verified(result["checks"], host.name, job.model_config.dtype)
     return result
 
 
@@ -103,3 +93,33 @@ def write_manifest(job: ExportJob, manifest: dict) -> dict:
     store = hostwork.store_of(job)
     entry = write_signed_manifest(store, job.export_id, manifest, job.signing, kiln_home())
     return {**entry, "manifest": manifest_key(job.export_id)}
+
+
+# --- the flow's own store reads and writes: each a retried task --------------------------------------
+
+_IO = dict(retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S, retry_condition_fn=transient_only,
+           cache_policy=None)
+
+
+@task(name="missing-forwards", **_IO)
+def missing_forwards(job: ExportJob, keys: list[str]) -> list[str]:
+    """The keys whose forward is not in the store (after hosts were lost mid-compile)."""
+    store = hostwork.store_of(job)
+    return sorted(k for k in keys if not store.exists(artifact_key(k)))
+
+
+@task(name="break-leases", **_IO)
+def break_leases(job: ExportJob, keys: list[str], hosts: set[str]) -> int:
+    """Drop the compile leases lost `hosts` of this export held on `keys` (tasks.hostwork.break_leases)."""
+    return hostwork.break_leases(job, keys, hosts)
+
+
+@task(name="forward-records", **_IO)
+def compile_records(job: ExportJob, keys: list[str]) -> dict[str, dict]:
+    """key -> this export's compile record (who compiled it, how long); keys another export compiled are absent."""
+    return hostwork.compile_records(job, keys)
+
+
+@task(name="store-picture", **_IO)
+def store_picture(job: ExportJob, key: str, png: bytes) -> None:
+    hostwork.store_of(job).put_bytes(key, png)

@@ -1,26 +1,33 @@
-"""From probe results to the gate's and KV planner's inputs. Pure."""
+"""From probe results to the export's decisions: the KV plan, the gate, a replan without lost hosts. Pure.
+
+`decide_export` is the one KV plan -> gate sequence: the flow, `kiln plan`,
+`kiln export`'s refusal before Prefect and the bench all call it on their probes.
+"""
 
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass
 
-from kiln.core.errors import GateRefused
+from kiln.core.errors import GateRefused, HostsLost
 from kiln.core.gate import HostReport, Plan, check_kv, decide
 from kiln.core.job import ExportJob
+from kiln.core.probes import HostProbe
 from kiln.core.sizing import page_bytes, plan_kv, required_mib
 
 
-def host_reports(job: ExportJob, probes: list[dict]) -> list[HostReport]:
+def host_reports(job: ExportJob, probes: list[HostProbe]) -> list[HostReport]:
     """One HostReport per probe, with `--assume-available` figures applied and marked."""
     out = []
     for p in probes:
-        assumed = job.assume_available.get(p["name"])
+        assumed = job.assume_available.get(p.name)
         out.append(HostReport(
-            name=p["name"], ranks=tuple(p["ranks"]), num_cpus=p["num_cpus"], target=p["target"],
-            available_mib=assumed if assumed is not None else p["memory"]["host_available_mib"],
-            available_assumed=assumed is not None, unified=p["unified"],
-            device_free_mib=p["memory"]["device_free_mib"], local_keys=frozenset(p["local_keys"]),
-            measured_worker_mib=measured_worker_mib(job.recipe, p.get("worker_peaks_mib") or [])))
+            name=p.name, ranks=tuple(p.ranks), num_cpus=p.num_cpus, target=p.target,
+            available_mib=assumed if assumed is not None else p.host_available_mib,
+            available_assumed=assumed is not None, unified=p.unified,
+            device_free_mib=p.device_free_mib, local_keys=frozenset(p.local_keys),
+            measured_worker_mib=measured_worker_mib(job.recipe, list(p.worker_peaks_mib))))
     return out
 
 
@@ -35,16 +42,16 @@ def page_size(job: ExportJob) -> int:
                       head_dim=cfg.head_dim, page_tokens=job.recipe.page_tokens, dtype_bytes=cfg.dtype_bytes)
 
 
-def planned_workers(job: ExportJob, probes: list[dict]) -> dict[str, int]:
+def planned_workers(job: ExportJob, probes: list[HostProbe]) -> dict[str, int]:
     """host -> compile workers the gate will start (0 everywhere when it would refuse)."""
     try:
         plan = decide(host_reports(job, probes), job.recipe, needed_keys(probes), _store_keys(probes))
     except GateRefused:
-        return {p["name"]: 0 for p in probes}
+        return {p.name: 0 for p in probes}
     return {name: hp.workers for name, hp in plan.hosts.items()}
 
 
-def plan_kv_for(job: ExportJob, probes: list[dict]) -> dict:
+def plan_kv_for(job: ExportJob, probes: list[HostProbe]) -> dict:
     """The KV plan of these probes, reserving the compile workers the gate will start."""
     return kv_plan(job, host_reports(job, probes), planned_workers(job, probes))
 
@@ -64,19 +71,19 @@ def kv_plan(job: ExportJob, reports: list[HostReport], workers: dict[str, int]) 
     return plan
 
 
-def needed_keys(probes: list[dict]) -> dict[str, list[str]]:
+def needed_keys(probes: list[HostProbe]) -> dict[str, list[str]]:
     """target -> the forward keys its hosts need."""
     needed: dict[str, list[str]] = {}
     for p in probes:
-        needed.setdefault(p["target"], sorted(s["key"] for s in p["specs"]))
+        needed.setdefault(p.target, sorted(s["key"] for s in p.specs))
     return needed
 
 
-def _store_keys(probes: list[dict]) -> set[str]:
-    return {k for p in probes for k in p["store_keys"]}
+def _store_keys(probes: list[HostProbe]) -> set[str]:
+    return {k for p in probes for k in p.store_keys}
 
 
-def run_gate(job: ExportJob, probes: list[dict], kv: dict | None = None) -> Plan:
+def run_gate(job: ExportJob, probes: list[HostProbe], kv: dict | None = None) -> Plan:
     """The gate's plan; with `kv`, also refused when the KV plan cannot hold the largest bucket."""
     reports = host_reports(job, probes)
     plan = decide(reports, job.recipe, needed_keys(probes), _store_keys(probes),
@@ -88,6 +95,30 @@ def run_gate(job: ExportJob, probes: list[dict], kv: dict | None = None) -> Plan
                  batch=largest.batch, pages_per_seq=job.recipe.pages_per_seq, page_tokens=job.recipe.page_tokens,
                  context_tokens=job.recipe.max_context_tokens, limiting=f"rank {kv['limiting_rank']} on {host}")
     return plan
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the probes decide: the KV plan, and the gate's plan or its refusal (exactly one of the two)."""
+
+    kv_plan: dict
+    plan: Plan | None
+    refusal: GateRefused | None
+    kv_plan_s: float
+    gate_s: float
+
+
+def decide_export(job: ExportJob, probes: list[HostProbe]) -> Decision:
+    """The KV plan (reserving the compile workers the gate will start), then the gate on it, which also
+    refuses a KV plan that cannot hold the largest bucket."""
+    start = time.perf_counter()
+    kv = plan_kv_for(job, probes)
+    kv_s, start = time.perf_counter() - start, time.perf_counter()
+    try:
+        plan, refusal = run_gate(job, probes, kv), None
+    except GateRefused as exc:
+        plan, refusal = None, exc
+    return Decision(kv_plan=kv, plan=plan, refusal=refusal, kv_plan_s=kv_s, gate_s=time.perf_counter() - start)
 
 
 def describe(plan: Plan, reports: list[HostReport]) -> str:
@@ -104,6 +135,20 @@ def describe(plan: Plan, reports: list[HostReport]) -> str:
     if any(r.available_assumed for r in reports):
         rows.append("* assumed (--assume-available)")
     return "\n".join(rows)
+
+
+MAX_REPLANS = 3
+"""Times the compile phase replans over the hosts left after losing some, before it gives up."""
+
+
+def replan_after_loss(job: ExportJob, reports: list[HostReport], lost: set[str], missing: list[str],
+                      target_of: dict[str, str], replans_done: int) -> dict[str, tuple[list[str], int]]:
+    """The next compile assignment after hosts were lost with `missing` keys left: `replan_without`,
+    or HostsLost once MAX_REPLANS replans were done (hosts keep disappearing: re-run to resume)."""
+    if replans_done >= MAX_REPLANS:
+        raise HostsLost(f"hosts kept disappearing during compilation ({', '.join(sorted(lost))}); "
+                        f"{len(missing)} forward(s) are still missing. Re-run to resume.")
+    return replan_without(job, reports, lost, missing, target_of)
 
 
 def replan_without(job: ExportJob, reports: list[HostReport], lost: set[str], missing: list[str],

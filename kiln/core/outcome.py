@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kiln.core.config import ModelConfig
 from kiln.core.contract import forward_interface, parameter_shapes
-from kiln.core.errors import KilnError, NotPythonFree
+from kiln.core.errors import KilnError, NotPythonFree, VerifyMismatch
 from kiln.core.layout import artifact_key
 
 
@@ -47,3 +47,13 @@ def forward_records(specs: dict[str, dict], stored: dict[str, dict], compiled: d
                     "python_free": s["calls"]["python_free"], "ops": s["calls"]["ops"],
                     "interface": forward_interface(cfg, tp, spec["inputs"]), "constants": constants})
     return out
+
+
+def check_verified(checks: dict[str, dict], host_name: str, dtype: str) -> None:
+    """Raise VerifyMismatch naming the worst forward whose difference from eager exceeds its limit
+    (`checks`: name -> {'diff', 'limit'}, from the host's per-rank check); nothing when all are within."""
+    failed = {name: c for name, c in checks.items() if c["diff"] > c["limit"]}
+    if failed:
+        name, c = max(failed.items(), key=lambda kv: kv[1]["diff"] / kv[1]["limit"])
+        raise VerifyMismatch(f"compiled forward {name} on {host_name} differs from eager by {c['diff']:.2e} "
+                             f"(scaled; limit {c['limit']:.2e} for {dtype}); the artifact is not trustworthy.")

@@ -238,15 +238,15 @@ def tuning_digest(results: list[dict]) -> str:
     return digest({"format": FORMAT, "shapes": shapes, "winners": winners(merge_entries(results))})
 
 
-def tuning_hosts(probes: list[dict]) -> dict[str, str]:
+def tuning_hosts(probes: list) -> dict[str, str]:
     """target -> the one host that tunes it: the first by name among that target's hosts.
 
     Tuning runs once per distinct target; the other hosts of the target load
     its results from the store.
     """
     out: dict[str, str] = {}
-    for p in sorted(probes, key=lambda p: p["name"]):
-        out.setdefault(p["target"], p["name"])
+    for p in sorted(probes, key=lambda p: p.name):
+        out.setdefault(p.target, p.name)
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.core.errors import BadInput
+from kiln.core.probes import HostProbe
 from kiln.host.cache import cache_root, cache_status, check_caches, check_probed_caches, need_mib
 
 
@@ -40,7 +41,8 @@ def test_every_bad_host_is_named_at_once():
 def test_need_counts_only_forwards_the_host_lacks():
     assert need_mib(4, 1, 16) == 48
     assert need_mib(4, 4, 16) == 0
-    probes = [{"name": "h", "specs": [{}, {}], "local_keys": [], "cache": {"path": "/c", "error": None, "free_mib": 31}}]
+    probes = [HostProbe(name="h", ranks=(0,), memory={}, num_cpus=1, unified=True, target="t", specs=({}, {}),
+                        local_keys=(), store_keys=(), cache={"path": "/c", "error": None, "free_mib": 31})]
     with pytest.raises(BadInput, match="need about 32 MiB"):
         check_probed_caches(probes, 16)
     check_probed_caches(probes, 15)

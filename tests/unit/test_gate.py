@@ -169,3 +169,17 @@ def test_replan_without_lost_hosts_gives_their_keys_to_the_rest():
     assert set(out) == {"a"} and sorted(out["a"][0]) == ["k1", "k2"] and out["a"][1] == 2
     with pytest.raises(GateRefused):  # nobody left with a worker
         replan_without(job, hosts, {"a", "b"}, ["k1"], {"k1": "t"})
+
+
+def test_the_replan_rule_gives_up_after_max_replans():
+    from kiln.core.decisions import MAX_REPLANS, replan_after_loss
+    from kiln.core.errors import HostsLost
+    from kiln.core.job import ExportJob
+
+    job = ExportJob(export_id="e", model_name="m", checkpoint="/x", config={}, tp=2, recipe=Recipe(),
+                    store_url="file:///s")
+    hosts = [host("a", 100_000, cpus=2), host("b", 100_000, ranks=(1,), cpus=2)]
+    for done in range(MAX_REPLANS):
+        assert set(replan_after_loss(job, hosts, {"b"}, ["k1"], {"k1": "t"}, replans_done=done)) == {"a"}
+    with pytest.raises(HostsLost, match="1 forward\\(s\\) are still missing. Re-run to resume"):
+        replan_after_loss(job, hosts, {"b"}, ["k1"], {"k1": "t"}, replans_done=MAX_REPLANS)

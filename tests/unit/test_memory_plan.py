@@ -8,6 +8,7 @@ from kiln.core.decisions import describe, host_reports, measured_worker_mib, pla
 from kiln.core.errors import GateRefused
 from kiln.core.gate import HostReport, decide
 from kiln.core.job import ExportJob
+from kiln.core.probes import HostProbe
 from kiln.core.recipe import Bucket, Recipe, recipe_from_text
 
 
@@ -34,10 +35,10 @@ def test_gate_uses_the_measured_peak_when_known():
 
 
 def probe(name, ranks, available, keys, peaks=()):
-    return {"name": name, "ranks": list(ranks), "num_cpus": 8, "target": "t", "unified": True,
-            "memory": {"host_available_mib": available, "device_free_mib": None},
-            "specs": [{"key": k} for k in keys], "local_keys": [], "store_keys": [],
-            "worker_peaks_mib": list(peaks)}
+    return HostProbe(name=name, ranks=tuple(ranks), num_cpus=8, target="t", unified=True,
+                     memory={"host_available_mib": available, "device_free_mib": None},
+                     specs=tuple({"key": k} for k in keys), local_keys=(), store_keys=(), cache={},
+                     worker_peaks_mib=tuple(peaks))
 
 
 def job(**recipe):

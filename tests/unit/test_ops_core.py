@@ -196,3 +196,14 @@ def test_probe_fault_fires_n_times(monkeypatch):
     with pytest.raises(ConnectionError):
         fault_points.point("probe")
     fault_points.point("probe")
+
+
+def test_the_verify_verdict_names_the_worst_forward():
+    from kiln.core.errors import VerifyMismatch
+    from kiln.core.outcome import check_verified
+
+    check_verified({"1x8 rank 0": {"diff": 1e-4, "limit": 1e-3}}, "h", "float32")
+    checks = {"1x8 rank 0": {"diff": 2e-3, "limit": 1e-3}, "2x8 rank 1": {"diff": 5e-3, "limit": 1e-3},
+              "4x8 rank 0": {"diff": 1e-5, "limit": 1e-3}}
+    with pytest.raises(VerifyMismatch, match=r"2x8 rank 1 on h differs from eager by 5.00e-03 .*bfloat16"):
+        check_verified(checks, "h", "bfloat16")

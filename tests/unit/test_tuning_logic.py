@@ -4,6 +4,7 @@ import pytest
 
 from kiln.core.config import TINY
 from kiln.core.forward_keys import forward_spec
+from kiln.core.probes import HostProbe
 from kiln.core.recipe import Bucket
 from kiln.core.tuning_plan import (
     GemmShape,
@@ -143,7 +144,11 @@ def test_forward_key_with_tuning():
 
 
 def test_one_tuning_run_per_distinct_target():
-    probes = [{"name": "h2", "target": "a"}, {"name": "h1", "target": "a"}, {"name": "h3", "target": "b"}]
+    def probe(name, target):
+        return HostProbe(name=name, ranks=(0,), memory={}, num_cpus=1, unified=True, target=target, specs=(),
+                         local_keys=(), store_keys=(), cache={})
+
+    probes = [probe("h2", "a"), probe("h1", "a"), probe("h3", "b")]
     assert tuning_hosts(probes) == {"a": "h1", "b": "h3"}
 
 

@@ -1,0 +1,43 @@
+"""What a host's probe found, as one frozen record: the gate's, KV planner's and tuner's only input from a host.
+
+Pure. `tasks.hostwork.probe_host` builds it on the host; it travels to the
+flow (Prefect task result, Dask) and into `kiln.core.decisions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HostProbe:
+    """One host, probed. Memory is MiB."""
+
+    name: str
+    ranks: tuple[int, ...]
+    """The tensor-parallel ranks this host runs."""
+    memory: dict
+    """The memory reading (kiln.host.probe.memory_snapshot): host_available_mib, device_free_mib, ..."""
+    num_cpus: int
+    unified: bool
+    """Whether device memory is the host's pool (probed, or the recipe's unified_memory)."""
+    target: str
+    """The compile target fingerprint (kiln.host.probe.target_fingerprint): hosts of one target share forwards."""
+    specs: tuple[dict, ...]
+    """The forwards this host needs (ForwardSpec.to_dict), one per bucket."""
+    local_keys: tuple[str, ...]
+    """Keys of `specs` already in this host's cache."""
+    store_keys: tuple[str, ...]
+    """Keys of `specs` already in the store."""
+    cache: dict
+    """The host cache's status (kiln.host.cache.cache_status): path, error, free_mib."""
+    worker_peaks_mib: tuple[int, ...] = ()
+    """Compile worker peaks measured before for this graph and target (from the store)."""
+
+    @property
+    def host_available_mib(self) -> int:
+        return self.memory["host_available_mib"]
+
+    @property
+    def device_free_mib(self) -> int | None:
+        return self.memory.get("device_free_mib")
