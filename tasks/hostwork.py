@@ -18,7 +18,7 @@ from kiln.core import layout, leases, tuning_plan
 from kiln.core.errors import DiskError, IntegrityError, MemoryShort
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.layout import artifact_key, compile_log_key, inspection_key, worker_memory_key, worker_memory_prefix
-from kiln.core.probes import HostProbe
+from kiln.core.probe_result import HostProbe
 from kiln.core.sizing import check_peak_mib
 from kiln.host import cache, faults, probe, tuner
 from kiln.host.compiler import CompilePool, CompileResult, model_code_fingerprint

@@ -16,7 +16,7 @@ from kiln.core import decisions, outcome
 from kiln.core.errors import KilnError
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.layout import artifact_key, manifest_key
-from kiln.core.probes import HostProbe
+from kiln.core.probe_result import HostProbe
 from kiln.host import faults, tuner
 from tasks import hostwork
 

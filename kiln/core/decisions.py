@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from kiln.core.errors import GateRefused, HostsLost
 from kiln.core.gate import HostReport, Plan, check_kv, decide
 from kiln.core.job import ExportJob
-from kiln.core.probes import HostProbe
+from kiln.core.probe_result import HostProbe
 from kiln.core.sizing import page_bytes, plan_kv, required_mib
 
 

@@ -86,6 +86,6 @@ def need_mib(num_forwards: int, num_local: int, artifact_mib_estimate: int) -> i
 
 
 def check_probed_caches(probes: list, artifact_mib_estimate: int) -> None:
-    """`check_caches` over every host's probe (kiln.core.probes.HostProbe.cache). Pure."""
+    """`check_caches` over every host's probe (kiln.core.probe_result.HostProbe.cache). Pure."""
     check_caches({p.name: p.cache for p in probes if p.cache},
                  {p.name: need_mib(len(p.specs), len(p.local_keys), artifact_mib_estimate) for p in probes})

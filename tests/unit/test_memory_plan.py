@@ -8,7 +8,7 @@ from kiln.core.decisions import describe, host_reports, measured_worker_mib, pla
 from kiln.core.errors import GateRefused
 from kiln.core.gate import HostReport, decide
 from kiln.core.job import ExportJob
-from kiln.core.probes import HostProbe
+from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import Bucket, Recipe, recipe_from_text
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from kiln.core.config import TINY
 from kiln.core.forward_keys import forward_spec
-from kiln.core.probes import HostProbe
+from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import Bucket
 from kiln.core.tuning_plan import (
     GemmShape,
