@@ -170,6 +170,7 @@ def _summary(report: dict) -> str:
     lines.append(f"  manifest {report['store'].rstrip('/')}/{report['manifest']}")
     sig = report.get("signing") or {}
     lines.append(f"  signed: {'yes, ' + sig['key_fingerprint'] if sig.get('signed') else 'NO (--unsigned)'}")
+    lines += [f"  warning: {w}" for w in report.get("warnings", [])]
     return "\n".join(lines)
 
 

@@ -41,7 +41,8 @@ def plan_only(params: ExportParams) -> dict:
         return {"feasible": False, "text": f"{kv_line}\ngate: refused: {refusal}",
                 "report": {"decision": "refused", "message": str(refusal), "kv_plan": kv}}
     reports = decisions.host_reports(job, probes)
-    return {"feasible": True, "text": f"{kv_line}\n{decisions.describe(plan, reports)}",
+    warnings = "".join(f"\nwarning: {w}" for w in decisions.settings_without_effect(job.recipe, plan))
+    return {"feasible": True, "text": f"{kv_line}\n{decisions.describe(plan, reports)}{warnings}",
             "report": {**plan.to_dict(), "kv_plan": kv}}
 
 
@@ -88,5 +89,6 @@ def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> tuple[Report, 
     report.phase("gate", "failed", decision.gate_s)
     report.gate.update(decision="refused", message=str(decision.refusal), decided_in="cli",
                        probe_to_decision_s=round(time.perf_counter() - probe_start, 3))
+    report.record_shortfall(decision.refusal.short_hosts)
     report.status, report.error = "failed", str(decision.refusal)
     return report, decision.refusal

@@ -14,8 +14,9 @@ import sys
 import time
 
 from prefect import get_run_logger
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.artifacts import update_progress_artifact
 
+from flows import artifacts
 from flows.hosts import HostRunner
 from kiln.core import decisions, layout
 from kiln.core.gate import HostReport, Plan
@@ -79,7 +80,7 @@ class _Progress:
 
     def __init__(self, job: ExportJob, store, keys: list[str]):
         self.store, self.keys, self.shown = store, set(keys), -1
-        self.artifact = create_progress_artifact(0.0, description=f"forwards compiled for {job.export_id}") \
+        self.artifact = artifacts.progress(job.export_id, f"Forwards compiled over all hosts for {job.export_id}") \
             if keys else None
 
     def show(self, final: bool = False) -> None:

@@ -13,10 +13,9 @@ import time
 from contextlib import contextmanager
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.context import FlowRunContext
 
-from flows import model_lease, retry
+from flows import artifacts, model_lease, retry
 from flows.compile_phase import run_compile_phase
 from flows.hosts import HostRunner
 from flows.logs import hide_expected_tracebacks
@@ -46,11 +45,19 @@ class Phases:
         try:
             yield extra
         except BaseException:
-            self.report.phase(name, "failed", time.perf_counter() - start)
+            self.record(name, "failed", time.perf_counter() - start)
             raise
-        status = extra.pop("status", "ok")
-        self.report.phase(name, status, time.perf_counter() - start, **extra)
-        self.ledger(name)
+        self.record(name, extra.pop("status", "ok"), time.perf_counter() - start, **extra)
+
+    def record(self, name: str, status: str, duration_s: float, **extra) -> None:
+        """One phase's end: in the report, as one line of the run's log, and (unless it failed) the ledger."""
+        self.report.phase(name, status, duration_s, **extra)
+        estimate = self.report.gate.get("predicted_s")
+        against = f" (the gate estimated {estimate:.0f} s)" if name == "compile" and estimate else ""
+        (get_run_logger().warning if status == "failed" else get_run_logger().info)(
+            "phase %s: %s in %.1f s%s", name, status, duration_s, against)
+        if status != "failed":
+            self.ledger(name)
 
     def ledger(self, boundary: str) -> None:
         futures = [self.runner.call(h, probe.memory_snapshot) for h in self.hosts]  # readings, not task runs
@@ -90,7 +97,7 @@ def _export(params: ExportParams, recipe: Recipe) -> dict:
             picture = _store_ledger_picture(report, job)
             if params.report:
                 report.write(params.report)
-            _publish(report, picture)
+            artifacts.publish(report, job, max_tries=recipe.flow_retries + 1, picture=picture)
     return report.to_dict()
 
 
@@ -122,22 +129,25 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
     reports = decisions.host_reports(job, probes)
     decision = phases.decide(job, probes)  # the KV plan, then the gate on it: two phases of the report
     report.kv_plan = decision.kv_plan
-    report.phase("kv-plan", "ok", decision.kv_plan_s)
-    phase.ledger("kv-plan")
+    phase.record("kv-plan", "ok", decision.kv_plan_s)
     report.gate["policy"] = job.recipe.policy
     if decision.refusal is not None:
-        report.phase("gate", "failed", decision.gate_s)
         report.gate.update(decision="refused", message=str(decision.refusal))
+        report.record_shortfall(decision.refusal.short_hosts)
+        phase.record("gate", "failed", decision.gate_s)
         raise decision.refusal
     plan = decision.plan
-    report.phase("gate", "ok", decision.gate_s)
-    phase.ledger("gate")
+    report.gate.update(predicted_s=plan.predicted_s)
+    phase.record("gate", "ok", decision.gate_s)
     report.gate.update(decision=plan.decision, assignments=plan.assignments, message=plan.message,
                        predicted_s=plan.predicted_s, hosts={n: h.to_dict() for n, h in plan.hosts.items()})
     for name, hp in plan.hosts.items():
         report.host(name, workers=hp.workers).update(worker_mib=hp.worker_mib, worker_mib_source=hp.worker_mib_source,
                                                      required_one_mib=hp.required_one_mib)
     log.info("gate: %s", plan.message)
+    for warning in decisions.settings_without_effect(job.recipe, plan):  # also on the console: a warning
+        log.warning(warning)
+        report.warnings.append(warning)
     with phase("compile") as info:
         compiled, lost, during = run_compile_phase(job, hosts, plan, specs, reports, runner)
         for name, d in during.items():  # the moment that matters: the lowest memory while compiling
@@ -193,22 +203,3 @@ def _store_ledger_picture(report: Report, job: ExportJob) -> bytes | None:
     except Exception as exc:  # a picture is a convenience; never fail an export over it
         get_run_logger().warning("could not draw or store the memory ledger picture: %s", exc)
         return None
-
-
-def _publish(report: Report, picture: bytes | None = None) -> None:
-    """Prefect artifacts of the run: the summary, the forwards table, the memory ledger picture, the manifest's address."""
-    try:
-        key = report.export_id.lower().replace("_", "-").replace(".", "-")
-        create_markdown_artifact(report.markdown(), key=f"{key}-summary"[:200], description="Kiln export summary")
-        if report.forwards:
-            create_table_artifact([{k: f[k] for k in ("bucket", "key", "sha256", "size_bytes", "compiled_by", "compile_s")}
-                                   for f in report.forwards], key=f"{key}-forwards"[:200], description="Forwards")
-        if report.manifest:
-            create_link_artifact(f"{report.store.rstrip('/')}/{report.manifest}", link_text="manifest",
-                                 description="The export's manifest in the store")
-        if picture:
-            url = f"{report.store.rstrip('/')}/{report.ledger_picture}" if report.ledger_picture else None
-            create_markdown_artifact(ledger_plot.markdown(picture, url),
-                                     key=f"{key}-memory"[:200], description="Memory ledger, drawn")
-    except Exception as exc:  # artifacts are a convenience; never fail an export over them
-        get_run_logger().warning("could not publish Prefect artifacts: %s", exc)

@@ -17,6 +17,7 @@ inactive in the UI's Concurrency page to stop enforcing it.
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 import time
 from collections.abc import Iterator
@@ -26,7 +27,9 @@ from prefect import get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
+from prefect.context import FlowRunContext
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.variables import Variable
 
 from flows.params import ExportParams, model_name
 
@@ -54,15 +57,53 @@ def ensure_limit(name: str, limit: int = 1) -> None:
             pass
 
 
+def holder_variable(name: str) -> str:
+    """The Prefect variable that names who holds lease `name` (the Concurrency page does not say)."""
+    return f"{name.replace('.', '_')}-holder"[:255]
+
+
+def _holder_if_taken(name: str) -> dict | None:
+    """Who holds the slot, when it is taken now (best effort: None when unknown)."""
+    try:
+        with get_client(sync_client=True) as client:
+            if client.read_global_concurrency_limit_by_name(name).active_slots < 1:
+                return None
+        return Variable.get(holder_variable(name), default=None) or {}
+    except Exception:
+        return None
+
+
 @contextmanager
 def model_lease(params: ExportParams) -> Iterator[str]:
-    """Hold the model's slot for the duration of the block; waits while another export holds it."""
+    """Hold the model's slot for the duration of the block; waits while another export holds it, saying
+    for what and whom. While held, the variable `<lease>-holder` names this flow run and export."""
     log = get_run_logger()
     name = lease_name(model_name(params))
     ensure_limit(name)
     start = time.monotonic()
-    log.info("taking the model lease %s (waits while another export of this model runs)", name)
+    holder = _holder_if_taken(name)
+    if holder is not None:
+        who = (f"flow run {holder.get('flow_run_name')} ({holder.get('flow_run_id')}), export "
+               f"{holder.get('export_id')}, since {holder.get('since')}") if holder else "another export"
+        log.warning("waiting for the model lease %s (one export per model at a time): held by %s", name, who)
+    else:
+        log.info("taking the model lease %s (one export per model at a time)", name)
     with concurrency(name, occupy=1, strict=True, lease_duration=LEASE_S):
         waited_s = time.monotonic() - start
         log.info("took the model lease %s after %.1f s", name, waited_s)
-        yield name
+        ctx = FlowRunContext.get()
+        run = ctx.flow_run if ctx else None
+        try:
+            Variable.set(holder_variable(name), {
+                "flow_run_id": str(run.id) if run else None, "flow_run_name": run.name if run else None,
+                "export_id": params.export_id, "since": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")},
+                overwrite=True)
+        except Exception as exc:  # who holds it is a courtesy to whoever waits
+            log.debug("could not record the lease holder: %s", exc)
+        try:
+            yield name
+        finally:
+            try:
+                Variable.unset(holder_variable(name))
+            except Exception:
+                pass

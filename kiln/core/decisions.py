@@ -14,6 +14,7 @@ from kiln.core.errors import GateRefused, HostsLost
 from kiln.core.gate import HostReport, Plan, check_kv, decide
 from kiln.core.job import ExportJob
 from kiln.core.probe_result import HostProbe
+from kiln.core.recipe import SETTINGS, Recipe
 from kiln.core.sizing import page_bytes, plan_kv, required_mib
 
 
@@ -95,6 +96,16 @@ def run_gate(job: ExportJob, probes: list[HostProbe], kv: dict | None = None) ->
                  batch=largest.batch, pages_per_seq=job.recipe.pages_per_seq, page_tokens=job.recipe.page_tokens,
                  context_tokens=job.recipe.max_context_tokens, limiting=f"rank {kv['limiting_rank']} on {host}")
     return plan
+
+
+def settings_without_effect(recipe: Recipe, plan: Plan) -> list[str]:
+    """One warning per setting changed from its default that cannot have mattered: a setting that
+    matters only when compiling (declared `compiling_only`) in an export with nothing to compile."""
+    if plan.decision != "nothing_to_do":
+        return []
+    changed = recipe.changed()
+    return [f"{s.name}={s.show(changed[s.name])} had no effect: every forward was already in the store, so "
+            "nothing was compiled" for s in SETTINGS if s.compiling_only and s.name in changed]
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,18 @@ class GateRefused(KilnError):
 
     A refusal is an answer, not a fault: it is final unless the recipe's
     `retry_refusals` says the deployment waits for memory to be freed.
+    `short_hosts`: host -> {'available_mib', 'required_one_mib', 'short_mib'} of
+    each host that is short of one compile worker (empty for other refusals).
     """
 
     exit_code = 3
+
+    def __init__(self, message: str, short_hosts: dict[str, dict] | None = None):
+        super().__init__(message)
+        self.short_hosts = dict(short_hosts or {})
+
+    def __reduce__(self):  # keeps short_hosts across pickling (Prefect results, Dask)
+        return (type(self), (str(self), self.short_hosts))
 
 
 class HostsLost(KilnError):

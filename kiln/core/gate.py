@@ -123,7 +123,9 @@ def decide(hosts: list[HostReport], recipe: Recipe, needed: dict[str, list[str]]
         if not any(p.capacity > 0 for p in plans.values() if p.target == target):
             short.extend(h for h in hosts if h.target == target and h not in short)
     if short:
-        raise GateRefused(_refusal(short, plans, by_name, recipe, page_size_bytes, kv_pages_per_rank))
+        figures = {h.name: {"available_mib": h.available_mib, "required_one_mib": plans[h.name].required_one_mib,
+                            "short_mib": max(0, plans[h.name].required_one_mib - h.available_mib)} for h in short}
+        raise GateRefused(_refusal(short, plans, by_name, recipe, page_size_bytes, kv_pages_per_rank), figures)
 
     for target, missing in missing_by_target.items():
         _assign(missing, [p for p in plans.values() if p.target == target and p.capacity > 0],

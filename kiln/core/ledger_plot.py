@@ -51,6 +51,11 @@ def draw(hosts: list[dict], *, title: str = "memory ledger") -> bytes:
         if host.get("required_one_mib"):
             ax.axhline(host["required_one_mib"], color="tab:red", linestyle=":", linewidth=1.2,
                        label=f"needed for one compile worker ({host['required_one_mib']})")
+        if host.get("short_mib") and rows and avail[-1] is not None:  # a refusal: the gap itself
+            ax.annotate("", xy=(x[-1], host["required_one_mib"]), xytext=(x[-1], avail[-1]),
+                        arrowprops={"arrowstyle": "<->", "color": "tab:red"})
+            ax.annotate(f"{host['short_mib']} MiB short", (x[-1], (avail[-1] + host["required_one_mib"]) / 2),
+                        textcoords="offset points", xytext=(-8, 0), ha="right", color="tab:red", fontsize=9)
         for xi, row in zip(x, rows):
             if row["phase"] == "compile (lowest)" and row.get("host_available_mib") is not None:
                 ax.plot([xi], [row["host_available_mib"]], marker="v", color="tab:orange", markersize=9,
@@ -72,9 +77,13 @@ def draw(hosts: list[dict], *, title: str = "memory ledger") -> bytes:
     return buf.getvalue()
 
 
-def markdown(png: bytes, url: str | None) -> str:
-    """A markdown page showing the picture inline (a data URI, so no store access is needed) and its address."""
+def markdown(png: bytes, where: str | None, url: str | None = None) -> str:
+    """A markdown page showing the picture inline (a data URI, so no store access is needed) and where it
+    is stored: `where` as a link to `url` when a browser can open it, else as a path."""
     data = base64.b64encode(png).decode("ascii")
-    where = f" Stored at [{url}]({url})." if url else " Not stored: the export stopped before writing anything."
+    if where is None:
+        where = " Not stored: the export stopped before writing anything."
+    else:
+        where = f" Stored at [{where}]({url})." if url else f" Stored at `{where}`."
     return (f"# Memory ledger\n\nEvery host's memory at every phase boundary (MiB).{where}\n\n"
             f"![memory ledger](data:image/png;base64,{data})\n")

@@ -68,7 +68,7 @@ class Recipe:
         pattern=BUCKET_PATTERN, example="1x16,4x64")
     policy: Policy = setting(
         "borrow", "What the gate does when a host can run no compile worker: lend its forwards to a host that "
-        "can (borrow) or refuse the export (fail).")
+        "can (borrow) or refuse the export (fail).", compiling_only=True)
     tuning: TuningMode = setting(
         "cached", "Kernel tuning: off; cached measures only the GEMM shapes the store lacks; full measures all "
         "again and replaces them. CPU forwards have nothing to tune.")
@@ -81,20 +81,21 @@ class Recipe:
         None, "Host memory one compile worker takes at its peak, its compiler children included. A number "
         "always wins.", unit="MiB", gt=0,
         null="the peak measured for this graph and target (kept in the store) times worker_mib_margin, or "
-             "worker_host_estimate_mib before anything was measured")
+             "worker_host_estimate_mib before anything was measured", compiling_only=True)
     worker_host_estimate_mib: int = setting(
         1024, "The per-worker figure used before any compile of this graph on this target was measured.",
-        unit="MiB", gt=0)
+        unit="MiB", gt=0, compiling_only=True)
     worker_mib_margin: float = setting(
-        1.15, "Factor over the largest measured worker peak (the next forwards may be a little larger).", ge=1)
+        1.15, "Factor over the largest measured worker peak (the next forwards may be a little larger).", ge=1,
+        compiling_only=True)
     max_compile_workers: int = setting(
-        0, "Most compile workers a host starts (0: as many as memory and CPUs allow).", ge=0)
+        0, "Most compile workers a host starts (0: as many as memory and CPUs allow).", ge=0, compiling_only=True)
     process_base_mib: int = setting(
         512, "Memory of a process that has imported torch and loaded compiled forwards, before any weights "
         "(used to predict the checks' memory).", unit="MiB", gt=0)
     worker_device_mib: int = setting(
         0, "Device memory one compile worker takes (its CUDA context); about 2048 on GPU hosts, 0 on CPU-only "
-        "hosts.", unit="MiB", ge=0)
+        "hosts.", unit="MiB", ge=0, compiling_only=True)
     activation_reserve_mib: int = setting(
         256, "Memory each rank keeps for activations when serving; not given to the KV cache.", unit="MiB", ge=0)
     unified_memory: bool | None = setting(
@@ -106,8 +107,10 @@ class Recipe:
     kv_max_pages: int = setting(4096, "Upper bound on KV pages per rank, whatever the memory would allow.",
                                 unit="pages", gt=0)
     compile_s_estimate: float = setting(
-        30.0, "Predicted seconds to compile one forward when nothing was measured yet.", unit="s", gt=0)
-    max_compile_attempts: int = setting(2, "Times one forward is tried when its compile worker dies.", gt=0)
+        30.0, "Predicted seconds to compile one forward when nothing was measured yet.", unit="s", gt=0,
+        compiling_only=True)
+    max_compile_attempts: int = setting(2, "Times one forward is tried when its compile worker dies.", gt=0,
+                                        compiling_only=True)
     verify_atol: float = setting(
         1e-3, "Largest difference allowed between a compiled forward and eager, as max |compiled - eager| / "
         "max(1, max |eager|) (absolute for outputs up to 1, relative above).", gt=0)
@@ -116,7 +119,7 @@ class Recipe:
         "by this many times eager's own error in their dtype (and always by verify_atol).", gt=0)
     lease_ttl_s: float = setting(
         900.0, "Seconds a compile lease protects a key from other exports; a stale lease is taken over.",
-        unit="s", gt=0)
+        unit="s", gt=0, compiling_only=True)
     flow_retries: int = setting(
         2, "Times a failed export is tried again, with a fresh probe; bad input, gate refusals (unless "
         "retry_refusals), integrity and verification failures are never retried.", ge=0, le=10)

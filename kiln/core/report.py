@@ -32,6 +32,7 @@ class Report:
         self.ledger_picture: str | None = None
         """Store key of the memory ledger drawn as a PNG (kiln.core.ledger_plot)."""
         self.signing: dict = {"signed": None}
+        self.warnings: list[str] = []
         """{'signed', 'key_fingerprint', 'source', 'signature', 'note'}: how the manifest is signed."""
 
     @classmethod
@@ -71,7 +72,7 @@ class Report:
                 "hosts": [self.hosts[n] for n in sorted(self.hosts)], "gate": self.gate,
                 "counts": self.counts, "forwards": self.forwards, "kv_plan": self.kv_plan,
                 "verify": self.verify, "manifest": self.manifest, "ledger_picture": self.ledger_picture,
-                "signing": self.signing}
+                "signing": self.signing, "warnings": self.warnings}
 
     def write(self, path: str | os.PathLike) -> None:
         path = Path(path)
@@ -94,13 +95,28 @@ class Report:
             lines.append(f"  {self.signing['note']}")
         return "\n".join(lines)
 
-    def markdown(self) -> str:
-        """The Prefect artifact: phases, gate decision and every host's memory at every boundary."""
+    def record_shortfall(self, short_hosts: dict[str, dict]) -> None:
+        """Each short host's figures from a refusal (GateRefused.short_hosts): what one compile worker
+        needed and by how much the host fell short; the ledger picture draws them."""
+        for name, figures in short_hosts.items():
+            self.host(name).update(required_one_mib=figures["required_one_mib"], short_mib=figures["short_mib"])
+
+    def markdown(self, links: dict[str, tuple[str, str | None]] | None = None) -> str:
+        """The Prefect artifact: phases, gate decision and every host's memory at every boundary.
+
+        `links`: store key -> (text, URL a browser opens, or None) for the picture and the manifest;
+        without a URL the text is shown as a path, never as a dead link.
+        """
+        links = links or {}
         out = [f"# Kiln export `{self.export_id}`: {self.status}", ""]
         if self.error:
             out += [f"**Error:** {self.error}", ""]
+        out += [f"**Warning:** {w}" for w in self.warnings] + ([""] if self.warnings else [])
+        estimate = self.gate.get("predicted_s")
         out += ["| phase | status | seconds |", "|---|---|---|"]
-        out += [f"| {p['name']} | {p['status']} | {p['duration_s']:.1f} |" for p in self.phases]
+        out += [f"| {p['name']} | {p['status']} | {p['duration_s']:.1f}"
+                f"{f' (the gate estimated {estimate:.0f})' if p['name'] == 'compile' and estimate else ''} |"
+                for p in self.phases]
         out += ["", f"**Gate:** {self.gate.get('decision')} (policy {self.gate.get('policy')}): "
                 f"{self.gate.get('message')}", "", "## Memory ledger (MiB)", "",
                 "| host | phase | host available | device free |", "|---|---|---|---|"]
@@ -110,12 +126,14 @@ class Report:
                 if "assumed_available_mib" in m:
                     avail = f"{avail} (assumed {m['assumed_available_mib']})"
                 out.append(f"| {name} | {m['phase']} | {avail} | {m['device_free_mib'] or '-'} |")
-        if self.ledger_picture:
-            out += ["", f"Memory ledger picture: [{self.ledger_picture}]({self._url(self.ledger_picture)})"]
-        if self.manifest:
-            out += ["", f"Manifest: [{self.manifest}]({self._url(self.manifest)})"]
-        if self.signing.get("note"):
+        for label, key in (("Memory ledger picture", self.ledger_picture), ("Manifest", self.manifest)):
+            if key:
+                text, url = links.get(key, (self._url(key), None))
+                out += ["", f"{label}: [{text}]({url})" if url else f"{label}: `{text}`"]
+        if self.manifest and self.signing.get("note"):
             out += ["", f"Signing: {self.signing['note']}"]
+        elif self.signing.get("note"):
+            out += ["", "Signing: nothing was signed: the export stopped before writing its manifest."]
         return "\n".join(out)
 
     def _url(self, key: str) -> str:

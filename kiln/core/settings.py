@@ -26,16 +26,18 @@ from kiln.core.errors import BadInput
 
 def setting(default, doc: str, *, unit: str | None = None, ge: float | None = None, gt: float | None = None,
             le: float | None = None, null: str | None = None, parse: Callable[[str], object] | None = None,
-            show: Callable[[object], str] | None = None, pattern: str | None = None, example: str | None = None):
+            show: Callable[[object], str] | None = None, pattern: str | None = None, example: str | None = None,
+            compiling_only: bool = False):
     """Declare one setting: its default, what it means (`doc`), its unit and bounds.
 
     `null` says what None means, for a setting that may be left unset. A setting
     whose value is not a plain number, flag or choice gives `parse` (text to
     value), `show` (value to text) and the `pattern` its text must match, with an
-    `example`.
+    `example`. `compiling_only`: the setting matters only when something is compiled (an export
+    that finds every forward in the store warns that it had no effect).
     """
     meta = {"doc": " ".join(doc.split()), "unit": unit, "ge": ge, "gt": gt, "le": le, "null": null,
-            "parse": parse, "show": show, "pattern": pattern, "example": example}
+            "parse": parse, "show": show, "pattern": pattern, "example": example, "compiling_only": compiling_only}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -58,6 +60,7 @@ class Setting:
     shower: Callable[[object], str] | None = None
     pattern: str | None = None
     example: str | None = None
+    compiling_only: bool = False
 
     @property
     def flag(self) -> str:
@@ -74,7 +77,8 @@ class Setting:
         return str(value)
 
     def bounds(self) -> str:
-        parts = [f">= {_num(self.ge)}" if self.ge is not None else "", f"> {_num(self.gt)}" if self.gt is not None else "",
+        parts = [f">= {_num(self.ge)}" if self.ge is not None else "",
+                 f"> {_num(self.gt)}" if self.gt is not None else "",
                  f"<= {_num(self.le)}" if self.le is not None else ""]
         return " and ".join(p for p in parts if p)
 
@@ -186,7 +190,8 @@ def settings_of(cls) -> tuple[Setting, ...]:
             raise TypeError(f"{cls.__name__}.{f.name}: a {hint} setting needs parse= and show=")
         out.append(Setting(name=f.name, kind=kind, default=f.default, doc=m["doc"], nullable=nullable,
                            choices=choices, unit=m["unit"], ge=m["ge"], gt=m["gt"], le=m["le"], null=m["null"],
-                           parser=m["parse"], shower=m["show"], pattern=m["pattern"], example=m["example"]))
+                           parser=m["parse"], shower=m["show"], pattern=m["pattern"], example=m["example"],
+                           compiling_only=m["compiling_only"]))
     return tuple(out)
 
 
@@ -267,6 +272,7 @@ def markdown(settings: tuple[Setting, ...]) -> str:
         if s.bounds():
             typ += f", {s.bounds()}"
         default = f"`{s.show(s.default)}`"
-        meaning = s.doc.replace("|", "\\|") + (f" Unset (`auto`): {s.null}." if s.null else "")
+        meaning = s.doc.replace("|", "\\|") + (f" Unset (`auto`): {s.null}." if s.null else "") \
+            + (" Matters only when something is compiled." if s.compiling_only else "")
         rows.append(f"| `{s.name}` | {typ} | {default} | {meaning} |")
     return "\n".join(rows) + "\n"

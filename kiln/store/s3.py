@@ -186,6 +186,13 @@ class S3Store(Store):
 
     # -- helpers -------------------------------------------------------------
 
+    def link(self, key: str, expires_s: int = 7 * 86400) -> tuple[str, str | None]:
+        """s3://BUCKET/KEY and a presigned GET URL valid `expires_s` (signed locally, no request)."""
+        full = self._full(key)
+        url = self._client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": full},
+                                                  ExpiresIn=int(expires_s))
+        return f"s3://{self.bucket}/{full}", url
+
     def _full(self, key: str) -> str:
         return self.prefix + validate_key(key)
 

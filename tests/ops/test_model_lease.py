@@ -17,8 +17,9 @@ HELD_S = 15.0
 def test_second_export_of_a_model_waits_for_the_lease(prefect_server, ops_env, tmp_path):
     from prefect.concurrency.sync import concurrency
     from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.variables import Variable
 
-    from flows.model_lease import ensure_limit, lease_name
+    from flows.model_lease import ensure_limit, holder_variable, lease_name
 
     api = prefect_server.api()
     export_id = f"queued-{uuid.uuid4().hex[:8]}"
@@ -29,11 +30,14 @@ def test_second_export_of_a_model_waits_for_the_lease(prefect_server, ops_env, t
            "--set", "retry_refusals=true", "--set", "flow_retries=0"]
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         ensure_limit(lease_name("tiny"))
+        holder = {"flow_run_id": "0000-holder", "flow_run_name": "first-run", "export_id": "first-export",
+                  "since": "2026-12-01T00:00:00+00:00"}
         with concurrency(lease_name("tiny"), occupy=1, strict=True):  # another export of tiny is running
+            Variable.set(holder_variable(lease_name("tiny")), holder, overwrite=True)  # as model_lease records it
             proc = subprocess.Popen(cmd, env=ops_env, cwd=tmp_path, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
             deadline = time.monotonic() + 180
-            while not (runs := api.runs_of_export(export_id)) or "taking the model lease" not in api.logs(runs[0]["id"]):
+            while not (runs := api.runs_of_export(export_id)) or "waiting for the model lease" not in api.logs(runs[0]["id"]):
                 assert proc.poll() is None, proc.stdout.read()[-3000:]
                 assert time.monotonic() < deadline, "the second export never asked for the lease"
                 time.sleep(1.0)
@@ -43,6 +47,10 @@ def test_second_export_of_a_model_waits_for_the_lease(prefect_server, ops_env, t
             assert run["state_type"] == "RUNNING"  # enqueued, not cancelled
             assert not api.task_runs(run["id"])  # nothing probed, nothing compiled while it waits
             assert proc.poll() is None
+            # The waiting run says what it waits for, and whom.
+            assert ("waiting for the model lease kiln-model-tiny (one export per model at a time): held by flow run "
+                    "first-run (0000-holder), export first-export, since 2026-12-01T00:00:00+00:00") in api.logs(run["id"])
+            Variable.unset(holder_variable(lease_name("tiny")))
         released_after_s = time.monotonic() - waiting_since
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 3, out[-3000:]  # then it ran: probed, and the gate refused it

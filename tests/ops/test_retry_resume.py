@@ -112,8 +112,17 @@ def test_gate_refusal_is_final(failing_runs, prefect_server):
     # flow_retries is 2 by default: a retried refusal would show run_count 3.
     assert run["state_type"] == "FAILED" and run["run_count"] == 1
     assert "MiB short" in run["state"]["message"]
-    assert "not retried: GateRefused is final" in prefect_server.api().logs(run["id"])
-    assert not any(s["name"] == "AwaitingRetry" for s in prefect_server.api().states(run["id"]))
+    api = prefect_server.api()
+    logs = api.logs(run["id"])
+    assert "not retried: GateRefused is final" in logs
+    assert not any(s["name"] == "AwaitingRetry" for s in api.states(run["id"]))
+    # The run page explains itself: one log line per phase end, one artifact of each kind that applies.
+    assert "phase probe: ok in" in logs and "phase gate: failed in" in logs
+    arts = api.artifacts(run["id"])
+    assert sorted(a["key"].rsplit("-", 1)[1] for a in arts) == ["memory", "summary"]  # nothing compiled or written
+    [summary] = [a for a in arts if a["key"].endswith("-summary")]
+    assert summary["description"] == "Kiln export summary (try 1 of 3)"
+    assert "MiB short" in summary["data"] and "nothing was signed" in summary["data"]
 
 
 def test_gate_refusal_is_retried_with_a_fresh_probe_when_the_recipe_waits(failing_runs, prefect_server):
@@ -124,4 +133,8 @@ def test_gate_refusal_is_retried_with_a_fresh_probe_when_the_recipe_waits(failin
     probes = [t for t in api.task_runs(run["id"]) if t["name"].startswith("probe")]
     assert len(probes) == 2 and all(t["state_type"] == "COMPLETED" for t in probes)
     assert any(s["name"] == "AwaitingRetry" for s in api.states(run["id"]))
+    # Two tries, one artifact of each kind: the second try updated the first's in place.
+    arts = api.artifacts(run["id"])
+    assert sorted(a["key"].rsplit("-", 1)[1] for a in arts) == ["memory", "summary"]
+    assert all(a["description"].endswith("(try 2 of 2)") for a in arts), [a["description"] for a in arts]
     assert not list(Path(run["parameters"]["params"]["store"].removeprefix("file://")).rglob("*.pt2"))

@@ -135,18 +135,31 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
         page.screenshot(path=shots / "memory-ledger.png")
         browser.close()
 
-    arts = {a["key"] or a["description"]: a for a in api.artifacts(run["id"])}
-    summary = next(a for a in arts.values() if a["description"] == "Kiln export summary")
+    listed = api.artifacts(run["id"])
+    arts = {a["key"]: a for a in listed}
+    [summary] = [a for a in listed if a["key"].endswith("-summary")]
     export_id = summary["key"].removesuffix("-summary")
+    # One artifact of each kind, keyed by the export; the summary says which try it shows.
+    assert sorted(arts) == sorted(f"{export_id}-{k}" for k in ("summary", "forwards", "memory", "manifest", "progress"))
+    assert len(listed) == len(arts)
+    assert summary["description"] == "Kiln export summary (try 1 of 3)"
     for phase in ("probe", "tune", "kv-plan", "gate", "compile", "outcome-check", "share-verify", "manifest"):
         assert f"| {phase} |" in summary["data"]
     assert "**Gate:** compile" in summary["data"] and "## Memory ledger (MiB)" in summary["data"]
-    assert "Memory ledger picture: [exports/" in summary["data"] and "Manifest: [exports/" in summary["data"]
+    # A local store: paths shown as text, never file:// links a browser will not open.
+    assert "Memory ledger picture: `" in summary["data"] and "Manifest: `" in summary["data"]
+    assert "file://" not in summary["data"]
+    assert "(the gate estimated" in summary["data"]  # the compile phase beside the gate's estimate
     forwards = json.loads(arts[f"{export_id}-forwards"]["data"])
     assert [f["bucket"] for f in forwards] == ["1x8"] and forwards[0]["compiled_by"]
-    [progress] = [a for a in arts.values() if a["type"] == "progress"]
+    assert list(forwards[0]) == ["bucket", "compiled_by", "compile_s", "size_bytes", "key", "sha256"]
+    logs = api.logs(run["id"])
+    for phase in ("probe", "tune", "kv-plan", "gate", "outcome-check", "share-verify", "manifest"):
+        assert f"phase {phase}: " in logs, phase
+    assert "phase compile: ok in " in logs and "s (the gate estimated " in logs
+    progress = arts[f"{export_id}-progress"]
     assert progress["data"] == 100.0 and progress["updated"] > progress["created"]  # it advanced
-    assert any(a["type"] == "markdown" and "manifest.json" in str(a["data"]) for a in arts.values())
+    assert "manifest.json" in arts[f"{export_id}-manifest"]["data"]
     assert "data:image/png;base64," in arts[f"{export_id}-memory"]["data"]
     store = Path(ops_env["KILN_HOME"]) / "store"
     [picture] = (store / "exports").glob("*/memory-*.png")

@@ -233,3 +233,19 @@ def test_racing_processes_create_exactly_once(store_url, tmp_path, same_content)
     winner = next(Path(path) for kind, path in outcomes if kind == "created")
     assert open_store(store_url).get_bytes("forwards/race.pt2") == winner.read_bytes()
 
+
+
+def test_link_opens_the_object_for_a_person(store: Store):
+    """A local store's link is its path on this machine (no URL); an S3 store's is a presigned URL that a
+    plain HTTP GET (a browser) reads without credentials."""
+    import urllib.request
+
+    store.put_bytes("exports/e1/manifest.json", b'{"k": 1}')
+    text, url = store.link("exports/e1/manifest.json", expires_s=600)
+    if url is None:
+        assert Path(text).read_bytes() == b'{"k": 1}'
+    else:
+        assert text.startswith("s3://") and text.endswith("exports/e1/manifest.json")
+        assert "Expires=" in url  # SigV2 (Expires=epoch) or SigV4 (X-Amz-Expires=600), as boto3 signs
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            assert resp.read() == b'{"k": 1}'

@@ -183,3 +183,17 @@ def test_the_replan_rule_gives_up_after_max_replans():
         assert set(replan_after_loss(job, hosts, {"b"}, ["k1"], {"k1": "t"}, replans_done=done)) == {"a"}
     with pytest.raises(HostsLost, match="1 forward\\(s\\) are still missing. Re-run to resume"):
         replan_after_loss(job, hosts, {"b"}, ["k1"], {"k1": "t"}, replans_done=MAX_REPLANS)
+
+
+def test_a_setting_that_cannot_matter_is_named():
+    from kiln.core.decisions import settings_without_effect
+
+    hosts = [host("a", 100_000, local_keys=frozenset(KEYS))]
+    recipe = Recipe(worker_host_mib=65536, page_tokens=8, max_context_tokens=64)
+    nothing = decide(hosts, recipe, {"t": KEYS}, set(KEYS))
+    assert nothing.decision == "nothing_to_do"
+    [warning] = settings_without_effect(recipe, nothing)  # page_tokens still matters (the KV plan)
+    assert warning.startswith("worker_host_mib=65536 had no effect") and "nothing was compiled" in warning
+    busy = decide([host("a", 100_000)], recipe, {"t": KEYS}, set())
+    assert busy.decision == "compile" and settings_without_effect(recipe, busy) == []
+    assert settings_without_effect(Recipe(), nothing) == []

@@ -146,18 +146,39 @@ def test_ledger_key_is_content_addressed_under_the_export():
     assert ledger_key("exp-1", png + b"x") != key
 
 
-def test_ledger_markdown_inlines_the_picture_and_links_the_store():
-    text = markdown(b"\x89PNG-bytes", "file:///s/exports/e/memory-1.png")
-    assert "](data:image/png;base64," in text and "(file:///s/exports/e/memory-1.png)" in text
+def test_ledger_markdown_inlines_the_picture_and_says_where_it_is():
+    text = markdown(b"\x89PNG-bytes", "s3://b/p/exports/e/memory-1.png", "https://s3.example/presigned")
+    assert "](data:image/png;base64," in text and "[s3://b/p/exports/e/memory-1.png](https://s3.example/presigned)" in text
+    local = markdown(b"\x89PNG-bytes", "/s/exports/e/memory-1.png")
+    assert "Stored at `/s/exports/e/memory-1.png`" in local and "](/s" not in local and "file://" not in local
+    assert "Not stored" in markdown(b"\x89PNG-bytes", None)
 
 
-def test_summary_links_picture_and_manifest():
+def test_a_refusal_draws_what_the_short_host_needed():
+    r = Report("e1", model="tiny", tp=2, store="file:///s/")
+    r.memory("h1", "start", {"host_available_mib": 20184, "device_free_mib": None})
+    r.record_shortfall({"h1": {"available_mib": 20184, "required_one_mib": 67584, "short_mib": 47400}})
+    assert r.hosts["h1"]["required_one_mib"] == 67584 and r.hosts["h1"]["short_mib"] == 47400
+    assert draw(list(r.hosts.values()))[:4] == b"\x89PNG"
+
+
+def test_summary_links_open_in_a_browser_or_are_paths():
     r = Report("e1", model="tiny", tp=2, store="file:///s/")
     r.ledger_picture, r.manifest = "exports/e1/memory-abc.png", "exports/e1/manifest.json"
-    md = r.markdown()
-    assert "[exports/e1/memory-abc.png](file:///s/exports/e1/memory-abc.png)" in md
-    assert "(file:///s/exports/e1/manifest.json)" in md
+    md = r.markdown({r.ledger_picture: ("/s/exports/e1/memory-abc.png", None),
+                     r.manifest: ("s3://b/exports/e1/manifest.json", "https://s3.example/presigned")})
+    assert "Memory ledger picture: `/s/exports/e1/memory-abc.png`" in md
+    assert "Manifest: [s3://b/exports/e1/manifest.json](https://s3.example/presigned)" in md
+    assert "file://" not in md
     assert r.to_dict()["ledger_picture"] == "exports/e1/memory-abc.png"
+
+
+def test_the_summary_says_signed_only_when_a_manifest_was_written():
+    r = Report("e1", model="tiny", tp=2, store="file:///s/")
+    r.signing = {"signed": True, "note": "signed with ed25519:abc (development key)"}
+    assert "nothing was signed" in r.markdown() and "signed with" not in r.markdown()
+    r.manifest = "exports/e1/manifest.json"
+    assert "Signing: signed with ed25519:abc" in r.markdown()
 
 
 # --- fault injection (tests of retries use it) ---------------------------------------------------------
