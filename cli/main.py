@@ -110,7 +110,7 @@ def cmd_export(args) -> int:
             with HostRunner(dask_address=params.dask):  # an unreachable scheduler is bad input: say so now
                 pass
         from flows.export import export
-        report = export(params)
+        report = export(**params.flow_parameters())
     print(_summary(report))
     return 0
 

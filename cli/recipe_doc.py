@@ -25,7 +25,7 @@ one is, with no other declaration:
 - a flag of `kiln export`, `kiln plan` and `kiln serve`: `--NAME-WITH-DASHES VALUE`
   (or `--set NAME=VALUE`, the spelling the gate's hints use);
 - a typed field with its default under **Recipe settings** in the deployment's
-  run form in the Prefect UI (`recipe` in the flow's `params`);
+  run form in the Prefect UI (the flow's `recipe` parameter);
 - a field of the **Kiln Recipe** block (`recipe_block`), for per-cluster defaults.
 
 Precedence: the defaults below, then the recipe block's values, then every

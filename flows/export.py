@@ -9,8 +9,10 @@ after the outcome check. The report is written whatever happens.
 # No `from __future__ import annotations` here: a served flow reaches its run
 # process pickled, and Prefect resolves the parameter annotations from the
 # function's globals, which then hold only what the body references.
+import inspect
 import time
 from contextlib import contextmanager
+from typing import Annotated
 
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
@@ -65,17 +67,41 @@ class Phases:
             self.report.memory(h.name, boundary, fut.result(), assumed_available_mib=self.assume.get(h.name))
 
 
-@flow(name="kiln-export", log_prints=False, retries=Recipe.flow_retries,
-      retry_delay_seconds=int(Recipe.flow_retry_delay_s))
-def export(params: ExportParams) -> dict:
-    """Export `params.model` for tensor-parallel inference; returns the report as a dict.
+def _export_flow(**parameters) -> dict:
+    """Export a model for tensor-parallel inference; returns the report as a dict.
 
     Each try holds the model's lease (one export per model at a time) and
     follows the recipe's flow retries; deterministic errors are not retried.
     """
     hide_expected_tracebacks()
+    params = ExportParams(**parameters)
     with retry.resumable(params) as (params, recipe), model_lease.model_lease(params):
         return _export(params, recipe)
+
+
+def _flow_signature() -> inspect.Signature:
+    """The flow's parameters are ExportParams' fields, each top-level with its type (bounds included) and
+    default, so the run form Prefect renders cannot drift from the CLI."""
+    out = []
+    for name, f in ExportParams.model_fields.items():
+        annotation = Annotated[(f.annotation, *f.metadata)] if f.metadata else f.annotation
+        out.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                                     default=f.get_default(call_default_factory=True)))
+    return inspect.Signature(out, return_annotation=dict)
+
+
+def _flow_doc() -> str:
+    """The flow's docstring with an Args section: Prefect shows each field's description in the form."""
+    args = "\n".join(f"    {name}: {' '.join((f.description or '').split())}"
+                     for name, f in ExportParams.model_fields.items())
+    return f"{inspect.getdoc(_export_flow)}\n\nArgs:\n{args}\n"
+
+
+_export_flow.__signature__ = _flow_signature()
+_export_flow.__doc__ = _flow_doc()
+export = flow(name="kiln-export", log_prints=False, retries=Recipe.flow_retries,
+              retry_delay_seconds=int(Recipe.flow_retry_delay_s))(_export_flow)
+"""The export flow; call it with ExportParams' fields: `export(**params.flow_parameters())`."""
 
 
 def _export(params: ExportParams, recipe: Recipe) -> dict:

@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kiln.core.errors import BadInput
 from kiln.core.forward_keys import check_export_id
@@ -24,6 +24,15 @@ from kiln.core.recipe import SETTING, Recipe, recipe_form, recipe_of_form
 from kiln.host.cache import cache_root, cache_status, check_caches
 
 _NAME = r"^[A-Za-z0-9._-]+$"
+class HostMemory(BaseModel):
+    """One host's assumed available memory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field(..., min_length=1, title="Host", description="The host's name (e.g. host-1).")
+    mib: int = Field(..., ge=0, title="Available (MiB)", description="Memory to assume available, MiB.")
+
+
 RecipeSettings = recipe_form()
 """The recipe's settings as the run form's typed fields (derived from kiln/core/recipe.py)."""
 
@@ -65,12 +74,27 @@ class ExportParams(BaseModel):
         default_factory=RecipeSettings, title="Recipe settings",
         description="Every recipe setting with its default (docs/recipe.md). With a recipe block, the settings "
                     "changed here from their defaults override the block's.")
-    assume_available: dict[str, Annotated[int, Field(ge=0)]] = Field(
-        default_factory=dict, title="Assume available (MiB)", description="host -> MiB to assume available.")
+    assume_available: list[HostMemory] = Field(
+        default_factory=list, title="Assume available",
+        description="Per host, the available memory (MiB) the gate assumes instead of the host's reading.")
     export_id: Annotated[str, Field(pattern=_NAME, max_length=200)] | None = Field(
         None, title="Export id", description="Name of the export (default: model, tp and time).")
     report: str | None = Field(None, title="Report file",
                                description="Path of the JSON report to write, also on failure.")
+
+    @field_validator("assume_available", mode="before")
+    @classmethod
+    def _pairs(cls, value):
+        """Also {host: MiB} (the CLI's --assume-available HOST=MIB items, collected)."""
+        return [{"host": h, "mib": m} for h, m in value.items()] if isinstance(value, dict) else value
+
+    def assumed(self) -> dict[str, int]:
+        """{host: MiB} of `assume_available`."""
+        return {a.host: a.mib for a in self.assume_available}
+
+    def flow_parameters(self) -> dict:
+        """These values as the export flow's (top-level) parameters."""
+        return {name: getattr(self, name) for name in type(self).model_fields}
 
 
 def parse_assume_available(items: list[str]) -> dict[str, int]:
@@ -155,10 +179,10 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
         cfg = cfg.replace(dtype=params.dtype)
     cfg.check_tp(params.tp)
     names = host_names or []
-    unknown = sorted(set(params.assume_available) - set(names))
+    unknown = sorted(set(params.assumed()) - set(names))
     if unknown and host_names is not None:
         raise BadInput(f"--assume-available names unknown host(s) {', '.join(unknown)}; hosts are: {', '.join(names)}.")
-    for host, mib in params.assume_available.items():
+    for host, mib in params.assumed().items():
         if mib < 0:
             raise BadInput(f"--assume-available {host}={mib}: memory must be >= 0 MiB.")
     if params.store_block:
@@ -185,6 +209,6 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     job = ExportJob(export_id=export_id, model_name=name, checkpoint=str(checkpoint),
                     config=cfg.to_dict(), tp=params.tp, recipe=recipe, store_url=store.url,
                     s3_endpoint=params.s3_endpoint, checksum_mode=params.s3_checksum,
-                    store_block=params.store_block, assume_available=dict(params.assume_available),
+                    store_block=params.store_block, assume_available=params.assumed(),
                     signing=plan)
     return job, hosts

@@ -1,10 +1,11 @@
 """`kiln serve`: the export flow as a Prefect deployment served from this process.
 
 Purpose: schedules (cron or interval) and runs triggered from the Prefect UI or
-API execute here, each in its own subprocess. The deployment's only parameter
-is `params` (flows.params.ExportParams), whose schema the UI renders as the run
-form and the API enforces. Its default is `{}`: a plain "Run" exports the tiny
-model to the default store (KILN_HOME/store of the serving process).
+API execute here, each in its own subprocess. The deployment's parameters are
+the fields of flows.params.ExportParams, top-level (the recipe's settings typed
+under `recipe`), whose schema the UI renders as the run form and the API
+enforces. Its defaults are `{}`: a plain "Run" exports the tiny model to the
+default store (KILN_HOME/store of the serving process).
 
 Contracts: needs a Prefect server (PREFECT_API_URL); the embedded API would
 vanish with this process. Runs of one model queue on the model's lease
@@ -25,7 +26,7 @@ DEPLOYMENT = "default"
 
 def deployment_parameters(params: ExportParams) -> dict:
     """Default parameters of the deployment: only what differs from ExportParams' defaults."""
-    return {"params": params.model_dump(mode="json", exclude_defaults=True)}
+    return params.model_dump(mode="json", exclude_defaults=True)
 
 
 def serve(params: ExportParams, *, name: str = DEPLOYMENT, cron: str | None = None,

@@ -29,15 +29,15 @@ def test_prefect_yaml_deploys_and_a_process_worker_runs_it(prefect_server, ops_e
     assert dep["entrypoint"] == "flows.export.export" and dep["work_pool_name"] == "kiln-process"
     assert dep["pull_steps"] == [{"prefect.deployments.steps.set_working_directory":
                                   {"directory": "{{ $KILN_WORKDIR }}"}}]
-    assert dep["parameters"] == {"params": {}} and dep["enforce_parameter_schema"]
-    assert list(dep["parameter_openapi_schema"]["properties"]) == ["params"]
+    assert dep["parameters"] == {} and dep["enforce_parameter_schema"]
+    assert list(dep["parameter_openapi_schema"]["properties"])[:2] == ["model", "tp"]
     [schedule] = dep["schedules"]
     assert schedule["schedule"]["cron"] == "0 3 * * *" and schedule["active"] is False
 
     # A run the gate refuses right after its probe: it exercises the pull step, the
     # entrypoint and the parameters without compiling.
-    created = api.post(f"/deployments/{dep['id']}/create_flow_run", {"parameters": {"params": {
-        "buckets": "1x8", "settings": ["headroom_floor_mib=10000000", "flow_retries=0"]}}})
+    created = api.post(f"/deployments/{dep['id']}/create_flow_run", {"parameters": {
+        "recipe": {"buckets": "1x8", "headroom_floor_mib": 10000000, "flow_retries": 0}}})
     assert created.status_code == 201, created.text
     workdir = tmp_path / "workdir"
     workdir.mkdir()

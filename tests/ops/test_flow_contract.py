@@ -13,15 +13,19 @@ from flows.serve import deployment_parameters
 from kiln.core.recipe import SETTINGS, Recipe
 
 
-def test_the_deployment_takes_one_pydantic_model():
+def test_the_flow_parameters_are_top_level_fields_with_defaults():
     schema = export.parameters.model_dump()
-    assert list(schema["properties"]) == ["params"]
-    assert schema["required"] == ["params"]
-    form = schema["definitions"]["ExportParams"]["properties"]
-    assert {"model", "tp", "store", "recipe"} <= set(form)
+    form = schema["properties"]
+    assert list(form) == list(ExportParams.model_fields)  # derived: one parameter per field, in order
+    assert not schema.get("required")  # every parameter has its default: the plain Run button works
+    assert form["tp"]["default"] == 2 and form["tp"]["minimum"] == 1 and form["model"]["default"] == "tiny"
+    assert all(form[name].get("description") for name in form)
     recipe = schema["definitions"]["RecipeSettings"]["properties"]
     assert list(recipe) == [s.name for s in SETTINGS]  # every setting, typed, in declaration order
+    assert recipe["policy"]["enum"] == ["borrow", "fail"] and recipe["policy"]["default"] == "borrow"
     assert "settings" not in form  # no NAME=VALUE list
+    pair = schema["definitions"]["HostMemory"]["properties"]
+    assert form["assume_available"]["type"] == "array" and set(pair) == {"host", "mib"}
 
 
 def test_flow_retries_default_to_the_recipe():
@@ -32,14 +36,14 @@ def test_flow_retries_default_to_the_recipe():
 def test_served_flow_validates_parameters_after_pickling():
     # A served flow reaches its run process pickled; the parameter annotation must survive that.
     flow = pickle.loads(cloudpickle.dumps(export))
-    params = flow.validate_parameters({"params": {"recipe": {"buckets": "1x8"}}})["params"]
-    assert isinstance(params, ExportParams) and params.recipe.buckets == "1x8"
+    values = flow.validate_parameters({"recipe": {"buckets": "1x8"}, "assume_available": [{"host": "h", "mib": 5}]})
+    params = ExportParams(**values)
+    assert params.recipe.buckets == "1x8" and params.assumed() == {"h": 5} and params.tp == 2
 
 
 def test_default_deployment_parameters_are_empty():
-    assert deployment_parameters(ExportParams()) == {"params": {}}
-    assert deployment_parameters(ExportParams(recipe={"buckets": "1x8"}, tp=1)) == {
-        "params": {"recipe": {"buckets": "1x8"}, "tp": 1}}
+    assert deployment_parameters(ExportParams()) == {}
+    assert deployment_parameters(ExportParams(recipe={"buckets": "1x8"}, tp=1)) == {"recipe": {"buckets": "1x8"}, "tp": 1}
 
 
 def test_lease_names_are_one_per_model():

@@ -82,7 +82,8 @@ runs = {
                                      recipe={"buckets": "1x8", "headroom_floor_mib": 10000000, "flow_retries": 1,
                                              "flow_retry_delay_s": 1, "retry_refusals": True}),
 }
-print(json.dumps({name: str(export(p, return_state=True).state_details.flow_run_id) for name, p in runs.items()}))
+print(json.dumps({name: str(export(**p.flow_parameters(), return_state=True).state_details.flow_run_id)
+                  for name, p in runs.items()}))
 """
 
 
@@ -137,4 +138,4 @@ def test_gate_refusal_is_retried_with_a_fresh_probe_when_the_recipe_waits(failin
     arts = [a for a in api.artifacts(run["id"]) if a["type"]]
     assert sorted(a["key"].rsplit("-", 1)[1] for a in arts) == ["memory", "summary"]
     assert all(a["description"].endswith("(try 2 of 2)") for a in arts), [a["description"] for a in arts]
-    assert not list(Path(run["parameters"]["params"]["store"].removeprefix("file://")).rglob("*.pt2"))
+    assert not list(Path(run["parameters"]["store"].removeprefix("file://")).rglob("*.pt2"))

@@ -49,18 +49,18 @@ def test_scheduled_deployment_shows_its_next_runs(serve, prefect_server, flags, 
     if flags[0] == "--cron":
         assert all((s.hour, s.minute) == (3, 0) for s in starts)
     # A run with no parameters exports the tiny model to the default store.
-    assert all(r["parameters"] == {"params": {}} for r in runs)
+    assert all(r["parameters"] == {} for r in runs)
 
 
 def test_api_refuses_out_of_bounds_parameters(serve, prefect_server):
     served = serve()
     api = prefect_server.api()
     bad = api.post(f"/deployments/{served.deployment['id']}/create_flow_run",
-                   {"parameters": {"params": {"tp": 0, "recipe": {"buckets": "ax3"}}}})
+                   {"parameters": {"tp": 0, "recipe": {"buckets": "ax3"}}})
     assert bad.status_code in (409, 422), bad.text
     assert not api.flow_runs(deployment_id={"any_": [served.deployment["id"]]})
     schema = served.deployment["parameter_openapi_schema"]
-    assert list(schema["properties"]) == ["params"]
+    assert schema["properties"]["tp"]["default"] == 2 and "recipe" in schema["properties"]
 
 
 def _prop(page, label: str):
@@ -113,7 +113,7 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
 
         [created] = api.flow_runs(name={"any_": [run_name]})
         assert created["deployment_id"] == served.deployment["id"]
-        assert created["parameters"]["params"]["recipe"]["buckets"] == "1x8"
+        assert created["parameters"]["recipe"]["buckets"] == "1x8"
         run = api.wait_final(created["id"], timeout_s=900)
         assert run["state_type"] == "COMPLETED", (run["state"], served.log.read_text()[-4000:])
 
@@ -167,3 +167,38 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
 
     for shot in shots.iterdir():
         shutil.copy(shot, keep_dir / f"ui-run-{shot.name}")
+
+
+def test_a_refused_run_says_why_on_its_page(serve, prefect_server, tmp_path, keep_dir):
+    """A run the gate refuses: its state message is the refusal, naming the short host, and its page shows it."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is absent (apt-get install chromium; `make setup` does it)")
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    import socket
+
+    served = serve()
+    api = prefect_server.api()
+    created = api.post(f"/deployments/{served.deployment['id']}/create_flow_run", {"parameters": {
+        "recipe": {"buckets": "1x8", "headroom_floor_mib": 10000000}}})
+    assert created.status_code == 201, created.text
+    run = api.wait_final(created.json()["id"], timeout_s=600)
+    message = run["state"]["message"]
+    host = socket.gethostname()
+    assert run["state_type"] == "FAILED" and run["run_count"] == 1, run["state"]
+    assert f"{host} has " in message and "MiB short" in message, message
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(60_000)
+        page.goto(f"{prefect_server.url}/runs/flow-run/{run['id']}", wait_until="networkidle")
+        page.get_by_text("Failed", exact=True).first.wait_for()
+        page.get_by_text("MiB short").first.wait_for()  # the refusal itself, on the run's page
+        page.screenshot(path=shots / "refused-run.png", full_page=True)
+        page.get_by_text("Artifacts", exact=True).click()
+        page.get_by_text("Kiln export summary").wait_for()
+        page.screenshot(path=shots / "refused-run-artifacts.png", full_page=True)
+        browser.close()
+    for shot in shots.iterdir():
+        shutil.copy(shot, keep_dir / f"ui-refused-{shot.name}")

@@ -37,7 +37,7 @@ RUN_FLOW = textwrap.dedent("""
     from kiln.core.errors import KilnError
     params = ExportParams(**json.loads(sys.argv[1]))
     try:
-        export(params)
+        export(**params.flow_parameters())
     except KilnError as exc:  # expected when the tuned forwards cannot be verified (see the last test)
         print("KILN-OUTCOME " + json.dumps({"error": type(exc).__name__}))
         sys.exit(1)
