@@ -74,8 +74,8 @@ class Api:
         return r.json()
 
     def runs_of_export(self, export_id: str) -> list[dict]:
-        """Flow runs whose params name `export_id` (the CLI sets it; Prefect cannot filter on parameters)."""
-        return [r for r in self.flow_runs() if (r["parameters"].get("params") or {}).get("export_id") == export_id]
+        """Flow runs whose parameters name `export_id` (the CLI sets it; Prefect cannot filter on parameters)."""
+        return [r for r in self.flow_runs() if r["parameters"].get("export_id") == export_id]
 
     def task_runs(self, flow_run_id: str) -> list[dict]:
         r = self.post("/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}, "limit": 200,

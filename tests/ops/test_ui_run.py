@@ -14,6 +14,7 @@ import json
 import shutil
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,28 @@ def test_api_refuses_out_of_bounds_parameters(serve, prefect_server):
     assert schema["properties"]["tp"]["default"] == 2 and "recipe" in schema["properties"]
 
 
+@contextmanager
+def _browser_page():
+    """A headless Debian chromium page (Playwright, no browser download); skips without chromium."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is absent (apt-get install chromium; `make setup` does it)")
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(60_000)
+        try:
+            yield page
+        finally:
+            browser.close()
+
+
+def _keep(shots: Path, keep_dir: Path, prefix: str) -> None:
+    """Copy the screenshots where a reviewer looks (.kiln/test-artifacts)."""
+    for shot in shots.iterdir():
+        shutil.copy(shot, keep_dir / f"{prefix}-{shot.name}")
+
+
 def _prop(page, label: str):
     """The schema form's field whose label is `label` (innermost match)."""
     return page.locator(".p-label").filter(has=page.get_by_text(label, exact=True)).last
@@ -70,19 +93,12 @@ def _prop(page, label: str):
 
 def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefect_server, ops_env, tmp_path,
                                                                    keep_dir):
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is absent (apt-get install chromium; `make setup` does it)")
-    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
-
     served = serve()
     api = prefect_server.api()
     run_name = f"ui-{uuid.uuid4().hex[:8]}"
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(60_000)
+    with _browser_page() as page:
         page.goto(f"{prefect_server.url}/deployments", wait_until="networkidle")
         page.get_by_role("link", name=served.name, exact=True).click()
         page.wait_for_url("**/deployments/deployment/**")
@@ -133,7 +149,6 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
         page.get_by_text("Memory ledger, drawn").click()
         page.get_by_role("img", name="memory ledger").wait_for()
         page.screenshot(path=shots / "memory-ledger.png")
-        browser.close()
 
     listed = [a for a in api.artifacts(run["id"]) if a["type"]]  # Kiln's (Prefect's own records have no type)
     arts = {a["key"]: a for a in listed}
@@ -165,15 +180,11 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
     [picture] = (store / "exports").glob("*/memory-*.png")
     assert picture.read_bytes()[:4] == b"\x89PNG"
 
-    for shot in shots.iterdir():
-        shutil.copy(shot, keep_dir / f"ui-run-{shot.name}")
+    _keep(shots, keep_dir, "ui-run")
 
 
 def test_a_refused_run_says_why_on_its_page(serve, prefect_server, tmp_path, keep_dir):
     """A run the gate refuses: its state message is the refusal, naming the short host, and its page shows it."""
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is absent (apt-get install chromium; `make setup` does it)")
-    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
     import socket
 
     served = serve()
@@ -188,10 +199,7 @@ def test_a_refused_run_says_why_on_its_page(serve, prefect_server, tmp_path, kee
     assert f"{host} has " in message and "MiB short" in message, message
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(60_000)
+    with _browser_page() as page:
         page.goto(f"{prefect_server.url}/runs/flow-run/{run['id']}", wait_until="networkidle")
         page.get_by_text("Failed", exact=True).first.wait_for()
         page.get_by_text("MiB short").first.wait_for()  # the refusal itself, on the run's page
@@ -199,6 +207,4 @@ def test_a_refused_run_says_why_on_its_page(serve, prefect_server, tmp_path, kee
         page.get_by_text("Artifacts", exact=True).click()
         page.get_by_text("Kiln export summary").wait_for()
         page.screenshot(path=shots / "refused-run-artifacts.png", full_page=True)
-        browser.close()
-    for shot in shots.iterdir():
-        shutil.copy(shot, keep_dir / f"ui-refused-{shot.name}")
+    _keep(shots, keep_dir, "ui-refused")
