@@ -23,10 +23,11 @@ from flows.hosts import HostRunner
 from flows.logs import hide_expected_tracebacks
 from flows.params import ExportParams, default_host_names, prepare
 from kiln.core import decisions, ledger_plot, outcome, tuning_plan
-from kiln.core.contract import weight_layout
 from kiln.core.errors import KilnError
+from kiln.core.gate import Plan
 from kiln.core.job import ExportJob, HostSpec
-from kiln.core.manifest import build_manifest
+from kiln.core.manifest import export_manifest
+from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import Recipe
 from kiln.core.report import Report
 from kiln.host import probe
@@ -128,32 +129,58 @@ def _export(params: ExportParams, recipe: Recipe) -> dict:
 
 
 def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, runner: HostRunner) -> None:
-    log = get_run_logger()
+    """The phases of one try, in order: each step below is one phase (kv-plan and gate are one step)."""
     phase.assume = job.assume_available
     phase.ledger("start")
     with phase("probe"):
-        probes = [f.result() for f in [runner.submit(h, phases.probe_host, job=job, host=h) for h in hosts]]
-        for p in probes:
-            report.host(p.name, target=p.target)["cache"] = p.cache
-        check_probed_caches(probes, job.recipe.artifact_mib_estimate)  # unwritable or full: stop before compiling
+        probes = _probe(job, hosts, runner, report)
     with phase("tune") as info:
-        # Once per distinct target, on one of its hosts; the others load the results from the store.
-        by_name = {h.name: h for h in hosts}
-        runs = [runner.submit(by_name[name], phases.tune, job=job, target=target)
-                for target, name in tuning_plan.tuning_hosts(probes).items()]
-        results = [f.result() for f in runs]
-        info.update(tuning_plan.summarize(results))
-        report.counts["tuning_measured"] = info["measured"]
-        if job.recipe.tuning != "off" and info["status"] == "skipped":
-            # A warning only when asked for: the default ('cached') has nothing to tune on CPU hosts, every time.
-            asked = job.recipe.tuning != Recipe.tuning
-            (log.warning if asked else log.info)("kernel tuning (%s) measured nothing: %s", job.recipe.tuning,
-                                                 info.get("reason"))
-        if any(r["changed"] for r in results):  # new results change forward keys: probe them again
-            probes = [f.result() for f in [runner.submit(h, phases.probe_host, job=job, host=h) for h in hosts]]
-    specs = {s["key"]: s for p in probes for s in p.specs}
-    reports = decisions.host_reports(job, probes)
-    decision = phases.decide(job, probes)  # the KV plan, then the gate on it: two phases of the report
+        probes = _tune(job, hosts, runner, report, probes, info)
+    plan = _gate(job, probes, report, phase)
+    with phase("compile") as info:
+        compiled = _compile(job, hosts, runner, report, probes, plan, info)
+    with phase("outcome-check"):
+        specs = {s["key"]: s for p in probes for s in p.specs}
+        report.record_forwards(outcome.forward_records(specs, phases.outcome_check(job, specs), compiled,
+                                                       job.model_config, job.tp), compiled)
+    with phase("share-verify"):
+        _share_verify(job, hosts, runner, report, probes)
+    with phase("manifest"):
+        report.signing = phases.write_manifest(job, export_manifest(job, report))
+        report.manifest = report.signing.pop("manifest")
+
+
+def _on_hosts(runner: HostRunner, hosts: list[HostSpec], task, **parameters) -> list:
+    """`task` on every host at once; the results in `hosts`' order."""
+    return [f.result() for f in [runner.submit(h, task, host=h, **parameters) for h in hosts]]
+
+
+def _probe(job, hosts, runner, report) -> list[HostProbe]:
+    probes = _on_hosts(runner, hosts, phases.probe_host, job=job)
+    report.record_probes(probes)
+    check_probed_caches(probes, job.recipe.artifact_mib_estimate)  # unwritable or full: stop before compiling
+    return probes
+
+
+def _tune(job, hosts, runner, report, probes, info: dict) -> list[HostProbe]:
+    """Once per distinct target, on one of its hosts (the others load the results from the store); new
+    results change the forward keys, so the hosts are probed again."""
+    by_name = {h.name: h for h in hosts}
+    results = [f.result() for f in [runner.submit(by_name[name], phases.tune, job=job, target=target)
+                                    for target, name in tuning_plan.tuning_hosts(probes).items()]]
+    info.update(tuning_plan.summarize(results))
+    report.counts["tuning_measured"] = info["measured"]
+    if job.recipe.tuning != "off" and info["status"] == "skipped":
+        # A warning only when asked for: the default ('cached') has nothing to tune on CPU hosts, every time.
+        asked = job.recipe.tuning != Recipe.tuning
+        (get_run_logger().warning if asked else get_run_logger().info)(
+            "kernel tuning (%s) measured nothing: %s", job.recipe.tuning, info.get("reason"))
+    return _on_hosts(runner, hosts, phases.probe_host, job=job) if any(r["changed"] for r in results) else probes
+
+
+def _gate(job, probes, report, phase) -> Plan:
+    """The KV plan, then the gate on it (two phases of the report); raises the refusal."""
+    decision = phases.decide(job, probes)
     report.kv_plan = decision.kv_plan
     phase.record("kv-plan", "ok", decision.kv_plan_s)
     report.gate["policy"] = job.recipe.policy
@@ -162,55 +189,40 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         report.record_shortfall(decision.refusal.short_hosts)
         phase.record("gate", "failed", decision.gate_s)
         raise decision.refusal
-    plan = decision.plan
-    report.gate.update(predicted_s=plan.predicted_s)
+    report.record_plan(decision.plan)
     phase.record("gate", "ok", decision.gate_s)
-    report.gate.update(decision=plan.decision, assignments=plan.assignments, message=plan.message,
-                       predicted_s=plan.predicted_s, hosts={n: h.to_dict() for n, h in plan.hosts.items()})
-    for name, hp in plan.hosts.items():
-        report.host(name, workers=hp.workers).update(worker_mib=hp.worker_mib, worker_mib_source=hp.worker_mib_source,
-                                                     required_one_mib=hp.required_one_mib)
-    log.info("gate: %s", plan.message)
-    for warning in decisions.settings_without_effect(job.recipe, plan):  # also on the console: a warning
+    log = get_run_logger()
+    log.info("gate: %s", decision.plan.message)
+    for warning in decisions.settings_without_effect(job.recipe, decision.plan):  # on the console too
         log.warning(warning)
         report.warnings.append(warning)
-    with phase("compile") as info:
-        compiled, lost, during = run_compile_phase(job, hosts, plan, specs, reports, runner)
-        for name, d in during.items():  # the moment that matters: the lowest memory while compiling
-            m = d["memory"]
-            report.host(name).update(compile_memory=m, waited_for_lease=d["waited_for_lease"])
-            report.memory(name, "compile (lowest)", {"host_available_mib": m["min_available_mib"]},
-                          assumed_available_mib=job.assume_available.get(name))
-        info["status"] = "ok" if plan.decision == "compile" else "skipped"
-        if lost:
-            info["lost_hosts"] = sorted(lost)
-            for name in lost:
-                report.host(name)["lost"] = True
-            hosts[:] = [h for h in hosts if h.name not in lost]  # the ledger and sharing go on without them
-    with phase("outcome-check"):
-        stored = phases.outcome_check(job, specs)
-    forwards = outcome.forward_records(specs, stored, compiled, job.model_config, job.tp)
-    report.forwards = forwards
-    report.counts.update(forwards=len(forwards), compiled=len(compiled), reused=len(forwards) - len(compiled))
-    with phase("share-verify"):
-        target_of = {p.name: p.target for p in probes}
-        mine = {h.name: [f for f in forwards if f["target"] == target_of[h.name]] for h in hosts}
-        fetches = [runner.submit(h, phases.share_host, job=job, host=h, forwards=mine[h.name]) for h in hosts]
-        for h, f in zip(hosts, fetches):
-            report.host(h.name)["downloaded"] = f.result()
-        checks = [runner.submit(h, phases.verify_host, job=job, host=h, forwards=mine[h.name]) for h in hosts]
-        for h, f in zip(hosts, checks):
-            result = f.result()
-            report.verify[h.name] = result["checks"]
-            report.host(h.name)["verify_memory"] = result["memory"]
-    with phase("manifest"):
-        manifest = build_manifest(
-            export_id=job.export_id, model={"name": job.model_name, "checkpoint": job.checkpoint, "config": job.config}, recipe=job.recipe.to_dict(),
-            tp=job.tp, buckets=[str(b) for b in job.recipe.buckets], forwards=forwards,
-            weights=weight_layout(job.model_config, job.tp), kv_plan=report.kv_plan,
-            hosts=list(report.hosts.values()), phases=list(report.phases), signing=job.signing.manifest_entry())
-        report.signing = phases.write_manifest(job, manifest)
-        report.manifest = report.signing.pop("manifest")
+    return decision.plan
+
+
+def _compile(job, hosts, runner, report, probes, plan, info: dict) -> dict:
+    """Compile what the plan assigns; hosts lost midway leave `hosts` (the rest goes on without them)."""
+    specs = {s["key"]: s for p in probes for s in p.specs}
+    compiled, lost, during = run_compile_phase(job, hosts, plan, specs, decisions.host_reports(job, probes), runner)
+    report.record_compile(during, lost, job.assume_available)
+    info["status"] = "ok" if plan.decision == "compile" else "skipped"
+    if lost:
+        info["lost_hosts"] = sorted(lost)
+        hosts[:] = [h for h in hosts if h.name not in lost]
+    return compiled
+
+
+def _share_verify(job, hosts, runner, report, probes) -> None:
+    """Each host fetches the forwards of its target it lacks, then checks every rank against eager."""
+    target_of = {p.name: p.target for p in probes}
+    mine = {h.name: [f for f in report.forwards if f["target"] == target_of[h.name]] for h in hosts}
+    fetches = [runner.submit(h, phases.share_host, job=job, host=h, forwards=mine[h.name]) for h in hosts]
+    for h, f in zip(hosts, fetches):
+        report.host(h.name)["downloaded"] = f.result()
+    checks = [runner.submit(h, phases.verify_host, job=job, host=h, forwards=mine[h.name]) for h in hosts]
+    for h, f in zip(hosts, checks):
+        result = f.result()
+        report.verify[h.name] = result["checks"]
+        report.host(h.name)["verify_memory"] = result["memory"]
 
 
 def _store_ledger_picture(report: Report, job: ExportJob) -> bytes | None:

@@ -29,6 +29,18 @@ _BUCKET = re.compile(r"^[1-9][0-9]*x[1-9][0-9]*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
+def export_manifest(job, report) -> dict:
+    """The manifest of a finished export: `job` (kiln.core.job.ExportJob) and its `report` (forwards,
+    KV plan, hosts and phases recorded)."""
+    from kiln.core.contract import weight_layout
+
+    return build_manifest(
+        export_id=job.export_id, model={"name": job.model_name, "checkpoint": job.checkpoint, "config": job.config},
+        recipe=job.recipe.to_dict(), tp=job.tp, buckets=[str(b) for b in job.recipe.buckets],
+        forwards=report.forwards, weights=weight_layout(job.model_config, job.tp), kv_plan=report.kv_plan,
+        hosts=list(report.hosts.values()), phases=list(report.phases), signing=job.signing.manifest_entry())
+
+
 def build_manifest(*, export_id: str, model: dict, recipe: dict, tp: int, buckets: list[str],
                    forwards: list[dict], weights: dict, kv_plan: dict, hosts: list[dict], phases: list[dict],
                    signing: dict) -> dict:

@@ -67,8 +67,8 @@ class Report:
         self.host(host)["memory"].append(entry)
 
     def to_dict(self) -> dict:
-        return {"export_id": self.export_id, "attempt": self.attempt, "model": self.model, "tp": self.tp, "store": self.store,
-                "status": self.status, "error": self.error, "phases": self.phases,
+        return {"export_id": self.export_id, "attempt": self.attempt, "model": self.model, "tp": self.tp,
+                "store": self.store, "status": self.status, "error": self.error, "phases": self.phases,
                 "hosts": [self.hosts[n] for n in sorted(self.hosts)], "gate": self.gate,
                 "counts": self.counts, "forwards": self.forwards, "kv_plan": self.kv_plan,
                 "verify": self.verify, "manifest": self.manifest, "ledger_picture": self.ledger_picture,
@@ -94,6 +94,35 @@ class Report:
         if self.signing.get("note"):
             lines.append(f"  {self.signing['note']}")
         return "\n".join(lines)
+
+    def record_probes(self, probes) -> None:
+        """Each probed host's compile target and cache status (probes: kiln.core.probe_result.HostProbe)."""
+        for p in probes:
+            self.host(p.name, target=p.target)["cache"] = p.cache
+
+    def record_plan(self, plan) -> None:
+        """The gate's plan (kiln.core.gate.Plan): its decision, assignments, estimate and each host's figures."""
+        self.gate.update(decision=plan.decision, assignments=plan.assignments, message=plan.message,
+                         predicted_s=plan.predicted_s, hosts={n: h.to_dict() for n, h in plan.hosts.items()})
+        for name, hp in plan.hosts.items():
+            self.host(name, workers=hp.workers).update(worker_mib=hp.worker_mib, worker_mib_source=hp.worker_mib_source,
+                                                       required_one_mib=hp.required_one_mib)
+
+    def record_compile(self, during: dict[str, dict], lost: set[str], assumed: dict[str, int]) -> None:
+        """What each host went through while compiling (its lowest available memory, the leases it waited
+        for) as a ledger point 'compile (lowest)', and the hosts lost midway."""
+        for name, d in during.items():
+            m = d["memory"]
+            self.host(name).update(compile_memory=m, waited_for_lease=d["waited_for_lease"])
+            self.memory(name, "compile (lowest)", {"host_available_mib": m["min_available_mib"]},
+                        assumed_available_mib=assumed.get(name))
+        for name in lost:
+            self.host(name)["lost"] = True
+
+    def record_forwards(self, forwards: list[dict], compiled: dict) -> None:
+        """The export's forwards (kiln.core.outcome.forward_records) and how many this export compiled."""
+        self.forwards = forwards
+        self.counts.update(forwards=len(forwards), compiled=len(compiled), reused=len(forwards) - len(compiled))
 
     def record_shortfall(self, short_hosts: dict[str, dict]) -> None:
         """Each short host's figures from a refusal (GateRefused.short_hosts): what one compile worker
