@@ -149,3 +149,17 @@ def test_importing_configures_nothing():
     assert out.returncode == 0, out.stderr[-3000:]
     changed = json.loads(out.stdout.strip().splitlines()[-1])
     assert changed == {"env": {}, "gone": [], "dask": False, "levels": {}}, changed
+
+
+def test_no_two_modules_share_a_name():
+    """Names say what they hold: one `plan.py`, one `keys.py`, ... across the packages (not `__init__`)."""
+    seen: dict[str, str] = {}
+    clashes = []
+    for name in MODULES:
+        leaf = name.rpartition(".")[2]
+        if MODULES[name].name == "__init__.py":
+            continue
+        if leaf in seen:
+            clashes.append(f"{seen[leaf]} and {name}")
+        seen.setdefault(leaf, name)
+    assert not clashes, "modules that share a name: " + "; ".join(clashes)
