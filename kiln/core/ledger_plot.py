@@ -26,8 +26,10 @@ def draw(hosts: list[dict], *, title: str = "memory ledger") -> bytes:
     'host_available_mib', 'device_free_mib', 'assumed_available_mib'?}, ...]}.
     A host without a device shows only its available memory; an assumed figure
     (--assume-available) is drawn as a dashed line; the memory one compile worker
-    needs ('required_one_mib', from the gate) as a dotted line, and the lowest
-    reading while compiling (phase 'compile (lowest)') as a triangle.
+    needs ('required_one_mib', from the gate) as a dotted line, the lowest
+    reading while compiling (phase 'compile (lowest)') as a triangle whose label
+    gives the compile process tree's peak ('compile_memory.peak_tree_mib'), and
+    for a refusal ('short_mib') the shortfall as an arrow.
     """
     import matplotlib
 
@@ -56,10 +58,12 @@ def draw(hosts: list[dict], *, title: str = "memory ledger") -> bytes:
                         arrowprops={"arrowstyle": "<->", "color": "tab:red"})
             ax.annotate(f"{host['short_mib']} MiB short", (x[-1], (avail[-1] + host["required_one_mib"]) / 2),
                         textcoords="offset points", xytext=(-8, 0), ha="right", color="tab:red", fontsize=9)
+        peak = (host.get("compile_memory") or {}).get("peak_tree_mib")
         for xi, row in zip(x, rows):
             if row["phase"] == "compile (lowest)" and row.get("host_available_mib") is not None:
+                label = "lowest while compiling" + (f" (compile processes peaked at {peak} MiB)" if peak else "")
                 ax.plot([xi], [row["host_available_mib"]], marker="v", color="tab:orange", markersize=9,
-                        linestyle="none", label="lowest while compiling")
+                        linestyle="none", label=label)
         for xi, value in zip(x, avail):
             if value is not None:
                 ax.annotate(f"{value}", (xi, value), textcoords="offset points", xytext=(0, 6),
