@@ -137,10 +137,10 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
     with phase("tune") as info:
         probes = _tune(job, hosts, runner, report, probes, info)
     plan = _gate(job, probes, report, phase)
+    specs = {s["key"]: s for p in probes for s in p.specs}
     with phase("compile") as info:
-        compiled = _compile(job, hosts, runner, report, probes, plan, info)
+        compiled = _compile(job, hosts, runner, report, probes, specs, plan, info)
     with phase("outcome-check"):
-        specs = {s["key"]: s for p in probes for s in p.specs}
         report.record_forwards(outcome.forward_records(specs, phases.outcome_check(job, specs), compiled,
                                                        job.model_config, job.tp), compiled)
     with phase("share-verify"):
@@ -199,9 +199,8 @@ def _gate(job, probes, report, phase) -> Plan:
     return decision.plan
 
 
-def _compile(job, hosts, runner, report, probes, plan, info: dict) -> dict:
+def _compile(job, hosts, runner, report, probes, specs, plan, info: dict) -> dict:
     """Compile what the plan assigns; hosts lost midway leave `hosts` (the rest goes on without them)."""
-    specs = {s["key"]: s for p in probes for s in p.specs}
     compiled, lost, during = run_compile_phase(job, hosts, plan, specs, decisions.host_reports(job, probes), runner)
     report.record_compile(during, lost, job.assume_available)
     info["status"] = "ok" if plan.decision == "compile" else "skipped"

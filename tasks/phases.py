@@ -35,8 +35,12 @@ def transient_only(task, task_run, state) -> bool:
     return False
 
 
-@task(name="probe", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,
-      retry_condition_fn=transient_only, cache_policy=None)
+_IO = dict(retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S, retry_condition_fn=transient_only,
+           cache_policy=None)
+"""Every I/O task's retries: transient errors only, with IO_RETRY_DELAYS_S backoff."""
+
+
+@task(name="probe", **_IO)
 def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
     faults.point("probe")
     return hostwork.probe_host(job, host)
@@ -61,8 +65,7 @@ def compile_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int
     return hostwork.compile_on_host(job, host, specs, workers)
 
 
-@task(name="outcome-check", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,
-      retry_condition_fn=transient_only, cache_policy=None)
+@task(name="outcome-check", **_IO)
 def outcome_check(job: ExportJob, forwards: dict[str, dict]) -> dict[str, dict]:
     """Every key of the export must be in the store with a sha256, and its package Python-free
     (kiln.core.outcome.check_outcome); returns key -> {'sha256', 'size_bytes', 'calls'}."""
@@ -70,8 +73,7 @@ def outcome_check(job: ExportJob, forwards: dict[str, dict]) -> dict[str, dict]:
     return outcome.check_outcome(found, missing, forwards)
 
 
-@task(name="share", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,
-      retry_condition_fn=transient_only, cache_policy=None)
+@task(name="share", **_IO)
 def share_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
     return hostwork.fetch_missing(job, host, forwards)
 
@@ -83,8 +85,7 @@ def verify_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
     return result
 
 
-@task(name="manifest", retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S,
-      retry_condition_fn=transient_only, cache_policy=None)
+@task(name="manifest", **_IO)
 def write_manifest(job: ExportJob, manifest: dict) -> dict:
     """Sign (the key is loaded here, never passed in) and write the manifest last; the report's signing entry."""
     from blocks.trust import write_signed_manifest
@@ -96,9 +97,6 @@ def write_manifest(job: ExportJob, manifest: dict) -> dict:
 
 
 # --- the flow's own store reads and writes: each a retried task --------------------------------------
-
-_IO = dict(retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S, retry_condition_fn=transient_only,
-           cache_policy=None)
 
 
 @task(name="missing-forwards", **_IO)

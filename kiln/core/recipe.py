@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kiln.core.errors import BadInput
-from kiln.core.settings import Setting, form_model, setting, settings_of
+from kiln.core.settings import Setting, form_model, from_form, parse_assignments, setting, settings_of
 
 Policy = Literal["borrow", "fail"]
 TuningMode = Literal["off", "cached", "full"]
@@ -198,8 +198,6 @@ SETTING: dict[str, Setting] = {s.name: s for s in SETTINGS}
 
 def recipe_from_text(items: list[str] | tuple[str, ...], base: Recipe | None = None) -> Recipe:
     """`base` (default: the defaults) with `NAME=VALUE` items applied, each parsed by the setting it names."""
-    from kiln.core.settings import parse_assignments
-
     return (base or Recipe()).replace(**parse_assignments(SETTINGS, items))
 
 
@@ -217,7 +215,5 @@ def recipe_form():
 
 def recipe_of_form(values: dict, base: Recipe | None = None) -> Recipe:
     """`base` with the settings of a form model's dump that differ from their defaults applied."""
-    from kiln.core.settings import from_form
-
     typed = from_form(SETTINGS, values)
     return (base or Recipe()).replace(**{k: v for k, v in typed.items() if v != SETTING[k].default})
