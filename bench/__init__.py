@@ -4,7 +4,9 @@ Purpose: `kiln bench [--quick] [PART ...]` (bench.suite) runs the parts and
 writes bench/results/<UTC stamp>.json, .md and .png.
 
 Contracts: each figure compares two measurements of the same run on the same
-machine (median of several where cheap); cold measurements each get a fresh
+machine: the median of its samples (3 per side in a full run, the sides'
+order alternating between samples; every sample kept in the JSON, with the
+commit measured and whether its code had uncommitted changes); cold measurements each get a fresh
 Inductor cache, store and host cache; servers are started before any
 measurement and never charged to one; every figure's note says what it
 includes. Pure pieces (figures, the capture-size list, the gate on paper)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench.runs import PYTHON, Workdir
+from kiln.core.errors import BadInput
 
 # The incident (docs/several-hosts.md) on local hosts: one rank per host, two hosts short of one worker.
 INCIDENT_SETTINGS = ["headroom_floor_mib=8192", "recipe_headroom_mib=1024", "worker_host_mib=2048",
@@ -36,14 +37,21 @@ class Settings:
     store_reps: int = 5
     """Repetitions of the store transfers (a few seconds each)."""
     store_file_mib: tuple[int, ...] = (8, 16, 24, 32)
+    samples: int = 3
+    """Samples per side of every ratio the suite repeats (each sample a fresh cold start, the sides' order
+    alternating); the store and collective parts repeat inside themselves (`store_reps`, their own count)."""
 
     @classmethod
-    def for_mode(cls, quick: bool) -> "Settings":
+    def for_mode(cls, quick: bool, samples: int | None = None) -> "Settings":
+        if samples is not None and samples < 1:
+            raise BadInput(f"--samples must be at least 1, not {samples}")
         if quick:
             return cls(quick=True, buckets="1x8", borrow_buckets="1x8,2x8,4x8", reps=1, store_reps=1,
-                       store_file_mib=(8, 16))
+                       store_file_mib=(8, 16), samples=samples or 1)
         eight = "1x8,2x8,4x8,8x8,1x32,2x32,4x32,8x32"
-        return cls(quick=False, buckets=eight, borrow_buckets=eight)
+        # Borrow's two 3-host exports are the suite's longest runs; 4 buckets (at least one per host) keep
+        # three samples of them within the suite's half hour.
+        return cls(quick=False, buckets=eight, borrow_buckets="1x8,2x8,1x32,2x32", samples=samples or 3)
 
     @property
     def num_buckets(self) -> int:
@@ -52,7 +60,8 @@ class Settings:
     def to_dict(self) -> dict:
         return {"quick": self.quick, "buckets": self.buckets, "num_buckets": self.num_buckets,
                 "borrow_buckets": self.borrow_buckets, "tp": self.tp, "hosts_tp": self.hosts_tp, "reps": self.reps,
-                "store_reps": self.store_reps, "store_file_mib": list(self.store_file_mib)}
+                "store_reps": self.store_reps, "store_file_mib": list(self.store_file_mib),
+                "samples": self.samples}
 
 
 def precompiled_headers_ready() -> bool:
@@ -61,22 +70,55 @@ def precompiled_headers_ready() -> bool:
     return d.exists() and any(d.rglob("*.gch"))
 
 
-class Context:
-    """Settings, work directory and the measurements several parts share (each made at most once)."""
+SUITE_ONCE = frozenset({"model", "warm-up", "startup"})
+"""Measurements made once per suite run; every other `once` is made once per sample."""
 
-    def __init__(self, work: Workdir, settings: Settings):
+
+class Context:
+    """Settings, work directory and the measurements several parts share (each made at most once per sample).
+
+    The suite runs every part once per sample; `begin_sample` gives each sample its own work directory
+    (fresh stores, host caches and Inductor caches) and flips `forward_order`, the order in which a part
+    runs the two sides it compares.
+    """
+
+    def __init__(self, work: Workdir, settings: Settings, selected: tuple[str, ...] = ()):
+        self.base = work
         self.work = work
         self.s = settings
+        self.selected = frozenset(selected)
+        """The parts this suite run measures (a part makes only the sides that some selected part reads)."""
+        self.sample = 0
         self._once: dict[str, object] = {}
         self.notes: dict[str, str] = {}
 
+    def begin_sample(self, index: int) -> None:
+        self.sample = index
+        self.work = self.base.child(f"sample-{index + 1}")
+
+    @property
+    def forward_order(self) -> bool:
+        """True on the 1st, 3rd, ... sample: a part runs its sides in their natural order, else reversed."""
+        return self.sample % 2 == 0
+
+    def ordered(self, sides: list) -> list:
+        return list(sides) if self.forward_order else list(sides)[::-1]
+
+    def tag(self, name: str) -> str:
+        """`name` made unique to this sample (S3 prefixes, which the samples share one bucket for)."""
+        return f"{name}-s{self.sample + 1}"
+
+    def _key(self, name: str) -> str:
+        return name if name in SUITE_ONCE else f"{name}#{self.sample}"
+
     def once(self, name: str, make: Callable[[], object]):
-        if name not in self._once:
-            self._once[name] = make()
-        return self._once[name]
+        key = self._key(name)
+        if key not in self._once:
+            self._once[key] = make()
+        return self._once[key]
 
     def has(self, name: str) -> bool:
-        return name in self._once
+        return self._key(name) in self._once
 
     @property
     def model(self) -> str:

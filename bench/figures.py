@@ -1,7 +1,8 @@
 """The suite's figures: names, targets, ratio arithmetic and the markdown table. Pure.
 
 Every figure is a ratio of two things measured side by side in the same run
-(or, for `gate_scale_s`, the gate's own run time). No torch, prefect or boto3
+(or, labelled as such, a count, a prediction or a synthetic timing), the
+median of its samples. No torch, prefect or boto3
 import: this module is unit-tested on plain numbers.
 """
 
@@ -133,16 +134,28 @@ def _fmt(value: float | None) -> str:
     return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
 
 
+def _value(name: str, figures: dict, spread: dict) -> str:
+    """The median, and with several samples their range and count: `0.81 (0.78-0.86, n=3)`."""
+    s = spread.get(name) or {}
+    if (s.get("n") or 0) < 2:
+        return _fmt(figures[name])
+    return f"{_fmt(figures[name])} ({_fmt(s['min'])}-{_fmt(s['max'])}, n={s['n']})"
+
+
 def render_markdown(result: dict) -> str:
     """The results table: every figure with its target and whether it was met, then notes and load."""
     figures = result.get("figures", {})
+    spread = result.get("figure_samples", {})
     targets = {n: Target(t["op"], t["bound"]) for n, t in result.get("targets", {}).items()}
     m = result.get("machine", {})
     lines = [f"# Kiln bench {result.get('stamp', '')} ({result.get('mode', '')})", "",
              f"Parts: {', '.join(result.get('parts', []))}. Suite wall time: {_fmt(result.get('suite_s'))} s. "
              f"Machine: {m.get('cpus', '?')} CPUs, load average {_fmt(m.get('load_start'))} at start, "
              f"{_fmt(m.get('load_mean'))} mean / {_fmt(m.get('load_max'))} max during the run "
-             f"(1-minute load average; {m.get('cpus', '?')} means the CPUs were fully busy).", "",
+             f"(1-minute load average; {m.get('cpus', '?')} means the CPUs were fully busy). "
+             f"Commit {m.get('commit') or 'unknown'}"
+             f"{'' if not m.get('code_changed') else ' with uncommitted changes to ' + ', '.join(m['code_changed'])}. "
+             "Each value is the median of its samples (range and count in brackets).", "",
              "| figure | value | target | met | compares |", "|---|---|---|---|---|"]
     for name, (part, what) in FIGURES.items():
         if name not in figures:
@@ -150,9 +163,9 @@ def render_markdown(result: dict) -> str:
         target = targets.get(name)
         met = target.met(figures[name]) if target else None
         verdict = "-" if target is None else {True: "met", False: "**missed**", None: "n/a"}[met]
-        lines.append(f"| `{name}` | {_fmt(figures[name])} | {target or '-'} | {verdict} | {what} |")
+        lines.append(f"| `{name}` | {_value(name, figures, spread)} | {target or '-'} | {verdict} | {what} |")
     for name in sorted(set(figures) - set(FIGURES)):
-        lines.append(f"| `{name}` | {_fmt(figures[name])} | - | - | |")
+        lines.append(f"| `{name}` | {_value(name, figures, spread)} | - | - | |")
     if result.get("errors"):
         lines += ["", "## Parts that failed", ""]
         lines += [f"- `{part}`: {msg}" for part, msg in result["errors"].items()]

@@ -52,27 +52,39 @@ def part_fail_fast(ctx: Context) -> dict:
     ctx.warm_up()
     w = ctx.work
     report_path = w.path("fail-fast", "refused.json")
-    refused = w.run("fail-fast-refused",
-                    [*KILN, "export", *_layout(ctx, *_assume(), "--policy", "fail"),
-                     "--store", f"s3://{BUCKET}/ff-refused", "--report", str(report_path)],
-                    w.env(inductor="ff-refused", kiln_home="fail-fast/refused-home")).expect(3)
+    refused_prefix, baseline_prefix = ctx.tag("ff-refused"), ctx.tag("ff-baseline")
+    out = w.path("fail-fast", "baseline.json")
+    runs = {}
+
+    def refuse() -> None:
+        runs["refused"] = w.run("fail-fast-refused",
+                                [*KILN, "export", *_layout(ctx, *_assume(), "--policy", "fail"),
+                                 "--store", f"s3://{BUCKET}/{refused_prefix}", "--report", str(report_path)],
+                                w.env(inductor="ff-refused", kiln_home="fail-fast/refused-home")).expect(3)
+
+    def compile_first() -> None:
+        runs["baseline"] = w.run("fail-fast-compile-first",
+                                 [PYTHON, "-m", "bench.compile_first", *_layout(ctx, *_assume()),
+                                  "--store", f"s3://{BUCKET}/{baseline_prefix}", "--json", str(out)],
+                                 w.env(inductor="ff-baseline", kiln_home="fail-fast/baseline-home")).expect(1)
+
+    order = ctx.ordered([("refused", refuse), ("baseline", compile_first)])
+    for _, side in order:
+        side()
+    refused, baseline_run = runs["refused"], runs["baseline"]
     report = json.loads(report_path.read_text())
     phases = _phases(report)
     home = w.root / "fail-fast" / "refused-home"
     evidence = {"phases": list(phases), "gate_decision": report["gate"]["decision"],
-                "forwards_in_store": len(_stored(ctx, "ff-refused")),
+                "forwards_in_store": len(_stored(ctx, refused_prefix)),
                 "pt2_in_host_caches": sum(1 for _ in home.rglob("*.pt2")) if home.exists() else 0,
-                "inductor_cache_files": w.inductor_files("ff-refused")}
+                "inductor_cache_files": w.inductor_files("ff-refused"),
+                "baseline_forwards_in_store": len(_stored(ctx, baseline_prefix))}
     nothing_compiled = (evidence["phases"] == ["probe", "tune", "kv-plan", "gate"]
                         and evidence["gate_decision"] == "refused" and evidence["forwards_in_store"] == 0
                         and evidence["pt2_in_host_caches"] == 0 and evidence["inductor_cache_files"] == 0)
     if not nothing_compiled:
         raise BenchFailed(f"the refused run compiled something or did not stop at the gate: {evidence}")
-    out = w.path("fail-fast", "baseline.json")
-    baseline_run = w.run("fail-fast-compile-first",
-                         [PYTHON, "-m", "bench.compile_first", *_layout(ctx, *_assume()),
-                          "--store", f"s3://{BUCKET}/ff-baseline", "--json", str(out)],
-                         w.env(inductor="ff-baseline", kiln_home="fail-fast/baseline-home")).expect(1)
     baseline = json.loads(out.read_text())
     if not baseline["failed"]:
         raise BenchFailed(f"the compile-first baseline did not fail: {baseline}")
@@ -90,7 +102,8 @@ def part_fail_fast(ctx: Context) -> dict:
                                      "flow_run_failed_s": r"Flow run '.*Finished in state Failed"})
     return {"figures": {"fail_fast_ratio": ratio(refused.wall_s, baseline_run.wall_s),
                         "fail_fast_ratio_no_startup": ratio(refusal_s, baseline["probe_to_failure_s"])},
-            "raw": {"refused_wall_s": refused.wall_s, "refused_phases_s": phases, "refusal_message": report["error"],
+            "raw": {"order": [name for name, _ in order], "refused_wall_s": refused.wall_s,
+                    "refused_phases_s": phases, "refusal_message": report["error"],
                     "refused_milestones_s": milestones, "refused_decided_in": report["gate"].get("decided_in"),
                     "evidence": evidence,
                     "baseline_wall_s": baseline_run.wall_s, "baseline": baseline},
@@ -112,10 +125,11 @@ def part_borrow(ctx: Context) -> dict:
     compile_s, source = measured_compile_s(ctx)
     estimate = ["--set", f"compile_s_estimate={compile_s:.3f}"]
     runs = {}
-    for name, extra in (("lend", _assume()), ("all-compile", [*_assume(), "--set", "headroom_floor_mib=6144"])):
+    order = ctx.ordered([("lend", _assume()), ("all-compile", [*_assume(), "--set", "headroom_floor_mib=6144"])])
+    for name, extra in order:
         report_path = w.path("borrow", f"{name}.json")
         argv = [*KILN, "export", *_layout(ctx, *extra, *estimate, buckets=ctx.s.borrow_buckets), "--policy",
-                "borrow", "--store", f"s3://{BUCKET}/borrow-{name}", "--report", str(report_path)]
+                "borrow", "--store", f"s3://{BUCKET}/{ctx.tag('borrow-' + name)}", "--report", str(report_path)]
         run = w.run(f"borrow-{name}", argv,
                     w.env(inductor=f"borrow-{name}", kiln_home=f"borrow/{name}-home", server=True)).expect(0)
         r = json.loads(report_path.read_text())
@@ -127,7 +141,8 @@ def part_borrow(ctx: Context) -> dict:
     return {"figures": {"borrow_ratio": ratio(lend["phases_s"]["compile"], every["phases_s"]["compile"]),
                         "borrow_export_ratio": ratio(lend["wall_s"], every["wall_s"]),
                         "borrow_predicted_vs_measured": ratio(lend["predicted_s"], lend["phases_s"]["compile"])},
-            "raw": {**runs, "compile_s_estimate": compile_s, "compile_s_source": source,
+            "raw": {**runs, "order": [name for name, _ in order], "compile_s_estimate": compile_s,
+                    "compile_s_source": source,
                     "all_compile_predicted_vs_measured": ratio(every["predicted_s"], every["phases_s"]["compile"])},
             "notes": "lend = the incident layout with --policy borrow: host-1 and host-2 cannot run a worker and "
                      "lend every forward to host-0; all-compile = the same with headroom_floor_mib=6144, so every "
@@ -140,6 +155,7 @@ def part_gate_scale(ctx: Context) -> dict:
     compile_s, source = measured_compile_s(ctx)
     sim = simulate(compile_s, repeats=5)
     return {"figures": {"gate_scale_s": median(sim["gate_run_s"]), "gate_scale_predicted_s": sim["predicted_s"]},
+            "samples": {"gate_scale_s": sim["gate_run_s"]},
             "raw": {**sim, "compile_s_source": source},
             "notes": "kiln.core.gate.decide on paper: 64 GB10-like hosts x 8 ranks, 67 buckets (1, 2, 4, 8..512 step "
                      "8), the incident's memory settings with host memory spread over 10-20 GiB (some hosts "

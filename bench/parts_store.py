@@ -48,10 +48,11 @@ def part_store(ctx: Context) -> dict:
     files = _files(ctx)
     total = sum(p.stat().st_size for p, _ in files)
     plain = s3_client(ctx)
-    store = S3Store(BUCKET, "store-bench/kiln", endpoint_url=ctx.work.s3_endpoint,
+    store = S3Store(BUCKET, ctx.tag("store-bench/kiln"), endpoint_url=ctx.work.s3_endpoint,
                     region=FAKE_AWS["AWS_DEFAULT_REGION"], access_key=FAKE_AWS["AWS_ACCESS_KEY_ID"],
                     secret_key=FAKE_AWS["AWS_SECRET_ACCESS_KEY"])
     rows = []
+    boto_prefix = ctx.tag("store-bench/boto")
     for rep in range(ctx.s.store_reps):
         down = ctx.work.path("store", f"down-{rep}", "x").parent
 
@@ -61,7 +62,7 @@ def part_store(ctx: Context) -> dict:
 
         def boto_up():
             for p, _ in files:
-                plain.upload_file(str(p), BUCKET, f"store-bench/boto-{rep}/blobs/{p.name}")
+                plain.upload_file(str(p), BUCKET, f"{boto_prefix}-{rep}/blobs/{p.name}")
 
         def kiln_down():
             for p, digest in files:
@@ -69,7 +70,7 @@ def part_store(ctx: Context) -> dict:
 
         def boto_down():
             for p, _ in files:
-                plain.download_file(BUCKET, f"store-bench/boto-{rep}/blobs/{p.name}", str(down / f"boto-{p.name}"))
+                plain.download_file(BUCKET, f"{boto_prefix}-{rep}/blobs/{p.name}", str(down / f"boto-{p.name}"))
 
         t = {}
         order = [("kiln", kiln_up, kiln_down), ("boto3", boto_up, boto_down)]
@@ -81,17 +82,18 @@ def part_store(ctx: Context) -> dict:
             if (down / f"kiln-{p.name}").read_bytes() != (down / f"boto-{p.name}").read_bytes():
                 raise RuntimeError(f"downloads of {p.name} differ between Kiln and boto3")
         rows.append(t)
-    figures = {}
+    figures, samples = {}, {}
     raw = {"bytes_per_rep": total, "files_mib": list(ctx.s.store_file_mib), "reps": rows}
     for way in ("upload", "download"):
         kiln_mib_s = [throughput_mib_s(total, r[f"kiln_{way}_s"]) for r in rows]
         boto_mib_s = [throughput_mib_s(total, r[f"boto3_{way}_s"]) for r in rows]
         pairs = [ratio(k, b) for k, b in zip(kiln_mib_s, boto_mib_s)]
         figures[f"store_{way}_ratio"] = median(pairs)
+        samples[f"store_{way}_ratio"] = pairs
         raw[f"{way}_ratio_per_rep"] = pairs
         raw[f"kiln_{way}_mib_s"] = median(kiln_mib_s)
         raw[f"boto3_{way}_mib_s"] = median(boto_mib_s)
-    return {"figures": figures, "raw": raw,
+    return {"figures": figures, "samples": samples, "raw": raw,
             "notes": f"{len(files)} random files of {', '.join(map(str, ctx.s.store_file_mib))} MiB per side "
                      f"and repetition ({ctx.s.store_reps}), to one moto_server on loopback; Kiln's side includes "
                      "its sha256 hashing on upload and verification on download and its fsync (its contract), "

@@ -155,13 +155,23 @@ class LoadSampler:
 class Workdir:
     """Directories, environments and timed runs of one suite run."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, label: str = ""):
         self.root = root
+        self.label = label
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.prefect_url: str | None = None
         self.s3_endpoint: str | None = None
         self.commands: list[dict] = []
+        self.prefect_home = root / "prefect-home"
+        """One Prefect home (the embedded API's database) for every sample: created once, by the warm-up."""
+
+    def child(self, name: str) -> "Workdir":
+        """A work directory under this one with the same servers and one command list (a sample's)."""
+        child = Workdir(self.root / name, label=name)
+        child.prefect_url, child.s3_endpoint, child.commands = self.prefect_url, self.s3_endpoint, self.commands
+        child.prefect_home = self.prefect_home
+        return child
 
     def path(self, *parts: str) -> Path:
         p = self.root.joinpath(*parts)
@@ -178,7 +188,7 @@ class Workdir:
         for name in ("PREFECT_API_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3",
                      "TORCHINDUCTOR_CACHE_DIR"):
             env.pop(name, None)
-        env.update(KILN_HOME=str(self.path(kiln_home)), PREFECT_HOME=str(self.path("prefect-home")),
+        env.update(KILN_HOME=str(self.path(kiln_home)), PREFECT_HOME=str(self.prefect_home),
                    PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1",
                    # A busy machine can take longer than Prefect's default 20 s to start the embedded API.
                    PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="600", **FAKE_AWS,
@@ -207,9 +217,10 @@ class Workdir:
             except subprocess.TimeoutExpired:
                 code = -9
             wall_s = time.perf_counter() - start
-        self.commands.append({"name": name, "argv": argv[2:] if argv[:2] == [PYTHON, "-m"] else argv,
-                              "wall_s": wall_s, "code": code})
-        print(f"  {name}: {wall_s:.1f} s (exit {code})", file=sys.stderr, flush=True)
+        self.commands.append({"name": name, "sample": self.label or None,
+                              "argv": argv[2:] if argv[:2] == [PYTHON, "-m"] else argv, "wall_s": wall_s, "code": code})
+        where = f" ({self.label})" if self.label else ""
+        print(f"  {name}{where}: {wall_s:.1f} s (exit {code})", file=sys.stderr, flush=True)
         return Run(name, wall_s, code, log, started)
 
     def inductor_files(self, inductor: str) -> int:

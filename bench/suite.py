@@ -1,9 +1,13 @@
 """`kiln bench [--quick] [PART ...]`: run the suite (or named parts) and write the results.
 
-Writes `<out>/<UTC stamp>.json` (a flat `figures` object, the targets, raw
-timings, what each measurement includes, machine and load), `<stamp>.md`
-(the table) and `<stamp>.png` (the chart). Parts run one after another, never
-concurrently; the servers are started first and not charged to any part.
+Writes `<out>/<UTC stamp>.json` (a flat `figures` object of medians, every
+figure's samples and spread in `figure_samples`, the targets, raw timings per
+sample, what each measurement includes, machine, commit and load),
+`<stamp>.md` (the table) and `<stamp>.png` (the chart). Parts run one after
+another, never concurrently; the servers are started first and not charged
+to any part. The whole list of parts runs once per sample (3 in a full run),
+each sample in a fresh work directory, the two sides of a ratio in the
+opposite order on every other sample.
 Exit 0 when every part ran, 1 when some part failed (its error is recorded,
 the others still run), 2 for an unknown part name.
 """
@@ -36,11 +40,14 @@ PARTS = {"fail_fast": part_fail_fast, "compile_efficiency": part_compile_efficie
          "pool_vs_loop": part_pool_vs_loop, "dedup": part_dedup, "warm_cold": part_warm_cold,
          "overhead": part_overhead, "store": part_store, "borrow": part_borrow, "gate_scale": part_gate_scale,
          "collective": part_collective}
+REPEATS_INSIDE = {"store", "collective", "gate_scale"}
+"""Parts that take their own samples in one call (alternating sides inside); the suite runs them once."""
 QUICK_SKIPS = ("borrow",)
 """Parts `--quick` leaves out unless named: two cold 3-host exports do not fit in its few minutes."""
 NEEDS_PREFECT_SERVER = {"borrow", "warm_cold", "overhead"}
 NEEDS_S3 = {"fail_fast", "borrow", "store"}
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "bench" / "results"
 
 
 def select(parts: list[str], quick: bool) -> list[str]:
@@ -50,6 +57,25 @@ def select(parts: list[str], quick: bool) -> list[str]:
     if parts:
         return [p for p in PARTS if p in parts]
     return [p for p in PARTS if not (quick and p in QUICK_SKIPS)]
+
+
+MEASURED_CODE = ("kiln", "flows", "tasks", "blocks", "cli", "bench")
+"""The folders whose code the figures describe (bench/results and the markdown files excepted)."""
+
+
+def _git(*args: str) -> str | None:
+    try:
+        run = subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPO, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return run.stdout if run.returncode == 0 else None
+
+
+def code_state() -> dict:
+    """The commit measured and whether the measured code had uncommitted changes (`code_changed` lists them)."""
+    changed = _git("status", "--porcelain", "--", *MEASURED_CODE, ":(exclude)bench/results", ":(exclude)*.md")
+    return {"commit": (_git("rev-parse", "HEAD") or "").strip() or None,
+            "code_changed": None if changed is None else [line[3:] for line in changed.splitlines()]}
 
 
 def _machine() -> dict:
@@ -63,14 +89,9 @@ def _machine() -> dict:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
     return {"cpus": num_cpus(), "mem_total_mib": psutil.virtual_memory().total // 2**20,
             "python": platform.python_version(), "platform": platform.platform(), "torch": version("torch"),
-            "prefect": version("prefect"), "boto3": version("boto3"), "commit": commit,
+            "prefect": version("prefect"), "boto3": version("boto3"), **code_state(),
             "load_start": os.getloadavg()[0]}
 
 
@@ -93,38 +114,59 @@ def _servers(stack: ExitStack, ctx: Context, selected: list[str], raw: dict) -> 
         raw["prefect_server_start_s"] = time.perf_counter() - start
 
 
-def run_suite(parts: list[str], *, quick: bool = False, out_dir: str | None = None, keep: bool = False) -> int:
+def summarize(samples: dict[str, list]) -> tuple[dict, dict]:
+    """Each figure's median over its samples, and the samples themselves with their spread."""
+    figures, kept = {}, {}
+    for name, values in samples.items():
+        finite = [v for v in values if v is not None]
+        figures[name] = median(finite)
+        kept[name] = {"values": values, "n": len(finite), "min": min(finite, default=None),
+                      "max": max(finite, default=None)}
+    return figures, kept
+
+
+def run_suite(parts: list[str], *, quick: bool = False, out_dir: str | None = None, keep: bool = False,
+              samples: int | None = None) -> int:
     """Run the selected parts; write JSON, markdown and PNG; print the table. See the module docstring."""
     selected = select(parts, quick)
-    settings = Settings.for_mode(quick)
+    settings = Settings.for_mode(quick, samples)
     started = dt.datetime.now(dt.timezone.utc)
     stamp = started.strftime("%Y%m%dT%H%M%SZ")
     out = Path(out_dir) if out_dir else RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix=f"kiln-bench-{stamp}-"))
-    ctx = Context(Workdir(root), settings)
+    ctx = Context(Workdir(root), settings, tuple(selected))
     result: dict = {"stamp": stamp, "started_utc": started.isoformat(), "mode": "quick" if quick else "full",
                     "parts": selected, "settings": settings.to_dict(), "machine": _machine(), "figures": {},
                     "targets": {}, "raw": {"suite": {}}, "notes": {}, "errors": {}}
     print(f"kiln bench ({result['mode']}): {', '.join(selected)}; work dir {root}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
+    taken: dict[str, list] = {}
     with LoadSampler() as load, ExitStack() as stack:
         try:
             _servers(stack, ctx, selected, result["raw"]["suite"])
         except Exception as exc:  # no servers: every part that needs one fails below, with this reason
             result["errors"]["servers"] = f"{type(exc).__name__}: {exc}"[:2000]
-        for name in selected:
-            print(f"bench: {name}", file=sys.stderr, flush=True)
-            part_start = time.perf_counter()
-            try:
-                got = PARTS[name](ctx)
-            except Exception as exc:
-                result["errors"][name] = f"{type(exc).__name__}: {exc}"[:3000]
-                print(f"bench: {name} failed: {result['errors'][name]}", file=sys.stderr, flush=True)
-                continue
-            result["figures"].update(got["figures"])
-            result["raw"][name] = {**got["raw"], "part_s": time.perf_counter() - part_start}
-            result["notes"][name] = got["notes"]
+        for index in range(settings.samples):
+            ctx.begin_sample(index)
+            for name in selected:
+                if name in result["errors"] or (index > 0 and name in REPEATS_INSIDE):
+                    continue  # a part that failed once is not measured again
+                print(f"bench: {name} (sample {index + 1} of {settings.samples})", file=sys.stderr, flush=True)
+                part_start = time.perf_counter()
+                try:
+                    got = PARTS[name](ctx)
+                except Exception as exc:
+                    result["errors"][name] = f"{type(exc).__name__}: {exc}"[:3000]
+                    print(f"bench: {name} failed: {result['errors'][name]}", file=sys.stderr, flush=True)
+                    continue
+                for figure, value in got["figures"].items():
+                    taken.setdefault(figure, []).append(value)
+                taken.update({figure: list(values) for figure, values in got.get("samples", {}).items()})
+                result["raw"].setdefault(name, {"samples": []})["samples"].append(
+                    {**got["raw"], "part_s": time.perf_counter() - part_start})
+                result["notes"][name] = got["notes"]
+    result["figures"], result["figure_samples"] = summarize(taken)
     result["suite_s"] = time.perf_counter() - t0
     result["finished_utc"] = dt.datetime.now(dt.timezone.utc).isoformat()
     result["machine"].update(load_mean=median(load.samples) if load.samples else None,

@@ -239,7 +239,7 @@ def cmd_checkpoint(args) -> int:
 
 def cmd_bench(args) -> int:
     from bench.suite import run_suite
-    return run_suite(args.parts, quick=args.quick, out_dir=args.out, keep=args.keep)
+    return run_suite(args.parts, quick=args.quick, out_dir=args.out, keep=args.keep, samples=args.samples)
 
 
 def _fetch_flags(p: argparse.ArgumentParser) -> None:
@@ -306,6 +306,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("parts", nargs="*", metavar="PART", help="fail_fast, compile_efficiency, pool_vs_loop, dedup, "
                    "warm_cold, overhead, store, borrow, gate_scale (default: all)")
     b.add_argument("--quick", action="store_true", help="fewer buckets, one repetition, no borrow part (minutes)")
+    b.add_argument("--samples", type=int, metavar="N",
+                   help="samples per side of every ratio, sides alternating (default: 3; 1 with --quick)")
     b.add_argument("--out", help="results directory (default: bench/results)")
     b.add_argument("--keep", action="store_true", help="keep the work directory (logs, stores, caches)")
     b.set_defaults(func=cmd_bench)

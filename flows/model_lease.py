@@ -76,7 +76,8 @@ def _holder_if_taken(name: str) -> dict | None:
 @contextmanager
 def model_lease(params: ExportParams) -> Iterator[str]:
     """Hold the model's slot for the duration of the block; waits while another export holds it, saying
-    for what and whom. While held, the variable `<lease>-holder` names this flow run and export."""
+    for what and whom. The variable `<lease>-holder` names the flow run and export that took the slot last
+    (the holder while the slot is taken)."""
     log = get_run_logger()
     name = lease_name(model_name(params))
     ensure_limit(name)
@@ -100,10 +101,8 @@ def model_lease(params: ExportParams) -> Iterator[str]:
                 overwrite=True)
         except Exception as exc:  # who holds it is a courtesy to whoever waits
             log.debug("could not record the lease holder: %s", exc)
-        try:
-            yield name
-        finally:
-            try:
-                Variable.unset(holder_variable(name))
-            except Exception:
-                pass
+        # The record stays after release: a waiting run reads it only while the slot is taken (and then by
+        # the holder that overwrote it), so deleting it would buy nothing. It would cost: Prefect deletes a
+        # variable by reading it first in a deferred SQLite transaction, which fails at once with "database
+        # is locked" (HTTP 503, retried after ~2 s) when the event persister wrote in between.
+        yield name

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -142,21 +144,49 @@ def test_write_results_writes_json_markdown_and_chart(tmp_path):
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _quoted(doc: str) -> set[str]:
+    return set(re.findall(r"bench/results/(\d{8}T\d{6}Z)\.(?:md|json|png)", (REPO / doc).read_text()))
+
+
 def test_the_readme_quotes_only_results_files_that_exist():
     """Figures in the READMEs come from a committed results file; a stale or invented reference fails.
 
     README.md points at the latest results; bench/README.md holds the figures themselves."""
-    import re
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
-
-    def quoted(doc: str) -> set[str]:
-        return set(re.findall(r"bench/results/(\d{8}T\d{6}Z)\.(?:md|json|png)", (repo / doc).read_text()))
-
-    assert quoted("README.md"), "the README quotes no results file"
-    assert quoted("bench/README.md"), "bench/README.md quotes no results file"
+    assert _quoted("README.md"), "the README quotes no results file"
+    assert _quoted("bench/README.md"), "bench/README.md quotes no results file"
     for doc in ("README.md", "bench/README.md"):
-        for stamp in quoted(doc):
-            assert (repo / "bench" / "results" / f"{stamp}.json").exists(), f"{doc} quotes {stamp}, not committed"
-            assert (repo / "bench" / "results" / f"{stamp}.md").exists(), f"{doc} quotes {stamp}, not committed"
+        for stamp in _quoted(doc):
+            assert (REPO / "bench" / "results" / f"{stamp}.json").exists(), f"{doc} quotes {stamp}, not committed"
+            assert (REPO / "bench" / "results" / f"{stamp}.md").exists(), f"{doc} quotes {stamp}, not committed"
+
+
+def test_the_suite_takes_alternating_samples_and_keeps_them(tmp_path, monkeypatch):
+    """Every part runs once per sample, in a fresh work directory, its sides' order flipping each time;
+    the figure is the median and the JSON keeps every sample with its spread."""
+    import bench.suite as suite
+
+    seen = []
+
+    def part_a(ctx):
+        seen.append((ctx.sample, ctx.forward_order, ctx.ordered(["x", "y"]), ctx.work.root.name))
+        return {"figures": {"a_ratio": [0.3, 0.1, 0.2][ctx.sample]}, "raw": {"sample": ctx.sample}, "notes": "a"}
+
+    def part_inside(ctx):
+        return {"figures": {"b_ratio": 2.0}, "samples": {"b_ratio": [1.0, 2.0, 3.0, 4.0, 5.0]}, "raw": {},
+                "notes": "b"}
+
+    monkeypatch.setattr(suite, "PARTS", {"a": part_a, "collective": part_inside})
+    assert suite.run_suite([], out_dir=str(tmp_path)) == 0
+    assert [s[:3] for s in seen] == [(0, True, ["x", "y"]), (1, False, ["y", "x"]), (2, True, ["x", "y"])]
+    assert len({s[3] for s in seen}) == 3  # a fresh work directory per sample
+    (out,) = tmp_path.glob("*.json")
+    result = json.loads(out.read_text())
+    assert result["figures"] == {"a_ratio": 0.2, "b_ratio": 3.0}
+    assert result["figure_samples"]["a_ratio"] == {"values": [0.3, 0.1, 0.2], "n": 3, "min": 0.1, "max": 0.3}
+    assert result["figure_samples"]["b_ratio"]["n"] == 5  # a part that samples inside runs once
+    assert [r["sample"] for r in result["raw"]["a"]["samples"]] == [0, 1, 2]
+    assert result["settings"]["samples"] == 3 and "commit" in result["machine"]
+    assert "| `a_ratio` | 0.2 (0.1-0.3, n=3) |" in out.with_suffix(".md").read_text()

@@ -37,10 +37,12 @@ def test_quick_bench_writes_figures(tmp_path):
         value = result["figures"][name]
         assert isinstance(value, (int, float)) and math.isfinite(value), (name, value)
     # What the refused run left behind, as the bench measured it: it stopped at the gate, compiled nothing.
-    evidence = result["raw"]["fail_fast"]["evidence"]
+    (fail_fast,) = result["raw"]["fail_fast"]["samples"]  # quick: one sample
+    evidence = fail_fast["evidence"]
     assert evidence["phases"] == ["probe", "tune", "kv-plan", "gate"] and evidence["gate_decision"] == "refused"
     assert (evidence["forwards_in_store"], evidence["pt2_in_host_caches"], evidence["inductor_cache_files"]) == (0, 0, 0)
     # The compile-first baseline did compile: the evidence counters see compiled work where there is some.
-    assert result["raw"]["fail_fast"]["baseline"]["failed"] and result["raw"]["fail_fast"]["baseline_wall_s"] > 0
+    assert fail_fast["baseline"]["failed"] and fail_fast["baseline_wall_s"] > 0
+    assert evidence["baseline_forwards_in_store"] > 0
     assert result_json.with_suffix(".md").exists() and result_json.with_suffix(".png").exists()
     assert "| figure | value | target | met |" in run.stdout
