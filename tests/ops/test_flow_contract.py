@@ -1,16 +1,23 @@
-"""The export flow as Prefect sees it, without a server: one parameter model, retries, lease names."""
+"""The export flow as Prefect sees it, without a server: one parameter model, retries (the documented
+defaults, and which failures are made final), lease names."""
 
 from __future__ import annotations
 
+import logging
 import pickle
+import uuid
+from types import SimpleNamespace
 
 import cloudpickle
+import pytest
 
+from flows import retry
 from flows.export import export
 from flows.model_lease import lease_name
 from flows.params import ExportParams
 from flows.serve import deployment_parameters
-from kiln.core.recipe import SETTINGS, Recipe
+from kiln.core.errors import BadInput, GateRefused, HostsLost, IntegrityError
+from kiln.core.recipe import SETTINGS
 
 
 def test_the_flow_parameters_are_top_level_fields_with_defaults():
@@ -28,9 +35,77 @@ def test_the_flow_parameters_are_top_level_fields_with_defaults():
     assert form["assume_available"]["type"] == "array" and set(pair) == {"host", "mib"}
 
 
-def test_flow_retries_default_to_the_recipe():
-    assert export.retries == Recipe().flow_retries == 2
-    assert export.retry_delay_seconds == int(Recipe().flow_retry_delay_s)
+def test_the_served_flow_retries_twice_30_s_apart():
+    # The documented defaults (docs/recipe.md, docs/operations.md), as literals, on the copy a served run gets.
+    flow = pickle.loads(cloudpickle.dumps(export))
+    assert (flow.retries, flow.retry_delay_seconds) == (2, 30)
+
+
+class _Try:
+    """One try of the export flow as `flows.retry.resumable` sees it, without a server: the flow run
+    context is faked and every change of the run's retry policy is recorded instead of sent. (The policy
+    reaching a real server is tested end to end in tests/ops/test_retry_resume.py.)"""
+
+    def __init__(self, monkeypatch, run_count: int = 1):
+        self.policies: list[dict] = []
+        run = SimpleNamespace(id=uuid.uuid4(), run_count=run_count, expected_start_time=None, start_time=None)
+        monkeypatch.setattr(retry, "FlowRunContext", SimpleNamespace(get=lambda: SimpleNamespace(flow_run=run)))
+        monkeypatch.setattr(retry, "get_run_logger", lambda: logging.getLogger("test_flow_contract"))
+        monkeypatch.setattr(retry, "_set_policy", lambda run_id, **policy: self.policies.append(policy))
+
+    def run(self, params: ExportParams, fail_with: BaseException | None = None):
+        """Runs one try whose body raises `fail_with` (if given); returns the try's (params, recipe)."""
+        with retry.resumable(params) as (try_params, recipe):
+            if fail_with is not None:
+                raise fail_with
+        return try_params, recipe
+
+    def retries_left(self) -> int:
+        """The run's retries as the server would hold them after the try: the last policy set."""
+        return self.policies[-1]["retries"]
+
+
+def test_a_try_sets_the_runs_retries_from_its_recipe(monkeypatch):
+    t = _Try(monkeypatch)
+    params, _ = t.run(ExportParams(recipe={"flow_retries": 5, "flow_retry_delay_s": 7}))
+    assert t.policies == [{"retries": 5, "delay_s": 7}]
+    assert params.export_id  # fixed for the run: every try writes the same export
+
+
+@pytest.mark.parametrize("error", [GateRefused("not enough memory"), BadInput("bad bucket"),
+                                   IntegrityError("sha256 mismatch")], ids=type)
+def test_a_deterministic_failure_is_not_retried(monkeypatch, error):
+    t = _Try(monkeypatch)
+    with pytest.raises(type(error)):
+        t.run(ExportParams(), fail_with=error)
+    assert t.retries_left() == 0
+
+
+def test_a_failure_before_the_recipe_is_read_is_not_retried(monkeypatch):
+    t = _Try(monkeypatch)
+
+    def bad_recipe(params):
+        raise BadInput("recipe block 'nope' not found")
+
+    monkeypatch.setattr(retry, "build_recipe", bad_recipe)
+    with pytest.raises(BadInput):
+        t.run(ExportParams())
+    assert t.policies == [{"retries": 0}]
+
+
+@pytest.mark.parametrize("error", [ConnectionError("store unreachable"), HostsLost("host-1 gone")], ids=type)
+def test_a_transient_failure_keeps_the_recipes_retries(monkeypatch, error):
+    t = _Try(monkeypatch)
+    with pytest.raises(type(error)):
+        t.run(ExportParams(), fail_with=error)
+    assert t.policies == [{"retries": 2, "delay_s": 30}]
+
+
+def test_a_gate_refusal_is_retried_when_the_recipe_waits_for_memory(monkeypatch):
+    t = _Try(monkeypatch)
+    with pytest.raises(GateRefused):
+        t.run(ExportParams(recipe={"retry_refusals": True}), fail_with=GateRefused("short of memory"))
+    assert t.retries_left() == 2
 
 
 def test_served_flow_validates_parameters_after_pickling():
