@@ -151,6 +151,19 @@ def _quoted(doc: str) -> set[str]:
     return set(re.findall(r"bench/results/(\d{8}T\d{6}Z)\.(?:md|json|png)", (REPO / doc).read_text()))
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+
+def _history_or_skip() -> None:
+    try:
+        shallow = _git("rev-parse", "--is-shallow-repository").strip()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: the commit rule needs the repository's history")
+    if shallow == "true":
+        pytest.skip("a shallow clone: the commit rule needs the repository's history (git fetch --unshallow)")
+
+
 def test_the_readme_quotes_only_results_files_that_exist():
     """Figures in the READMEs come from a committed results file; a stale or invented reference fails.
 
@@ -161,6 +174,29 @@ def test_the_readme_quotes_only_results_files_that_exist():
         for stamp in _quoted(doc):
             assert (REPO / "bench" / "results" / f"{stamp}.json").exists(), f"{doc} quotes {stamp}, not committed"
             assert (REPO / "bench" / "results" / f"{stamp}.md").exists(), f"{doc} quotes {stamp}, not committed"
+
+
+def test_quoted_figures_describe_the_code_that_publishes_them():
+    """The commit rule: a quoted results file names the commit it measured, measured with no uncommitted
+    change to the code, and between that commit and the one that added the file nothing changed in the
+    code the figures describe (kiln/, flows/, tasks/, blocks/, cli/, bench/ but its results and markdown)."""
+    from bench.suite import MEASURED_CODE
+
+    _history_or_skip()
+    for stamp in _quoted("README.md") | _quoted("bench/README.md"):
+        path = f"bench/results/{stamp}.json"
+        machine = json.loads((REPO / path).read_text())["machine"]
+        measured = machine.get("commit")
+        assert measured, f"{path} does not record the commit it measured"
+        assert machine.get("code_changed") == [], f"{path} was measured with uncommitted changes: " \
+                                                  f"{machine.get('code_changed')}"
+        added = _git("log", "--diff-filter=A", "--format=%H", "--", path).split()
+        assert added, f"{path} is not committed"
+        publishing = added[-1]
+        changed = _git("diff", "--name-only", measured, publishing, "--", *MEASURED_CODE,
+                       ":(exclude)bench/results", ":(exclude)*.md").split()
+        assert not changed, f"{path} measured {measured[:10]}, but {publishing[:10]} publishes it after " \
+                            f"changing {changed}: rerun `kiln bench` on the code you publish"
 
 
 def test_the_suite_takes_alternating_samples_and_keeps_them(tmp_path, monkeypatch):
