@@ -47,22 +47,36 @@ class PrefectServer:
         return Api(self.api_url)
 
 
+# Prefect's server answers 503 when its database is briefly busy (SQLite "database is locked" while the
+# event persister writes) and its own client retries those, with 429 and 502, after a backoff. So do the tests.
+_RETRY_STATUS = (429, 502, 503)
+_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
 class Api:
     """The few Prefect REST calls the tests read their results through."""
 
     def __init__(self, api_url: str):
         self.http = httpx.Client(base_url=api_url, timeout=30)
 
+    def _send(self, method: str, path: str, **kwargs) -> httpx.Response:
+        for delay in _RETRY_DELAYS_S:
+            r = self.http.request(method, path, **kwargs)
+            if r.status_code not in _RETRY_STATUS:
+                return r
+            time.sleep(delay)
+        return self.http.request(method, path, **kwargs)
+
     def get(self, path: str) -> dict | list:
-        r = self.http.get(path)
+        r = self._send("GET", path)
         r.raise_for_status()
         return r.json()
 
     def post(self, path: str, body: dict | None = None) -> httpx.Response:
-        return self.http.post(path, json=body or {})
+        return self._send("POST", path, json=body or {})
 
     def deployment(self, flow: str, name: str) -> dict | None:
-        r = self.http.get(f"/deployments/name/{flow}/{name}")
+        r = self._send("GET", f"/deployments/name/{flow}/{name}")
         return r.json() if r.status_code == 200 else None
 
     def flow_run(self, flow_run_id: str) -> dict:
@@ -89,7 +103,7 @@ class Api:
         return r.json()
 
     def states(self, flow_run_id: str) -> list[dict]:
-        r = self.http.get("/flow_run_states/", params={"flow_run_id": flow_run_id})
+        r = self._send("GET", "/flow_run_states/", params={"flow_run_id": flow_run_id})
         r.raise_for_status()
         return r.json()
 
