@@ -4,9 +4,10 @@ A worked example of the manifest's consumer contract (docs/run-without-kiln.md).
 Every rank of the export runs this script; they join one gloo group, whose
 default world group is the process group the packages' collectives name
 (`runtime.process_group`, "0"). Each rank reads its tensors straight from
-the checkpoint's safetensors files (a short reader below), cuts them as
-`weights` says, binds them to each package before its first call, and runs
-one prefill step with an empty paged KV cache:
+the checkpoint's safetensors files (a short reader below), cuts and stacks
+them as `weights` says (the decoder layers' tensors are stacked along a
+leading layer dimension), binds them to each package before its first call,
+and runs one prefill step with an empty paged KV cache:
 
     python examples/torch_only.py --manifest M.json --packages STORE/forwards \\
         --checkpoint CKPT --rank R --world-size 2 --port 29511 --out OUT_DIR
@@ -63,17 +64,19 @@ def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def rank_constants(manifest: dict, forward: dict, tensors: dict[str, torch.Tensor], rank: int) -> dict:
-    """The package constants of `rank`: each checkpoint tensor cut as the manifest says, in the
-    dtype the package was compiled for, owning exactly its bytes (load_constants needs that)."""
+    """The package constants of `rank`, as the manifest's `weights` says: each source tensor cut for the
+    rank and cast to the dtype the package was compiled for; a stacked constant (`stack` not None) is
+    allocated once and each source copied into its slice of the leading dimension, in order."""
     out = {}
     for name in forward["constants"]:
         w = manifest["weights"][name]
-        t = tensors[w["source"]]
-        if w["cut"] is not None:
-            t = t.narrow(w["cut"]["dim"], w["cut"]["offsets"][rank], w["cut"]["length"])
-        t = t.to(getattr(torch, w["dtype"])).contiguous().clone()
-        assert list(t.shape) == w["shape"], (name, list(t.shape), w["shape"])
-        out[name] = t
+        constant = torch.empty(w["shape"], dtype=getattr(torch, w["dtype"]))
+        for i, source in enumerate(w["sources"]):
+            t = tensors[source["tensor"]]
+            if source["cut"] is not None:
+                t = t.narrow(source["cut"]["dim"], source["cut"]["offsets"][rank], source["cut"]["length"])
+            (constant if w["stack"] is None else constant[i]).copy_(t)
+        out[name] = constant
     return out
 
 

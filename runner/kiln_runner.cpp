@@ -1,6 +1,6 @@
 // kiln_runner: run one prefill step of a Kiln export on one tensor-parallel rank, without Python.
 //
-// It reads the export manifest (version 3), verifies the bucket's package against the manifest's
+// It reads the export manifest (version 4), verifies the bucket's package against the manifest's
 // sha256, reads and cuts this rank's weights from the checkpoint's safetensors file(s), registers a
 // gloo process group under the manifest's group name (the packages' all-reduce is compiled against
 // that name), binds the weights with load_constants (always before the first call: calling first
@@ -229,29 +229,41 @@ std::string shape_str(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-// This rank's package constants: each manifest weight's source tensor, cut and cast as the layout says.
+// This rank's package constants, as the layout says: each source tensor cut for the rank and cast; a stacked
+// constant ("stack" not null) is allocated once and each source copied into its slice of the leading dimension.
 std::unordered_map<std::string, at::Tensor> rank_weights(const json& layout, const std::vector<std::string>& names,
                                                          const Checkpoint& ckpt, int rank) {
   std::unordered_map<std::string, at::Tensor> out;
   for (const auto& name : names) {
     if (!layout.contains(name)) fail("the package needs constant " + name + " but the manifest's weights lack it");
     const json& w = layout.at(name);
-    std::string source = w.at("source");
-    auto full = w.at("full_shape").get<std::vector<int64_t>>();
-    if (ckpt.entry(source).shape != full)
-      fail("checkpoint tensor " + source + " is " + shape_str(ckpt.entry(source).shape) + " but the export expects " +
-           shape_str(full));
-    int64_t dim = -1, offset = 0, length = 0;
-    if (!w.at("cut").is_null()) {
-      dim = w["cut"].at("dim");
-      length = w["cut"].at("length");
-      offset = w["cut"].at("offsets").at(rank);
+    auto shape = w.at("shape").get<std::vector<int64_t>>();
+    bool stacked = !w.at("stack").is_null();
+    const json& sources = w.at("sources");
+    if (stacked ? (shape.empty() || shape[0] != static_cast<int64_t>(sources.size())) : sources.size() != 1)
+      fail("weight " + name + "'s sources do not fit its shape " + shape_str(shape));
+    at::Tensor constant = at::empty(shape, at::TensorOptions().dtype(kiln_dtype(w.at("dtype"))));
+    for (size_t i = 0; i < sources.size(); ++i) {
+      const json& src = sources[i];
+      std::string tensor = src.at("tensor");
+      auto full = src.at("full_shape").get<std::vector<int64_t>>();
+      if (ckpt.entry(tensor).shape != full)
+        fail("checkpoint tensor " + tensor + " is " + shape_str(ckpt.entry(tensor).shape) +
+             " but the export expects " + shape_str(full));
+      int64_t dim = -1, offset = 0, length = 0;
+      if (!src.at("cut").is_null()) {
+        dim = src["cut"].at("dim");
+        length = src["cut"].at("length");
+        offset = src["cut"].at("offsets").at(rank);
+      }
+      at::Tensor part = ckpt.read(tensor, dim, offset, length);
+      at::Tensor slot = stacked ? constant.select(0, static_cast<int64_t>(i)) : constant;
+      if (part.sizes() != slot.sizes())
+        fail("weight " + name + " source " + tensor + " cuts to " + shape_str(part.sizes().vec()) +
+             ", not the manifest's " + shape_str(slot.sizes().vec()));
+      slot.copy_(part);
     }
-    at::Tensor t = ckpt.read(source, dim, offset, length).to(kiln_dtype(w.at("dtype"))).contiguous();
-    if (t.storage_offset() || t.storage().nbytes() != t.nbytes()) t = t.clone();  // own exactly its bytes
-    if (t.sizes().vec() != w.at("shape").get<std::vector<int64_t>>())
-      fail("weight " + name + " cuts to " + shape_str(t.sizes().vec()) + ", not the manifest's shape");
-    out[name] = t;
+    out[name] = constant;
   }
   return out;
 }
@@ -350,8 +362,8 @@ void write_logits(const at::Tensor& logits, const Args& a, const json& forward) 
 
 int run(const Args& a) {
   json manifest = read_json(a.manifest);
-  if (manifest.value("version", 0) != 3)
-    fail(a.manifest.string() + ": manifest version " + manifest.value("version", json()).dump() + ", this runner reads 3");
+  if (manifest.value("version", 0) != 4)
+    fail(a.manifest.string() + ": manifest version " + manifest.value("version", json()).dump() + ", this runner reads 4");
   int tp = manifest.at("tp");
   if (tp != a.world_size) fail("the export is tp " + std::to_string(tp) + " but --world-size is " + std::to_string(a.world_size));
   std::vector<const json*> found;  // one forward per (target, bucket): --key picks among targets

@@ -9,16 +9,29 @@ paged KV cache:
     outputs: logits[batch, tokens, vocab] <dtype>, new_kv[layers, 2, batch, tokens, kv_heads/tp, head_dim] <dtype>
 
 `num_pages` is the one dynamic dimension (named in the shapes as a string).
-The package's constants are the rank's checkpoint tensors, named as in the
-checkpoint: `weight_layout` says, for each, its full shape and how rank r cuts
-it (`dim`, `offsets[r]`, `length`), or that every rank reads it whole. Nothing
-is computed from the config outside the graph (rotary frequencies are
+
+The decoder layers are compiled once per bucket, not once per layer: each run
+of same-shaped layers (`layer_runs`) is a scan over its weights stacked along
+a leading layer dimension (LAYOUT names this package layout and goes into every
+forward key). So the package's constants are of two kinds, and
+`weight_layout` states both:
+- a plain constant is one checkpoint tensor (the embedding, the final norm,
+  the output head), named as in the checkpoint;
+- a stacked constant `model.runs.<j>.<suffix>` (e.g.
+  `model.runs.0.self_attn.q_proj.weight`) is the checkpoint tensors
+  `model.layers.<i>.<suffix>` of the run's layers, each cut for the rank,
+  stacked in layer order along a new leading dimension.
+Each entry lists its `sources` (checkpoint tensor, full shape, and how rank r
+cuts it: `dim`, `offsets[r]`, `length`, or whole) and `stack` (the number of
+sources stacked, or None for a plain constant). Nothing is computed from the
+config outside the graph (rotary frequencies and per-layer windows are
 computed inside it). A forward with tp > 1 sums its partial products with
 torch's native all_reduce over the process group named PROCESS_GROUP, which
 the caller must have registered (torch's default world group has that name).
 
-`parameter_shapes` and `shard_slice` state the model's layout without torch;
-a unit test holds them to the torch module's own state dict.
+`parameter_shapes` (the checkpoint's tensors), `shard_slice` and
+`constant_sources` state the model's layout without torch; a unit test holds
+them to the torch module's own state dict.
 """
 
 from __future__ import annotations
@@ -30,6 +43,13 @@ PROCESS_GROUP = "0"
 
 DYNAMIC_PAGES = "num_pages"
 """The name of the kv_cache's dynamic dimension in interface shapes."""
+
+LAYOUT = "scan-1"
+"""The package layout: decoder layers as one scan per run over stacked constants. In every forward key, so
+a package of another layout (e.g. the unrolled one, with a constant per layer) is never loaded as this one."""
+
+LAYER_PREFIX = "model.layers."
+RUN_PREFIX = "model.runs."
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
@@ -61,6 +81,49 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def layer_runs(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """[start, stop) of each run of same-shaped decoder layers; each run is one scan in the graph.
+
+    Per-layer differences that keep the shapes (the sliding window) are data scanned with the weights,
+    so the Llama-family layers are one run."""
+    return [(0, cfg.num_layers)]
+
+
+def _layer_suffixes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each per-layer checkpoint tensor's name after `model.layers.<i>.`, with its full shape."""
+    head = f"{LAYER_PREFIX}0."
+    return {name[len(head):]: shape for name, shape in parameter_shapes(cfg.replace(num_layers=1)).items()
+            if name.startswith(head)}
+
+
+def constant_sources(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Package constant -> the checkpoint tensors it holds: one for a plain constant; a stacked one's
+    tensors in layer order. Ordered as the torch module's state dict."""
+    out: dict[str, list[str]] = {}
+    suffixes = list(_layer_suffixes(cfg))
+    plain = [n for n in parameter_shapes(cfg) if not n.startswith(LAYER_PREFIX)]
+    out[plain[0]] = [plain[0]]  # the embedding comes first, as in the module
+    for j, (start, stop) in enumerate(layer_runs(cfg)):
+        for suffix in suffixes:
+            out[f"{RUN_PREFIX}{j}.{suffix}"] = [f"{LAYER_PREFIX}{i}.{suffix}" for i in range(start, stop)]
+    for name in plain[1:]:
+        out[name] = [name]
+    return out
+
+
+def constant_shapes(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, ...]]:
+    """Package constant -> the shape one rank binds (a stacked one leads with its layer count)."""
+    full = parameter_shapes(cfg)
+    out = {}
+    for name, sources in constant_sources(cfg).items():
+        shape = list(full[sources[0]])
+        cut = shard_slice(sources[0], cfg, tp, 0)
+        if cut is not None:
+            shape[cut[0]] = cut[2] - cut[1]
+        out[name] = tuple(shape) if name == sources[0] else (len(sources), *shape)
+    return out
+
+
 def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int, int] | None:
     """(dim, start, stop) of `name`'s rows or columns that `rank` holds; None when replicated.
 
@@ -79,25 +142,28 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
 
 
 def weight_layout(cfg: ModelConfig, tp: int) -> dict[str, dict]:
-    """Package constant name -> {'source', 'dtype', 'full_shape', 'shape', 'cut'} for every rank.
+    """Package constant name -> {'dtype', 'shape', 'stack', 'sources'}, the same for every rank.
 
-    `source` is the checkpoint tensor (the same name); `dtype` the dtype the
-    package was compiled for (cast the checkpoint's tensor to it); `shape` what
-    one rank binds; `cut` None (every rank binds the whole tensor) or
-    {'dim', 'length', 'offsets'}: rank r binds `length` entries of dimension
-    `dim` starting at `offsets[r]`.
+    `dtype` is the dtype the package was compiled for (cast the checkpoint's
+    tensors to it); `shape` what one rank binds; `stack` None (a plain
+    constant: its one source, cut) or the number of sources stacked along a
+    new leading dimension, in order; each source is {'tensor' (the checkpoint
+    tensor), 'full_shape', 'cut'}, with `cut` None (every rank binds it
+    whole) or {'dim', 'length', 'offsets'}: rank r binds `length` entries of
+    dimension `dim` starting at `offsets[r]`.
     """
-    layout = {}
-    for name, full in parameter_shapes(cfg).items():
-        cuts = [shard_slice(name, cfg, tp, r) for r in range(tp)]
-        shape = list(full)
-        cut = None
-        if cuts[0] is not None:
-            dim, start, stop = cuts[0]
-            shape[dim] = stop - start
-            cut = {"dim": dim, "length": stop - start, "offsets": [c[1] for c in cuts]}
-        layout[name] = {"source": name, "dtype": cfg.dtype, "full_shape": list(full), "shape": shape, "cut": cut}
-    return layout
+    full = parameter_shapes(cfg)
+    shapes = constant_shapes(cfg, tp)
+
+    def source(tensor: str) -> dict:
+        cuts = [shard_slice(tensor, cfg, tp, r) for r in range(tp)]
+        cut = None if cuts[0] is None else {"dim": cuts[0][0], "length": cuts[0][2] - cuts[0][1],
+                                            "offsets": [c[1] for c in cuts]}
+        return {"tensor": tensor, "full_shape": list(full[tensor]), "cut": cut}
+
+    return {name: {"dtype": cfg.dtype, "shape": list(shapes[name]),
+                   "stack": None if sources == [name] else len(sources), "sources": [source(t) for t in sources]}
+            for name, sources in constant_sources(cfg).items()}
 
 
 def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:

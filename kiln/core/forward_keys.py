@@ -1,7 +1,8 @@
 """Forward keys: what determines a compiled forward's code, hashed.
 
-A key hashes the graph fingerprint, the input specs, the compiler options, the
-torch version, the target and, when kernel tuning is on, the digest of the
+A key hashes the graph fingerprint, the package layout (kiln.core.contract.LAYOUT:
+how the constants are stacked, so a package of another layout is never loaded
+as this one), the input specs, the compiler options, the torch version, the target and, when kernel tuning is on, the digest of the
 tuned kernel choices the forward compiles with. Not the weights (they are loaded at run time)
 and not the KV page count (a dynamic dimension), so every rank of an export
 shares one artifact per bucket and a new KV plan reuses every forward.
@@ -14,6 +15,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from kiln.core.contract import LAYOUT
 from kiln.core.recipe import Bucket
 
 KEY_HEX_CHARS = 32
@@ -58,7 +60,8 @@ def forward_spec(*, bucket: Bucket, graph: dict, target: str, torch_version: str
     """
     inputs = {"batch": bucket.batch, "tokens": bucket.tokens, "page_tokens": page_tokens,
               "pages_per_seq": pages_per_seq, "num_pages": "dynamic"}
-    hashed = {"graph": graph, "inputs": inputs, "compiler": compiler, "torch": torch_version, "target": target}
+    hashed = {"graph": graph, "layout": LAYOUT, "inputs": inputs, "compiler": compiler, "torch": torch_version,
+              "target": target}
     if tuning is not None:
         hashed["tuning"] = tuning.get("digest") or "pending"
     return ForwardSpec(key=digest(hashed), bucket=bucket, target=target, graph=graph, inputs=inputs,

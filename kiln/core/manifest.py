@@ -23,7 +23,7 @@ from kiln.core.errors import BadInput, IntegrityError
 from kiln.core.key_rules import check_no_collisions
 from kiln.core.layout import artifact_key
 
-MANIFEST_VERSION = 3
+MANIFEST_VERSION = 4
 _KEY = re.compile(r"^[0-9a-f]{16,64}$")
 _BUCKET = re.compile(r"^[1-9][0-9]*x[1-9][0-9]*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")

@@ -9,7 +9,7 @@ each with the consumer contract of kiln.core.contract (interface and constants).
 from __future__ import annotations
 
 from kiln.core.config import ModelConfig
-from kiln.core.contract import forward_interface, parameter_shapes
+from kiln.core.contract import constant_sources, forward_interface
 from kiln.core.errors import KilnError, NotPythonFree, VerifyMismatch
 from kiln.core.layout import artifact_key
 
@@ -33,7 +33,7 @@ def forward_records(specs: dict[str, dict], stored: dict[str, dict], compiled: d
                     cfg: ModelConfig, tp: int) -> list[dict]:
     """One record per forward, ordered by (target, bucket): what it is, where it lives, who compiled
     it and how, and its consumer contract (interface, process group, constants)."""
-    constants = sorted(parameter_shapes(cfg))
+    constants = sorted(constant_sources(cfg))
     out = []
     for key, spec in sorted(specs.items(), key=lambda kv: (kv[1]["target"], kv[1]["bucket"])):
         c = compiled.get(key) or {}

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from kiln.core.config import TINY, ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.hf_config import from_hf, to_hf
-from kiln.host.model import expected_shapes, random_state_dict, shard_slice
+from kiln.host.model import expected_shapes, random_state_dict, rank_constants
 
 INDEX = "model.safetensors.index.json"
 
@@ -110,26 +110,22 @@ def inspect_checkpoint(path: Path | str) -> ModelConfig:
 
 
 def load_rank_weights(path: Path | str, cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """One rank's shard of every parameter, read slice by slice, in `cfg.dtype` (the dtype compiled for)."""
-    path = Path(path)
-    mapping = _weight_map(path)
-    dtype = getattr(torch, cfg.dtype)
-    out = {}
+    """One rank's package constants (kiln.core.contract), read slice by slice, in `cfg.dtype` (the dtype
+    compiled for). A stacked constant is allocated once and each layer's slice copied straight in: the
+    rank's weights are never held twice."""
+    mapping = _weight_map(Path(path))
     handles = {}
-    for name in expected_shapes(cfg):
+
+    def read(name: str, cut: tuple | None) -> torch.Tensor:
         file = mapping[name]
         if file not in handles:
             handles[file] = _open(file)
         sl = handles[file].get_slice(name)
-        cut = shard_slice(name, cfg, tp, rank)
         if cut is None:
-            tensor = sl[:]
-        elif cut[0] == 0:
-            tensor = sl[cut[1]:cut[2]]
-        else:
-            tensor = sl[:, cut[1]:cut[2]]
-        out[name] = tensor.to(dtype).contiguous()
-    return out
+            return sl[:]
+        return sl[cut[1]:cut[2]] if cut[0] == 0 else sl[:, cut[1]:cut[2]]
+
+    return rank_constants(cfg, tp, rank, read, getattr(torch, cfg.dtype))
 
 
 def write_checkpoint(path: Path | str, cfg: ModelConfig, state: dict[str, torch.Tensor],

@@ -132,7 +132,7 @@ def eager_outputs(cfg, tp: int, weights: dict, args) -> tuple[tuple, tuple | Non
         # Built without storage, then each weight copied in (converted as it goes): one copy of the shard
         # in `dtype`, never a second one in a converted state dict.
         with torch.device("meta"):
-            model = ShardedDecoder(cfg.replace(dtype=dtype), tp).to(getattr(torch, dtype)).eval()
+            model = ShardedDecoder(cfg.replace(dtype=dtype), tp, scan=False).to(getattr(torch, dtype)).eval()
         model = model.to_empty(device="cpu")
         params = model.state_dict()
         if set(params) != set(weights):

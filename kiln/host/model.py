@@ -23,12 +23,20 @@ P (the page count) is dynamic, so a new KV plan reuses compiled forwards.
 Sequence b's first start_pos[b] tokens of context live in the pages
 block_table[b]; the step returns the new tokens' rotated keys and values for
 the caller to write into the cache.
+
+The layers are not unrolled: each run of same-shaped layers (kiln.core.contract.layer_runs)
+is one `torch._higher_order_ops.scan` over its tensors stacked along a leading layer
+dimension, the cache's layer slices and each layer's window, so AOTInductor compiles
+one layer body per run and a bucket's compile time does not grow with depth. The
+step's new keys and values are the scan's stacked outputs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +44,7 @@ from torch import nn
 
 from kiln.core.config import ModelConfig
 from kiln.core.contract import PROCESS_GROUP as TP_GROUP
-from kiln.core.contract import parameter_shapes, shard_slice
+from kiln.core.contract import RUN_PREFIX, constant_shapes, constant_sources, layer_runs, parameter_shapes, shard_slice
 
 
 @contextlib.contextmanager
@@ -74,7 +82,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as transformers does (it matters in bfloat16)."""
+    """RMSNorm of one replicated weight (see _rms_norm)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -82,9 +90,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return _rms_norm(x, self.weight, self.eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -116,133 +122,211 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     return inv_freq
 
 
-def _linear_then_reduce(x: torch.Tensor, proj: nn.Linear, tp: int) -> torch.Tensor:
+def _linear_then_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: int) -> torch.Tensor:
     """A row-parallel projection: partial products summed over the ranks, then the bias added once."""
-    out = F.linear(x, proj.weight)
+    out = F.linear(x, weight)
     if tp > 1:  # an unsharded model never reduces, even inside a process group (the reference check runs one)
         out = all_reduce(out)
-    return out if proj.bias is None else out + proj.bias
+    return out if bias is None else out + bias
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: int, window: int | None):
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as transformers does (it matters in bfloat16)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every layer of one step shares: rotary tables, masks and the pages to gather."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    causal: torch.Tensor
+    """[b, t, ctx + t] bool: key j is a valid, earlier-or-same position for query i."""
+    distance: torch.Tensor | None
+    """[b, t, ctx + t]: query position minus key position; None when no layer has a window."""
+    block_table: torch.Tensor
+
+
+def decoder_layer(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], x: torch.Tensor, kv: torch.Tensor,
+                  window: torch.Tensor | None, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoder layer of one rank: (x after the layer, this step's rotated keys, its values).
+
+    `p` holds the layer's tensors by their checkpoint suffix (`self_attn.q_proj.weight`, ...), `kv` the
+    layer's cache [2, pages, page_tokens, kv_heads/tp, head_dim], `window` a 0-d window (tokens a query
+    may look back, itself included) or None.
+    """
+    b, t, _ = x.shape
+    heads, kv_heads, hd = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
+    h = _rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
+    q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(b, t, heads, hd)
+    k = F.linear(h, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias")).view(b, t, kv_heads, hd)
+    v = F.linear(h, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias")).view(b, t, kv_heads, hd)
+    q = q * ctx.cos + _rotate_half(q) * ctx.sin
+    k = k * ctx.cos + _rotate_half(k) * ctx.sin
+    num_ctx = ctx.block_table.shape[1] * kv.shape[2]
+    past_k = kv[0][ctx.block_table].reshape(b, num_ctx, kv_heads, hd)
+    past_v = kv[1][ctx.block_table].reshape(b, num_ctx, kv_heads, hd)
+    keys = torch.cat((past_k, k), dim=1).repeat_interleave(heads // kv_heads, dim=2).transpose(1, 2)
+    values = torch.cat((past_v, v), dim=1).repeat_interleave(heads // kv_heads, dim=2).transpose(1, 2)
+    mask = ctx.causal if window is None else ctx.causal & (ctx.distance < window)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None])
+    x = x + _linear_then_reduce(out.transpose(1, 2).reshape(b, t, -1), p["self_attn.o_proj.weight"],
+                                p.get("self_attn.o_proj.bias"), tp)
+    h = _rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    gate = F.linear(h, p["mlp.gate_proj.weight"], p.get("mlp.gate_proj.bias"))
+    up = F.linear(h, p["mlp.up_proj.weight"], p.get("mlp.up_proj.bias"))
+    x = x + _linear_then_reduce(F.silu(gate) * up, p["mlp.down_proj.weight"], p.get("mlp.down_proj.bias"), tp)
+    return x, k, v
+
+
+class Holder(nn.Module):
+    """A bare container, so stacked tensors keep their checkpoint suffix as their module path."""
+
+
+class LayerRun(nn.Module):
+    """Run `index` of same-shaped decoder layers of one rank, each tensor stacked along a leading layer dimension.
+
+    Its state dict names are the checkpoint suffixes (`self_attn.q_proj.weight`, shape [layers, ...]), so
+    the package constant `model.runs.<index>.<suffix>` stacks the checkpoint tensors `model.layers.<i>.<suffix>`.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: int, index: int):
         super().__init__()
-        self.tp = tp
-        self.window = window
-        self.num_heads = cfg.num_heads // tp
-        self.num_kv_heads = cfg.num_kv_heads // tp
-        self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.start, self.stop = layer_runs(cfg)[index]
+        prefix = f"{RUN_PREFIX}{index}."
+        self.suffixes = [n.removeprefix(prefix) for n in constant_shapes(cfg, tp) if n.startswith(prefix)]
+        for suffix in self.suffixes:
+            owner = self
+            *path, leaf = suffix.split(".")
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, Holder())
+                owner = getattr(owner, part)
+            owner.register_parameter(leaf, nn.Parameter(torch.empty(constant_shapes(cfg, tp)[prefix + suffix])))
 
-    def forward(self, x, cos, sin, past_k, past_v, mask):
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        keys = torch.cat((past_k, k), dim=1)
-        values = torch.cat((past_v, v), dim=1)
-        groups = self.num_heads // self.num_kv_heads
-        keys = keys.repeat_interleave(groups, dim=2).transpose(1, 2)
-        values = values.repeat_interleave(groups, dim=2).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None])
-        return _linear_then_reduce(out.transpose(1, 2).reshape(b, t, -1), self.o_proj, self.tp), k, v
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: int):
-        super().__init__()
-        self.tp = tp
-        width = cfg.intermediate_size // tp
-        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    def forward(self, x):
-        return _linear_then_reduce(F.silu(self.gate_proj(x)) * self.up_proj(x), self.down_proj, self.tp)
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: int, layer: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, tp, cfg.window_of(layer))
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+    def stacked(self) -> dict[str, torch.Tensor]:
+        """suffix -> the stacked tensor [layers, ...]."""
+        return {suffix: self.get_parameter(suffix) for suffix in self.suffixes}
 
 
 class Inner(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, tp, i) for i in range(cfg.num_layers))
+        self.runs = nn.ModuleList(LayerRun(cfg, tp, j) for j in range(len(layer_runs(cfg))))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class ShardedDecoder(nn.Module):
-    """One tensor-parallel rank of the decoder; parameter names follow Hugging Face Llama.
+    """One tensor-parallel rank of the decoder; constant names as kiln.core.contract states them.
 
-    With tied embeddings there is no lm_head: the output head reads the
-    embedding matrix, so the package asks for one tensor, not two copies.
+    Each run of layers is one `scan` over its stacked tensors, the KV cache's layer slices and each layer's
+    window, so the compiled graph holds one layer body per run whatever the depth. `scan=False` unrolls the
+    same layers in Python (the eager reference and the depth bench's comparison); both compute the same.
+    With tied embeddings there is no lm_head: the output head reads the embedding matrix, so the package
+    asks for one tensor, not two copies.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: int = 1):
+    def __init__(self, cfg: ModelConfig, tp: int = 1, *, scan: bool = True):
         super().__init__()
         cfg.check_tp(tp)
         self.cfg = cfg
         self.tp = tp
+        self.scan = scan
         self.model = Inner(cfg, tp)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
+    def _windows(self, device) -> torch.Tensor | None:
+        """[layers] int64: each layer's window, a value no distance reaches on full-attention layers; None
+        when no layer has a window. Computed in the graph (a buffer would become a package constant)."""
+        cfg = self.cfg
+        if cfg.sliding_window is None or cfg.first_sliding_layer >= cfg.num_layers:
+            return None
+        layer = torch.arange(cfg.num_layers, device=device)
+        return torch.where(layer >= cfg.first_sliding_layer, cfg.sliding_window, 1 << 62)
+
     def forward(self, tokens, start_pos, kv_cache, block_table):
         b, t = tokens.shape
-        num_pages_per_seq = block_table.shape[1]
-        page_tokens = kv_cache.shape[3]
-        ctx = num_pages_per_seq * page_tokens
+        ctx_len = block_table.shape[1] * kv_cache.shape[3]
         positions = start_pos[:, None] + torch.arange(t, device=tokens.device)[None]
         freqs = positions[..., None].to(torch.float32) * rope_inv_freq(self.cfg, tokens.device)
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        cos, sin = emb.cos().to(kv_cache.dtype), emb.sin().to(kv_cache.dtype)
         # Query i sits at position start+i; cached key j at position j (valid below start); new key i at start+i.
-        key_pos = torch.cat((torch.arange(ctx, device=tokens.device)[None].expand(b, ctx), positions), dim=1)
-        key_ok = torch.cat((torch.arange(ctx, device=tokens.device)[None] < start_pos[:, None],
+        key_pos = torch.cat((torch.arange(ctx_len, device=tokens.device)[None].expand(b, ctx_len), positions), dim=1)
+        key_ok = torch.cat((torch.arange(ctx_len, device=tokens.device)[None] < start_pos[:, None],
                             torch.ones(b, t, dtype=torch.bool, device=tokens.device)), dim=1)
         distance = positions[:, :, None] - key_pos[:, None, :]  # [b, t, ctx + t]
-        causal = key_ok[:, None, :] & (distance >= 0)
-        windowed = {w: causal & (distance < w) for w in {layer.self_attn.window for layer in self.model.layers}
-                    if w is not None}
+        windows = self._windows(tokens.device)
+        ctx = StepContext(cos=emb.cos().to(kv_cache.dtype), sin=emb.sin().to(kv_cache.dtype),
+                          causal=key_ok[:, None, :] & (distance >= 0),
+                          distance=None if windows is None else distance, block_table=block_table)
         x = self.model.embed_tokens(tokens)
         new_k, new_v = [], []
-        for i, layer in enumerate(self.model.layers):
-            past_k = kv_cache[i, 0][block_table].reshape(b, ctx, kv_cache.shape[4], kv_cache.shape[5])
-            past_v = kv_cache[i, 1][block_table].reshape(b, ctx, kv_cache.shape[4], kv_cache.shape[5])
-            mask = causal if layer.self_attn.window is None else windowed[layer.self_attn.window]
-            h, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, past_k, past_v, mask)
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for run in self.model.runs:
+            x, k, v = self._run(run, x, kv_cache[run.start:run.stop],
+                                None if windows is None else windows[run.start:run.stop], ctx)
             new_k.append(k)
             new_v.append(v)
         x = self.model.norm(x)
         logits = F.linear(x, self.model.embed_tokens.weight) if self.cfg.tie_word_embeddings else self.lm_head(x)
-        new_kv = torch.stack((torch.stack(new_k), torch.stack(new_v)), dim=1)
+        new_kv = torch.stack((torch.cat(new_k), torch.cat(new_v)), dim=1)
         return logits, new_kv
 
+    def _run(self, run: LayerRun, x, kv, windows, ctx: StepContext):
+        """One run of layers: (x after them, keys [layers, b, t, kvh, hd], values likewise)."""
+        cfg, tp = self.cfg, self.tp
+        stacked = run.stacked()
+        if not self.scan:
+            ks, vs = [], []
+            for i in range(run.stop - run.start):
+                x, k, v = decoder_layer(cfg, tp, {n: w[i] for n, w in stacked.items()}, x, kv[i],
+                                        None if windows is None else windows[i], ctx)
+                ks.append(k)
+                vs.append(v)
+            return x, torch.stack(ks), torch.stack(vs)
+        from torch._higher_order_ops.scan import scan
 
-def shard_state_dict(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """Slice a full (unsharded) Hugging Face Llama state dict down to one rank's shard."""
+        def body(carry, layer):
+            out, k, v = decoder_layer(cfg, tp, layer["weights"], carry, layer["kv"], layer.get("window"), ctx)
+            return out, (k, v)
+
+        xs = {"weights": stacked, "kv": kv} if windows is None else {"weights": stacked, "kv": kv, "window": windows}
+        x, (ks, vs) = scan(body, x, xs)
+        return x, ks, vs
+
+
+def rank_constants(cfg: ModelConfig, tp: int, rank: int, read: Callable[[str, tuple | None], torch.Tensor],
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every package constant of `rank` in `dtype`, from `read(checkpoint_name, cut)` (the tensor, cut to
+    (dim, start, stop) when `cut` is not None). A stacked constant is allocated once and each layer's
+    slice copied in, so building them never holds a second copy of the rank's weights."""
     cfg.check_tp(tp)
     if not 0 <= rank < tp:
         raise ValueError(f"rank {rank} is outside tp {tp}")
+    shapes = constant_shapes(cfg, tp)
     out = {}
-    for name, tensor in full.items():
-        cut = shard_slice(name, cfg, tp, rank)
-        out[name] = tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1]).contiguous()
+    for name, sources in constant_sources(cfg).items():
+        if sources == [name]:
+            out[name] = read(name, shard_slice(name, cfg, tp, rank)).to(dtype).contiguous()
+            continue
+        stacked = torch.empty(shapes[name], dtype=dtype)
+        for i, source in enumerate(sources):
+            stacked[i].copy_(read(source, shard_slice(source, cfg, tp, rank)))
+        out[name] = stacked
     return out
+
+
+def shard_state_dict(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """One rank's package constants from a full (unsharded) Hugging Face state dict, in its dtype."""
+    def read(name: str, cut: tuple | None) -> torch.Tensor:
+        tensor = full[name]
+        return tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1])
+
+    return rank_constants(cfg, tp, rank, read, full["model.embed_tokens.weight"].dtype)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

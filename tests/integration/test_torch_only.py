@@ -38,9 +38,13 @@ def test_manifest_states_the_consumer_contract(manifest):
         kv = next(i for i in f["interface"]["inputs"] if i["name"] == "kv_cache")
         assert "num_pages" in kv["shape"]
         assert set(f["constants"]) == set(m["weights"])
-    q = m["weights"]["model.layers.0.self_attn.q_proj.weight"]
-    assert q["cut"]["dim"] == 0 and q["cut"]["offsets"] == [0, q["cut"]["length"]]
-    assert m["weights"]["model.norm.weight"]["cut"] is None
+    q = m["weights"]["model.runs.0.self_attn.q_proj.weight"]
+    layers = m["model"]["config"]["num_layers"]
+    assert q["stack"] == layers and q["shape"][0] == layers
+    assert [s["tensor"] for s in q["sources"]] == [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(layers)]
+    assert all(s["cut"]["dim"] == 0 and s["cut"]["offsets"] == [0, s["cut"]["length"]] for s in q["sources"])
+    norm = m["weights"]["model.norm.weight"]
+    assert norm["stack"] is None and norm["sources"][0]["cut"] is None
 
 
 def test_every_package_runs_with_torch_alone_and_matches_kiln(manifest, tmp_path):

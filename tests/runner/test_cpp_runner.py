@@ -2,7 +2,7 @@
 
 The test builds the runner (CMake, against the wheel's libtorch), compiles one weightless tp 2 forward,
 writes a bf16 checkpoint in two shards (so the runner reads an index and casts to the float32 the
-package was compiled for) and a version 3 manifest from kiln.core.contract, runs two ranks of the runner
+package was compiled for) and a version 4 manifest from kiln.core.contract, runs two ranks of the runner
 over a TCPStore and compares each rank's logits with `ShardedDecoder(cfg, 1)` on the full weights.
 """
 
@@ -54,7 +54,7 @@ def runner() -> Path:
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory) -> dict:
-    """A tp 2 export of a 1-layer model: bf16 checkpoint (2 shards), one 1x8 package, a version 3 manifest."""
+    """A tp 2 export of a 2-layer model (its layers one stacked scan): bf16 checkpoint (2 shards), one 1x8 package, a version 4 manifest."""
     import torch
 
     from kiln.core.config import TINY
@@ -68,7 +68,7 @@ def export(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("cpp-export")
     # head_dim 32: the rotary frequencies are too long for Inductor to inline; they must come from the graph.
-    cfg = TINY.replace(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32,
+    cfg = TINY.replace(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32,
                        intermediate_size=128, vocab_size=128)
     tp = 2
     full = {n: t.to(torch.bfloat16) for n, t in random_state_dict(cfg, seed=3).items()}
@@ -84,7 +84,7 @@ def export(tmp_path_factory) -> dict:
         [result] = pool.run([(spec, str(forwards / f"{spec['key']}.pt2"))], lambda r: None)
     layout = weight_layout(cfg, tp)
     manifest = {
-        "version": 3, "export_id": "cpp-runner-test", "tp": tp,
+        "version": 4, "export_id": "cpp-runner-test", "tp": tp,
         "model": {"name": "test", "checkpoint": str(checkpoint), "config": dict(cfg.__dict__)},
         "recipe": {"page_tokens": PAGE_TOKENS, "max_context_tokens": PAGE_TOKENS * PAGES_PER_SEQ},
         "runtime": {"process_group": PROCESS_GROUP, "world_size": tp, "python_free": True},

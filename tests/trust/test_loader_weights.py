@@ -25,11 +25,11 @@ from kiln.host.model import ShardedDecoder
 job = json.loads(sys.argv[1])
 cfg = ModelConfig(**job["config"])
 weights = dict(ShardedDecoder(cfg, 1).eval().state_dict())
-name = "model.layers.0.self_attn.q_proj.weight"
+name = "model.runs.0.self_attn.q_proj.weight"  # stacked: [layers, rows, hidden]
 if job["change"] == "dtype":
     weights[name] = weights[name].to(torch.bfloat16)
 elif job["change"] == "shape":
-    weights[name] = weights[name][:-1].contiguous()
+    weights[name] = weights[name][:, :-1].contiguous()
 elif job["change"] == "missing":
     del weights[name]
 try:
@@ -41,11 +41,11 @@ except UnloadablePackage as exc:
 
 
 @pytest.mark.parametrize("change,words", [
-    ("dtype", "weight model.layers.0.self_attn.q_proj.weight is bfloat16 [64, 64] but the package was compiled "
-              "for float32 [64, 64]"),
-    ("shape", "weight model.layers.0.self_attn.q_proj.weight is float32 [63, 64] but the package was compiled "
-              "for float32 [64, 64]"),
-    ("missing", "needs 1 constant(s) that no rank's weights provide (model.layers.0.self_attn.q_proj.weight): "
+    ("dtype", "weight model.runs.0.self_attn.q_proj.weight is bfloat16 [1, 64, 64] but the package was compiled "
+              "for float32 [1, 64, 64]"),
+    ("shape", "weight model.runs.0.self_attn.q_proj.weight is float32 [1, 63, 64] but the package was compiled "
+              "for float32 [1, 64, 64]"),
+    ("missing", "needs 1 constant(s) that no rank's weights provide (model.runs.0.self_attn.q_proj.weight): "
                 "the rank's weights lack them"),
     ("none", None),
 ])

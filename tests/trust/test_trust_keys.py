@@ -36,7 +36,7 @@ def store(tmp_path):
 
 def manifest(export_id="e1", plan: SigningPlan | None = None) -> dict:
     key = "ab" * 16
-    return {"version": 3, "export_id": export_id, "tp": 2,
+    return {"version": 4, "export_id": export_id, "tp": 2,
             "forwards": [{"key": key, "bucket": "1x8", "sha256": "0" * 64, "object": f"forwards/{key}.pt2", "python_free": True}],
             "signing": (plan or SigningPlan("off")).manifest_entry()}
 

@@ -27,18 +27,17 @@ def test_shard_outputs_sum_to_unsharded_attention_projection():
     """Row-parallel o_proj: the rank partial sums add up to the unsharded projection."""
     full = random_state_dict(SMALL, seed=1)
     x = torch.randn(3, SMALL.num_heads * SMALL.head_dim)
-    name = "model.layers.0.self_attn.o_proj.weight"
-    parts = [shard_state_dict(full, SMALL, 2, r)[name] for r in range(2)]
+    parts = [shard_state_dict(full, SMALL, 2, r)["model.runs.0.self_attn.o_proj.weight"][0] for r in range(2)]
     half = SMALL.num_heads * SMALL.head_dim // 2
     partial = sum(F.linear(x[:, r * half:(r + 1) * half], parts[r]) for r in range(2))
-    torch.testing.assert_close(partial, F.linear(x, full[name]))
+    torch.testing.assert_close(partial, F.linear(x, full["model.layers.0.self_attn.o_proj.weight"]))
 
 
 def test_paged_step_matches_full_context_recompute():
     """Feeding tokens in two steps through the paged cache equals one step over all tokens."""
     torch.manual_seed(0)
     model = ShardedDecoder(SMALL, 1).eval()
-    model.load_state_dict(random_state_dict(SMALL, seed=2))
+    model.load_state_dict(shard_state_dict(random_state_dict(SMALL, seed=2), SMALL, 1, 0))
     page_tokens, pages_per_seq = 4, 4
     tokens = torch.randint(0, SMALL.vocab_size, (1, 8))
     cache = torch.zeros(SMALL.num_layers, 2, 6, page_tokens, SMALL.num_kv_heads, SMALL.head_dim)
@@ -50,6 +49,22 @@ def test_paged_step_matches_full_context_recompute():
         second, _ = model(tokens[:, 4:], torch.tensor([4]), cache, table)
     torch.testing.assert_close(second, whole[:, 4:], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(first, whole[:, :4], atol=1e-5, rtol=1e-4)
+
+
+def test_scanned_layers_compute_what_unrolled_ones_do():
+    """The scan over stacked layers (what is compiled) equals the same layers unrolled, windows included."""
+    cfg = SMALL.replace(num_layers=3, architecture="qwen2", qkv_bias=True, sliding_window=3, first_sliding_layer=1)
+    weights = shard_state_dict(random_state_dict(cfg, seed=5), cfg, 1, 0)
+    scanned, unrolled = ShardedDecoder(cfg, 1).eval(), ShardedDecoder(cfg, 1, scan=False).eval()
+    scanned.load_state_dict(weights)
+    unrolled.load_state_dict(weights)
+    args = example_inputs(cfg, 1, 2, 5, page_tokens=4, pages_per_seq=3, num_pages=7, seed=2)
+    with torch.no_grad():
+        for got, want in zip(scanned(*args), unrolled(*args)):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        windowless = ShardedDecoder(cfg.replace(sliding_window=None), 1, scan=False).eval()
+        windowless.load_state_dict(weights)
+        assert not torch.allclose(windowless(*args)[0], unrolled(*args)[0], atol=1e-4)  # the window matters
 
 
 def test_example_inputs_shapes():
@@ -87,9 +102,8 @@ def test_biases_shard_with_their_projection():
     full = random_state_dict(cfg, seed=4)
     ranks = [shard_state_dict(full, cfg, 2, r) for r in range(2)]
     for name in ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias"):
-        key = f"model.layers.1.{name}"
-        assert torch.equal(torch.cat([r[key] for r in ranks]), full[key])
+        stacked = f"model.runs.0.{name}"  # layer 1 is the stack's second entry
+        assert torch.equal(torch.cat([r[stacked][1] for r in ranks]), full[f"model.layers.1.{name}"])
     for name in ("self_attn.o_proj.bias", "mlp.down_proj.bias"):
-        key = f"model.layers.1.{name}"
-        assert all(torch.equal(r[key], full[key]) for r in ranks)
+        assert all(torch.equal(r[f"model.runs.0.{name}"][1], full[f"model.layers.1.{name}"]) for r in ranks)
     assert set(ranks[0]) == set(ShardedDecoder(cfg, 2).state_dict())

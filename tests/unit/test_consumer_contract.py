@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.core.config import TINY
-from kiln.core.contract import forward_interface, parameter_shapes, shard_slice, weight_layout
+from kiln.core.contract import constant_sources, forward_interface, parameter_shapes, shard_slice, weight_layout
 from kiln.core.errors import KilnError, NotPythonFree
 from kiln.core.outcome import check_outcome, forward_records
 
@@ -17,19 +17,25 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_parameter_shapes_are_the_torch_modules_own(name):
+def test_constants_are_the_torch_modules_own(name):
+    """The contract's constants (names, order, per-rank shapes) are the module's state dict; every checkpoint
+    tensor parameter_shapes names is the source of exactly one constant."""
     pytest.importorskip("torch")
     from kiln.host.model import ShardedDecoder
 
     cfg = CONFIGS[name]
-    module = {n: tuple(p.shape) for n, p in ShardedDecoder(cfg, 1).to("meta").state_dict().items()}
-    assert list(parameter_shapes(cfg).items()) == list(module.items())
+    for tp in (1, 2):
+        module = {n: list(p.shape) for n, p in ShardedDecoder(cfg, tp).to("meta").state_dict().items()}
+        assert [(n, w["shape"]) for n, w in weight_layout(cfg, tp).items()] == list(module.items())
+    sources = [s for group in constant_sources(cfg).values() for s in group]
+    assert sorted(sources) == sorted(parameter_shapes(cfg)) and len(sources) == len(set(sources))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_weight_layout_cuts_are_the_ranks_own_shards(name, tp):
-    """What a consumer cuts from the manifest alone is bit for bit what Kiln's own sharding binds."""
+    """What a consumer builds from the manifest alone (cut each source, stack in order) is bit for bit
+    what Kiln's own sharding binds."""
     torch = pytest.importorskip("torch")
     from kiln.host.model import ShardedDecoder, random_state_dict, shard_state_dict
 
@@ -39,22 +45,33 @@ def test_weight_layout_cuts_are_the_ranks_own_shards(name, tp):
     for rank in range(tp):
         mine = shard_state_dict(full, cfg, tp, rank)
         assert set(layout) == set(mine) == set(ShardedDecoder(cfg, tp).state_dict())
-        for tensor_name, w in layout.items():
-            t = full[w["source"]]
-            if w["cut"] is not None:
-                t = t.narrow(w["cut"]["dim"], w["cut"]["offsets"][rank], w["cut"]["length"])
-            assert list(t.shape) == w["shape"] and torch.equal(t, mine[tensor_name]), tensor_name
+        for constant, w in layout.items():
+            parts = []
+            for src in w["sources"]:
+                t = full[src["tensor"]]
+                assert list(t.shape) == src["full_shape"]
+                if src["cut"] is not None:
+                    t = t.narrow(src["cut"]["dim"], src["cut"]["offsets"][rank], src["cut"]["length"])
+                parts.append(t)
+            t = parts[0] if w["stack"] is None else torch.stack(parts)
+            assert list(t.shape) == w["shape"] and torch.equal(t, mine[constant]), constant
 
 
-def test_layout_says_which_tensors_are_cut_and_how():
+def test_layout_says_which_tensors_are_stacked_and_cut_and_how():
     cfg = CONFIGS["biases, tied"]
     layout = weight_layout(cfg, 2)
-    q = layout["model.layers.0.self_attn.q_proj.weight"]
-    assert q["cut"] == {"dim": 0, "length": cfg.num_heads // 2 * cfg.head_dim,
-                        "offsets": [0, cfg.num_heads // 2 * cfg.head_dim]}
-    assert layout["model.layers.0.self_attn.o_proj.weight"]["cut"]["dim"] == 1
-    assert layout["model.layers.0.self_attn.o_proj.bias"]["cut"] is None  # added once, after the sum
-    assert layout["model.layers.0.self_attn.q_proj.bias"]["cut"]["dim"] == 0
+    q = layout["model.runs.0.self_attn.q_proj.weight"]
+    assert q["stack"] == cfg.num_layers == len(q["sources"])
+    assert [s["tensor"] for s in q["sources"]] == [f"model.layers.{i}.self_attn.q_proj.weight"
+                                                  for i in range(cfg.num_layers)]
+    rows = cfg.num_heads // 2 * cfg.head_dim
+    assert q["shape"] == [cfg.num_layers, rows, cfg.hidden_size]
+    assert q["sources"][1]["cut"] == {"dim": 0, "length": rows, "offsets": [0, rows]}
+    assert layout["model.runs.0.self_attn.o_proj.weight"]["sources"][0]["cut"]["dim"] == 1
+    assert layout["model.runs.0.self_attn.o_proj.bias"]["sources"][0]["cut"] is None  # added once, after the sum
+    assert layout["model.runs.0.self_attn.q_proj.bias"]["sources"][0]["cut"]["dim"] == 0
+    embed = layout["model.embed_tokens.weight"]
+    assert embed["stack"] is None and [s["tensor"] for s in embed["sources"]] == ["model.embed_tokens.weight"]
     assert "lm_head.weight" not in layout  # tied: the head reads the embedding
     assert shard_slice("model.norm.weight", cfg, 2, 1) is None
 
@@ -97,6 +114,6 @@ def test_forward_records_carry_the_contract_and_who_compiled():
     [rec] = forward_records(SPECS, {"k1": _found()}, {"k1": {"compiled_by": "h0", "compile_s": 2.0}}, TINY, 2)
     assert rec["object"] == "forwards/k1.pt2" and rec["compiled_by"] == "h0" and rec["compile_attempts"] == 1
     assert rec["python_free"] and rec["interface"]["process_group"] == "0"
-    assert rec["constants"] == sorted(parameter_shapes(TINY))
+    assert rec["constants"] == sorted(constant_sources(TINY))
     [reused] = forward_records(SPECS, {"k1": _found()}, {}, TINY, 2)
     assert reused["compiled_by"] is None and reused["compile_attempts"] == 0

@@ -31,3 +31,12 @@ def test_spec_leaves_the_page_count_dynamic():
     spec = forward_spec(**BASE)
     assert spec.inputs["num_pages"] == "dynamic"
     assert "num_pages" not in forward_spec.__code__.co_varnames[:forward_spec.__code__.co_kwonlyargcount]
+
+
+def test_key_records_the_package_layout(monkeypatch):
+    """A package of another constant layout (say, unrolled layers) never shares a key with a scanned one."""
+    import kiln.core.forward_keys as forward_keys
+
+    base = key()
+    monkeypatch.setattr(forward_keys, "LAYOUT", "unrolled")
+    assert key() != base
