@@ -10,6 +10,9 @@ weights, ~2.5 GB), then, each as a user runs it:
 2. `kiln export --buckets 1x16,4x16` into the same store: the gate now counts
    the measured peak (times worker_mib_margin) and compiles 4x16.
 3. `kiln verify` of the second export.
+4. rank 0's weights loaded in a fresh process (bench.loader_peak): the loader's
+   peak memory over the rank's weight bytes (target <= 1.15: stacked constants
+   are filled in place, never a second copy).
 
 Prints one JSON document: the worker peak measured while compiling 4x16 over
 the per-worker figure the gate predicted for it from the 1x16 measurement
@@ -76,6 +79,9 @@ def main() -> int:
         _, second_s = kiln("export", *common, "--buckets", "1x16,4x16", "--export-id", "second",
                            "--report", str(work / "second.json"), env=env)
         verified, verify_s = kiln("verify", "second", "--store", store, env=env)
+        loaded = subprocess.run([sys.executable, "-m", "bench.loader_peak", str(ckpt), "2", "0"], env=env,
+                                capture_output=True, text=True, check=True, cwd=ROOT)
+        loader = json.loads(loaded.stdout.strip().splitlines()[-1])
         first = json.loads((work / "first.json").read_text())
         second = json.loads((work / "second.json").read_text())
         f1 = {f["bucket"]: f for f in first["forwards"]}
@@ -99,6 +105,8 @@ def main() -> int:
             "verify_measured_over_predicted": round(peak / predicted, 3),
             "export_s": {"first": first_s, "second": second_s}, "verify_s": verify_s,
             "compile_lowest_available_mib": host1["compile_memory"]["min_available_mib"],
+            "loader_weight_mib": round(loader["weight_bytes"] / 2**20),
+            "loader_peak_over_weights": loader["peak_over_weights"],
         }
         print(json.dumps(figures, indent=2))
     finally:

@@ -21,6 +21,7 @@ from kiln.core.config import TINY, ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.hf_config import from_hf, to_hf
 from kiln.host.model import expected_shapes, random_state_dict, rank_constants
+from kiln.host.safetensors_io import SafetensorsFile
 
 INDEX = "model.safetensors.index.json"
 
@@ -110,22 +111,23 @@ def inspect_checkpoint(path: Path | str) -> ModelConfig:
 
 
 def load_rank_weights(path: Path | str, cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """One rank's package constants (kiln.core.contract), read slice by slice, in `cfg.dtype` (the dtype
-    compiled for). A stacked constant is allocated once and each layer's slice copied straight in: the
-    rank's weights are never held twice."""
+    """One rank's package constants (kiln.core.contract), in `cfg.dtype` (the dtype compiled for). Each
+    constant is allocated once and its slices read straight from the files into it (kiln.host.safetensors_io):
+    the rank's weights are never held twice, and the checkpoint is not memory-mapped into this process."""
     mapping = _weight_map(Path(path))
-    handles = {}
+    files: dict[Path, SafetensorsFile] = {}
 
-    def read(name: str, cut: tuple | None) -> torch.Tensor:
+    def read_into(name: str, cut: tuple | None, out: torch.Tensor) -> None:
         file = mapping[name]
-        if file not in handles:
-            handles[file] = _open(file)
-        sl = handles[file].get_slice(name)
-        if cut is None:
-            return sl[:]
-        return sl[cut[1]:cut[2]] if cut[0] == 0 else sl[:, cut[1]:cut[2]]
+        if file not in files:
+            files[file] = SafetensorsFile(file)
+        files[file].read_into(name, cut, out)
 
-    return rank_constants(cfg, tp, rank, read, getattr(torch, cfg.dtype))
+    try:
+        return rank_constants(cfg, tp, rank, read_into, getattr(torch, cfg.dtype))
+    finally:
+        for f in files.values():
+            f.close()
 
 
 def write_checkpoint(path: Path | str, cfg: ModelConfig, state: dict[str, torch.Tensor],

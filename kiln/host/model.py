@@ -299,34 +299,33 @@ class ShardedDecoder(nn.Module):
         return x, ks, vs
 
 
-def rank_constants(cfg: ModelConfig, tp: int, rank: int, read: Callable[[str, tuple | None], torch.Tensor],
+def rank_constants(cfg: ModelConfig, tp: int, rank: int,
+                   read_into: Callable[[str, tuple | None, torch.Tensor], None],
                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every package constant of `rank` in `dtype`, from `read(checkpoint_name, cut)` (the tensor, cut to
-    (dim, start, stop) when `cut` is not None). A stacked constant is allocated once and each layer's
-    slice copied in, so building them never holds a second copy of the rank's weights."""
+    """Every package constant of `rank` in `dtype`, each allocated once and filled by
+    `read_into(checkpoint_name, cut, out)`, which writes that tensor (cut to (dim, start, stop) when `cut`
+    is not None) into `out`: a stacked constant's sources go straight into its layer slices, so building
+    the constants never holds a second copy of the rank's weights."""
     cfg.check_tp(tp)
     if not 0 <= rank < tp:
         raise ValueError(f"rank {rank} is outside tp {tp}")
-    shapes = constant_shapes(cfg, tp)
     out = {}
-    for name, sources in constant_sources(cfg).items():
-        if sources == [name]:
-            out[name] = read(name, shard_slice(name, cfg, tp, rank)).to(dtype).contiguous()
-            continue
-        stacked = torch.empty(shapes[name], dtype=dtype)
+    for name, shape in constant_shapes(cfg, tp).items():
+        constant = torch.empty(shape, dtype=dtype)
+        sources = constant_sources(cfg)[name]
         for i, source in enumerate(sources):
-            stacked[i].copy_(read(source, shard_slice(source, cfg, tp, rank)))
-        out[name] = stacked
+            read_into(source, shard_slice(source, cfg, tp, rank), constant if sources == [name] else constant[i])
+        out[name] = constant
     return out
 
 
 def shard_state_dict(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
     """One rank's package constants from a full (unsharded) Hugging Face state dict, in its dtype."""
-    def read(name: str, cut: tuple | None) -> torch.Tensor:
+    def read_into(name: str, cut: tuple | None, out: torch.Tensor) -> None:
         tensor = full[name]
-        return tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1])
+        out.copy_(tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1]))
 
-    return rank_constants(cfg, tp, rank, read, full["model.embed_tokens.weight"].dtype)
+    return rank_constants(cfg, tp, rank, read_into, full["model.embed_tokens.weight"].dtype)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -46,6 +46,8 @@ CASES = {
     "llama-realistic-bf16": ("llama", dict(vocab_size=32000, hidden_size=512, num_attention_heads=4,
                                            num_key_value_heads=2, intermediate_size=1024, num_hidden_layers=4,
                                            initializer_range=0.05), "bfloat16"),
+    "llama-deep": ("llama", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                 num_hidden_layers=24, initializer_range=0.05), "float32"),
     "mistral-window": ("mistral", dict(sliding_window=6), "float32"),
     "qwen2": ("qwen2", {}, "float32"),
     "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1), "float32"),

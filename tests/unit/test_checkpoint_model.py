@@ -107,3 +107,29 @@ def test_biases_shard_with_their_projection():
     for name in ("self_attn.o_proj.bias", "mlp.down_proj.bias"):
         assert all(torch.equal(r[f"model.runs.0.{name}"][1], full[f"model.layers.1.{name}"]) for r in ranks)
     assert set(ranks[0]) == set(ShardedDecoder(cfg, 2).state_dict())
+
+
+def test_direct_reader_cuts_and_converts_as_slicing_does(tmp_path, monkeypatch):
+    """Reading into a preallocated tensor (no memory map) gives what slicing the loaded tensor gives: whole, cut
+    along rows, cut along columns a few rows at a time, converted from bfloat16; a truncated file is named."""
+    import pytest
+    from safetensors.torch import save_file
+
+    from kiln.core.errors import BadInput
+    from kiln.host import safetensors_io
+
+    t = torch.randn(37, 24).to(torch.bfloat16)
+    save_file({"w": t}, str(tmp_path / "a.safetensors"))
+    monkeypatch.setattr(safetensors_io, "_CHUNK_BYTES", 5 * 24 * 2)  # 5 rows per read: several chunks
+    f = safetensors_io.SafetensorsFile(tmp_path / "a.safetensors")
+    for cut, want in ((None, t), ((0, 3, 20), t[3:20]), ((1, 8, 16), t[:, 8:16])):
+        for dtype in (torch.bfloat16, torch.float32):
+            out = torch.empty(want.shape, dtype=dtype)
+            f.read_into("w", cut, out)
+            assert torch.equal(out, want.to(dtype)), (cut, dtype)
+    f.close()
+    data = (tmp_path / "a.safetensors").read_bytes()
+    (tmp_path / "b.safetensors").write_bytes(data[:-10])
+    with pytest.raises(BadInput, match="truncated"):
+        safetensors_io.SafetensorsFile(tmp_path / "b.safetensors").read_into("w", None, torch.empty(37, 24,
+                                                                                                     dtype=torch.bfloat16))
