@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kiln.core.config import ModelConfig
 from kiln.core.contract import constant_sources, forward_interface
-from kiln.core.errors import KilnError, NotPythonFree, VerifyMismatch
+from kiln.core.errors import ForwardsMissing, NotPythonFree, VerifyMismatch
 from kiln.core.layout import artifact_key
 
 
@@ -18,7 +18,7 @@ def check_outcome(found: dict[str, dict], missing: list[str], specs: dict[str, d
     """`found` key -> {'sha256', 'size_bytes', 'calls'}; raises unless every spec's forward is stored
     and Python-free. Returns `found`."""
     if missing:
-        raise KilnError(f"{len(missing)} forward(s) are not in the store after compilation, e.g. {missing[0]}; "
+        raise ForwardsMissing(f"{len(missing)} forward(s) are not in the store after compilation, e.g. {missing[0]}; "
                         "the compile phase failed on some host (see its log); re-run to resume.")
     impure = sorted(k for k in specs if not found[k]["calls"]["python_free"])
     if impure:
