@@ -11,6 +11,7 @@ statuses of every host into one BadInput naming each bad host and its path.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import uuid
@@ -89,3 +90,29 @@ def check_probed_caches(probes: list, artifact_mib_estimate: int) -> None:
     """`check_caches` over every host's probe (kiln.core.probe_result.HostProbe.cache). Pure."""
     check_caches({p.name: p.cache for p in probes if p.cache},
                  {p.name: need_mib(len(p.specs), len(p.local_keys), artifact_mib_estimate) for p in probes})
+
+
+def read_record(path: Path) -> dict | None:
+    """The JSON object a host remembered at `path`, or None when it is absent or unreadable (truncated,
+    corrupt, not an object): a record that cannot be read is as if never written, so the work it
+    remembers is done again instead of failing every retry."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def write_record(path: Path, record: dict) -> None:
+    """Write `record` as JSON at `path` atomically: a temp file in the same directory, fsynced, then
+    os.replace, so a reader sees the old record or the whole new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(record))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
