@@ -305,12 +305,12 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     loading native code must not be able to take the orchestrating process
     down, and AOTInductor crashes when one process loads a package twice.
     A check passed before on this host for the same artifact bytes, rank and
-    checkpoint files is remembered in the host's cache and not run again.
+    checkpoint content is remembered in the host's cache and not run again.
     """
     from kiln.host.checkpoint import checkpoint_fingerprint
     from kiln.host.loader import limit_of
 
-    weights = checkpoint_fingerprint(job.checkpoint)
+    weights = checkpoint_fingerprint(job.checkpoint, cache_dir(host) / "digests")
     record = cache_dir(host) / "verified"
     diffs: dict[str, dict] = {}
     todo: dict[int, list[dict]] = {}

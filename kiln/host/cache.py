@@ -11,6 +11,7 @@ statuses of every host into one BadInput naming each bad host and its path.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -116,3 +117,28 @@ def write_record(path: Path, record: dict) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _hash_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_digest(path: Path, records: Path | None) -> str:
+    """sha256 of the file at `path`, remembered in the directory `records` (None: not remembered).
+
+    A remembered digest is keyed by the file's device, inode, size, mtime and
+    ctime: rewriting the file (in place or by rename, even with its old size
+    and mtime restored, as `rsync -a` does) changes its ctime or inode, so the
+    file is read again; an unchanged file is not read at all.
+    """
+    if records is None:
+        return _hash_file(path)
+    st = path.stat()
+    record = records / f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{st.st_ctime_ns}.json"
+    known = read_record(record)
+    if known is not None and isinstance(known.get("sha256"), str):
+        return known["sha256"]
+    digest = _hash_file(path)
+    write_record(record, {"sha256": digest, "path": str(path)})
+    return digest
