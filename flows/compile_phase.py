@@ -18,7 +18,7 @@ from prefect.artifacts import update_progress_artifact
 
 from flows import artifacts
 from flows.hosts import HostRunner
-from kiln.core import decisions, layout
+from kiln.core import decisions, layout, outcome
 from kiln.core.gate import HostReport, Plan
 from kiln.core.job import ExportJob, HostSpec
 from tasks import phases
@@ -29,7 +29,8 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
                       reports: list[HostReport], runner: HostRunner) -> tuple[dict[str, dict], set[str], dict]:
     """Compile what `plan` assigns; returns (key -> compile record of this export, lost host names,
     host -> {'memory': its lowest available MiB and its compile process tree's peak MiB while compiling,
-    'waited_for_lease': keys it waited for while another export compiled them})."""
+    'waited_for_lease': keys it waited for while another export compiled them}). Each compile record
+    must carry the sha256 its host's task returned (IntegrityError otherwise)."""
     log = get_run_logger()
     store = store_of(job)
     by_name = {h.name: h for h in hosts}
@@ -37,6 +38,7 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
     progress = _Progress(job, store, to_compile)
     lost: set[str] = set()
     memory: dict[str, dict] = {}
+    reported: dict[str, str] = {}  # key -> sha256, as the compiling host's task returned it
     assignment = {n: (hp.compile, hp.workers) for n, hp in plan.hosts.items() if hp.compile}
     for round_ in itertools.count():
         running = {n: runner.submit(by_name[n], phases.compile_host, job=job, host=by_name[n],
@@ -48,6 +50,7 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
         for name, fut in running.items():
             result = fut.result()  # a host's failure fails the phase
             memory[name] = {"memory": result["memory"], "waited_for_lease": result["waited_for_lease"]}
+            reported.update({f["key"]: f["sha256"] for f in result["forwards"]})
         if not gone:
             break
         lost |= gone
@@ -61,7 +64,9 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
                                                  {k: specs[k]["target"] for k in missing}, replans_done=round_)
     progress.show(final=True)
     # Keys without a record were compiled by another export that held their lease: reused.
-    return phases.compile_records(job, to_compile), lost, memory
+    records = phases.compile_records(job, to_compile)
+    outcome.check_digests(reported, {k: r["sha256"] for k, r in records.items()}, "the compile record in the store")
+    return records, lost, memory
 
 
 def _watch(running: dict, runner: HostRunner, progress: "_Progress") -> set[str]:

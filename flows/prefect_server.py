@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kiln.core.errors import BadInput
+from kiln.core.home import kiln_home
 
 
 def prefect_environment(*, quiet: bool) -> None:
@@ -67,31 +68,63 @@ def _drain_logs() -> None:
             pass
 
 
-class PrefectServer:
-    """`prefect server start` on loopback in its own process session; `url` is its API address."""
+def server_log_path() -> Path:
+    """KILN_HOME/logs/prefect-server.log: where the Prefect servers Kiln starts log (appended to)."""
+    return kiln_home() / "logs" / "prefect-server.log"
 
-    def __init__(self, home: Path | None = None, start_timeout_s: float = 120.0, ui: bool = False):
+
+def start_logged(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    """Start `cmd` in its own process session with stdout and stderr appended to `log_path`.
+
+    A file, not a pipe: a pipe that nobody reads fills after 64 KiB and then
+    blocks the process on its next log line.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S%z')} {' '.join(cmd)}\n".encode())
+        log.flush()
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _log_tail(log_path: Path, num_bytes: int = 2000) -> str:
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - num_bytes))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class PrefectServer:
+    """`prefect server start` on loopback in its own process session; `url` is its API address.
+
+    Its output goes to `log_path` (default `server_log_path()`).
+    """
+
+    def __init__(self, home: Path | None = None, start_timeout_s: float = 120.0, ui: bool = False,
+                 log_path: Path | None = None):
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}/api"
+        self.log_path = log_path or server_log_path()
         env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED=str(ui).lower())
         env.pop("PREFECT_API_URL", None)
         if home is not None:
             env["PREFECT_HOME"] = str(home)
         prefect = Path(sys.executable).with_name("prefect")
-        self.proc = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+        self.proc = start_logged([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                 env, self.log_path)
         deadline = time.monotonic() + start_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"prefect server exited: {self.proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"prefect server exited (log: {self.log_path}): {_log_tail(self.log_path)}")
             try:
                 check_server(self.url, timeout_s=1.0)
                 return
             except BadInput:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"prefect server did not answer within {start_timeout_s:.0f} s") from None
+                    raise RuntimeError(f"prefect server did not answer within {start_timeout_s:.0f} s; its log: "
+                                       f"{self.log_path}") from None
                 time.sleep(0.5)
 
     def stop(self) -> None:

@@ -5,7 +5,7 @@ flow-level `retry_condition_fn`. The server decides whether a failed flow run
 is tried again from the run's own policy (`empirical_policy.retries` against
 `run_count`), so `resumable` sets that policy from the run's recipe when each
 try starts and sets it to 0 when a try fails with an error that would fail the
-same way again (kiln.core.errors.worth_retrying): a gate refusal among them,
+same way again (kiln.core.retry_rule.worth_retrying: only what can heal is retried): a gate refusal among them,
 unless the recipe's `retry_refusals` says the deployment waits for memory.
 
 Contracts: the decorator's `retries`/`retry_delay_seconds` are only the
@@ -30,7 +30,8 @@ from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 
 from flows.params import ExportParams, build_recipe, default_export_id
-from kiln.core.errors import GateRefused, worth_retrying
+from kiln.core.errors import GateRefused
+from kiln.core.retry_rule import worth_retrying
 from kiln.core.recipe import Recipe
 
 

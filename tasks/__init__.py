@@ -4,7 +4,7 @@ Purpose: one task per phase or per host's share of one; hostwork.py holds the
 store I/O, the compile pool calls and the checks that run on the host.
 
 Contracts: thin tasks: decorators, retries, a call into kiln.core or hostwork.
-Retries only on I/O (transient_only); Kiln's own errors are never retried here.
+Retries only on I/O (transient_only), only for errors that can heal (kiln.core.retry_rule).
 
 Pitfalls: the compile task has no task retries (they would compile its whole
 share again); decisions in a task belong to kiln.core instead.

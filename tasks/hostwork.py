@@ -7,7 +7,6 @@ a thin Prefect task on the host it concerns.
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing as mp
 import time
@@ -306,20 +305,20 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     loading native code must not be able to take the orchestrating process
     down, and AOTInductor crashes when one process loads a package twice.
     A check passed before on this host for the same artifact bytes, rank and
-    checkpoint files is remembered in the host's cache and not run again.
+    checkpoint content is remembered in the host's cache and not run again.
     """
     from kiln.host.checkpoint import checkpoint_fingerprint
     from kiln.host.loader import limit_of
 
-    weights = checkpoint_fingerprint(job.checkpoint)
+    weights = checkpoint_fingerprint(job.checkpoint, cache_dir(host) / "digests")
     record = cache_dir(host) / "verified"
     diffs: dict[str, dict] = {}
     todo: dict[int, list[dict]] = {}
     for rank in host.ranks:
         for f in forwards:
-            seen = record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json"
-            if seen.exists():  # the measured figures are remembered; the limit is this export's
-                check = json.loads(seen.read_text())
+            check = cache.read_record(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json")
+            # The measured figures are remembered (an unreadable record counts as none); the limit is this export's.
+            if check is not None and isinstance(check.get("diff"), (int, float)):
                 check["limit"] = limit_of(check.get("own"), atol=job.recipe.verify_atol,
                                           half_ratio=job.recipe.verify_half_ratio)
                 diffs[f"rank{rank}/{f['bucket']}"] = check
@@ -338,9 +337,8 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
             found = result["checks"]
             memory["peak_mib"] = max(memory["peak_mib"], result["peak_mib"])
             diffs.update(found)
-            record.mkdir(parents=True, exist_ok=True)
             for f in fs:
                 check = found[f"rank{rank}/{f['bucket']}"]
                 if check["diff"] <= check["limit"]:
-                    (record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json").write_text(json.dumps(check))
+                    cache.write_record(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json", check)
     return {"checks": diffs, "memory": memory}

@@ -4,8 +4,9 @@ Purpose: each task is one phase (or one host's share of it). Contracts: the
 per-host tasks run on the host they name; reductions (KV plan, gate, outcome
 check, manifest) take every host's result. Anti-patterns: decisions in here;
 they belong to kiln.core.gate, kiln.core.sizing and kiln.core.manifest. Pitfalls: retries
-only on I/O (store transfers); a deterministic error (bad input, a refusal, an
-integrity failure) is never retried.
+only on I/O (store transfers), and only for errors that can heal
+(kiln.core.retry_rule); anything else (bad input, a refusal, an integrity
+failure, a bug) is never retried.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from __future__ import annotations
 from prefect import task
 
 from kiln.core import decisions, outcome
-from kiln.core.errors import KilnError
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.layout import artifact_key, manifest_key
 from kiln.core.probe_result import HostProbe
+from kiln.core.retry_rule import transient
 from kiln.host import faults, tuner
 from tasks import hostwork
 
@@ -25,13 +26,12 @@ IO_RETRY_DELAYS_S = [2, 5, 10]
 
 
 def transient_only(task, task_run, state) -> bool:
-    """retry_condition_fn: retry I/O hiccups, never Kiln's own deterministic errors."""
+    """retry_condition_fn: retry only what can heal (kiln.core.retry_rule.transient); a bug or a
+    deterministic error fails at its first try."""
     try:
         state.result()
-    except KilnError:
-        return False
-    except Exception:
-        return True
+    except Exception as exc:
+        return transient(exc)
     return False
 
 

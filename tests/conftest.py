@@ -153,7 +153,8 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory):
     """A Prefect server (SQLite) for the session; yields its API URL. Nothing in os.environ changes."""
     from flows.prefect_server import PrefectServer
 
-    server = PrefectServer(tmp_path_factory.mktemp("prefect-server"))
+    home = tmp_path_factory.mktemp("prefect-server")
+    server = PrefectServer(home, log_path=home / "server.log")
     yield server.url
     server.stop()
 

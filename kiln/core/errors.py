@@ -1,5 +1,7 @@
 """Errors that Kiln expects, each with the exit code the CLI gives it.
 
+Which errors are retried is decided in one place, kiln.core.retry_rule.
+
 An expected error carries a message of one or two plain sentences: what is
 wrong and how to fix it. The CLI prints it to stderr without a traceback.
 """
@@ -73,32 +75,27 @@ class NotPythonFree(KilnError):
 
 
 class StoreError(KilnError):
-    """The store failed in a way that retrying did not fix."""
+    """The store failed in a way that its own retries did not fix.
+
+    `transient`: the failure may heal (the store was unreachable, timed out or
+    throttled: see kiln.core.retry_rule.transient); false for an answer that
+    will not change (access denied, a directory where a key should be). An
+    instance attribute, so it survives pickling (Dask, Prefect results), which
+    `__cause__` does not.
+    """
 
     exit_code = 1
 
+    def __init__(self, message: str, *, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
-DETERMINISTIC = (BadInput, GateRefused, IntegrityError, VerifyMismatch, UnloadablePackage, MemoryShort,
-                 NotPythonFree)
-"""Errors that fail the same way however often the export is tried again."""
 
+class ForwardsMissing(KilnError):
+    """Forwards of the export are not in the store after the compile phase (some host failed): a re-run
+    compiles only those."""
 
-def worth_retrying(exc: BaseException, *, retry_refusals: bool = False) -> bool:
-    """Whether trying the whole export again may succeed.
-
-    No for bad input (a pydantic ValidationError of the parameters included),
-    gate refusals, integrity failures, verification mismatches and unloadable
-    packages; yes for everything else: a compile worker killed for memory, an
-    unreachable store or server. `retry_refusals` (the recipe setting) makes a
-    gate refusal worth retrying: the deployment waits for memory to be freed.
-    """
-    from pydantic import ValidationError
-
-    if retry_refusals and isinstance(exc, GateRefused):
-        return True
-    if isinstance(exc, (*DETERMINISTIC, ValidationError)):
-        return False
-    return isinstance(exc, Exception)
+    exit_code = 1
 
 
 class DiskError(KilnError):

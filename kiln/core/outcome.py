@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kiln.core.config import ModelConfig
 from kiln.core.contract import constant_sources, forward_interface
-from kiln.core.errors import KilnError, NotPythonFree, VerifyMismatch
+from kiln.core.errors import ForwardsMissing, IntegrityError, NotPythonFree, VerifyMismatch
 from kiln.core.layout import artifact_key
 
 
@@ -18,7 +18,7 @@ def check_outcome(found: dict[str, dict], missing: list[str], specs: dict[str, d
     """`found` key -> {'sha256', 'size_bytes', 'calls'}; raises unless every spec's forward is stored
     and Python-free. Returns `found`."""
     if missing:
-        raise KilnError(f"{len(missing)} forward(s) are not in the store after compilation, e.g. {missing[0]}; "
+        raise ForwardsMissing(f"{len(missing)} forward(s) are not in the store after compilation, e.g. {missing[0]}; "
                         "the compile phase failed on some host (see its log); re-run to resume.")
     impure = sorted(k for k in specs if not found[k]["calls"]["python_free"])
     if impure:
@@ -29,10 +29,24 @@ def check_outcome(found: dict[str, dict], missing: list[str], specs: dict[str, d
     return found
 
 
+def check_digests(held: dict[str, str], recorded: dict[str, str], what: str) -> None:
+    """Raise IntegrityError naming the first key whose sha256 in `recorded` (`what`, e.g. the store's
+    metadata) differs from the one the flow holds in `held`; keys absent from either are not compared."""
+    for key in sorted(held.keys() & recorded.keys()):
+        if held[key] != recorded[key]:
+            raise IntegrityError(f"forward {key}: {what} says sha256 {recorded[key]}, but its compiler reported "
+                                 f"{held[key]}; the store was changed behind this export. Delete the object "
+                                 "and export again.")
+
+
 def forward_records(specs: dict[str, dict], stored: dict[str, dict], compiled: dict[str, dict],
                     cfg: ModelConfig, tp: int) -> list[dict]:
     """One record per forward, ordered by (target, bucket): what it is, where it lives, who compiled
-    it and how, and its consumer contract (interface, process group, constants)."""
+    it and how, and its consumer contract (interface, process group, constants). A forward this export
+    compiled must be stored with the sha256 its compiler reported (IntegrityError otherwise): the checks and
+    the manifest then use the compiler's digest, not only the store's metadata."""
+    check_digests({k: c["sha256"] for k, c in compiled.items() if c.get("sha256")},
+                  {k: s["sha256"] for k, s in stored.items()}, "the store's metadata")
     constants = sorted(constant_sources(cfg))
     out = []
     for key, spec in sorted(specs.items(), key=lambda kv: (kv[1]["target"], kv[1]["bucket"])):

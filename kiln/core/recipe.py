@@ -121,8 +121,9 @@ class Recipe:
         900.0, "Seconds a compile lease protects a key from other exports; a stale lease is taken over.",
         unit="s", gt=0, compiling_only=True)
     flow_retries: int = setting(
-        2, "Times a failed export is tried again, with a fresh probe; bad input, gate refusals (unless "
-        "retry_refusals), integrity and verification failures are never retried.", ge=0, le=10)
+        2, "Times a failed export is tried again, with a fresh probe; only failures that can heal are "
+        "retried (docs/operations.md), never bad input, gate refusals (unless retry_refusals), integrity "
+        "or verification failures or bugs.", ge=0, le=10)
     flow_retry_delay_s: float = setting(30.0, "Seconds between a failed try of the export and the next one.",
                                         unit="s", ge=0, le=86400)
     retry_refusals: bool = setting(

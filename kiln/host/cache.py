@@ -11,6 +11,8 @@ statuses of every host into one BadInput naming each bad host and its path.
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import os
 import shutil
 import uuid
@@ -89,3 +91,54 @@ def check_probed_caches(probes: list, artifact_mib_estimate: int) -> None:
     """`check_caches` over every host's probe (kiln.core.probe_result.HostProbe.cache). Pure."""
     check_caches({p.name: p.cache for p in probes if p.cache},
                  {p.name: need_mib(len(p.specs), len(p.local_keys), artifact_mib_estimate) for p in probes})
+
+
+def read_record(path: Path) -> dict | None:
+    """The JSON object a host remembered at `path`, or None when it is absent or unreadable (truncated,
+    corrupt, not an object): a record that cannot be read is as if never written, so the work it
+    remembers is done again instead of failing every retry."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def write_record(path: Path, record: dict) -> None:
+    """Write `record` as JSON at `path` atomically: a temp file in the same directory, fsynced, then
+    os.replace, so a reader sees the old record or the whole new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(record))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _hash_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_digest(path: Path, records: Path | None) -> str:
+    """sha256 of the file at `path`, remembered in the directory `records` (None: not remembered).
+
+    A remembered digest is keyed by the file's device, inode, size, mtime and
+    ctime: rewriting the file (in place or by rename, even with its old size
+    and mtime restored, as `rsync -a` does) changes its ctime or inode, so the
+    file is read again; an unchanged file is not read at all.
+    """
+    if records is None:
+        return _hash_file(path)
+    st = path.stat()
+    record = records / f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{st.st_ctime_ns}.json"
+    known = read_record(record)
+    if known is not None and isinstance(known.get("sha256"), str):
+        return known["sha256"]
+    digest = _hash_file(path)
+    write_record(record, {"sha256": digest, "path": str(path)})
+    return digest

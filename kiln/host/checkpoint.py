@@ -150,11 +150,21 @@ def write_checkpoint(path: Path | str, cfg: ModelConfig, state: dict[str, torch.
     return path
 
 
-def checkpoint_fingerprint(path: Path | str) -> str:
-    """A cheap identity of a checkpoint's files: names, sizes and modification times (not contents)."""
+def checkpoint_fingerprint(path: Path | str, digests: Path | None = None) -> str:
+    """The identity of a checkpoint's content: sha256 over the names and content digests of its
+    config.json, index and *.safetensors files (headers and weights alike).
+
+    `digests` (a directory in the host's cache) remembers each file's digest by
+    its inode, size, mtime and ctime (kiln.host.cache.file_digest), so a second
+    call reads no weights; None reads every file every time.
+    """
     import hashlib
+
+    from kiln.host.cache import file_digest
     path = Path(path)
-    items = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.iterdir() if f.is_file())
+    files = sorted(f for f in path.iterdir()
+                   if f.is_file() and (f.suffix == ".safetensors" or f.name in ("config.json", INDEX)))
+    items = [(f.name, file_digest(f, digests)) for f in files]
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 

@@ -31,6 +31,7 @@ from kiln.core.package_check import package_calls
 from kiln.host import faults
 from kiln.host.cache import DISK_ERRNOS
 from kiln.host.inductor_options import FORWARD_DEVICE
+from kiln.host.key_sources import model_code_fingerprint  # noqa: F401  (callers import it from here)
 
 # Inductor options that go into every forward (and therefore into its key).
 CONSTANTS_METADATA = "kiln.constants"
@@ -53,12 +54,6 @@ class CompileResult:
     the tuning timings installed in the worker ('tuning_timings'); None when compiled without max-autotune."""
     calls: dict | None = None
     """What the package's wrapper calls (kiln.core.package_check.PackageCalls.to_dict): whether it is Python-free."""
-
-
-def model_code_fingerprint() -> str:
-    """sha256 of the model's source: a change to the graph's code changes every key."""
-    import kiln.host.model
-    return hashlib.sha256(Path(kiln.host.model.__file__).read_bytes()).hexdigest()[:16]
 
 
 # Per worker process: the tuning entries it installed, and how many GEMMs Inductor autotuned.

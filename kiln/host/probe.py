@@ -6,7 +6,6 @@ CLI's input checks stay fast.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 
@@ -49,20 +48,18 @@ def target_fingerprint() -> str:
     """What compiled code depends on besides torch: GPU arch + CUDA, or CPU ISA and flags.
 
     Inductor compiles CPU code with -march=native, so two CPUs share artifacts
-    only when their ISA level and feature flags agree.
+    only when their ISA level and instruction-set flags agree (kiln.core.cpu_target;
+    kernel bug, mitigation and virtualisation flags do not count).
     """
     import torch
+
+    from kiln.core.cpu_target import cpu_target
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(0)
         return f"cuda-sm{major}{minor}-cuda{torch.version.cuda}"
-    flags = ""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                    break
+            cpuinfo = f.read()
     except OSError:
-        pass
-    isa = torch.backends.cpu.get_cpu_capability()
-    return f"cpu-{platform.machine()}-{isa.lower()}-{hashlib.sha256(flags.encode()).hexdigest()[:8]}"
+        cpuinfo = ""
+    return cpu_target(platform.machine(), torch.backends.cpu.get_cpu_capability(), cpuinfo)

@@ -232,7 +232,8 @@ class LocalStore(Store):
                     return False
                 _fsync_dir(link.parent)
                 return True
-            raise StoreError(f"store key {key!r} in {self.url} keeps appearing and vanishing; retry")
+            raise StoreError(f"store key {key!r} in {self.url} keeps appearing and vanishing; retry",
+                             transient=True)
         except BaseException:
             blob.unlink(missing_ok=True)
             raise

@@ -70,6 +70,7 @@ from kiln.core.key_rules import (
     validate_prefix,
     validate_sha256,
 )
+from kiln.core.retry_rule import transient
 from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, replaced_on_success
 from kiln.store.s3_errors import MISSING_KEY, error_code, explain_check_error, lost_race
 from kiln.store.s3_parts import byte_ranges, fetch_in_order, upload_in_parts, write_at
@@ -204,9 +205,9 @@ class S3Store(Store):
         except ClientError as e:
             if error_code(e) in MISSING_KEY:
                 raise ObjectMissing(key) from None
-            raise StoreError(f"S3 {action} of {key!r} in {self.url} failed: {e}") from e
+            raise StoreError(f"S3 {action} of {key!r} in {self.url} failed: {e}", transient=transient(e)) from e
         except BotoCoreError as e:
-            raise StoreError(f"S3 {action} of {key!r} in {self.url} failed: {e}") from e
+            raise StoreError(f"S3 {action} of {key!r} in {self.url} failed: {e}", transient=transient(e)) from e
 
     def _create_once(self, key: str, sha256: str, write: Callable[[], Any]) -> bool:
         """Run the conditional `write`; True if it created `key`, else compare with what is there."""
@@ -226,7 +227,8 @@ class S3Store(Store):
                     return False
             # In flight elsewhere, or deleted since the 412: wait and try again.
             time.sleep(min(0.05 * 2**attempt, 2.0))
-        raise StoreError(f"S3 put of {key!r} in {self.url} kept conflicting with other writers; retry")
+        raise StoreError(f"S3 put of {key!r} in {self.url} kept conflicting with other writers; retry",
+                         transient=True)
 
     def _put_small(self, key: str, data: bytes, sha256: str) -> bool:
         def write() -> None:

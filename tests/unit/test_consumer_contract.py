@@ -6,8 +6,8 @@ import pytest
 
 from kiln.core.config import TINY
 from kiln.core.contract import constant_sources, forward_interface, parameter_shapes, shard_slice, weight_layout
-from kiln.core.errors import KilnError, NotPythonFree
-from kiln.core.outcome import check_outcome, forward_records
+from kiln.core.errors import IntegrityError, KilnError, NotPythonFree
+from kiln.core.outcome import check_digests, check_outcome, forward_records
 
 CONFIGS = {
     "tiny": TINY,
@@ -117,3 +117,20 @@ def test_forward_records_carry_the_contract_and_who_compiled():
     assert rec["constants"] == sorted(constant_sources(TINY))
     [reused] = forward_records(SPECS, {"k1": _found()}, {}, TINY, 2)
     assert reused["compiled_by"] is None and reused["compile_attempts"] == 0
+
+
+def test_a_forward_compiled_here_must_be_stored_with_its_compilers_digest():
+    compiled = {"k1": {"compiled_by": "h0", "compile_s": 2.0, "sha256": "a" * 64}}
+    [rec] = forward_records(SPECS, {"k1": _found()}, compiled, TINY, 2)
+    assert rec["sha256"] == "a" * 64
+    swapped = {"k1": {**_found(), "sha256": "b" * 64}}  # the store's metadata changed behind the export
+    with pytest.raises(IntegrityError, match=r"forward k1: the store's metadata says sha256 b{64}.*reported a{64}"):
+        forward_records(SPECS, swapped, compiled, TINY, 2)
+    [reused] = forward_records(SPECS, swapped, {}, TINY, 2)  # compiled elsewhere: the store's digest is all there is
+    assert reused["sha256"] == "b" * 64
+
+
+def test_check_digests_compares_only_keys_both_hold():
+    check_digests({"k1": "a" * 64, "k2": "c" * 64}, {"k1": "a" * 64, "k3": "d" * 64}, "x")
+    with pytest.raises(IntegrityError, match="forward k2: the compile record says"):
+        check_digests({"k1": "a" * 64, "k2": "c" * 64}, {"k2": "e" * 64}, "the compile record")

@@ -11,16 +11,18 @@ from pydantic import ValidationError
 from flows.params import ExportParams, build_recipe, default_export_id, export_params, model_name
 from kiln.core.errors import (
     BadInput,
+    DiskError,
+    ForwardsMissing,
     GateRefused,
     HostsLost,
     IntegrityError,
     KilnError,
     StoreError,
     VerifyMismatch,
-    worth_retrying,
 )
 from kiln.core.ledger_plot import draw, ledger_key, markdown
 from kiln.core.recipe import Recipe, recipe_from_text
+from kiln.core.retry_rule import worth_retrying
 from kiln.core.report import Report
 from kiln.host import faults as fault_points
 from kiln.host.compiler import CompileFailed
@@ -90,7 +92,9 @@ def test_default_export_id_is_stable_for_one_run(tmp_path):
 # --- what a flow retry may repeat ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("exc", [BadInput("x"), GateRefused("short"), IntegrityError("x"), VerifyMismatch("x"),
-                                 KeyboardInterrupt()])
+                                 KeyboardInterrupt(), TypeError("a bug"), KeyError("a bug"),
+                                 KilnError("forwards missing"), StoreError("access denied"), DiskError("full"),
+                                 OSError(28, "No space left on device")])
 def test_deterministic_errors_are_not_worth_retrying(exc):
     assert not worth_retrying(exc)
 
@@ -109,8 +113,9 @@ def test_parameter_validation_errors_are_not_worth_retrying():
     assert not worth_retrying(info.value)
 
 
-@pytest.mark.parametrize("exc", [ConnectionError("reset"), StoreError("down"), HostsLost("gone"),
-                                 KilnError("forwards missing after compile"), CompileFailed("killed"), OSError(5)])
+@pytest.mark.parametrize("exc", [ConnectionError("reset"), StoreError("down", transient=True), HostsLost("gone"),
+                                 ForwardsMissing("forwards missing after compile"), CompileFailed("killed"),
+                                 OSError(5, "Input/output error"), TimeoutError()])
 def test_transient_errors_are_worth_retrying(exc):
     assert worth_retrying(exc)
 
