@@ -1,6 +1,6 @@
 """A throwaway PostgreSQL cluster on loopback, for the Prefect server the ops tests start.
 
-`start()` runs `initdb` in a fresh temp dir and `pg_ctl start` on a free
+`start()` runs `initdb` in a fresh temp dir and `pg_ctl start` on a given
 127.0.0.1 port (its Unix socket in that dir too), creates the database
 `prefect` owned by the superuser `prefect` (password auth, as
 infra/compose.yaml's Postgres) with the `pg_trgm` extension Prefect's
@@ -22,7 +22,6 @@ import pwd
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -58,12 +57,6 @@ def find_bin_dir() -> Path | None:
     return next((d for d in candidates if all((d / tool).exists() for tool in _TOOLS)), None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cluster: Cluster, tool: str, *args: str, as_owner: bool = False, env: dict | None = None,
          timeout_s: float = START_TIMEOUT_S + 30) -> str:
     """Run one of the cluster's binaries (as the cluster's owner if `as_owner`); its stdout, or RuntimeError."""
@@ -84,19 +77,23 @@ def query(cluster: Cluster, sql: str, database: str = "prefect") -> str:
     return _run(cluster, "psql", "-v", "ON_ERROR_STOP=1", "-d", database, "-tAc", sql, env=client, timeout_s=60)
 
 
-def start(bin_dir: Path) -> Cluster:
-    """initdb, start and prepare a cluster (see the module docstring); RuntimeError with the log if it fails."""
+def start(bin_dir: Path, port: int) -> Cluster:
+    """initdb, start and prepare a cluster listening on 127.0.0.1:`port` (see the module docstring);
+    RuntimeError with the server's log if it fails."""
     run_as = None
     root = Path(tempfile.mkdtemp(prefix="kiln-pg-"))  # not under pytest's tmp dirs: those are root-only (0700)
     if os.geteuid() == 0:
-        nobody = pwd.getpwnam("nobody")
+        try:
+            nobody = pwd.getpwnam("nobody")
+        except KeyError:
+            raise RuntimeError("PostgreSQL refuses to run as root and this machine has no user 'nobody' to run "
+                               "it as; run the tests as another user or add one (useradd nobody)") from None
         run_as = (nobody.pw_uid, nobody.pw_gid)
         os.chown(root, *run_as)
     password = secrets.token_hex(16)
     (root / "pw").write_text(password)
     if run_as:
         os.chown(root / "pw", *run_as)
-    port = _free_port()
     log = root / "postgres.log"
     cluster = Cluster(f"postgresql+asyncpg://prefect:{password}@127.0.0.1:{port}/prefect", root, log, port,
                       password, bin_dir, run_as)

@@ -156,7 +156,7 @@ def postgres():
     if importlib.util.find_spec("asyncpg") is None:
         pytest.skip("asyncpg is not installed (pip install -e '.[test]')")
     try:
-        cluster = pg_cluster.start(bin_dir)
+        cluster = pg_cluster.start(bin_dir, free_port())
     except RuntimeError as e:
         pytest.fail(str(e))
     yield cluster
