@@ -6,11 +6,11 @@ PYTHON ?= python3
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup test-setup runner export test test-fast bench bench-quick bench-tuning bench-1b docs clean
+.PHONY: setup test-setup postgres runner export test test-fast bench bench-quick bench-tuning bench-1b docs clean
 
 setup: $(VENV)/.installed
 
-test-setup: setup $(CHROMIUM) runner
+test-setup: setup $(CHROMIUM) postgres runner
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,17 @@ $(CHROMIUM):
 		$(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium \
 		|| echo "warning: could not install chromium; the browser test will skip"; \
 	else echo "warning: no apt-get to install chromium; the browser test will skip"; fi
+
+# PostgreSQL for the Prefect server of tests/ops/ (its own cluster, started by the tests): Debian's
+# postgresql package when initdb is neither on PATH nor where Debian puts it. Without apt-get or root
+# those tests skip, saying why.
+postgres:
+	@if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
+		if command -v apt-get >/dev/null 2>&1; then \
+			$(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql \
+			|| echo "warning: could not install postgresql; the tests/ops/ tests will skip"; \
+		else echo "warning: no apt-get to install postgresql; the tests/ops/ tests will skip"; fi; \
+	fi
 
 # The C++ runner (runner/), built against the wheel's libtorch into runner/build/. Debian packages it
 # needs are installed when missing; without apt-get or root it is skipped with a warning (its test skips).

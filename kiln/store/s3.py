@@ -8,8 +8,8 @@ Create-once uses conditional writes (`If-None-Match: *`): on put_object for
 objects below `multipart_threshold_bytes`, and on complete_multipart_upload for
 larger ones, so of several racing writers exactly one creates the object and
 the others get 412 PreconditionFailed (or 409 ConditionalRequestConflict while
-the winner is still in flight) and then compare digests. AWS S3 and moto
-enforce the condition on both calls (moto checks it without a lock, so two
+the winner is still in flight) and then compare digests. AWS S3, moto and
+SeaweedFS enforce the condition on both calls (moto checks it without a lock, so two
 completions it serves at the same moment can both succeed); an S3-compatible
 server that ignores it degrades create-once to last-writer-wins for racing
 writers of the same key (the sha256 comparison of an existing object still
@@ -31,7 +31,7 @@ is verified and fsynced before it replaces the destination.
 
 Downloads are verified by hashing on the client, in order, before the file
 replaces anything: servers may accept a wrong transport checksum (moto
-does), and the digest is what guards loading native code. botocore retries
+does; SeaweedFS refuses it with BadDigest), and the digest is what guards loading native code. botocore retries
 requests, but not a response body that breaks off while it is read
 (connection reset, truncated): each range (get_file) or whole GET
 (get_bytes) is requested again for that, up to `read_attempts` times, and a

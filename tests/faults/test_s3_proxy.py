@@ -1,9 +1,11 @@
 """Fault 3: the S3 connection misbehaves (latency, resets, truncated requests and responses).
 
 A fault-injecting TCP proxy (tests/s3_fault_proxy.py, loopback only, a bounded number
-of faults) sits between Kiln and the moto_server process. Retries must carry
-every transfer through, and no truncated or partial object may ever be
-accepted: checked afterwards directly against the server, byte for byte.
+of faults) sits between Kiln and the S3 server process, moto_server and
+SeaweedFS in turn. Retries must carry every transfer through, and no truncated
+or partial object may ever be accepted: checked afterwards directly against the
+server, byte for byte. SeaweedFS also checks the transport checksums that moto
+accepts unchecked, so a truncated request it receives is refused there too.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from s3_fault_proxy import FaultProxy
 
 from kiln.store.s3 import S3Store
 
-pytestmark = pytest.mark.slow
+# Every test against each real S3 server, each started once per session (tests/conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("s3_server", ["moto", "seaweedfs"], indirect=True)]
 MIB = 2**20
 
 
@@ -67,6 +70,9 @@ def test_store_transfers_survive_a_misbehaving_connection(s3_server, bucket, sma
         for k in files:
             store.put_file(k, src / k.replace("/", "_"), sha[k])  # True, or False when a lost answer was retried
         uploads = dict(proxy.fired)
+        # A fresh client, as on another host: faults come per new connection, and a server that keeps
+        # connections alive (SeaweedFS) would otherwise serve the downloads on the uploads' pool.
+        store = S3Store(bucket, "faults", endpoint_url=proxy.endpoint_url)
         proxy.arm(max_faults=16, cycle=("truncate", "reset_before", "truncate", "slow", "reset_after", "truncate"))
         dest = tmp_path / "dest"
         for k in files:

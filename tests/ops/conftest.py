@@ -1,8 +1,12 @@
 """Operations tests: a real Prefect server on loopback, `kiln serve` and `kiln export` as users run them.
 
-The server is started once per session (PREFECT_HOME and its SQLite database
-in a temp dir). Each test gets its own KILN_HOME and its own deployment names,
-so tests do not see each other's stores or runs.
+The server is started once per session with its own PREFECT_HOME in a temp
+dir and, as infra/compose.yaml runs it, its database in PostgreSQL: a cluster
+the session starts on loopback (tests/pg_cluster.py). A test can ask for the
+single-machine default, SQLite, with
+`@pytest.mark.parametrize("prefect_server", ["sqlite"], indirect=True)`; that
+server too starts once per session. Each test gets its own KILN_HOME and its
+own deployment names, so tests do not see each other's stores or runs.
 """
 
 from __future__ import annotations
@@ -47,8 +51,7 @@ class PrefectServer:
         return Api(self.api_url)
 
 
-# Prefect's server answers 503 when its database is briefly busy (SQLite "database is locked" while the
-# event persister writes) and its own client retries those, with 429 and 502, after a backoff. So do the tests.
+# Prefect's own client retries 429, 502 and 503 (a briefly busy database) after a backoff; so do the tests.
 _RETRY_STATUS = (429, 502, 503)
 _RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 
@@ -141,14 +144,65 @@ def _stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace_s: fl
 
 
 @pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
-    """`prefect server start` on a free loopback port with its own PREFECT_HOME (SQLite)."""
-    root = tmp_path_factory.mktemp("prefect-server")
+def postgres():
+    """A PostgreSQL cluster for the session (tests/pg_cluster.py); yields its pg_cluster.Cluster."""
+    import importlib.util
+
+    import pg_cluster
+
+    if (bin_dir := pg_cluster.find_bin_dir()) is None:
+        pytest.skip("PostgreSQL's initdb, pg_ctl and psql are neither on PATH nor under /usr/lib/postgresql/*/bin; "
+                    "`make test-setup` installs Debian's postgresql")
+    if importlib.util.find_spec("asyncpg") is None:
+        pytest.skip("asyncpg is not installed (pip install -e '.[test]')")
+    try:
+        cluster = pg_cluster.start(bin_dir, free_port())
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    yield cluster
+    pg_cluster.stop(cluster)
+
+
+@pytest.fixture(scope="session")
+def postgres_prefect_server(postgres, tmp_path_factory) -> Iterator[PrefectServer]:
+    """Prefect's server on the session's PostgreSQL, as infra/compose.yaml runs it (checked: its tables are there)."""
+    import pg_cluster
+
+    servers = _prefect_server(tmp_path_factory.mktemp("prefect-server-pg"),
+                              {"PREFECT_API_DATABASE_CONNECTION_URL": postgres.url})
+    server = next(servers)
+    tables = pg_cluster.query(postgres, "SELECT tablename FROM pg_tables WHERE schemaname = 'public'").split()
+    if "flow_run" not in tables:
+        servers.close()
+        pytest.fail(f"prefect server at {server.url} answers but made no tables in PostgreSQL ({tables}); "
+                    f"log: {server.log.read_text()[-3000:]}")
+    yield server
+    servers.close()
+
+
+@pytest.fixture(scope="session")
+def sqlite_prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
+    """Prefect's server on SQLite in its PREFECT_HOME: the single-machine default."""
+    yield from _prefect_server(tmp_path_factory.mktemp("prefect-server-sqlite"), {})
+
+
+@pytest.fixture(scope="session")
+def prefect_server(request) -> PrefectServer:
+    """The session's Prefect server on PostgreSQL, or on SQLite for a test that parametrises it with "sqlite"."""
+    database = getattr(request, "param", "postgres")
+    if database not in ("postgres", "sqlite"):
+        raise ValueError(f"unknown Prefect database {database!r}; use 'postgres' or 'sqlite'")
+    return request.getfixturevalue(f"{database}_prefect_server")
+
+
+def _prefect_server(root: Path, db_env: dict[str, str]) -> Iterator[PrefectServer]:
+    """`prefect server start` on a free loopback port with its own PREFECT_HOME under `root` (SQLite there
+    unless `db_env` names another database); stopped when the generator is closed."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(root / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_UI_API_URL=f"{url}/api", PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false")
+               PREFECT_UI_API_URL=f"{url}/api", PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false", **db_env)
     log = root / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
@@ -165,7 +219,8 @@ def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
             pass
         if time.monotonic() > deadline:
             _stop_group(proc)
-            pytest.fail(f"prefect server did not answer at {url} within {_SERVER_START_TIMEOUT_S} s")
+            pytest.fail(f"prefect server did not answer at {url} within {_SERVER_START_TIMEOUT_S} s: "
+                        f"{log.read_text()[-3000:]}")
         time.sleep(0.5)
     yield server
     _stop_group(proc)

@@ -14,6 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).parent / "prefect")
 
 
+# On SQLite, Prefect's single-machine default: the one ops test that does not run on PostgreSQL. It runs
+# everything in subprocesses (in-process Prefect clients keep services bound to the first server they saw).
+@pytest.mark.parametrize("prefect_server", ["sqlite"], indirect=True)
 def test_prefect_yaml_deploys_and_a_process_worker_runs_it(prefect_server, ops_env, tmp_path):
     def prefect(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
         proc = subprocess.run([PREFECT, *args], env={**ops_env, **(env or {})}, cwd=tmp_path,

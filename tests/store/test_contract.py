@@ -1,4 +1,4 @@
-"""The Store contract, run unchanged against LocalStore and S3Store (on moto_server)."""
+"""The Store contract, run unchanged against LocalStore and S3Store on two servers: moto_server and SeaweedFS."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from kiln.store.base import json_bytes
 MIB = 1024 * 1024
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "moto", "seaweedfs"])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "local":
         return f"file://{tmp_path / 'store'}"
-    return request.getfixturevalue("s3_bucket")
+    return request.getfixturevalue("s3_bucket_on")(request.getfixturevalue(f"{request.param}_s3"))
 
 
 @pytest.fixture
