@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from kiln.core import layout, leases, tuning_plan
-from kiln.core.holders import describe
+from kiln.core import layout, tuning_plan
 from kiln.core.errors import DiskError, IntegrityError, MemoryShort
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.layout import artifact_key, compile_log_key, inspection_key, worker_memory_key, worker_memory_prefix
 from kiln.core.probe_result import HostProbe
 from kiln.core.sizing import check_peak_mib
-from kiln.host import cache, faults, probe, procs, tuner
+from kiln.host import cache, faults, probe, tuner
 from kiln.host.compiler import CompilePool, CompileResult, model_code_fingerprint
 from kiln.host.inductor_options import FORWARD_DEVICE, compiler_options
+from kiln.host.leasing import Leases, compile_leased
 from kiln.host.procs import PeakSampler, die_with_parent
 from kiln.store import ObjectMissing, open_store
 
@@ -69,63 +68,6 @@ def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
         store_keys=tuple(sorted(s.key for s in specs if s.key in stored)),
         cache=cache.cache_status(cache_dir(host)),
         worker_peaks_mib=tuple(measured_peaks(store, specs)))
-
-
-class Leases:
-    """Compile leases of one host in one export (see kiln.core.leases): taken per key when its compile
-    is submitted, renewed every third of `ttl_s` while it compiles (`renew_due`), released on upload."""
-
-    def __init__(self, store, owner: str, ttl_s: float):
-        self.store, self.owner, self.ttl_s = store, owner, ttl_s
-        self.me = procs.this_process()
-        self.held: dict[str, tuple[int, float]] = {}
-        """key -> (generation, when it was last written) of each lease held now."""
-
-    def acquire(self, key: str) -> bool:
-        existing = sorted(self.store.list(layout.lease_prefix(key)))
-        latest = None
-        if existing:
-            try:
-                latest = (layout.generation_of(existing[-1]), self.store.get_json(existing[-1]))
-            except (IntegrityError, ObjectMissing):
-                latest = (layout.generation_of(existing[-1]), {})
-        doc = latest[1] if latest else {}
-        decision = leases.decide_lease(latest, self.owner, time.time(), host=self.me["host"],
-                                       pid_started_at_s=procs.holder_started_at(doc))
-        if decision.action == "hold":
-            self.held.setdefault(key, (decision.generation, time.time()))
-        if decision.action != "create":
-            return decision.action == "hold"
-        now = time.time()
-        try:
-            created = self.store.put_json(layout.lease_key(key, decision.generation),
-                                          leases.new_lease(self.owner, now, self.ttl_s, self.me))
-        except IntegrityError:
-            return False  # another contender created that generation first
-        if created and latest is not None:
-            log.warning("took over the compile lease of %s from %s: %s", key, describe(doc), decision.why)
-        if created:
-            self.held[key] = (decision.generation, now)
-        return created
-
-    def renew_due(self) -> None:
-        """Rewrite, with a later expiry, every held lease a third of its TTL old."""
-        for key, (generation, renewed_at) in list(self.held.items()):
-            now = time.time()
-            if not leases.renewal_due(renewed_at, now, self.ttl_s):
-                continue
-            try:
-                self.store.put_json(layout.lease_key(key, generation),
-                                    leases.new_lease(self.owner, now, self.ttl_s, self.me), overwrite=True)
-            except Exception as exc:  # tried again at the next tick; the TTL outlasts two misses
-                log.warning("could not renew the compile lease of %s: %s", key, exc)
-                continue
-            self.held[key] = (generation, now)
-
-    def release(self, key: str) -> None:
-        self.held.pop(key, None)
-        for obj in self.store.list(layout.lease_prefix(key)):
-            self.store.delete(obj)
 
 
 def compile_records(job: ExportJob, keys: list[str]) -> dict[str, dict]:
@@ -201,31 +143,10 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     def job_of(spec: dict) -> tuple[dict, str]:
         return spec, str(local_path(host, spec["key"]))
 
-    def submit(spec: dict) -> bool:  # lease the key as its compile starts; skip one stored or leased since
-        if store.exists(artifact_key(spec["key"])):
-            return False
-        if leases.acquire(spec["key"]):
-            return True
-        waited.add(spec["key"])
-        return False
-
     by_key = {s["key"]: s for s in specs}
-    waiting = list(specs)
-    waited: set[str] = set()
-    tick_s = job.recipe.lease_ttl_s / 6
-    try:
-        with PeakSampler(interval_s=0.2) as sampler, \
-                CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
-            while waiting:
-                compiled = {r.key for r in pool.run([job_of(s) for s in waiting], upload, on_submit=submit,
-                                                    on_tick=leases.renew_due, tick_s=tick_s)}
-                waiting = [s for s in waiting if s["key"] not in compiled and not store.exists(artifact_key(s["key"]))]
-                if waiting:
-                    time.sleep(2.0)  # another export holds these keys: wait for its uploads or its lease to lapse
-    except BaseException:
-        for key in list(leases.held):  # a failed compile frees its keys at once, not after the lease's TTL
-            leases.release(key)
-        raise
+    with PeakSampler(interval_s=0.2) as sampler, \
+            CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
+        waited = compile_leased(pool, leases, store, [job_of(s) for s in specs], upload)
     return {"forwards": uploaded, "memory": {"min_available_mib": sampler.min_available_mib,
                                              "peak_tree_mib": sampler.peak_mib},
             "waited_for_lease": sorted(waited)}
