@@ -191,22 +191,25 @@ def model_lease(params: ExportParams) -> Iterator[str]:
     run = ctx.flow_run if ctx else None
     me = {"flow_run_id": str(run.id) if run else None, "flow_run_name": run.name if run else None,
           "export_id": params.export_id}
+    proc = procs.this_process()
     announced = False
     with ExitStack() as stack:
         while True:
             with _host_lock(name):
                 holder = _holder_if_taken(name)
-                why = holder and holder_gone(holder, host=procs.this_process()["host"], now_s=time.time(),
+                why = holder and holder_gone(holder, host=proc["host"], now_s=time.time(),
                                              pid_started_at_s=procs.holder_started_at(holder))
                 if why:
-                    _take_over(name, holder, why, log)
+                    try:
+                        _take_over(name, holder, why, log)
+                    except Exception as exc:  # tried again at the next poll
+                        log.warning("could not take over the model lease %s from %s: %s", name, describe(holder), exc)
                 elif holder is None and not announced:
                     log.info("taking the model lease %s (one export per model at a time)", name)
                     announced = True
                 lease_id = _try_acquire(stack, name)
                 if lease_id is not False:
                     now = time.time()
-                    proc = procs.this_process()
                     record = {**me, "since": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                               "lease_id": lease_id,
                               **holder_record(proc["host"], proc["pid"], proc["started_at"], now, LEASE_S)}
