@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from kiln.core import layout, leases, tuning_plan
+from kiln.core import layout, tuning_plan
 from kiln.core.errors import DiskError, IntegrityError, MemoryShort
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.layout import artifact_key, compile_log_key, inspection_key, worker_memory_key, worker_memory_prefix
@@ -22,6 +21,7 @@ from kiln.core.sizing import check_peak_mib
 from kiln.host import cache, faults, probe, tuner
 from kiln.host.compiler import CompilePool, CompileResult, model_code_fingerprint
 from kiln.host.inductor_options import FORWARD_DEVICE, compiler_options
+from kiln.host.leasing import Leases, compile_leased
 from kiln.host.procs import PeakSampler, die_with_parent
 from kiln.store import ObjectMissing, open_store
 
@@ -70,34 +70,6 @@ def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
         worker_peaks_mib=tuple(measured_peaks(store, specs)))
 
 
-class Leases:
-    """Compile leases of one host in one export (see kiln.core.leases)."""
-
-    def __init__(self, store, owner: str, ttl_s: float):
-        self.store, self.owner, self.ttl_s = store, owner, ttl_s
-
-    def acquire(self, key: str) -> bool:
-        existing = sorted(self.store.list(layout.lease_prefix(key)))
-        latest = None
-        if existing:
-            try:
-                latest = (layout.generation_of(existing[-1]), self.store.get_json(existing[-1]))
-            except (IntegrityError, ObjectMissing):
-                latest = (layout.generation_of(existing[-1]), {})
-        decision = leases.decide_lease(latest, self.owner, time.time())
-        if decision.action != "create":
-            return decision.action == "hold"
-        try:
-            return self.store.put_json(layout.lease_key(key, decision.generation),
-                                       leases.new_lease(self.owner, time.time(), self.ttl_s))
-        except IntegrityError:
-            return False  # another contender created that generation first
-
-    def release(self, key: str) -> None:
-        for obj in self.store.list(layout.lease_prefix(key)):
-            self.store.delete(obj)
-
-
 def compile_records(job: ExportJob, keys: list[str]) -> dict[str, dict]:
     """key -> the compile record this export wrote for it; a key another export compiled has none."""
     store, out = store_of(job), {}
@@ -133,9 +105,11 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     lowest available MiB and this process tree's peak MiB (the pool included) while compiling,
     'waited_for_lease': the keys it found leased by another export and waited for}.
 
-    Each key is compiled under a lease: a key another export is compiling
-    right now is waited for (and reused) instead of compiled twice; a stale
-    lease is taken over. Each compiled forward's worker peak is kept in the
+    Each key is compiled under a lease, taken when its compile is submitted
+    to a worker and renewed while it compiles: a key another export is
+    compiling right now is waited for (and reused) instead of compiled twice;
+    a lease whose holder is provably gone (expired, or its process on this
+    host dead) is taken over. Each compiled forward's worker peak is kept in the
     store per (graph, target), for the gate of later exports. The specs'
     tuning results are fetched and verified first and installed in every
     worker before it compiles; each entry's 'autotune' says how many
@@ -170,24 +144,9 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
         return spec, str(local_path(host, spec["key"]))
 
     by_key = {s["key"]: s for s in specs}
-    waiting = list(specs)
-    mine: list[dict] = []
-    waited: set[str] = set()
-    try:
-        with PeakSampler(interval_s=0.2) as sampler, \
-                CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
-            while waiting:
-                mine = [s for s in waiting if not store.exists(artifact_key(s["key"])) and leases.acquire(s["key"])]
-                waiting = [s for s in waiting if s not in mine and not store.exists(artifact_key(s["key"]))]
-                waited.update(s["key"] for s in waiting)
-                if mine:
-                    pool.run([job_of(s) for s in mine], upload)
-                elif waiting:
-                    time.sleep(2.0)  # another export holds these keys: wait for its uploads or its lease to lapse
-    except BaseException:
-        for s in mine:  # a failed compile frees its keys at once, not after the lease's TTL
-            leases.release(s["key"])
-        raise
+    with PeakSampler(interval_s=0.2) as sampler, \
+            CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
+        waited = compile_leased(pool, leases, store, [job_of(s) for s in specs], upload)
     return {"forwards": uploaded, "memory": {"min_available_mib": sampler.min_available_mib,
                                              "peak_tree_mib": sampler.peak_mib},
             "waited_for_lease": sorted(waited)}

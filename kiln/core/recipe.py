@@ -118,7 +118,9 @@ class Recipe:
         2.0, "bfloat16 / float16 forwards: compared with eager in float32 on the same weights, they may be off "
         "by this many times eager's own error in their dtype (and always by verify_atol).", gt=0)
     lease_ttl_s: float = setting(
-        900.0, "Seconds a compile lease protects a key from other exports; a stale lease is taken over.",
+        900.0, "Seconds a compile lease protects a key from other exports without a renewal (its holder "
+        "renews it every third of that while the key compiles); a lease past expiry, or whose process on "
+        "this host died, is taken over.",
         unit="s", gt=0, compiling_only=True)
     flow_retries: int = setting(
         2, "Times a failed export is tried again, with a fresh probe; only failures that can heal are "

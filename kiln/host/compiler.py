@@ -233,10 +233,14 @@ class CompilePool:
     def worker_pids(self) -> list[int]:
         return [p.pid for ex in self._slots for p in (ex._processes or {}).values()]
 
-    def run(self, jobs: list[tuple[dict, str]], on_done: Callable[[CompileResult], None]) -> list[CompileResult]:
+    def run(self, jobs: list[tuple[dict, str]], on_done: Callable[[CompileResult], None], *,
+            on_submit: Callable[[dict], bool] | None = None, on_tick: Callable[[], None] | None = None,
+            tick_s: float = 10.0) -> list[CompileResult]:
         """Compile every (spec, out_path); call `on_done` as each finishes (in this thread).
 
-        A forward whose worker dies is retried on a fresh worker; after
+        `on_submit(spec)` is called (in this thread) just before a forward is first handed to a worker;
+        False skips it (not compiled, not in the results). `on_tick()` is called at least every `tick_s`
+        while forwards compile. A forward whose worker dies is retried on a fresh worker; after
         `max_attempts` deaths, or on a compile error, no new forward starts,
         the ones in flight finish (and reach `on_done`), then the error is raised.
         """
@@ -248,10 +252,17 @@ class CompilePool:
         error: BaseException | None = None
         while running or (queue and error is None):
             while queue and free and error is None:
-                slot, (spec, out) = free.pop(), queue.popleft()
+                spec, out = queue.popleft()
+                if not attempts[spec["key"]] and on_submit is not None and not on_submit(spec):
+                    continue
+                slot = free.pop()
                 attempts[spec["key"]] += 1
                 running[self._slots[slot].submit(self._fn, spec, out)] = (slot, spec, out)
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            if not running:
+                break
+            done, _ = wait(running, timeout=tick_s if on_tick else None, return_when=FIRST_COMPLETED)
+            if on_tick is not None:
+                on_tick()
             for fut in done:
                 slot, spec, out = running.pop(fut)
                 try:

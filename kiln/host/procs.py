@@ -188,3 +188,28 @@ def _reap(grace_s: float = 10.0) -> None:
 
 if __name__ == "__main__":
     _reap()
+
+
+def started_at(pid: int) -> float | None:
+    """Start time (epoch seconds) of process `pid` on this host; None when there is no such process."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError):
+        return None
+
+
+def this_process() -> dict:
+    """This process as a lease holder: {'host', 'pid', 'started_at'} (see kiln.core.holders)."""
+    import socket
+
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started_at": started_at(os.getpid())}
+
+
+def holder_started_at(holder: dict) -> float | None:
+    """Start time of the process that has `holder`'s pid here now, when `holder` names this host; else None."""
+    import socket
+
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return None
+    return started_at(pid)

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.slow
 def test_a_sigkilled_export_leaves_no_process_behind(kiln_env, tmp_path):
     mark = uuid.uuid4().hex
     log = tmp_path / "export.log"
-    # Its own Prefect home: the killed run's model lease (a Prefect concurrency slot) stays taken in the
-    # embedded API's database, whose lease-expiry service does not run, and would block later exports.
+    # Its own Prefect home: the killed run's model lease stays taken in the embedded API's database until
+    # the next export takes it over (tests/faults/test_killed_export_lease.py); other tests need not do that.
     env = {**kiln_env, "KILN_TEST_MARK": mark, "PREFECT_HOME": str(tmp_path / "prefect")}
     with open(log, "wb") as out:
         proc = subprocess.Popen([*KILN, "export", "--model", "tiny", "--tp", "2", "--buckets", "1x8,2x8",

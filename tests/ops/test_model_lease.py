@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +107,64 @@ def test_a_killed_export_frees_the_model_lease(prefect_server, ops_env, tmp_path
         wait_gone(mark, timeout_s=30)
     # Expiry: at most LEASE_S after the last renewal, then the server's repossessor (every 15 s) frees it.
     assert freed_s <= LEASE_S + 15 + 5, freed_s
+
+
+HOLD = """
+import sys, time
+from prefect import flow
+from flows.model_lease import model_lease
+from flows.params import ExportParams
+
+@flow(name="lease-holder")
+def hold(model: str, export_id: str, hold_s: float) -> None:
+    with model_lease(ExportParams(model=model, export_id=export_id)):
+        print("holding", flush=True)
+        time.sleep(hold_s)
+
+hold(sys.argv[1], sys.argv[2], float(sys.argv[3]))
+"""
+
+
+def test_a_holder_whose_process_died_is_taken_over_at_once_on_a_server(prefect_server, ops_env, tmp_path):
+    """On a real server the dead holder's slot is freed by its lease id, at once, not after LEASE_S."""
+    import signal
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.variables import Variable
+
+    from flows.model_lease import LEASE_S, holder_variable, lease_name
+
+    model = str(tmp_path / f"lease-dead-{uuid.uuid4().hex[:6]}")
+    name = lease_name(Path(model).name)
+    victim = subprocess.Popen([sys.executable, "-c", HOLD, model, "victim-export", "600"], env=ops_env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        while (line := victim.stdout.readline()) and line.strip() != "holding":  # its logs come first
+            seen.append(line)
+        assert victim.poll() is None, "".join(seen)[-3000:]
+        with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+            holder = Variable.get(holder_variable(name))
+        assert holder["pid"] == victim.pid and holder["lease_id"] and holder["export_id"] == "victim-export"
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=30)
+        start = time.monotonic()
+        heir = subprocess.run([sys.executable, "-c", HOLD, model, "heir-export", "0"], env=ops_env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        took_s = time.monotonic() - start
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+    out = heir.stdout + heir.stderr
+    assert heir.returncode == 0, out[-3000:]
+    assert (f"took over the model lease {name} from process {victim.pid} on {holder['host']}, flow run "
+            f"{holder['flow_run_name']} ({holder['flow_run_id']}), export victim-export: its process "
+            f"{victim.pid} on {holder['host']} is gone") in out, out[-3000:]
+    assert took_s < LEASE_S / 2, took_s  # not the server's expiry
+    # Freed by its lease, which the server revoked: its expiry cannot free a slot a second time.
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}), get_client(sync_client=True) as c:
+        with pytest.raises(Exception) as gone:
+            c.renew_concurrency_lease(lease_id=holder["lease_id"], lease_duration=LEASE_S)
+        assert getattr(getattr(gone.value, "response", None), "status_code", None) in (404, 410), gone.value
+        assert c.read_global_concurrency_limit_by_name(name).active_slots == 0

@@ -1,0 +1,142 @@
+"""Compile leases per key, renewed while compiling (kiln.host.leasing) with a cheap stand-in compile (no torch).
+
+Two contenders (two exports of one store) race over the same keys with a
+lease TTL far shorter than one compile: each key is leased when submitted and
+renewed while it compiles, so each is compiled exactly once and both finish.
+The stand-in writes bytes that differ per compile, as real packages do, so a
+key compiled twice would also fail its create-once upload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kiln.core.layout import artifact_key
+from kiln.host.compiler import CompilePool, CompileResult
+from kiln.host.leasing import Leases, compile_leased
+from kiln.store import open_store
+
+
+def stand_in(spec: dict, out_path: str) -> CompileResult:
+    """Runs in a spawned worker: log the start, take `sleep_s`, write bytes unique to this compile."""
+    with open(spec["log"], "a") as log:
+        log.write(f"{spec['key']} {os.getpid()}\n")
+    time.sleep(spec["sleep_s"])
+    Path(out_path).write_text(f"{spec['key']} {uuid.uuid4().hex}")
+    return CompileResult(key=spec["key"], path=out_path, sha256="", size_bytes=0, compile_s=spec["sleep_s"],
+                         pid=os.getpid())
+
+
+def starts(log: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in log.read_text().splitlines():
+        out[line.split()[0]] = out.get(line.split()[0], 0) + 1
+    return out
+
+
+def contender(store_url: str, owner: str, jobs, ttl_s: float, out: dict, renew: bool = True) -> None:
+    store = open_store(store_url)
+    leases = Leases(store, owner, ttl_s)
+    if not renew:
+        leases.renew_due = lambda: None  # what a share leased once and never renewed amounts to
+    uploaded: list[str] = []
+
+    def upload(result: CompileResult) -> None:
+        store.put_bytes(artifact_key(result.key), Path(result.path).read_bytes())  # create-once
+        leases.release(result.key)
+        uploaded.append(result.key)
+
+    try:
+        with CompilePool(1, compile_fn=stand_in, initializer=None) as pool:
+            out["waited"] = compile_leased(pool, leases, store, jobs, upload, poll_s=0.1)
+        out["uploaded"] = uploaded
+    except BaseException as exc:
+        out["error"] = exc
+
+
+def race(tmp_path: Path, *, renew: bool, compile_s: float = 1.5, ttl_s: float = 0.5):
+    keys = [f"{i:032x}" for i in range(4)]
+    outs: dict[str, dict] = {"a": {}, "b": {}}
+    url = f"file://{tmp_path / 'store'}"
+    threads = []
+    for name in outs:
+        jobs = [({"key": k, "bucket": "1x8", "log": str(tmp_path / "starts.log"), "sleep_s": compile_s},
+                 str(tmp_path / name / f"{k}.pt2")) for k in keys]
+        (tmp_path / name).mkdir()
+        threads.append(threading.Thread(target=contender, args=(url, f"export-{name}:host", jobs, ttl_s,
+                                                                outs[name], renew)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return keys, outs, starts(tmp_path / "starts.log"), open_store(url)
+
+
+def test_two_exports_racing_with_a_ttl_shorter_than_a_compile_compile_each_key_once(tmp_path):
+    keys, outs, counts, store = race(tmp_path, renew=True)
+    assert "error" not in outs["a"] and "error" not in outs["b"], outs
+    assert counts == {k: 1 for k in keys}  # exactly once each, over both exports
+    assert sorted(outs["a"]["uploaded"] + outs["b"]["uploaded"]) == keys
+    assert outs["a"]["uploaded"] and outs["b"]["uploaded"]  # both worked: the keys were shared out, one at a time
+    assert all(store.exists(artifact_key(k)) for k in keys)
+    assert not store.list("leases/")  # every lease released on upload
+
+
+def test_without_renewal_the_same_race_compiles_a_key_twice(tmp_path):
+    """The control: the race above shows something only because renewal is what keeps a compiling key."""
+    _, outs, counts, _ = race(tmp_path, renew=False)
+    assert max(counts.values()) > 1, counts
+
+
+def test_pool_skips_what_on_submit_refuses_and_ticks_while_compiling(tmp_path):
+    jobs = [({"key": k, "bucket": "1x8", "log": str(tmp_path / "starts.log"), "sleep_s": 0.6},
+             str(tmp_path / f"{k}.pt2")) for k in ("k1", "k2", "k3")]
+    ticks: list[float] = []
+    asked: list[str] = []
+
+    def on_submit(spec: dict) -> bool:
+        asked.append(spec["key"])
+        return spec["key"] != "k2"
+
+    with CompilePool(1, compile_fn=stand_in, initializer=None) as pool:
+        results = pool.run(jobs, lambda r: None, on_submit=on_submit, on_tick=lambda: ticks.append(time.monotonic()),
+                           tick_s=0.1)
+    assert [r.key for r in results] == ["k1", "k3"] and starts(tmp_path / "starts.log") == {"k1": 1, "k3": 1}
+    assert asked == ["k1", "k2", "k3"]  # asked once each, as each was about to start
+    assert len(ticks) >= 8  # about every 0.1 s over 1.2 s of compiling
+    assert max(b - a for a, b in zip(ticks, ticks[1:])) < 0.6
+
+
+@pytest.mark.slow
+def test_two_real_exports_racing_with_a_ttl_shorter_than_a_compile_compile_the_key_once(kiln_env, tmp_path):
+    """Two `kiln export`s of one store at once, each on its own Prefect home (so the model lease does not
+    queue them) with a 3 s compile-lease TTL, far shorter than the compile: the one that finds the key
+    leased waits through the whole compile (the holder renews) and reuses it; both finish."""
+    procs = {}
+    for name in ("a", "b"):
+        env = {**kiln_env, "KILN_HOME": str(tmp_path / name), "PREFECT_HOME": str(tmp_path / f"prefect-{name}")}
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "export", "--tp", "1", "--buckets", "1x8", "--store",
+             f"file://{tmp_path / 'store'}", "--report", str(tmp_path / f"{name}.json"), "--set", "lease_ttl_s=3",
+             "--set", "flow_retries=0"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outs = {name: p.communicate(timeout=1200)[0] for name, p in procs.items()}
+    for name, p in procs.items():  # a key compiled twice fails the second create-once upload (other bytes)
+        assert p.returncode == 0, outs[name][-4000:]
+    reports = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in procs}
+    counts = {n: r["counts"]["compiled"] for n, r in reports.items()}
+    waited = {n: [k for h in r["hosts"] for k in h.get("waited_for_lease") or []] for n, r in reports.items()}
+    print(f"compiled per export: {counts}; waited for a lease: {waited}")
+    assert sorted(counts.values()) == [0, 1], counts  # the key compiled once, over both
+    assert [n for n in waited if waited[n]] == [n for n in counts if counts[n] == 0], waited  # the other waited
+    assert "took over the compile lease" not in outs["a"] + outs["b"]  # never: the holder renewed
+    assert not list((tmp_path / "store").glob("leases/*/*.json"))
