@@ -70,7 +70,8 @@ def _recipe_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face-layout checkpoint directory")
+    p.add_argument("--model", default="tiny", help="'tiny', a Hugging Face-layout checkpoint directory, or "
+                   "s3://BUCKET/PREFIX holding one (each host reads its ranks' slices; at --s3-endpoint)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="compile and run in this dtype (default: the checkpoint's config.json dtype)")
@@ -198,9 +199,10 @@ def cmd_announce(args) -> int:
     if model != "tiny":
         from pathlib import Path
 
-        from kiln.host.checkpoint import inspect_checkpoint
-        model = str(Path(model).expanduser().resolve())  # the serving process may run elsewhere
-        inspect_checkpoint(model)
+        from kiln.host import weights
+        if not weights.is_s3(model):
+            model = str(Path(model).expanduser().resolve())  # the serving process may run elsewhere
+        weights.inspect(model, s3_endpoint=args.s3_endpoint)
     url = os.environ.get("PREFECT_API_URL")
     if not url:
         raise BadInput("kiln announce sends an event to a Prefect server: set PREFECT_API_URL (e.g. "
@@ -279,7 +281,7 @@ def _fetch_flags(p: argparse.ArgumentParser) -> None:
     """Where a finished export is and whom to trust: shared by verify and run."""
     p.add_argument("--store", help="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store)")
     p.add_argument("--s3-endpoint")
-    p.add_argument("--model", help="checkpoint directory (default: the one the manifest names)")
+    p.add_argument("--model", help="checkpoint directory or s3://BUCKET/PREFIX (default: the one the manifest names)")
     p.add_argument("--verify-key", action="append", default=[], metavar="FILE",
                    help="trusted Ed25519 public key(s), PEM or base64 (repeatable; default: KILN_VERIFY_KEY, "
                         "else the public half of KILN_SIGNING_KEY or of the local development key)")
@@ -313,7 +315,8 @@ def parser() -> argparse.ArgumentParser:
                         "`kiln announce`); its model comes from the event, the rest from these flags")
     s.set_defaults(func=cmd_serve)
     a = sub.add_parser("announce", help="emit kiln.checkpoint.ready: served --on-checkpoint deployments export it")
-    a.add_argument("model", help="'tiny' or a Hugging Face-layout checkpoint directory")
+    a.add_argument("model", help="'tiny', a Hugging Face-layout checkpoint directory or s3://BUCKET/PREFIX")
+    a.add_argument("--s3-endpoint", help="S3 endpoint URL to check an s3:// checkpoint at (default: AWS_ENDPOINT_URL)")
     a.add_argument("--export-id", help="name of the export it starts (default: model, tp and time)")
     a.set_defaults(func=cmd_announce)
     pl = sub.add_parser("plan", help="probe, plan KV and run the gate without compiling")
