@@ -208,7 +208,7 @@ def cmd_announce(args) -> int:
         raise BadInput("kiln announce sends an event to a Prefect server: set PREFECT_API_URL (e.g. "
                        "http://127.0.0.1:4200/api), the server a deployment served with --on-checkpoint uses.")
     check_server(url)
-    from flows.events import announce
+    from flows.outcome_events import announce
     try:
         event = announce(model, model_name(params), params.export_id)
     except RuntimeError as exc:

@@ -17,7 +17,7 @@ from typing import Annotated
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
-from flows import artifacts, events, model_lease, retry
+from flows import artifacts, model_lease, outcome_events, retry
 from flows.compile_phase import run_compile_phase
 from flows.hosts import HostRunner
 from flows.logs import hide_expected_tracebacks
@@ -76,7 +76,7 @@ def _export_flow(**parameters) -> dict:
     Each try ends with the event kiln.export.completed or kiln.export.failed.
     """
     hide_expected_tracebacks()
-    with events.export_outcome(parameters) as outcome:  # kiln.export.completed or kiln.export.failed
+    with outcome_events.export_outcome(parameters) as outcome:  # kiln.export.completed or kiln.export.failed
         params = ExportParams(**parameters)
         with retry.resumable(params) as (params, recipe), model_lease.model_lease(params):
             outcome.params, outcome.recipe = params, recipe
@@ -108,7 +108,7 @@ export = flow(name="kiln-export", log_prints=False, retries=Recipe.flow_retries,
 """The export flow; call it with ExportParams' fields: `export(**params.flow_parameters())`."""
 
 
-def _export(params: ExportParams, recipe: Recipe, outcome: "events.ExportOutcome | None" = None) -> dict:
+def _export(params: ExportParams, recipe: Recipe, outcome: "outcome_events.ExportOutcome | None" = None) -> dict:
     """One try of the export: the report is written, and the run's artifacts published, whatever happens;
     `outcome` learns the job and the report (its event is sent by the caller)."""
     with HostRunner(dask_address=params.dask, num_local_hosts=params.hosts,

@@ -1,4 +1,4 @@
-"""Kiln's Prefect events: their names, resources and labels (pure; flows/events.py emits them).
+"""Kiln's Prefect events: their names, resources and labels (pure; flows/outcome_events.py emits them).
 
 Events in: `kiln.checkpoint.ready` says a checkpoint can be exported. Its
 resource is `kiln.checkpoint.<name>` with the label `kiln.model`: the model as

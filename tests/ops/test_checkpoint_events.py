@@ -68,9 +68,15 @@ def test_an_announced_checkpoint_is_exported_once_per_event_and_each_outcome_is_
     assert made.returncode == 0, made.stderr
     served = serve("--on-checkpoint", "--buckets", "1x8", "--set", "flow_retries=0")
     deployment_id = served.deployment["id"]
-    automations = api.post("/automations/filter", {}).json()
-    assert [a for a in automations if a["trigger"].get("expect") == ["kiln.checkpoint.ready"]
-            and any(act.get("deployment_id") == deployment_id for act in a["actions"])], automations
+    deadline = time.monotonic() + 60  # serve creates the deployment first, then its trigger
+    def trigger_of_deployment() -> list[dict]:
+        return [a for a in api.post("/automations/filter", {}).json()
+                if a["trigger"].get("expect") == ["kiln.checkpoint.ready"]
+                and any(act.get("deployment_id") == deployment_id for act in a["actions"])]
+
+    while not trigger_of_deployment():
+        assert time.monotonic() < deadline, "no checkpoint trigger for the deployment"
+        time.sleep(1.0)
 
     # A burst: the same checkpoint announced twice, at once.
     announced = [kiln_run("announce", str(model), timeout=120) for _ in range(2)]

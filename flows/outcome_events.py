@@ -1,4 +1,4 @@
-"""Kiln's Prefect events, emitted: an export try's outcome, and a checkpoint announced.
+"""Kiln's Prefect events, emitted: an export try's outcome, and a checkpoint announced (`kiln announce`).
 
 Purpose: automations react to exports without polling. The names, resources
 and labels are kiln/core/events.py's; this module only sends them.
