@@ -1,4 +1,4 @@
-"""`kiln`: export, serve, plan, verify, run, checkpoint, keygen and bench.
+"""`kiln`: export, serve, announce, plan, verify, run, checkpoint, keygen and bench.
 
 Every input is checked before Prefect starts or anything is written, so bad
 input exits with code 2 in about a second. Exit codes: 0 done, 2 bad input,
@@ -70,7 +70,8 @@ def _recipe_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face-layout checkpoint directory")
+    p.add_argument("--model", default="tiny", help="'tiny', a Hugging Face-layout checkpoint directory, or "
+                   "s3://BUCKET/PREFIX holding one (each host reads its ranks' slices; at --s3-endpoint)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="compile and run in this dtype (default: the checkpoint's config.json dtype)")
@@ -179,7 +180,41 @@ def cmd_serve(args) -> int:
     params = _params(args)
     prepare(params)  # the deployment's defaults must make a valid export
     from flows.serve import serve
-    serve(params, name=args.name, cron=args.cron, interval_s=args.interval, limit=args.limit)
+    serve(params, name=args.name, cron=args.cron, interval_s=args.interval, limit=args.limit,
+          on_checkpoint=args.on_checkpoint)
+    return 0
+
+
+def cmd_announce(args) -> int:
+    """Emit kiln.checkpoint.ready for a checkpoint; bad input (no checkpoint there, no server) exits 2 and
+    sends nothing."""
+    from flows.params import export_params, model_name
+    from flows.prefect_server import check_server
+    from kiln.core.events import CHECKPOINT_READY
+    from kiln.core.forward_keys import check_export_id
+    params = export_params(model=args.model, export_id=args.export_id)
+    if params.export_id:
+        check_export_id(params.export_id)
+    model = params.model
+    if model != "tiny":
+        from pathlib import Path
+
+        from kiln.host import weights
+        if not weights.is_s3(model):
+            model = str(Path(model).expanduser().resolve())  # the serving process may run elsewhere
+        weights.inspect(model, s3_endpoint=args.s3_endpoint)
+    url = os.environ.get("PREFECT_API_URL")
+    if not url:
+        raise BadInput("kiln announce sends an event to a Prefect server: set PREFECT_API_URL (e.g. "
+                       "http://127.0.0.1:4200/api), the server a deployment served with --on-checkpoint uses.")
+    check_server(url)
+    from flows.outcome_events import announce
+    try:
+        event = announce(model, model_name(params), params.export_id)
+    except RuntimeError as exc:
+        raise KilnError(f"could not send {CHECKPOINT_READY} to {url}: {exc}") from None
+    print(f"announced {CHECKPOINT_READY} for {model} (event {event.id}, resource {event.resource.id}); "
+          "a deployment served with `kiln serve --on-checkpoint` exports it")
     return 0
 
 
@@ -246,7 +281,7 @@ def _fetch_flags(p: argparse.ArgumentParser) -> None:
     """Where a finished export is and whom to trust: shared by verify and run."""
     p.add_argument("--store", help="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store)")
     p.add_argument("--s3-endpoint")
-    p.add_argument("--model", help="checkpoint directory (default: the one the manifest names)")
+    p.add_argument("--model", help="checkpoint directory or s3://BUCKET/PREFIX (default: the one the manifest names)")
     p.add_argument("--verify-key", action="append", default=[], metavar="FILE",
                    help="trusted Ed25519 public key(s), PEM or base64 (repeatable; default: KILN_VERIFY_KEY, "
                         "else the public half of KILN_SIGNING_KEY or of the local development key)")
@@ -275,7 +310,15 @@ def parser() -> argparse.ArgumentParser:
     when.add_argument("--interval", type=float, metavar="SECONDS", help="schedule: every SECONDS")
     s.add_argument("--name", default="default", help="deployment name (default: default)")
     s.add_argument("--limit", type=int, help="most flow runs this process runs at once")
+    s.add_argument("--on-checkpoint", action="store_true",
+                   help="also run an export of each checkpoint announced (event kiln.checkpoint.ready, "
+                        "`kiln announce`); its model comes from the event, the rest from these flags")
     s.set_defaults(func=cmd_serve)
+    a = sub.add_parser("announce", help="emit kiln.checkpoint.ready: served --on-checkpoint deployments export it")
+    a.add_argument("model", help="'tiny', a Hugging Face-layout checkpoint directory or s3://BUCKET/PREFIX")
+    a.add_argument("--s3-endpoint", help="S3 endpoint URL to check an s3:// checkpoint at (default: AWS_ENDPOINT_URL)")
+    a.add_argument("--export-id", help="name of the export it starts (default: model, tp and time)")
+    a.set_defaults(func=cmd_announce)
     pl = sub.add_parser("plan", help="probe, plan KV and run the gate without compiling")
     _common(pl)
     pl.set_defaults(func=cmd_plan)

@@ -34,7 +34,8 @@ def run_export(store_url: str | None, export_id: str, *, prompt: list[int], max_
     manifest, checkpoint, cfg, artifacts, _ = open_export(store_url, export_id, "run", **options)
     recipe = manifest["recipe"]
     check_request(prompt, max_new_tokens, vocab_size=cfg.vocab_size, context_tokens=recipe["max_context_tokens"])
-    job = {"checkpoint": str(checkpoint), "config": cfg.to_dict(), "artifacts": artifacts, "prompt": prompt,
+    job = {"checkpoint": str(checkpoint), "s3_endpoint": options.get("s3_endpoint"), "config": cfg.to_dict(),
+           "artifacts": artifacts, "prompt": prompt,
            "max_new_tokens": max_new_tokens, "page_tokens": recipe["page_tokens"],
            "pages_per_seq": recipe["max_context_tokens"] // recipe["page_tokens"]}
     result = spawn_ranks(_rank_main, manifest["tp"], job, timeout_s=1800)[0]
@@ -55,14 +56,14 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, queue) -> None:
         import torch.distributed as dist
 
         from kiln.core.config import ModelConfig
-        from kiln.host.checkpoint import load_rank_weights
+        from kiln.host.weights import load_rank_weights
         from kiln.host.loader import load_forward
         from kiln.host.model import host_group
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
         cfg = ModelConfig(**job["config"])
-        weights = load_rank_weights(job["checkpoint"], cfg, tp, rank)
+        weights = load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint"))
         forwards = {parse_buckets(name)[0]: load_forward(art["path"], weights, art["sha256"])
                     for name, art in sorted(job["artifacts"].items())}
         side = host_group()

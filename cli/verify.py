@@ -25,7 +25,8 @@ from kiln.core.manifest import check_manifest
 from kiln.core.package_check import check_package
 from kiln.core.recipe import Recipe
 from kiln.core.sizing import verify_peak_mib
-from kiln.host.checkpoint import inspect_checkpoint, tiny_checkpoint
+from kiln.host import weights
+from kiln.host.checkpoint import tiny_checkpoint
 from kiln.host.verify_ranks import verify_all_ranks
 from kiln.store import Store, open_store, validate_key
 
@@ -59,7 +60,7 @@ def fetch_verified_export(store: Store, export_id: str, dest: Path, *, trusted,
 
 def open_export(store_url: str | None, export_id: str, dest: str, *, model: str | None = None,
                 s3_endpoint: str | None = None, verify_keys: list[str] = (), verify_key_block: str | None = None,
-                allow_unsigned: bool = False) -> tuple[dict, Path, ModelConfig, dict[str, dict], list[str]]:
+                allow_unsigned: bool = False) -> tuple[dict, str, ModelConfig, dict[str, dict], list[str]]:
     """A finished export, checked and fetched into KILN_HOME/`dest`/EXPORT_ID: (manifest, checkpoint, config,
     artifacts, lines). The checkpoint (`model`, else the one the manifest names) must be the exported model."""
     home = kiln_home()
@@ -71,19 +72,36 @@ def open_export(store_url: str | None, export_id: str, dest: str, *, model: str 
     raw, _ = read_verified_manifest(store, export_id, trusted=trusted, allow_unsigned=allow_unsigned)
     manifest = check_manifest(raw, export_id=export_id)
     if model:
-        checkpoint = Path(model).resolve()
+        checkpoint = model.rstrip("/") if weights.is_s3(model) else str(Path(model).resolve())
     elif manifest["model"]["name"] == "tiny":
-        checkpoint = tiny_checkpoint(home)
+        checkpoint = str(tiny_checkpoint(home))
     else:
-        checkpoint = Path(manifest["model"].get("checkpoint", ""))
+        checkpoint = manifest["model"].get("checkpoint", "")
     exported = ModelConfig(**manifest["model"]["config"])
-    cfg = inspect_checkpoint(checkpoint).replace(dtype=exported.dtype)  # --dtype may have chosen another
+    cfg = weights.inspect(checkpoint, s3_endpoint=s3_endpoint).replace(dtype=exported.dtype)  # --dtype may differ
     if cfg != exported:
         raise BadInput(f"checkpoint {checkpoint} does not match the model the export was made from; "
                        "pass the right one with --model.")
+    recorded = manifest["model"].get("checkpoint_identity")
+    if recorded and weights.is_s3(checkpoint):
+        changed = _changed_objects(recorded, weights.identity(checkpoint, s3_endpoint=s3_endpoint))
+        if changed:
+            raise BadInput(f"checkpoint {checkpoint} is not the one exported: {changed}; pass the exported one "
+                           "with --model, or export this one.")
     manifest, artifacts, lines = fetch_verified_export(store, export_id, home / dest / export_id,
                                                        trusted=trusted, allow_unsigned=allow_unsigned)
     return manifest, checkpoint, cfg, artifacts, lines
+
+
+def _changed_objects(recorded: dict, now: dict) -> str | None:
+    """How an S3 checkpoint's objects differ from the manifest's record (None: the same names, sizes, ETags)."""
+    was = {o["name"]: (o["size_bytes"], o["etag"]) for o in recorded["objects"]}
+    is_ = {o["name"]: (o["size_bytes"], o["etag"]) for o in now["objects"]}
+    for name in sorted(set(was) | set(is_)):
+        if was.get(name) != is_.get(name):
+            return (f"{name} was {'absent' if name not in was else f'{was[name][0]} bytes, ETag {was[name][1]}'}, "
+                    f"now {'absent' if name not in is_ else f'{is_[name][0]} bytes, ETag {is_[name][1]}'}")
+    return None
 
 
 def verify_export(store_url: str | None, export_id: str, **options) -> dict:
@@ -102,6 +120,7 @@ def verify_export(store_url: str | None, export_id: str, **options) -> dict:
     lines.append(f"memory: about {predicted} MiB predicted for {manifest['tp']} ranks and the unsharded model "
                  f"({available} MiB available)")
     checks, peak_mib = verify_all_ranks(checkpoint=str(checkpoint), config=manifest["model"]["config"], tp=manifest["tp"],
+                              s3_endpoint=options.get("s3_endpoint"),
                               artifacts=artifacts, page_tokens=recipe.page_tokens, pages_per_seq=recipe.pages_per_seq,
                               atol=recipe.verify_atol, half_ratio=recipe.verify_half_ratio)
     for bucket, c in sorted(checks.items()):

@@ -17,7 +17,7 @@ from typing import Annotated
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
-from flows import artifacts, model_lease, retry
+from flows import artifacts, model_lease, outcome_events, retry
 from flows.compile_phase import run_compile_phase
 from flows.hosts import HostRunner
 from flows.logs import hide_expected_tracebacks
@@ -73,11 +73,14 @@ def _export_flow(**parameters) -> dict:
 
     Each try holds the model's lease (one export per model at a time) and
     follows the recipe's flow retries; deterministic errors are not retried.
+    Each try ends with the event kiln.export.completed or kiln.export.failed.
     """
     hide_expected_tracebacks()
-    params = ExportParams(**parameters)
-    with retry.resumable(params) as (params, recipe), model_lease.model_lease(params):
-        return _export(params, recipe)
+    with outcome_events.export_outcome(parameters) as outcome:  # kiln.export.completed or kiln.export.failed
+        params = ExportParams(**parameters)
+        with retry.resumable(params) as (params, recipe), model_lease.model_lease(params):
+            outcome.params, outcome.recipe = params, recipe
+            return _export(params, recipe, outcome)
 
 
 def _flow_signature() -> inspect.Signature:
@@ -105,14 +108,17 @@ export = flow(name="kiln-export", log_prints=False, retries=Recipe.flow_retries,
 """The export flow; call it with ExportParams' fields: `export(**params.flow_parameters())`."""
 
 
-def _export(params: ExportParams, recipe: Recipe) -> dict:
-    """One try of the export: the report is written, and the run's artifacts published, whatever happens."""
+def _export(params: ExportParams, recipe: Recipe, outcome: "outcome_events.ExportOutcome | None" = None) -> dict:
+    """One try of the export: the report is written, and the run's artifacts published, whatever happens;
+    `outcome` learns the job and the report (its event is sent by the caller)."""
     with HostRunner(dask_address=params.dask, num_local_hosts=params.hosts,
                     local_name=(default_host_names(params) or [None])[0]) as runner:
         job, hosts = prepare(params, host_names=runner.host_names, recipe=recipe)
         ctx = FlowRunContext.get()
         report = Report.of_job(job, hosts, attempt=ctx.flow_run.run_count if ctx and ctx.flow_run else 1)
         phase = Phases(report, hosts, runner)
+        if outcome is not None:
+            outcome.job, outcome.report = job, report
         try:
             _run(job, hosts, report, phase, runner)
             report.status = "completed"

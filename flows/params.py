@@ -47,7 +47,7 @@ class ExportParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field("tiny", min_length=1, title="Model",
-                       description="'tiny' (the bundled model) or a Hugging Face-layout checkpoint directory.")
+                       description="'tiny' (the bundled model), a Hugging Face-layout checkpoint directory, or s3://BUCKET/PREFIX holding one (read in place, at the S3 endpoint).")
     tp: int = Field(2, ge=1, le=1024, title="Tensor-parallel degree",
                     description="Tensor-parallel degree: ranks that share the model.")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
@@ -109,7 +109,9 @@ def parse_assume_available(items: list[str]) -> dict[str, int]:
 
 
 def model_name(params: ExportParams) -> str:
-    """The model's short name: 'tiny' or the checkpoint directory's name."""
+    """The model's short name: 'tiny', the checkpoint directory's name or the S3 prefix's last part."""
+    if params.model.startswith("s3://"):
+        return params.model.rstrip("/").rsplit("/", 1)[-1]
     return "tiny" if params.model == "tiny" else Path(params.model).expanduser().resolve().name
 
 
@@ -167,14 +169,20 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     """
     if params.hosts and params.dask:
         raise BadInput("--hosts starts a local cluster and --dask names an existing one; give one of them.")
-    from kiln.host.checkpoint import inspect_checkpoint, tiny_checkpoint
+    from kiln.host import weights
+    from kiln.host.checkpoint import tiny_checkpoint
     from kiln.store import open_store, validate_key
 
     recipe = recipe or build_recipe(params)
     home = kiln_home()
     name = model_name(params)
-    checkpoint = tiny_checkpoint(home) if params.model == "tiny" else Path(params.model).expanduser().resolve()
-    cfg = inspect_checkpoint(checkpoint)
+    if params.model == "tiny":
+        checkpoint = str(tiny_checkpoint(home))
+    elif weights.is_s3(params.model):
+        checkpoint = params.model.rstrip("/")  # read where it is: each host reads its ranks' slices
+    else:
+        checkpoint = str(Path(params.model).expanduser().resolve())
+    cfg = weights.inspect(checkpoint, s3_endpoint=params.s3_endpoint)
     if params.dtype:
         cfg = cfg.replace(dtype=params.dtype)
     cfg.check_tp(params.tp)
@@ -206,7 +214,8 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     if signing:
         from blocks.trust import plan_signing
         plan, _ = plan_signing(sign=params.sign, block=params.signing_key_block, store=store, home=home)
-    job = ExportJob(export_id=export_id, model_name=name, checkpoint=str(checkpoint),
+    job = ExportJob(export_id=export_id, model_name=name, checkpoint=checkpoint,
+                    checkpoint_identity=weights.identity(checkpoint, s3_endpoint=params.s3_endpoint),
                     config=cfg.to_dict(), tp=params.tp, recipe=recipe, store_url=store.url,
                     s3_endpoint=params.s3_endpoint, checksum_mode=params.s3_checksum,
                     store_block=params.store_block, assume_available=params.assumed(),

@@ -59,13 +59,15 @@ def _free_port() -> int:
 
 
 def _drain_logs() -> None:
-    """Send Prefect's queued logs while the server is still up (else they fail after it stops)."""
+    """Send Prefect's queued logs and events while the server is still up (else they fail after it stops)."""
     if "prefect" in sys.modules:
+        from prefect.events.worker import EventsWorker
         from prefect.logging.handlers import APILogWorker
-        try:
-            APILogWorker.drain_all(timeout=10)
-        except Exception:  # best effort: the export itself is done
-            pass
+        for worker in (APILogWorker, EventsWorker):
+            try:
+                worker.drain_all(timeout=10)
+            except Exception:  # best effort: the export itself is done
+                pass
 
 
 def server_log_path() -> Path:

@@ -7,6 +7,10 @@ under `recipe`), whose schema the UI renders as the run form and the API
 enforces. Its defaults are `{}`: a plain "Run" exports the tiny model to the
 default store (KILN_HOME/store of the serving process).
 
+With `--on-checkpoint` the deployment also has a trigger (an automation on the
+server): each `kiln.checkpoint.ready` event (`kiln announce`) starts a run of
+the model its resource's label `kiln.model` names (kiln/core/events.py).
+
 Contracts: needs a Prefect server (PREFECT_API_URL); the embedded API would
 vanish with this process. Runs of one model queue on the model's lease
 (flows/model_lease.py). `infra/prefect.yaml` declares the same deployment for a
@@ -18,6 +22,7 @@ from __future__ import annotations
 from prefect.deployments.runner import EntrypointType
 
 from flows.params import ExportParams
+from kiln.core import events
 from kiln.core.errors import BadInput
 
 DEPLOYMENT = "default"
@@ -29,9 +34,23 @@ def deployment_parameters(params: ExportParams) -> dict:
     return params.model_dump(mode="json", exclude_defaults=True)
 
 
+def checkpoint_trigger(deployment: str = DEPLOYMENT):
+    """The deployment trigger of `--on-checkpoint`: each `kiln.checkpoint.ready` event (resource
+    `kiln.checkpoint.*`) starts a run whose `model` (and export id, when the event names one) comes from
+    the event's labels; every other parameter is the deployment's default."""
+    from prefect.events import DeploymentEventTrigger
+
+    return DeploymentEventTrigger(
+        name=f"kiln-export/{deployment}: export announced checkpoints",
+        description=f"Run kiln-export/{deployment} for each {events.CHECKPOINT_READY} event (kiln announce).",
+        expect={events.CHECKPOINT_READY}, match={"prefect.resource.id": f"{events.CHECKPOINT_PREFIX}*"},
+        parameters=events.trigger_parameters())
+
+
 def serve(params: ExportParams, *, name: str = DEPLOYMENT, cron: str | None = None,
-          interval_s: float | None = None, limit: int | None = None) -> None:
-    """Create (or update) the deployment and run its flow runs until interrupted."""
+          interval_s: float | None = None, limit: int | None = None, on_checkpoint: bool = False) -> None:
+    """Create (or update) the deployment and run its flow runs until interrupted; with `on_checkpoint`, its
+    trigger runs an export for each announced checkpoint."""
     from prefect.settings import PREFECT_API_URL
 
     from flows.export import export
@@ -47,6 +66,7 @@ def serve(params: ExportParams, *, name: str = DEPLOYMENT, cron: str | None = No
         _check_cron(cron)
     export.serve(name=name, cron=cron, interval=interval_s, limit=limit,
                  parameters=deployment_parameters(params), tags=["kiln"],
+                 triggers=[checkpoint_trigger(name)] if on_checkpoint else None,
                  description="Export a model for multi-host tensor-parallel inference (Kiln).",
                  entrypoint_type=EntrypointType.MODULE_PATH)
 

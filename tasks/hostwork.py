@@ -222,15 +222,16 @@ def fetch_missing(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
 
 def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict]) -> dict:
     from kiln.core.recipe import parse_buckets
-    from kiln.host.checkpoint import load_rank_weights
     from kiln.host.loader import compare_with_eager, load_forward
+    from kiln.host.weights import load_rank_weights
     from kiln.host.model import solo_group
 
     cfg = job.model_config
     diffs: dict[str, dict] = {}
     # One rank alone: its collectives sum over itself, in the compiled forward and in eager alike.
     with PeakSampler(interval_s=0.1) as sampler, solo_group():
-        weights = load_rank_weights(job.checkpoint, cfg, job.tp, rank)
+        weights = load_rank_weights(job.checkpoint, cfg, job.tp, rank, s3_endpoint=job.s3_endpoint,
+                                    cache_dir=cache_dir(host))
         for f in forwards:
             compiled = load_forward(local_path(host, f["key"]), weights, f["sha256"])
             diffs[f"rank{rank}/{f['bucket']}"] = compare_with_eager(
@@ -266,10 +267,10 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     A check passed before on this host for the same artifact bytes, rank and
     checkpoint content is remembered in the host's cache and not run again.
     """
-    from kiln.host.checkpoint import checkpoint_fingerprint
     from kiln.host.loader import limit_of
+    from kiln.host.weights import fingerprint
 
-    weights = checkpoint_fingerprint(job.checkpoint, cache_dir(host) / "digests")
+    weights = fingerprint(job.checkpoint, s3_endpoint=job.s3_endpoint, digests=cache_dir(host) / "digests")
     record = cache_dir(host) / "verified"
     diffs: dict[str, dict] = {}
     todo: dict[int, list[dict]] = {}

@@ -26,7 +26,7 @@ class ExportJob:
     export_id: str
     model_name: str
     checkpoint: str
-    """Absolute path of the Hugging Face-layout checkpoint directory."""
+    """The Hugging Face-layout checkpoint: an absolute directory path or s3://BUCKET/PREFIX."""
     config: dict
     """ModelConfig fields."""
     tp: int
@@ -40,6 +40,9 @@ class ExportJob:
     """host name -> MiB that replaces the probed available memory ("what if")."""
     signing: SigningPlan | None = None
     """How the manifest is signed (no secret: the key is loaded where it signs); None: not decided (plan)."""
+    checkpoint_identity: dict | None = None
+    """An S3 checkpoint's objects (name, size, ETag) when the export was prepared (the manifest records
+    it; verify checks it again); None for a directory."""
 
     @property
     def model_config(self) -> ModelConfig:

@@ -35,7 +35,9 @@ def export_manifest(job, report) -> dict:
     from kiln.core.contract import weight_layout
 
     return build_manifest(
-        export_id=job.export_id, model={"name": job.model_name, "checkpoint": job.checkpoint, "config": job.config},
+        export_id=job.export_id, model={"name": job.model_name, "checkpoint": job.checkpoint, "config": job.config,
+                                        **({"checkpoint_identity": job.checkpoint_identity}
+                                           if job.checkpoint_identity else {})},
         recipe=job.recipe.to_dict(), tp=job.tp, buckets=[str(b) for b in job.recipe.buckets],
         forwards=report.forwards, weights=weight_layout(job.model_config, job.tp), kv_plan=report.kv_plan,
         hosts=list(report.hosts.values()), phases=list(report.phases), signing=job.signing.manifest_entry())

@@ -43,16 +43,16 @@ def _check_together(rank: int, tp: int, port: int, job: dict) -> dict:
 
     from kiln.core.config import ModelConfig
     from kiln.core.recipe import parse_buckets
-    from kiln.host.checkpoint import load_rank_weights
     from kiln.host.loader import eager_outputs, judge, load_forward
+    from kiln.host.weights import load_rank_weights
     from kiln.host.model import example_inputs, host_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     side = host_group()
     cfg = ModelConfig(**job["config"])
-    weights = load_rank_weights(job["checkpoint"], cfg, tp, rank)
-    full = load_rank_weights(job["checkpoint"], cfg, 1, 0) if rank == 0 else None
+    weights = load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint"))
+    full = load_rank_weights(job["checkpoint"], cfg, 1, 0, s3_endpoint=job.get("s3_endpoint")) if rank == 0 else None
     kvh = cfg.num_kv_heads // tp
     diffs = {}
     for name, art in sorted(job["artifacts"].items()):
@@ -76,15 +76,15 @@ def _check_together(rank: int, tp: int, port: int, job: dict) -> dict:
 
 
 def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[str, dict], page_tokens: int,
-                     pages_per_seq: int, atol: float, half_ratio: float,
+                     pages_per_seq: int, atol: float, half_ratio: float, s3_endpoint: str | None = None,
                      timeout_s: float = 600) -> tuple[dict[str, dict], int]:
     """(bucket -> {'diff', 'limit'} of the compiled ranks combined against the unsharded eager model
     (kiln.host.loader.judge), the ranks' peak MiB added up); raises on any rank's error.
 
     `artifacts` maps a bucket name ('4x32') to {'path', 'sha256'} of a verified local copy.
     """
-    job = {"checkpoint": str(checkpoint), "config": config, "artifacts": artifacts, "atol": atol,
-           "half_ratio": half_ratio, "page_tokens": page_tokens, "pages_per_seq": pages_per_seq}
+    job = {"checkpoint": str(checkpoint), "s3_endpoint": s3_endpoint, "config": config, "artifacts": artifacts,
+           "atol": atol, "half_ratio": half_ratio, "page_tokens": page_tokens, "pages_per_seq": pages_per_seq}
     results = spawn_ranks(_rank_main, tp, job, timeout_s=timeout_s)
     return results[0]["diffs"], sum(r["peak_mib"] for r in results.values())
 

@@ -36,6 +36,12 @@ def test_prefect_yaml_deploys_and_a_process_worker_runs_it(prefect_server, ops_e
     assert list(dep["parameter_openapi_schema"]["properties"])[:2] == ["model", "tp"]
     [schedule] = dep["schedules"]
     assert schedule["schedule"]["cron"] == "0 3 * * *" and schedule["active"] is False
+    # Its checkpoint trigger: an automation running this deployment, disabled, templates kept for the server.
+    [trigger] = [a for a in api.post("/automations/filter", {}).json()
+                 if any(act.get("deployment_id") == dep["id"] for act in a["actions"])]
+    assert trigger["enabled"] is False and trigger["trigger"]["expect"] == ["kiln.checkpoint.ready"]
+    from kiln.core.events import trigger_parameters
+    assert trigger["actions"][0]["parameters"] == trigger_parameters()
 
     # A run the gate refuses right after its probe: it exercises the pull step, the
     # entrypoint and the parameters without compiling.

@@ -1,0 +1,262 @@
+"""A Hugging Face-layout checkpoint in S3 (`s3://BUCKET/PREFIX`), read with ranged GETs.
+
+What is read, in order: the listing of PREFIX (each object's size and ETag),
+`config.json`, the index when there is one, then each safetensors file's
+header only (two ranged GETs: the 8-byte length, then the JSON header). A
+rank's weights are then read slice by slice at the header's offsets: a row
+slice is one range, a column slice one range per row (adjacent ranges merged),
+fetched concurrently. `bytes_read` counts every byte received.
+
+Contracts: `load_rank_weights` returns what kiln.host.checkpoint's does for a
+directory holding the same files: one rank's shard of every parameter, in
+`cfg.dtype`. With a `cache_dir`, a rank's tensors are kept there under a key of
+every object's name, size and ETag (plus tp, rank and dtype), so a second load
+of the same checkpoint reads no weights again; a replaced object has a new
+ETag, hence a new key. `identity()` is what a manifest records. Bad input
+(a missing config.json, a prefix with no safetensors, an object that cannot
+be read, a corrupt header, shapes config.json does not imply) is BadInput
+naming the object. Compile workers need none of this: they compile weightless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.core.config import ModelConfig
+from kiln.core.errors import BadInput
+from kiln.core.hf_config import from_hf
+from kiln.host.model import expected_shapes, shard_slice
+
+INDEX = "model.safetensors.index.json"
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes are: object name, dtype, shape and its absolute byte range [start, end)."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start_byte: int
+    end_byte: int
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """(bucket, prefix ending in '/' or empty) of s3://BUCKET/PREFIX; BadInput otherwise."""
+    if not url.startswith("s3://") or not url[5:].split("/", 1)[0]:
+        raise BadInput(f"{url!r} is not an S3 checkpoint address; use s3://BUCKET/PREFIX.")
+    bucket, _, prefix = url[5:].partition("/")
+    prefix = prefix.strip("/")
+    return bucket, f"{prefix}/" if prefix else ""
+
+
+def row_ranges(info: TensorInfo, cut: tuple[int, int, int] | None) -> list[tuple[int, int]]:
+    """Byte ranges [first, last] (inclusive, as HTTP Range says) holding `cut` of the tensor (None: all of it),
+    adjacent ranges merged. `cut` is (dim, start, stop) as kiln.host.model.shard_slice gives it."""
+    if cut is None:
+        return [(info.start_byte, info.end_byte - 1)] if info.end_byte > info.start_byte else []
+    dim, lo, hi = cut
+    item = torch.empty((), dtype=_DTYPES[info.dtype]).element_size()
+    inner = item
+    for d in info.shape[dim + 1:]:
+        inner *= d
+    outer = 1
+    for d in info.shape[:dim]:
+        outer *= d
+    stride = info.shape[dim] * inner
+    ranges: list[tuple[int, int]] = []
+    for r in range(outer):
+        first = info.start_byte + r * stride + lo * inner
+        last = first + (hi - lo) * inner - 1
+        if ranges and ranges[-1][1] + 1 == first:
+            ranges[-1] = (ranges[-1][0], last)
+        else:
+            ranges.append((first, last))
+    return ranges
+
+
+class S3Checkpoint:
+    """A checkpoint under s3://BUCKET/PREFIX; lists the prefix when made (BadInput when it holds none)."""
+
+    def __init__(self, url: str, *, endpoint_url: str | None = None, cache_dir: str | Path | None = None,
+                 max_concurrency: int = 16, client=None):
+        self.url = url.rstrip("/")
+        self.bucket, self.prefix = parse_s3_url(url)
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        self.max_concurrency = max_concurrency
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+        self._client = client or _client(endpoint_url, max_concurrency)
+        self.objects = self._list()
+        """{name under the prefix: (size_bytes, etag)}."""
+        if "config.json" not in self.objects:
+            raise BadInput(f"{self.url}/config.json does not exist; a Hugging Face-layout checkpoint needs "
+                           "config.json beside its *.safetensors (upload it, or check the prefix).")
+        if not any(n.endswith(".safetensors") for n in self.objects):
+            raise BadInput(f"{self.url}/ holds no *.safetensors objects; a checkpoint needs its weights there.")
+        self._tensors: dict[str, TensorInfo] | None = None
+
+    # -- reading -------------------------------------------------------------
+
+    def _name(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def _list(self) -> dict[str, tuple[int, str]]:
+        from botocore.exceptions import BotoCoreError, ClientError
+        out = {}
+        try:
+            for page in self._client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=self.prefix, Delimiter="/"):
+                for obj in page.get("Contents", []):
+                    out[obj["Key"][len(self.prefix):]] = (obj["Size"], obj["ETag"].strip('"'))
+        except (ClientError, BotoCoreError) as exc:
+            raise BadInput(f"cannot list {self.url}/ ({exc}); check the bucket, the prefix and the credentials.") \
+                from None
+        return out
+
+    def _get(self, name: str, first: int | None = None, last: int | None = None) -> bytes:
+        """The object's bytes [first, last] (inclusive), or all of it; If-Match the listed ETag."""
+        from botocore.exceptions import BotoCoreError, ClientError
+        args = {"IfMatch": f'"{self.objects[name][1]}"'} if name in self.objects else {}
+        if first is not None:
+            args["Range"] = f"bytes={first}-{last}"
+        try:
+            data = self._client.get_object(Bucket=self.bucket, Key=self.prefix + name, **args)["Body"].read()
+        except (ClientError, BotoCoreError) as exc:
+            raise BadInput(f"cannot read {self._name(name)} ({exc}); check it exists, is readable with these "
+                           "credentials and was not replaced during the export.") from None
+        if first is not None and len(data) != last - first + 1:
+            raise BadInput(f"{self._name(name)}: asked for bytes {first}-{last}, got {len(data)} bytes; the object "
+                           "is shorter than its safetensors header says (truncated) or the server ignores Range.")
+        with self._lock:
+            self.bytes_read += len(data)
+        return data
+
+    def read_config(self) -> ModelConfig:
+        try:
+            return from_hf(json.loads(self._get("config.json")))
+        except ValueError as exc:
+            raise BadInput(f"{self._name('config.json')} is not a valid config ({exc}).") from None
+
+    def _files(self) -> list[str]:
+        if INDEX in self.objects:
+            try:
+                files = sorted(set(json.loads(self._get(INDEX))["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise BadInput(f"{self._name(INDEX)} is not a valid safetensors index ({exc}).") from None
+            absent = [f for f in files if f not in self.objects]
+            if absent:
+                raise BadInput(f"{self._name(absent[0])} is listed in the checkpoint index but does not exist.")
+            return files
+        return sorted(n for n in self.objects if n.endswith(".safetensors"))
+
+    def _header(self, file: str) -> dict[str, TensorInfo]:
+        size = self.objects[file][0]
+        if size < 8:
+            raise BadInput(f"{self._name(file)} is {size} bytes: not a safetensors file (truncated?).")
+        (length,) = struct.unpack("<Q", self._get(file, 0, 7))
+        if length > min(size - 8, _MAX_HEADER_BYTES):
+            raise BadInput(f"{self._name(file)}: its header claims {length} bytes, more than the object holds; "
+                           "it is corrupt or truncated: upload it again.")
+        try:
+            header = json.loads(self._get(file, 8, 8 + length - 1))
+            base = 8 + length
+            out = {name: TensorInfo(file, h["dtype"], tuple(h["shape"]), base + h["data_offsets"][0],
+                                    base + h["data_offsets"][1])
+                   for name, h in header.items() if name != "__metadata__"}
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise BadInput(f"{self._name(file)} has no valid safetensors header ({exc}); upload it again.") from None
+        for name, t in out.items():
+            if t.dtype not in _DTYPES or t.end_byte > size:
+                raise BadInput(f"{self._name(file)}: tensor {name} ({t.dtype}, bytes up to {t.end_byte}) does not "
+                               f"fit the object's {size} bytes or has an unknown dtype; upload it again.")
+        return out
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Every tensor's place, from the headers (read once, concurrently)."""
+        if self._tensors is None:
+            with ThreadPoolExecutor(self.max_concurrency) as pool:
+                headers = list(pool.map(self._header, self._files()))
+            self._tensors = {name: info for h in headers for name, info in h.items()}
+        return self._tensors
+
+    def inspect(self) -> ModelConfig:
+        """Config and headers only (no weights): every tensor config.json implies there with its shape,
+        and none it does not account for (kiln.host.checkpoint's checks); returns the config."""
+        from kiln.host.checkpoint import _spare
+        cfg = self.read_config()
+        want, have = expected_shapes(cfg), self.tensors()
+        missing = sorted(set(want) - set(have))
+        if missing:
+            raise BadInput(f"{self.url}/ lacks {len(missing)} tensor(s) that config.json implies, e.g. {missing[0]}; "
+                           "the checkpoint does not match its config.")
+        unused = sorted(n for n in set(have) - set(want) if not _spare(n, cfg))
+        if unused:
+            raise BadInput(f"{self.url}/ holds {len(unused)} tensor(s) that config.json does not account for, "
+                           f"e.g. {unused[0]}; fix config.json (e.g. attention_bias / mlp_bias) or remove them.")
+        for name, shape in want.items():
+            if have[name].shape != shape:
+                raise BadInput(f"{self._name(have[name].file)}: tensor {name} has shape {list(have[name].shape)} "
+                               f"but config.json implies {list(shape)}; the checkpoint does not match its config.")
+        return cfg
+
+    def identity(self) -> dict:
+        """What a manifest records: the address and every object's name, size and ETag."""
+        return {"url": self.url, "objects": [{"name": n, "size_bytes": s, "etag": e}
+                                             for n, (s, e) in sorted(self.objects.items())]}
+
+    def _cache_file(self, cfg: ModelConfig, tp: int, rank: int) -> Path | None:
+        if self.cache_dir is None:
+            return None
+        key = hashlib.sha256(json.dumps([self.identity()["objects"], tp, rank, cfg.dtype]).encode()).hexdigest()
+        return self.cache_dir / "s3-checkpoints" / key[:32] / f"rank{rank}-of-{tp}.safetensors"
+
+    def load_rank_weights(self, cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
+        """One rank's shard of every parameter, in `cfg.dtype`; from the cache when it holds them."""
+        from safetensors.torch import load_file, save_file
+        cached = self._cache_file(cfg, tp, rank)
+        if cached is not None and cached.exists():
+            return load_file(str(cached))
+        have = self.tensors()
+        plan = {name: row_ranges(have[name], shard_slice(name, cfg, tp, rank)) for name in expected_shapes(cfg)}
+        jobs = [(name, r) for name, ranges in plan.items() for r in ranges]
+        with ThreadPoolExecutor(self.max_concurrency) as pool:
+            parts = list(pool.map(lambda job: self._get(have[job[0]].file, *job[1]), jobs))
+        chunks: dict[str, list[bytes]] = {}
+        for (name, _), data in zip(jobs, parts):
+            chunks.setdefault(name, []).append(data)
+        dtype = getattr(torch, cfg.dtype)
+        out = {}
+        for name, shape in expected_shapes(cfg).items():
+            info, cut = have[name], shard_slice(name, cfg, tp, rank)
+            local = list(shape) if cut is None else [*shape[:cut[0]], cut[2] - cut[1], *shape[cut[0] + 1:]]
+            flat = torch.frombuffer(bytearray(b"".join(chunks.get(name, []))), dtype=_DTYPES[info.dtype]) \
+                if any(local) else torch.empty(0, dtype=_DTYPES[info.dtype])
+            out[name] = flat.reshape(local).to(dtype).contiguous()
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".tmp-{threading.get_ident()}")
+            save_file(out, str(tmp))
+            tmp.replace(cached)
+        return out
+
+
+def _client(endpoint_url: str | None, max_concurrency: int):
+    import boto3
+    from botocore.config import Config
+    return boto3.session.Session().client(
+        "s3", endpoint_url=endpoint_url, config=Config(
+            retries={"mode": "standard", "max_attempts": 8}, s3={"addressing_style": "path"},
+            max_pool_connections=max(10, max_concurrency)))

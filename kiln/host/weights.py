@@ -1,0 +1,65 @@
+"""A checkpoint by its address: a local directory (kiln/host/checkpoint.py) or s3://BUCKET/PREFIX
+(kiln/host/s3_checkpoint.py). The callers that need a checkpoint's config or a rank's weights go through here.
+
+Contracts: the same answers for the same files wherever they are. An S3
+checkpoint is reached at `s3_endpoint` (else AWS_ENDPOINT_URL, else AWS; the
+credentials are the AWS chain's), the same endpoint as an S3 store's.
+`cache_dir` (a host's cache) keeps a rank's tensors read from S3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from kiln.core.config import ModelConfig
+
+
+def is_s3(checkpoint: str) -> bool:
+    return str(checkpoint).startswith("s3://")
+
+
+def _s3(checkpoint: str, s3_endpoint: str | None, cache_dir: str | Path | None = None):
+    from kiln.host.s3_checkpoint import S3Checkpoint
+    return S3Checkpoint(checkpoint, endpoint_url=s3_endpoint, cache_dir=cache_dir)
+
+
+def inspect(checkpoint: str, *, s3_endpoint: str | None = None) -> ModelConfig:
+    """The checkpoint's config after its headers are checked (no weights read); BadInput naming what is wrong."""
+    if is_s3(checkpoint):
+        return _s3(checkpoint, s3_endpoint).inspect()
+    from kiln.host.checkpoint import inspect_checkpoint
+    return inspect_checkpoint(checkpoint)
+
+
+def identity(checkpoint: str, *, s3_endpoint: str | None = None) -> dict | None:
+    """What a manifest records of an S3 checkpoint (every object's name, size and ETag); None for a directory."""
+    return _s3(checkpoint, s3_endpoint).identity() if is_s3(checkpoint) else None
+
+
+def fingerprint(checkpoint: str, *, s3_endpoint: str | None = None, digests: Path | None = None) -> str:
+    """A short identity of the checkpoint's files (a directory's content: kiln.host.checkpoint's, each file's
+    digest remembered under `digests`; S3: names, sizes, ETags)."""
+    if is_s3(checkpoint):
+        objects = identity(checkpoint, s3_endpoint=s3_endpoint)["objects"]
+        return hashlib.sha256(json.dumps(objects).encode()).hexdigest()[:16]
+    from kiln.host.checkpoint import checkpoint_fingerprint
+    return checkpoint_fingerprint(checkpoint, digests)
+
+
+def load_rank_weights(checkpoint: str, cfg: ModelConfig, tp: int, rank: int, *, s3_endpoint: str | None = None,
+                      cache_dir: str | Path | None = None) -> dict:
+    """One rank's package constants in `cfg.dtype` (kiln.host.checkpoint.load_rank_weights' contract)."""
+    if is_s3(checkpoint):
+        import torch
+
+        from kiln.host.model import rank_constants
+
+        # The S3 reader gives each checkpoint tensor already cut for the rank; each is copied into its
+        # (stacked) constant and dropped at once, so the rank's weights are held about once.
+        parts = _s3(checkpoint, s3_endpoint, cache_dir).load_rank_weights(cfg, tp, rank)
+        return rank_constants(cfg, tp, rank, lambda name, _cut, out: out.copy_(parts.pop(name)),
+                              getattr(torch, cfg.dtype))
+    from kiln.host.checkpoint import load_rank_weights as from_directory
+    return from_directory(checkpoint, cfg, tp, rank)
