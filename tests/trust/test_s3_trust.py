@@ -190,9 +190,9 @@ def test_a_signed_manifest_copied_to_another_export_is_refused(kiln, world):
     refused(verify(kiln, world, "--verify-key", str(world["pub"]), export_id=other), "belongs to export")
 
 
-def test_an_s3_export_without_a_key_is_refused_before_any_work(kiln, world):
+def test_an_s3_export_without_a_key_is_refused_before_any_work(kiln_main, world):
     prefix = f"nokey-{uuid.uuid4().hex[:6]}"
-    run = kiln("export", "--tp", "2", "--buckets", "1x8", "--store", f"s3://{world['bucket']}/{prefix}",
+    run = kiln_main("export", "--tp", "2", "--buckets", "1x8", "--store", f"s3://{world['bucket']}/{prefix}",
                env=world["env"])
     assert run.code == 2 and "kiln keygen DIR" in run.err and "--unsigned" in run.err
     assert world["s3"].list_objects_v2(Bucket=world["bucket"], Prefix=prefix).get("KeyCount", 0) == 0
