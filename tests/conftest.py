@@ -311,7 +311,8 @@ def tp2_export(kiln, tmp_path_factory):
     The recipe's default buckets. The cold run is also what a new user sees (tests/integration/
     test_first_run.py): a fresh Prefect home (a new SQLite database) and none of kiln_env's Prefect
     settings, only what Kiln sets by itself. Returns {'dir', 'store' (its URL), 'cold', 'warm' (Run),
-    'cold_report', 'warm_report'}. Tests that change the store's files restore them, or copy them.
+    'cold_report', 'warm_report'}. Read-only: a test that writes to the store writes to a copy
+    (tp2_store_copy).
     """
     d = tmp_path_factory.mktemp("export")
     store = f"file://{d / 'store'}"
