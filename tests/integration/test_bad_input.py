@@ -95,3 +95,14 @@ def test_unknown_store_scheme(kiln_main, tmp_path):
 def test_bad_assume_available(kiln_main, tmp_path):
     run, store = export(kiln_main, tmp_path, "--model", "tiny", "--assume-available", "nohost=100")
     _check_refused(run, store, "unknown host")
+
+
+def test_dask_without_prefect_server_is_bad_input(kiln_main):
+    run = kiln_main("export", "--dask", "tcp://127.0.0.1:1", "--tp", "2")
+    assert run.code == 2 and "PREFECT_API_URL" in run.err
+
+
+def test_unreachable_prefect_server_is_bad_input(kiln_main):
+    # Port 1 on loopback: privileged, nothing listens there.
+    run = kiln_main("export", "--tp", "2", env={"PREFECT_API_URL": "http://127.0.0.1:1/api"})
+    assert run.code == 2 and "cannot reach the Prefect server" in run.err

@@ -14,8 +14,6 @@ import boto3
 import pytest
 from conftest import free_port
 
-pytestmark = pytest.mark.slow
-
 AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
