@@ -266,7 +266,8 @@ def kiln_main(kiln_env, monkeypatch, capsys) -> Callable[..., Run]:
 
     The same environment as the `kiln` fixture (kiln_env, then `env`), in os.environ for the call;
     os.environ and the cwd are restored after the test. The export flow is replaced by one that fails
-    the test, so a case that is not refused up front cannot start Prefect in the pytest process.
+    the test, so a case that is not refused up front cannot start Prefect in the pytest process; so does
+    a call that imports Prefect where it was not imported yet (it would keep this call's settings).
     `code` is main's return value, or the SystemExit code of argparse's own refusals. A subprocess
     adds only the interpreter start (seconds: torch's import); the `kiln` fixture keeps one case per
     exit code.
