@@ -279,25 +279,104 @@ def kiln_env(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def kiln(kiln_env):
-    def run(*args: str, env: dict | None = None, timeout: float = 900, cwd=None) -> Run:
-        proc = subprocess.run([*KILN, *args], env={**kiln_env, **(env or {})}, capture_output=True,
-                              text=True, timeout=timeout, cwd=cwd)
+    """`run(*args, env=None, unset=(), timeout=900, cwd=None)`: `kiln ARGS` in a subprocess, with kiln_env
+    updated by `env` and without the variables named in `unset`."""
+    def run(*args: str, env: dict | None = None, unset: tuple[str, ...] = (), timeout: float = 900,
+            cwd=None) -> Run:
+        full = {k: v for k, v in {**kiln_env, **(env or {})}.items() if k not in unset}
+        proc = subprocess.run([*KILN, *args], env=full, capture_output=True, text=True, timeout=timeout, cwd=cwd)
         return Run(proc.returncode, proc.stdout, proc.stderr)
     return run
+
+
+class _NoReaper:
+    """cli.main's Reaper, in-process: the real one would kill this pytest process's session servers
+    (moto, Prefect) when the command ends, since they are descendants of the process that ran it."""
+
+    def close(self) -> None:
+        pass
+
+
+def _flow_reached(*args, **kwargs):
+    raise AssertionError("kiln_main reached the export flow: the input was not refused before Prefect started "
+                         "(run it with the `kiln` fixture, in a subprocess, if it is meant to get this far)")
+
+
+@pytest.fixture
+def kiln_main(kiln_env, monkeypatch, capsys) -> Callable[..., Run]:
+    """`kiln ARGS` through `cli.main.main(argv)` in this process: for input refused before Prefect starts.
+
+    The same environment as the `kiln` fixture (kiln_env, then `env`), in os.environ for the call;
+    os.environ and the cwd are restored after the test. The export flow is replaced by one that fails
+    the test, so a case that is not refused up front cannot start Prefect in the pytest process; so does
+    a call that imports Prefect where it was not imported yet (it would keep this call's settings).
+    `code` is main's return value, or the SystemExit code of argparse's own refusals. A subprocess
+    adds only the interpreter start (seconds: torch's import); the `kiln` fixture keeps one case per
+    exit code.
+    """
+    import types
+
+    import cli.main
+
+    saved = dict(os.environ)
+    stub = types.ModuleType("flows.export")
+    stub.export = _flow_reached
+    monkeypatch.setitem(sys.modules, "flows.export", stub)
+    monkeypatch.setattr(cli.main, "Reaper", _NoReaper)
+
+    def run(*args: str, env: dict | None = None, cwd=None) -> Run:
+        want = {**kiln_env, **(env or {})}
+        os.environ.clear()
+        os.environ.update(want)
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        had_prefect = "prefect" in sys.modules
+        try:
+            code = cli.main.main(list(args))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        out, err = capsys.readouterr()
+        # Prefect reads its settings once, at import: imported here, it would keep this call's for later tests.
+        assert had_prefect or "prefect" not in sys.modules, (
+            f"kiln {' '.join(args)} imported Prefect in the pytest process; run it with the `kiln` fixture")
+        return Run(code, out, err)
+
+    yield run
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")
 def tp2_export(kiln, tmp_path_factory):
     """`kiln export --model tiny --tp 2` cold, then the same export warm, into one fresh local store.
 
-    Returns {'dir', 'store' (its URL), 'cold', 'warm' (Run), 'cold_report', 'warm_report'}. Tests
-    that change the store's files restore them.
+    The recipe's default buckets. The cold run is also what a new user sees (tests/integration/
+    test_first_run.py): a fresh Prefect home (a new SQLite database) and none of kiln_env's Prefect
+    settings, only what Kiln sets by itself. Returns {'dir', 'store' (its URL), 'cold', 'warm' (Run),
+    'cold_report', 'warm_report'}. Read-only: a test that writes to the store writes to a copy
+    (tp2_store_copy).
     """
     d = tmp_path_factory.mktemp("export")
     store = f"file://{d / 'store'}"
-    cold = kiln("export", "--model", "tiny", "--tp", "2", "--store", store, "--report", str(d / "cold.json"))
+    cold = kiln("export", "--model", "tiny", "--tp", "2", "--store", store, "--report", str(d / "cold.json"),
+                env={"PREFECT_HOME": str(d / "fresh-prefect-home")}, unset=("PREFECT_SERVER_ANALYTICS_ENABLED",))
     assert cold.code == 0, cold.err[-3000:]
     warm = kiln("export", "--model", "tiny", "--tp", "2", "--store", store, "--report", str(d / "warm.json"))
     assert warm.code == 0, warm.err[-3000:]
     return {"dir": d, "store": store, "cold": cold, "warm": warm,
             "cold_report": cold.json(d / "cold.json"), "warm_report": warm.json(d / "warm.json")}
+
+
+@pytest.fixture
+def tp2_store_copy(tp2_export, tmp_path) -> dict:
+    """A copy of tp2_export's local store for a test that changes it: {'store' (URL), 'root' (Path)}.
+
+    The store's keys are relative symlinks into its own .kiln/blobs, so copying the links keeps the
+    copy self-contained: writing through it never touches the session's store.
+    """
+    import shutil
+
+    root = tmp_path / "store-copy"
+    shutil.copytree(Path(tp2_export["store"].removeprefix("file://")), root, symlinks=True)
+    return {"store": f"file://{root}", "root": root}

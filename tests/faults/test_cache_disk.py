@@ -50,9 +50,10 @@ def tmpfs(mounts, path: Path, size: str) -> Path:
     return mounts(path, "-t", "tmpfs", "-o", f"size={size}", "tmpfs")
 
 
-def export(kiln, tmp_path, cache: Path, *extra: str):
+def export(run_kiln, tmp_path, cache: Path, *extra: str):
+    """`run_kiln`: the `kiln` fixture (a subprocess) where the export gets as far as the flow, else `kiln_main`."""
     store = tmp_path / "store"
-    run = kiln("export", "--tp", "2", "--buckets", "1x8", "--store", f"file://{store}",
+    run = run_kiln("export", "--tp", "2", "--buckets", "1x8", "--store", f"file://{store}",
                "--report", str(tmp_path / "r.json"), *extra, env={"KILN_CACHE_DIR": str(cache)})
     return run, store
 
@@ -68,21 +69,21 @@ def no_forwards_or_leases(store: Path) -> bool:
                                       and (p.suffix == ".pt2" or "leases" in p.parts)]
 
 
-def test_a_file_where_the_cache_directory_should_be(kiln, tmp_path):
+def test_a_file_where_the_cache_directory_should_be(kiln_main, tmp_path):
     blocker = tmp_path / "cache"
     blocker.write_text("a file, not a directory")
-    run, store = export(kiln, tmp_path, blocker)
+    run, store = export(kiln_main, tmp_path, blocker)
     assert run.code == 2, run.err[-2000:]
     assert str(blocker) in run.err and "is not writable" in run.err and "Traceback" not in run.err
     assert "Prefect" not in run.err  # refused before the flow started
     assert no_objects(store)
 
 
-def test_a_read_only_cache_is_refused_before_anything_runs(kiln, tmp_path, mounts):
+def test_a_read_only_cache_is_refused_before_anything_runs(kiln_main, tmp_path, mounts):
     src = tmp_path / "ro-src"
     src.mkdir()
     ro = mounts(tmp_path / "ro", "--bind", "-o", "ro", str(src))
-    run, store = export(kiln, tmp_path, ro)
+    run, store = export(kiln_main, tmp_path, ro)
     assert run.code == 2, run.err[-2000:]
     assert "Read-only file system" in run.err and str(ro) in run.err and "Traceback" not in run.err
     assert no_objects(store)

@@ -1,4 +1,9 @@
-"""Bad input: exit code 2, a clear message, no traceback, nothing written to the store."""
+"""Bad input: exit code 2, a clear message, no traceback, nothing written to the store.
+
+Each case runs `cli.main.main(argv)` in this process (`kiln_main`): these refusals come before Prefect
+starts, so a subprocess would add only torch's import. One case runs `kiln` as a subprocess, so exit
+code 2 stays proven through the real entry point.
+"""
 
 from __future__ import annotations
 
@@ -17,75 +22,87 @@ def _check_refused(run, store: Path, *needles: str) -> None:
 
 
 @pytest.fixture
-def ckpt(kiln, tmp_path) -> Path:
+def ckpt(kiln_main, tmp_path) -> Path:
     d = tmp_path / "ckpt"
-    run = kiln("checkpoint", str(d), "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+    run = kiln_main("checkpoint", str(d), "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
                "--head-dim", "16", "--intermediate", "128", "--vocab", "128", "--shards", "2")
     assert run.code == 0, run.err
     return d
 
 
-def export(kiln, tmp_path, *args):
+def export(run_kiln, tmp_path, *args):
     store = tmp_path / "store"
-    return kiln("export", "--store", f"file://{store}", *args), store
+    return run_kiln("export", "--store", f"file://{store}", *args), store
 
 
 def test_missing_checkpoint_dir(kiln, tmp_path):
+    """The subprocess case: `python -m cli.main` exits 2 for bad input, as a user sees it."""
     run, store = export(kiln, tmp_path, "--model", str(tmp_path / "nope"))
     _check_refused(run, store, "does not exist")
 
 
-def test_corrupt_safetensors_header(kiln, tmp_path, ckpt):
+def test_corrupt_safetensors_header(kiln_main, tmp_path, ckpt):
     shard = sorted(ckpt.glob("*.safetensors"))[0]
     data = bytearray(shard.read_bytes())
     data[8:16] = b"{garbage"
     shard.write_bytes(bytes(data))
-    run, store = export(kiln, tmp_path, "--model", str(ckpt))
+    run, store = export(kiln_main, tmp_path, "--model", str(ckpt))
     _check_refused(run, store, shard.name, "corrupt")
 
 
-def test_truncated_safetensors(kiln, tmp_path, ckpt):
+def test_truncated_safetensors(kiln_main, tmp_path, ckpt):
     shard = sorted(ckpt.glob("*.safetensors"))[1]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    run, store = export(kiln, tmp_path, "--model", str(ckpt))
+    run, store = export(kiln_main, tmp_path, "--model", str(ckpt))
     _check_refused(run, store, shard.name)
 
 
-def test_shapes_not_matching_config(kiln, tmp_path, ckpt):
+def test_shapes_not_matching_config(kiln_main, tmp_path, ckpt):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["intermediate_size"] = 96
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    run, store = export(kiln, tmp_path, "--model", str(ckpt))
+    run, store = export(kiln_main, tmp_path, "--model", str(ckpt))
     _check_refused(run, store, "does not match its config")
 
 
-def test_tp_not_dividing_heads(kiln, tmp_path):
-    run, store = export(kiln, tmp_path, "--model", "tiny", "--tp", "5")
+def test_tp_not_dividing_heads(kiln_main, tmp_path):
+    run, store = export(kiln_main, tmp_path, "--model", "tiny", "--tp", "5")
     _check_refused(run, store, "--tp 5 does not divide", "1, 2, 3, 4, 6")
 
 
 @pytest.mark.parametrize("spec", ["1x16,4", "0x16", "ax3"])
-def test_malformed_buckets(kiln, tmp_path, spec):
-    run, store = export(kiln, tmp_path, "--model", "tiny", "--buckets", spec)
+def test_malformed_buckets(kiln_main, tmp_path, spec):
+    run, store = export(kiln_main, tmp_path, "--model", "tiny", "--buckets", spec)
     _check_refused(run, store, "BATCHxTOKENS")
 
 
 @pytest.mark.parametrize("setting", ["worker_host_mib=0", "headroom_floor_mib=-1", "worker_device_mib=-2048"])
-def test_non_positive_memory_settings(kiln, tmp_path, setting):
-    run, store = export(kiln, tmp_path, "--model", "tiny", "--set", setting)
+def test_non_positive_memory_settings(kiln_main, tmp_path, setting):
+    run, store = export(kiln_main, tmp_path, "--model", "tiny", "--set", setting)
     _check_refused(run, store, setting.split("=")[0])
 
 
-def test_unknown_setting_lists_known_ones(kiln, tmp_path):
-    run, store = export(kiln, tmp_path, "--model", "tiny", "--set", "headroom=1")
+def test_unknown_setting_lists_known_ones(kiln_main, tmp_path):
+    run, store = export(kiln_main, tmp_path, "--model", "tiny", "--set", "headroom=1")
     _check_refused(run, store, "headroom_floor_mib")
 
 
-def test_unknown_store_scheme(kiln, tmp_path):
-    run = kiln("export", "--model", "tiny", "--store", "ftp://host/x")
+def test_unknown_store_scheme(kiln_main, tmp_path):
+    run = kiln_main("export", "--model", "tiny", "--store", "ftp://host/x")
     assert run.code == 2 and "unknown store scheme 'ftp'" in run.err and "Traceback" not in run.err
 
 
-def test_bad_assume_available(kiln, tmp_path):
-    run, store = export(kiln, tmp_path, "--model", "tiny", "--assume-available", "nohost=100")
+def test_bad_assume_available(kiln_main, tmp_path):
+    run, store = export(kiln_main, tmp_path, "--model", "tiny", "--assume-available", "nohost=100")
     _check_refused(run, store, "unknown host")
+
+
+def test_dask_without_prefect_server_is_bad_input(kiln_main):
+    run = kiln_main("export", "--dask", "tcp://127.0.0.1:1", "--tp", "2")
+    assert run.code == 2 and "PREFECT_API_URL" in run.err
+
+
+def test_unreachable_prefect_server_is_bad_input(kiln_main):
+    # Port 1 on loopback: privileged, nothing listens there.
+    run = kiln_main("export", "--tp", "2", env={"PREFECT_API_URL": "http://127.0.0.1:1/api"})
+    assert run.code == 2 and "cannot reach the Prefect server" in run.err

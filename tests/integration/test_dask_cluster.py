@@ -40,13 +40,3 @@ def test_unreachable_scheduler_is_bad_input(kiln, prefect_server):
                env={"PREFECT_API_URL": prefect_server})
     assert run.code == 2, run.err[-2000:]
     assert "cannot reach the Dask scheduler" in run.err and "Traceback" not in run.err
-
-
-def test_dask_without_prefect_server_is_bad_input(kiln):
-    run = kiln("export", "--dask", "tcp://127.0.0.1:1", "--tp", "2")
-    assert run.code == 2 and "PREFECT_API_URL" in run.err
-
-
-def test_unreachable_prefect_server_is_bad_input(kiln):
-    run = kiln("export", "--tp", "2", env={"PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"})
-    assert run.code == 2 and "cannot reach the Prefect server" in run.err

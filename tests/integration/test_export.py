@@ -1,4 +1,9 @@
-"""The export spine end to end: real compilation, the embedded Prefect API, a local store."""
+"""The export spine end to end: real compilation, the embedded Prefect API, a local store.
+
+Every test looks at the session's export (tp2_export); a test that changes its store changes a copy
+(tp2_store_copy). `kiln plan` and refusals that come before Prefect or any rank run in this process
+(kiln_main); exit codes 0, 1 and 3 stay proven here through `kiln` subprocesses.
+"""
 
 from __future__ import annotations
 
@@ -102,46 +107,37 @@ def test_verify_runs_all_ranks_against_unsharded(kiln, exported):
     assert "verify ok" in v.out
 
 
-def test_verify_refuses_a_tampered_artifact(kiln, exported):
+def test_verify_refuses_a_tampered_artifact(kiln, exported, tp2_store_copy):
     r = exported["cold_report"]
-    root = Path(exported["store"].removeprefix("file://"))
-    blob = (root / r["forwards"][0]["object"]).resolve()  # the bytes behind the store's key
-    good = blob.read_bytes()
-    bad = bytearray(good)
+    blob = (tp2_store_copy["root"] / r["forwards"][0]["object"]).resolve()  # the bytes behind the store's key
+    bad = bytearray(blob.read_bytes())
     bad[len(bad) // 2] ^= 0xFF
-    try:
-        blob.write_bytes(bytes(bad))
-        v = kiln("verify", "--store", exported["store"], r["export_id"])
-    finally:
-        blob.write_bytes(good)
+    blob.write_bytes(bytes(bad))
+    v = kiln("verify", "--store", tp2_store_copy["store"], r["export_id"])
     assert v.code == 1
     assert r["forwards"][0]["object"] in v.err or r["forwards"][0]["key"] in v.err
     assert "Traceback" not in v.err and "verify ok" not in v.out
 
 
-def test_verify_refuses_a_manifest_changed_after_signing(kiln, exported):
+def test_verify_refuses_a_manifest_changed_after_signing(kiln_main, exported, tp2_store_copy):
     from kiln.store import open_store
 
     r = exported["cold_report"]
-    store = open_store(exported["store"])
-    good = store.get_json(r["manifest"])
-    forged = json.loads(json.dumps(good))
+    store = open_store(tp2_store_copy["store"])
+    forged = store.get_json(r["manifest"])
     forged["recipe"]["verify_atol"] = 1.0  # through the store's own API: its digests stay consistent
-    try:
-        store.put_json(r["manifest"], forged, overwrite=True)
-        v = kiln("verify", "--store", exported["store"], r["export_id"])
-    finally:
-        store.put_json(r["manifest"], good, overwrite=True)
+    store.put_json(r["manifest"], forged, overwrite=True)
+    v = kiln_main("verify", "--store", tp2_store_copy["store"], r["export_id"])  # refused before any rank runs
     assert v.code == 1, v.err[-2000:]
     assert "changed after it was signed" in v.err and "Traceback" not in v.err
     assert "sha256 ok" not in v.out and "ranks together" not in v.out
 
 
-def test_plan_prints_the_decision_without_compiling(kiln, exported, tmp_path):
-    p = kiln("plan", "--model", "tiny", "--tp", "2", "--store", exported["store"])
+def test_plan_prints_the_decision_without_compiling(kiln_main, exported, tmp_path):
+    p = kiln_main("plan", "--model", "tiny", "--tp", "2", "--store", exported["store"])
     assert p.code == 0, p.err
     assert "gate: nothing_to_do" in p.out
-    refused = kiln("plan", "--model", "tiny", "--tp", "2", "--store", f"file://{tmp_path / 'empty'}",
+    refused = kiln_main("plan", "--model", "tiny", "--tp", "2", "--store", f"file://{tmp_path / 'empty'}",
                    "--policy", "fail", "--set", "headroom_floor_mib=10000000")
     assert refused.code == 3
     assert "MiB short" in refused.out and "headroom_floor_mib" in refused.out
@@ -170,19 +166,15 @@ def test_export_refused_by_gate_exits_3_and_leaves_nothing_behind(kiln, tmp_path
     assert wait_gone(mark, timeout_s=30) == [], "processes of the refused export outlived it"
 
 
-def test_export_refuses_a_corrupted_stored_artifact(kiln, exported, tmp_path):
+def test_export_refuses_a_corrupted_stored_artifact(kiln, exported, tp2_store_copy, tmp_path):
     """A host that must download a forward whose stored bytes no longer match their sha256 stops, naming it."""
     r = exported["cold_report"]
-    root = Path(exported["store"].removeprefix("file://"))
     victim = r["forwards"][1]
-    blob = (root / victim["object"]).resolve()
+    blob = (tp2_store_copy["root"] / victim["object"]).resolve()
     good = blob.read_bytes()
-    try:
-        blob.write_bytes(good[:-100] + b"\0" * 100)
-        run = kiln("export", "--model", "tiny", "--tp", "2", "--store", exported["store"],
-                   "--report", str(tmp_path / "r.json"), env={"KILN_HOME": str(tmp_path / "fresh-host")})
-    finally:
-        blob.write_bytes(good)
+    blob.write_bytes(good[:-100] + b"\0" * 100)
+    run = kiln("export", "--model", "tiny", "--tp", "2", "--store", tp2_store_copy["store"],
+               "--report", str(tmp_path / "r.json"), env={"KILN_HOME": str(tmp_path / "fresh-host")})
     assert run.code == 1, run.err[-2000:]
     assert victim["key"] in run.err or victim["object"] in run.err
     report = json.loads((tmp_path / "r.json").read_text())
@@ -192,11 +184,11 @@ def test_export_refuses_a_corrupted_stored_artifact(kiln, exported, tmp_path):
     assert not list((tmp_path / "fresh-host").rglob(f"{victim['key']}.pt2"))
 
 
-def test_a_new_kv_plan_reuses_every_forward(kiln, exported, tmp_path):
+def test_a_new_kv_plan_reuses_every_forward(kiln, exported, tp2_store_copy, tmp_path):
     """Forward keys leave the KV page count out: fewer pages, the same forwards."""
     cold = exported["cold_report"]
     fewer = cold["kv_plan"]["pages_per_rank"] // 2
-    run = kiln("export", "--model", "tiny", "--tp", "2", "--store", exported["store"], "--set",
+    run = kiln("export", "--model", "tiny", "--tp", "2", "--store", tp2_store_copy["store"], "--set",
                f"kv_max_pages={fewer}", "--report", str(tmp_path / "r.json"))
     assert run.code == 0, run.err[-2000:]
     r = json.loads((tmp_path / "r.json").read_text())
@@ -205,7 +197,8 @@ def test_a_new_kv_plan_reuses_every_forward(kiln, exported, tmp_path):
     assert {f["key"] for f in r["forwards"]} == {f["key"] for f in cold["forwards"]}
 
 
-def test_verification_is_remembered_until_the_checkpoint_changes(kiln, exported, tmp_path):
+def test_verification_is_remembered_until_the_checkpoint_changes(kiln, kiln_main, exported, tp2_store_copy,
+                                                                  tmp_path):
     cold, warm = exported["cold_report"], exported["warm_report"]
     name = cold["hosts"][0]["name"]
     assert (cold["hosts"][0]["verify_memory"]["predicted_mib"] or 0) > 0  # checked against eager
@@ -213,8 +206,8 @@ def test_verification_is_remembered_until_the_checkpoint_changes(kiln, exported,
     assert set(warm["verify"][name]) == set(cold["verify"][name]) and len(cold["verify"][name]) == 2 * 4
     # Same shapes (the tiny model's), other weights: the same forward keys, but every check runs again.
     ckpt = tmp_path / "other-weights"
-    assert kiln("checkpoint", str(ckpt), "--seed", "7").code == 0
-    run = kiln("export", "--model", str(ckpt), "--tp", "2", "--store", exported["store"],
+    assert kiln_main("checkpoint", str(ckpt), "--seed", "7").code == 0
+    run = kiln("export", "--model", str(ckpt), "--tp", "2", "--store", tp2_store_copy["store"],
                "--report", str(tmp_path / "r.json"))
     assert run.code == 0, run.err[-2000:]
     r = json.loads((tmp_path / "r.json").read_text())
@@ -245,7 +238,7 @@ def test_a_stale_lease_of_a_dead_export_is_taken_over(kiln, exported, tmp_path):
     assert store.list("leases/") == [], "the taken-over lease was not released"
 
 
-def test_worker_peaks_are_measured_and_the_next_plan_uses_them(kiln, exported):
+def test_worker_peaks_are_measured_and_the_next_plan_uses_them(kiln_main, exported):
     r = exported["cold_report"]
     assert all(f["compile_peak_mib"] > 100 for f in r["forwards"]), "each compile records its worker's peak"
     host = r["hosts"][0]
@@ -256,6 +249,6 @@ def test_worker_peaks_are_measured_and_the_next_plan_uses_them(kiln, exported):
     peak = max(f["compile_peak_mib"] for f in r["forwards"])
     assert warm["worker_mib_source"] == "measured" and warm["worker_mib"] == math.ceil(peak * 1.15)
     # A new bucket of the same graph is planned with the measured figure too.
-    planned = kiln("plan", "--model", "tiny", "--tp", "2", "--store", exported["store"], "--buckets", "16x16")
+    planned = kiln_main("plan", "--model", "tiny", "--tp", "2", "--store", exported["store"], "--buckets", "16x16")
     assert planned.code == 0, planned.err[-2000:]
     assert f"{warm['worker_mib']} (measured)" in planned.out

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -16,22 +14,19 @@ pytestmark = pytest.mark.slow
 NOISE = ("Traceback", "FutureWarning", "Warning", "WARNING", "ERROR", "database is locked", "telemetry")
 
 
-def test_fresh_export_prints_progress_and_summary_only(kiln_env, tmp_path):
-    # A fresh KILN_HOME and Prefect home (a new SQLite database), and none of the test suite's Prefect
-    # settings: what Kiln sets by itself is what is tested.
-    env = {k: v for k, v in kiln_env.items() if k != "PREFECT_SERVER_ANALYTICS_ENABLED"}
-    env.update(KILN_HOME=str(tmp_path / "home"), PREFECT_HOME=str(tmp_path / "prefect"))
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "export", "--model", "tiny", "--tp", "2",
-                           "--report", str(tmp_path / "r.json")], env=env, capture_output=True,
-                          text=True, timeout=900)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-3000:]
+def test_fresh_export_prints_progress_and_summary_only(tp2_export):
+    # The session's cold `kiln export --model tiny --tp 2` (tests/conftest.py): a fresh Prefect home (a new
+    # SQLite database) and none of the test suite's Prefect settings, so what Kiln sets by itself is
+    # what is tested; the same export, not another one compiling the same four forwards.
+    run = tp2_export["cold"]
+    output = run.out + run.err
+    assert run.code == 0, output[-3000:]
     for word in NOISE:
         assert word not in output, f"{word!r} in a fresh export's output:\n{output[-3000:]}"
-    assert "Compile forwards: 4/4 (all hosts)" in proc.stderr  # Kiln's progress line
-    assert re.search(r"^export \S+: completed$", proc.stdout, re.M)  # and its summary
+    assert "Compile forwards: 4/4 (all hosts)" in run.err  # Kiln's progress line
+    assert re.search(r"^export \S+: completed$", run.out, re.M)  # and its summary
     assert "Task run" not in output and "Flow run" not in output  # Prefect's INFO lines stay off the console
-    assert json.loads((tmp_path / "r.json").read_text())["status"] == "completed"
+    assert tp2_export["cold_report"]["status"] == "completed"
 
 
 def _timed(kiln, *args) -> tuple[float, object]:

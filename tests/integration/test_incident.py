@@ -16,10 +16,14 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-INCIDENT = ["--hosts", "3", "--tp", "3", "--buckets", "1x8,2x8,4x8,8x8",
+INCIDENT = ["--hosts", "3", "--tp", "3",
             "--set", "headroom_floor_mib=8192", "--set", "recipe_headroom_mib=1024",
             "--set", "worker_host_mib=2048", "--set", "worker_device_mib=2048", "--set", "unified_memory=true",
             "--assume-available", "host-1=12038", "--assume-available", "host-2=11939"]
+# The fewest forwards that show each point (each compiles for tp 3, tens of seconds on 2 cores): the
+# refusal compiles nothing, so it keeps four; host-0 compiling everything needs two; every host
+# compiling needs three (the gate gives idle hosts the next key, kiln/core/gate.py's _assign).
+REFUSED_BUCKETS, BORROWED_BUCKETS, SPREAD_BUCKETS = "1x8,2x8,4x8,8x8", "1x8,2x8", "1x8,2x8,4x8"
 
 
 @pytest.fixture
@@ -37,7 +41,8 @@ def stored_forwards(url: str) -> list[str]:
 
 def test_policy_fail_refuses_before_any_compilation(kiln, cluster_env, s3_bucket, tmp_path):
     report = tmp_path / "r.json"
-    run = kiln("export", *INCIDENT, "--policy", "fail", "--set", "flow_retries=0", "--store", s3_bucket,
+    run = kiln("export", *INCIDENT, "--buckets", REFUSED_BUCKETS, "--policy", "fail", "--set", "flow_retries=0",
+               "--store", s3_bucket,
                "--report", str(report),
                env=cluster_env)
     assert run.code == 3, run.err[-3000:]
@@ -55,24 +60,25 @@ def test_policy_fail_refuses_before_any_compilation(kiln, cluster_env, s3_bucket
 
 def test_policy_borrow_lends_everything_to_host0(kiln, cluster_env, s3_bucket, tmp_path):
     report = tmp_path / "r.json"
-    run = kiln("export", *INCIDENT, "--store", s3_bucket, "--report", str(report), env=cluster_env)
+    run = kiln("export", *INCIDENT, "--buckets", BORROWED_BUCKETS, "--store", s3_bucket, "--report", str(report),
+               env=cluster_env)
     assert run.code == 0, run.err[-3000:]
     r = json.loads(report.read_text())
-    assert r["counts"]["compiled"] == 4 and r["counts"]["forwards"] == 4
+    assert r["counts"]["compiled"] == 2 and r["counts"]["forwards"] == 2
     assert {f["compiled_by"] for f in r["forwards"]} == {"host-0"}
     hosts = {h["name"]: h for h in r["hosts"]}
     assert hosts["host-0"]["workers"] >= 1
     assert hosts["host-1"]["workers"] == 0 and hosts["host-2"]["workers"] == 0
-    assert hosts["host-1"]["downloaded"] == 4 and hosts["host-2"]["downloaded"] == 4
+    assert hosts["host-1"]["downloaded"] == 2 and hosts["host-2"]["downloaded"] == 2
     assert r["gate"]["assignments"]["host-1"] == [] and r["gate"]["assignments"]["host-2"] == []
-    assert "Compile forwards: 4/4 (all hosts)" in run.err
+    assert "Compile forwards: 2/2 (all hosts)" in run.err
     # Every host at every phase boundary; the assumed figures are marked.
     for h in hosts.values():
         boundaries = [m["phase"] for m in h["memory"] if m["phase"] != "compile (lowest)"]
         assert boundaries[:2] == ["start", "probe"] and len(boundaries) == 9
     assert any(m["phase"] == "compile (lowest)" for m in hosts["host-0"]["memory"])  # sampled while compiling
     assert all(m.get("assumed_available_mib") == 12038 for m in hosts["host-1"]["memory"])
-    assert len(stored_forwards(s3_bucket)) == 4
+    assert len(stored_forwards(s3_bucket)) == 2
     v = kiln("verify", "--store", s3_bucket, r["export_id"], env=cluster_env)
     assert v.code == 0, v.err[-3000:]
     assert "verify ok: 3 ranks match the unsharded model" in v.out
@@ -80,7 +86,8 @@ def test_policy_borrow_lends_everything_to_host0(kiln, cluster_env, s3_bucket, t
 
 def test_lower_floor_gives_every_host_workers(kiln, cluster_env, s3_bucket, tmp_path):
     report = tmp_path / "r.json"
-    run = kiln("export", *INCIDENT, "--set", "headroom_floor_mib=6144", "--store", s3_bucket,
+    run = kiln("export", *INCIDENT, "--buckets", SPREAD_BUCKETS, "--set", "headroom_floor_mib=6144",
+               "--store", s3_bucket,
                "--report", str(report), env=cluster_env)
     assert run.code == 0, run.err[-3000:]
     r = json.loads(report.read_text())
@@ -88,4 +95,4 @@ def test_lower_floor_gives_every_host_workers(kiln, cluster_env, s3_bucket, tmp_
     assert all(gate_hosts[n]["capacity"] >= 1 for n in ("host-0", "host-1", "host-2"))
     assert gate_hosts["host-1"]["required_one_mib"] == 10240
     assert {f["compiled_by"] for f in r["forwards"]} == {"host-0", "host-1", "host-2"}
-    assert r["counts"]["compiled"] == 4
+    assert r["counts"]["compiled"] == 3

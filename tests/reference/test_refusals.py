@@ -1,4 +1,8 @@
-"""Checkpoints written by transformers that Kiln does not compute are refused by name, before anything starts."""
+"""Checkpoints written by transformers that Kiln does not compute are refused by name, before anything starts.
+
+In this process (`kiln_main`): the refusal comes before Prefect starts; tests/integration/test_bad_input.py
+keeps the subprocess case of exit code 2.
+"""
 
 from __future__ import annotations
 
@@ -17,22 +21,22 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_export_refuses_what_kiln_does_not_compute(name, kiln, tmp_path):
+def test_export_refuses_what_kiln_does_not_compute(name, kiln_main, tmp_path):
     family, overrides, words = REFUSED[name]
     path = tmp_path / name
     hf_model(family, hf_config(family, overrides, "float32")).save_pretrained(path)
     store = tmp_path / "store"
-    run = kiln("export", "--model", str(path), "--tp", "2", "--store", f"file://{store}")
+    run = kiln_main("export", "--model", str(path), "--tp", "2", "--store", f"file://{store}")
     assert run.code == 2, run.err[-2000:]
     assert words in run.err and "config.json" in run.err and "Traceback" not in run.err
     assert not store.exists() or not any(store.rglob("*.json")), "nothing may be written for bad input"
 
 
-def test_an_unknown_family_is_refused(kiln, tmp_path):
+def test_an_unknown_family_is_refused(kiln_main, tmp_path):
     path = tmp_path / "gemma"
     hf_model("llama", hf_config("llama", {}, "float32")).save_pretrained(path)
     cfg = json.loads((path / "config.json").read_text())
     cfg.update(model_type="gemma", architectures=["GemmaForCausalLM"])
     (path / "config.json").write_text(json.dumps(cfg))
-    run = kiln("plan", "--model", str(path), "--tp", "2")
+    run = kiln_main("plan", "--model", str(path), "--tp", "2")
     assert run.code == 2 and "model_type='gemma' is not supported" in run.err, run.err[-2000:]

@@ -70,12 +70,12 @@ def test_kiln_packages_inspect_as_python_free_with_native_collectives(tp2_export
         assert f["python_free"] is True and f["ops"] == list(calls.ops)
 
 
-def test_the_outcome_check_inspects_a_package_that_has_no_record(tp2_export):
+def test_the_outcome_check_inspects_a_package_that_has_no_record(tp2_export, tp2_store_copy):
     """A host that died between uploading a package and its record: the outcome check inspects the bytes."""
     from kiln.core.layout import inspection_key
     from tasks import hostwork
 
-    store = LocalStore(Path(tp2_export["store"].removeprefix("file://")))
+    store = LocalStore(tp2_store_copy["root"])
     keys = sorted(f["key"] for f in tp2_export["cold_report"]["forwards"])
     before = {k: store.get_json(inspection_key(k)) for k in keys}
     store.delete(inspection_key(keys[0]))

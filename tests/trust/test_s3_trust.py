@@ -51,8 +51,10 @@ def world(kiln, kiln_env, prefect_server, s3_server, tmp_path_factory):
             "store": store, "run": run, "report": json.loads((d / "r.json").read_text())}
 
 
-def verify(kiln, w, *args, env=None, export_id=None):
-    return kiln("verify", "--store", w["store"], export_id or w["report"]["export_id"], *args,
+def verify(run_kiln, w, *args, env=None, export_id=None):
+    """`kiln verify` of the world's export: `run_kiln` is `kiln_main` (in this process) for a refusal that comes
+    before any rank runs, the `kiln` fixture (a subprocess) for a run that gets as far as the ranks."""
+    return run_kiln("verify", "--store", w["store"], export_id or w["report"]["export_id"], *args,
                 env={**w["env"], **(env or {})})
 
 
@@ -95,8 +97,8 @@ def test_verify_with_the_public_key_passes(kiln, world):
     assert "verify ok: 2 ranks match" in v.out
 
 
-def test_verify_without_any_key_is_bad_input(kiln, world):
-    v = verify(kiln, world)
+def test_verify_without_any_key_is_bad_input(kiln_main, world):
+    v = verify(kiln_main, world)
     assert v.code == 2 and "--verify-key" in v.err and "Traceback" not in v.err
 
 
@@ -110,33 +112,33 @@ def test_verify_key_block_with_another_key_is_refused(kiln, world):
     refused(verify(kiln, world, "--verify-key-block", other), "not a trusted verify key")
 
 
-def test_a_corrupted_artifact_in_s3_is_named_and_never_loaded(kiln, world):
+def test_a_corrupted_artifact_in_s3_is_named_and_never_loaded(kiln_main, world):
     f = world["report"]["forwards"][0]
     good, meta = get_raw(world, f["object"])
     bad = bytearray(good)
     bad[len(bad) // 3] ^= 0x01
     try:
         put_raw(world, f["object"], bytes(bad))  # the recorded sha256 stays: only the bytes changed
-        v = verify(kiln, world, "--verify-key", str(world["pub"]))
+        v = verify(kiln_main, world, "--verify-key", str(world["pub"]))
     finally:
         put_raw(world, f["object"], good, meta)
     refused(v, f["object"], "corrupt or was replaced")
     assert "sha256 ok" not in v.out
 
 
-def test_a_replaced_artifact_with_a_consistent_store_digest_is_still_refused(kiln, world):
+def test_a_replaced_artifact_with_a_consistent_store_digest_is_still_refused(kiln_main, world):
     f = world["report"]["forwards"][0]
     good, meta = get_raw(world, f["object"])
     evil = good[::-1]
     try:
         put_raw(world, f["object"], evil, {"sha256": hashlib.sha256(evil).hexdigest()})
-        v = verify(kiln, world, "--verify-key", str(world["pub"]))
+        v = verify(kiln_main, world, "--verify-key", str(world["pub"]))
     finally:
         put_raw(world, f["object"], good, meta)
     refused(v, f["object"], f["sha256"])  # the signed manifest's digest wins over the store's
 
 
-def test_a_manifest_changed_in_the_store_fails_its_signature(kiln, world):
+def test_a_manifest_changed_in_the_store_fails_its_signature(kiln_main, world):
     r = world["report"]
     good, meta = get_raw(world, r["manifest"])
     m = json.loads(good)
@@ -144,13 +146,13 @@ def test_a_manifest_changed_in_the_store_fails_its_signature(kiln, world):
     body = json.dumps(m).encode()
     try:
         put_raw(world, r["manifest"], body, {"sha256": hashlib.sha256(body).hexdigest()})
-        v = verify(kiln, world, "--verify-key", str(world["pub"]))
+        v = verify(kiln_main, world, "--verify-key", str(world["pub"]))
     finally:
         put_raw(world, r["manifest"], good, meta)
     refused(v, "changed after it was signed")
 
 
-def test_a_forgery_signed_by_another_key_is_refused(kiln, world):
+def test_a_forgery_signed_by_another_key_is_refused(kiln_main, world):
     r = world["report"]
     attacker = signing.generate()
     good_m, meta_m = get_raw(world, r["manifest"])
@@ -161,44 +163,44 @@ def test_a_forgery_signed_by_another_key_is_refused(kiln, world):
     try:
         put_raw(world, r["manifest"], body, {"sha256": hashlib.sha256(body).hexdigest()})
         put_raw(world, r["signing"]["signature"], sig, {"sha256": hashlib.sha256(sig).hexdigest()})
-        v = verify(kiln, world, "--verify-key", str(world["pub"]))
+        v = verify(kiln_main, world, "--verify-key", str(world["pub"]))
     finally:
         put_raw(world, r["manifest"], good_m, meta_m)
         put_raw(world, r["signing"]["signature"], good_s, meta_s)
     refused(v, signing.fingerprint(attacker.public_key()), "not a trusted verify key")
 
 
-def test_a_missing_signature_is_refused(kiln, world):
+def test_a_missing_signature_is_refused(kiln_main, world):
     r = world["report"]
     good, meta = get_raw(world, r["signing"]["signature"])
     try:
         world["s3"].delete_object(Bucket=world["bucket"], Key=obj(world, r["signing"]["signature"]))
-        v = verify(kiln, world, "--verify-key", str(world["pub"]))
-        v_allow = verify(kiln, world, "--verify-key", str(world["pub"]), "--allow-unsigned")
+        v = verify(kiln_main, world, "--verify-key", str(world["pub"]))
+        v_allow = verify(kiln_main, world, "--verify-key", str(world["pub"]), "--allow-unsigned")
     finally:
         put_raw(world, r["signing"]["signature"], good, meta)
     refused(v, "is not signed")
     refused(v_allow, "says it was signed but its signature is missing")
 
 
-def test_a_signed_manifest_copied_to_another_export_is_refused(kiln, world):
+def test_a_signed_manifest_copied_to_another_export_is_refused(kiln_main, world):
     r = world["report"]
     other = f"copy-{uuid.uuid4().hex[:6]}"
     for name in ("manifest.json", "manifest.sig"):
         body, meta = get_raw(world, f"exports/{r['export_id']}/{name}")
         put_raw(world, f"exports/{other}/{name}", body, meta)
-    refused(verify(kiln, world, "--verify-key", str(world["pub"]), export_id=other), "belongs to export")
+    refused(verify(kiln_main, world, "--verify-key", str(world["pub"]), export_id=other), "belongs to export")
 
 
-def test_an_s3_export_without_a_key_is_refused_before_any_work(kiln, world):
+def test_an_s3_export_without_a_key_is_refused_before_any_work(kiln_main, world):
     prefix = f"nokey-{uuid.uuid4().hex[:6]}"
-    run = kiln("export", "--tp", "2", "--buckets", "1x8", "--store", f"s3://{world['bucket']}/{prefix}",
+    run = kiln_main("export", "--tp", "2", "--buckets", "1x8", "--store", f"s3://{world['bucket']}/{prefix}",
                env=world["env"])
     assert run.code == 2 and "kiln keygen DIR" in run.err and "--unsigned" in run.err
     assert world["s3"].list_objects_v2(Bucket=world["bucket"], Prefix=prefix).get("KeyCount", 0) == 0
 
 
-def test_an_unsigned_export_says_so_and_verify_needs_allow_unsigned(kiln, world):
+def test_an_unsigned_export_says_so_and_verify_needs_allow_unsigned(kiln, kiln_main, world):
     report = world["dir"] / "unsigned.json"
     run = kiln("export", "--tp", "2", "--buckets", "1x8", "--store", world["store"], "--unsigned",
                "--report", str(report), env=world["env"])
@@ -207,7 +209,7 @@ def test_an_unsigned_export_says_so_and_verify_needs_allow_unsigned(kiln, world)
     assert r["signing"]["signed"] is False and r["signing"]["signature"] is None
     assert "signed: NO (--unsigned)" in run.out and r["counts"]["reused"] == 1  # nothing compiled again
     assert json.loads(get_raw(world, r["manifest"])[0])["signing"] == {"signed": False, "key_fingerprint": None}
-    refused(verify(kiln, world, export_id=r["export_id"]), "--allow-unsigned")
+    refused(verify(kiln_main, world, export_id=r["export_id"]), "--allow-unsigned")
     v = verify(kiln, world, "--allow-unsigned", export_id=r["export_id"])
     assert v.code == 0, v.err[-3000:]
     assert "unsigned export accepted because of --allow-unsigned" in v.out and "verify ok" in v.out
