@@ -295,6 +295,14 @@ def check_memory(job: ExportJob, num_forwards: int, available_mib: int, what: st
     return need
 
 
+def _mtime_iso(path) -> str:
+    """UTC time (seconds) of `path`'s last change, or now for None."""
+    import datetime as dt
+
+    when = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc) if path else dt.datetime.now(dt.timezone.utc)
+    return when.isoformat(timespec="seconds")
+
+
 def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[str, dict]:
     """Load each forward with each of this host's rank weights and compare with eager.
 
@@ -320,6 +328,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
             seen = record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json"
             if seen.exists():  # the measured figures are remembered; the limit is this export's
                 check = json.loads(seen.read_text())
+                check["remembered"] = check.pop("verified_at", None) or _mtime_iso(seen)
                 check["limit"] = limit_of(check.get("own"), atol=job.recipe.verify_atol,
                                           half_ratio=job.recipe.verify_half_ratio)
                 diffs[f"rank{rank}/{f['bucket']}"] = check
@@ -342,5 +351,6 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
             for f in fs:
                 check = found[f"rank{rank}/{f['bucket']}"]
                 if check["diff"] <= check["limit"]:
-                    (record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json").write_text(json.dumps(check))
+                    (record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json").write_text(
+                        json.dumps({**check, "verified_at": _mtime_iso(None)}))
     return {"checks": diffs, "memory": memory}
