@@ -151,7 +151,7 @@ def _closing_line(report: Report) -> None:
     """One line a reader copies from the log: which export, where its manifest is, how it is signed."""
     signature = report.signing.get("signature") or "unsigned"
     get_run_logger().info("export %s done: manifest %s; signature %s (key %s)", report.export_id,
-                          report._url(report.manifest) if report.manifest else "-", signature,
+                          report.store_url(report.manifest) if report.manifest else "-", signature,
                           report.signing.get("key_fingerprint") or "-")
 
 

@@ -15,6 +15,7 @@ class HideExpectedTracebacks(logging.Filter):
     def __init__(self):
         super().__init__()
         self.said: list[str] = []
+        self.in_tasks: list[str] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "_kiln_filtered", False):  # one record passes every handler's filter
@@ -25,10 +26,17 @@ class HideExpectedTracebacks(logging.Filter):
             record.exc_info = None
             record.exc_text = None
         args = record.args if isinstance(record.args, tuple) else ()
-        if isinstance(exc, KilnError) and record.name.startswith("prefect.task_runs"):
-            # A task's failure line names the error; the flow says it in full, once.
-            record.msg = record.getMessage().replace(repr(exc), f"{type(exc).__name__} (the flow run's log says why)")
-            record.args = ()
+        if record.name.startswith("prefect.task_runs"):
+            # A task's failure lines name the error; the flow's log says it in full, once.
+            if isinstance(exc, KilnError) and str(exc) not in self.in_tasks:
+                self.in_tasks.append(str(exc))
+            message = record.getMessage()
+            if isinstance(exc, KilnError):
+                message = message.replace(repr(exc), f"{type(exc).__name__} (the flow run's log says why)")
+            for text in self.in_tasks:
+                message = message.replace(repr(text), "(the flow run's log says why)").replace(
+                    text, "(the flow run's log says why)")
+            record.msg, record.args = message, ()
             return True
         errors = [a for a in (exc, *args) if isinstance(a, KilnError) and len(str(a)) > 40]
         message = record.getMessage()

@@ -33,7 +33,7 @@ _EXPORT_ID = Annotated[worded_text(_NAME, "an export name: letters, digits, '.',
 class HostMemory(BaseModel):
     """One host's assumed available memory."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", title="Host memory")
 
     host: str = Field(..., min_length=1, title="Host", description="The host's name (e.g. host-1).")
     mib: int = Field(..., ge=0, title="Available (MiB)", description="Memory to assume available, MiB.")

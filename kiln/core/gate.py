@@ -247,6 +247,7 @@ def check_kv(kv_pages_per_rank: int, *, need_pages: int, largest: str, batch: in
     raise GateRefused(
         f"export refused before compiling: the KV plan leaves {kv_pages_per_rank} pages per rank (limited by "
         f"{limiting}) but bucket {largest} needs {need_pages} ({batch} sequences x {pages_per_seq} pages of "
-        f"{page_tokens} tokens for max_context_tokens {context_tokens}). To fix: fewer compile workers on that "
-        "host (--set max_compile_workers=N; the plan reserves their memory), smaller buckets (a smaller largest "
-        "batch), a shorter --set max_context_tokens, or more memory on that host.")
+        f"{page_tokens} tokens for a context of {context_tokens}). To fix: fewer compile workers on that host "
+        f"({where_to_set('max_compile_workers', 'N')}; the plan reserves their memory), smaller buckets (a smaller "
+        f"largest batch), a shorter context ({where_to_set('max_context_tokens', 'N')}), or more memory on that "
+        "host.")

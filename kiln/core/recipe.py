@@ -230,7 +230,8 @@ def recipe_form():
     `recipe` field and the `Kiln Recipe` block are made of it."""
     global _FORM
     if _FORM is None:
-        _FORM = form_model(SETTINGS, "RecipeSettings", "Recipe settings: every choice of an export, with its default.")
+        _FORM = form_model(SETTINGS, "RecipeSettings", "Recipe settings: every choice of an export, with its default.",
+                           title="Recipe")
     return _FORM
 
 

@@ -178,7 +178,7 @@ class Report:
                 out.append(f"| {name} | {m['phase']} | {avail} | {m['device_free_mib'] or '-'} |")
         for label, key in (("Memory ledger picture", self.ledger_picture), ("Manifest", self.manifest)):
             if key:
-                text, url = links.get(key, (self._url(key), None))
+                text, url = links.get(key, (self.store_url(key), None))
                 out += ["", f"{label}: [{text}]({url})" if url else f"{label}: `{text}`"]
         if self.manifest and self.signing.get("note"):
             out += ["", f"Signing: {self.signing['note']}"]
@@ -186,5 +186,6 @@ class Report:
             out += ["", "Signing: nothing was signed: the export stopped before writing its manifest."]
         return "\n".join(out)
 
-    def _url(self, key: str) -> str:
+    def store_url(self, key: str) -> str:
+        """Where `key` lives in the store, as its URL (file://... or s3://...)."""
         return f"{self.store.rstrip('/')}/{key}"

@@ -264,7 +264,7 @@ def form_description(s: Setting, titles: dict[str, str]) -> str:
     return text + (f" ({'; '.join(extra)})" if extra else "")
 
 
-def form_model(settings: tuple[Setting, ...], name: str, doc: str):
+def form_model(settings: tuple[Setting, ...], name: str, doc: str, title: str | None = None):
     """A pydantic model with one typed field per setting: default, bounds, enum, title and description.
 
     Its fields hold what a form or a block can hold, never null (a form renders
@@ -296,7 +296,7 @@ def form_model(settings: tuple[Setting, ...], name: str, doc: str):
             typ = Annotated[typ, Field(**bounds)]
         fields[s.name] = (typ, Field(form_value(s, s.default), title=s.title,
                                      description=form_description(s, titles)))
-    return create_model(name, __doc__=doc, __config__=ConfigDict(extra="forbid"), **fields)
+    return create_model(name, __doc__=doc, __config__=ConfigDict(extra="forbid", title=title), **fields)
 
 
 def form_value(s: Setting, value):
