@@ -102,7 +102,7 @@ def publish(report: Report, job: ExportJob, *, max_tries: int, picture: bytes | 
         if report.manifest:
             text, url = links[report.manifest]
             where = f"[{text}]({url})" if url else f"`{text}`"
-            body = (run_page.manifest_markdown(report.manifest_doc, f"Stored at {where}.{expiry}")
+            body = (run_page.manifest_markdown(report.manifest_doc, f"Stored at {where}{expiry}")
                     if report.manifest_doc else f"# Manifest\n\n{where}{expiry}\n")
             _put("manifest", report, body, f"The export's manifest ({tries})")
     except Exception as exc:  # artifacts are a convenience; never fail an export over them

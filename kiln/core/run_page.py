@@ -115,4 +115,7 @@ def _args(args) -> str:
 
 
 def _entry(entry) -> str:
-    return json.dumps(entry, separators=(", ", ": ")).replace("|", "\\|") if not isinstance(entry, str) else entry
+    """One weight's layout entry as `key value; ...` (values as JSON)."""
+    if not isinstance(entry, dict):
+        return str(entry)
+    return "; ".join(f"{k} {v if isinstance(v, str) else json.dumps(v)}" for k, v in entry.items()).replace("|", "\\|")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import shutil
 import time
 import uuid
@@ -92,6 +93,18 @@ def _prop(page, label: str):
     return page.locator(".p-label").filter(has=page.get_by_text(label, exact=True)).last
 
 
+def _open_artifact(page, card: str, wait_text: str, shot: Path, height: int = 1000) -> None:
+    """From a run's Artifacts tab: open the artifact whose card says `card`, wait for `wait_text`, take
+    `shot` at `height` px, and come back to the tab."""
+    page.get_by_text(card).first.click()
+    page.get_by_text(wait_text).first.wait_for()
+    page.set_viewport_size({"width": 1400, "height": height})
+    page.screenshot(path=shot)
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    page.go_back()
+    page.get_by_text("Artifacts", exact=True).click()
+
+
 def _labels(page) -> list[str]:
     return [t.strip() for t in page.locator(".p-label__label, .p-label legend, label").all_inner_texts() if t.strip()]
 
@@ -102,8 +115,10 @@ def _summary(api, run_id: str) -> tuple[str, dict, dict]:
     arts = {a["key"]: a for a in listed}
     assert len(listed) == len(arts)  # one artifact of each kind
     [summary] = [a for a in listed if a["key"].endswith("-summary")]
-    export_id = summary["key"].removesuffix("-summary")
-    return export_id, {k.removeprefix(f"{export_id}-"): a for k, a in arts.items()}, summary
+    prefix = summary["key"].removesuffix("summary")  # the export id, lower case (Prefect's key rules)
+    export_id = re.search(r"^# Kiln export `([^`]+)`", summary["data"], re.M)[1]
+    assert prefix == f"{export_id.lower()}-"
+    return export_id, {k.removeprefix(prefix): a for k, a in arts.items()}, summary
 
 
 def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefect_server, ops_env, tmp_path,
@@ -164,22 +179,11 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
         page.get_by_text("Kiln export summary").wait_for()
         page.set_viewport_size({"width": 1400, "height": 1400})  # every artifact card in view
         page.screenshot(path=shots / "flow-run-artifacts.png")
-        page.get_by_text("Kiln export summary").click()
-        page.get_by_text("Memory ledger (MiB)").wait_for()
-        page.get_by_text("Settings changed from the defaults").wait_for()
-        page.set_viewport_size({"width": 1400, "height": 2400})  # the whole summary, links included
-        page.screenshot(path=shots / "summary.png")
         page.set_viewport_size({"width": 1400, "height": 1000})
-        page.go_back()
-        page.get_by_text("Artifacts", exact=True).click()
-        page.get_by_text("Memory ledger, drawn").click()
-        page.get_by_role("img", name="memory ledger").wait_for()
-        page.screenshot(path=shots / "memory-ledger.png", full_page=True)
-        page.go_back()
-        page.get_by_text("Artifacts", exact=True).click()
-        page.get_by_text("The export's manifest").click()
-        page.get_by_text("Forwards and their interface").wait_for()
-        page.screenshot(path=shots / "manifest.png", full_page=True)
+        # The whole summary, links included.
+        _open_artifact(page, "Kiln export summary", "Settings changed from the defaults", shots / "summary.png", 2400)
+        _open_artifact(page, "Memory ledger, drawn", "Every host's memory at every phase", shots / "memory-ledger.png")
+        _open_artifact(page, "The export's manifest", "Forwards and their interface", shots / "manifest.png", 1600)
 
     export_id, arts, summary = _summary(api, run["id"])
     assert sorted(arts) == sorted(("summary", "forwards", "memory", "manifest", "progress"))
@@ -232,10 +236,8 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
     with _browser_page() as page:
         page.goto(f"{prefect_server.url}/runs/flow-run/{rerun['id']}", wait_until="networkidle")
         page.get_by_text("Artifacts", exact=True).click()
-        page.get_by_text("Kiln export summary").click()
-        page.get_by_text("remembered from a verification").first.wait_for()
-        page.set_viewport_size({"width": 1400, "height": 2000})
-        page.screenshot(path=shots / "rerun-summary.png")
+        _open_artifact(page, "Kiln export summary", "remembered from a verification", shots / "rerun-summary.png",
+                       2000)
 
     _keep(shots, keep_dir, "ui-run")
 
@@ -279,14 +281,7 @@ def test_a_refused_run_says_why_on_its_page(serve, prefect_server, tmp_path, kee
         page.get_by_text("Artifacts", exact=True).click()
         page.get_by_text("Kiln export summary").wait_for()
         page.screenshot(path=shots / "refused-run-artifacts.png", full_page=True)
-        page.get_by_text("Kiln export summary").click()
-        page.get_by_text("Memory per compile worker").wait_for()
-        page.set_viewport_size({"width": 1400, "height": 1800})
-        page.screenshot(path=shots / "refused-summary.png")
-        page.set_viewport_size({"width": 1400, "height": 1000})
-        page.go_back()
-        page.get_by_text("Artifacts", exact=True).click()
-        page.get_by_text("Memory ledger, drawn").click()
-        page.get_by_role("img", name="memory ledger").wait_for()
-        page.screenshot(path=shots / "refused-memory-ledger.png", full_page=True)
+        _open_artifact(page, "Kiln export summary", "Memory per compile worker", shots / "refused-summary.png", 1800)
+        _open_artifact(page, "Memory ledger, drawn", "Every host's memory at every phase",
+                       shots / "refused-memory-ledger.png")
     _keep(shots, keep_dir, "ui-refused")
