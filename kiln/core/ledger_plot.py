@@ -90,6 +90,6 @@ def markdown(png: bytes, where: str | None, url: str | None = None) -> str:
     if where is None:
         where = " Not stored: the export stopped before writing anything."
     else:
-        where = f" Stored at [{where}]({url})." if url else f" Stored at `{where}`."
+        where = f" Stored at [{where}]({url})" if url else f" Stored at `{where}`"
     return (f"# Memory ledger\n\nEvery host's memory at every phase boundary (MiB).{where}\n\n"
             f"![memory ledger](data:image/png;base64,{data})\n")

@@ -231,7 +231,7 @@ def recipe_form():
     global _FORM
     if _FORM is None:
         _FORM = form_model(SETTINGS, "RecipeSettings", "Recipe settings: every choice of an export, with its default.",
-                           title="Recipe")
+                           title="Recipe settings")
     return _FORM
 
 
