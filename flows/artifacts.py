@@ -2,7 +2,7 @@
 
 Purpose: the flow run's Artifacts tab shows one summary, one forwards table,
 one memory picture and one manifest address, whatever the number of tries;
-each description names the try it shows ("try 2 of 3").
+each description names the try it shows ("try 2 of 3", or "final, try 1" when none follows).
 
 Contracts: keys are `<export id>-<kind>` (lower case, Prefect's key rules); a
 try finds the artifact its flow run already made under a key and updates it
@@ -27,15 +27,13 @@ from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 from prefect.context import FlowRunContext
 
-from kiln.core import ledger_plot
+from kiln.core import ledger_plot, run_page
 from kiln.core.job import ExportJob
 from kiln.core.report import Report
 from tasks.hostwork import store_of
 
 KINDS = ("summary", "forwards", "memory", "manifest")
 LINK_EXPIRY_S = 7 * 86400
-FORWARD_COLUMNS = ("bucket", "compiled_by", "compile_s", "size_bytes", "key", "sha256")
-"""The forwards table: what a reader looks for first, the hashes last."""
 
 
 def artifact_key(export_id: str, kind: str) -> str:
@@ -80,18 +78,23 @@ def _put(kind: str, report: Report, data, description: str) -> None:
         create_markdown_artifact(data, key=key, description=description)
 
 
-def publish(report: Report, job: ExportJob, *, max_tries: int, picture: bytes | None = None) -> None:
-    """The run's artifacts for `report` (this try of `job`), with links into its store."""
+def publish(report: Report, job: ExportJob, *, max_tries: int, picture: bytes | None = None, final: bool = False,
+            changed: dict[str, str] | None = None) -> None:
+    """The run's artifacts for `report` (this try of `job`), with links into its store.
+
+    `final`: no try follows this one (it completed, or its failure is not retried): the descriptions
+    say "final" instead of "try N of M". `changed`: the settings that differ from the defaults.
+    """
     try:
         store = store_of(job)
         links = {k: store.link(k, LINK_EXPIRY_S) for k in (report.ledger_picture, report.manifest) if k}
         expiry = (f" Links are presigned URLs, valid {LINK_EXPIRY_S // 86400} days."
                   if any(url for _, url in links.values()) else "")
-        tries = f"try {report.attempt} of {max_tries}"
-        _put("summary", report, report.markdown(links) + (f"\n\n{expiry.strip()}" if expiry else ""),
+        tries = f"final, try {report.attempt}" if final else f"try {report.attempt} of {max_tries}"
+        _put("summary", report, report.markdown(links, changed) + (f"\n\n{expiry.strip()}" if expiry else ""),
              f"Kiln export summary ({tries})")
         if report.forwards:
-            _put("forwards", report, [{k: f[k] for k in FORWARD_COLUMNS} for f in report.forwards],
+            _put("forwards", report, run_page.forward_rows(report.forwards),
                  f"Forwards ({tries})")
         if picture:
             text, url = links.get(report.ledger_picture, (None, None))
@@ -99,6 +102,8 @@ def publish(report: Report, job: ExportJob, *, max_tries: int, picture: bytes | 
         if report.manifest:
             text, url = links[report.manifest]
             where = f"[{text}]({url})" if url else f"`{text}`"
-            _put("manifest", report, f"# Manifest\n\n{where}{expiry}\n", f"The export's manifest ({tries})")
+            body = (run_page.manifest_markdown(report.manifest_doc, f"Stored at {where}{expiry}")
+                    if report.manifest_doc else f"# Manifest\n\n{where}{expiry}\n")
+            _put("manifest", report, body, f"The export's manifest ({tries})")
     except Exception as exc:  # artifacts are a convenience; never fail an export over them
         get_run_logger().warning("could not publish Prefect artifacts: %s", exc)

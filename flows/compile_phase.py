@@ -36,6 +36,7 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
     by_name = {h.name: h for h in hosts}
     to_compile = sorted(k for hp in plan.hosts.values() for k in hp.compile)
     progress = _Progress(job, store, to_compile)
+    progress.assign({n: hp.compile for n, hp in plan.hosts.items() if hp.compile})
     lost: set[str] = set()
     memory: dict[str, dict] = {}
     reported: dict[str, str] = {}  # key -> sha256, as the compiling host's task returned it
@@ -62,6 +63,7 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
         phases.break_leases(job, missing, lost)  # their holders are gone: nobody else must wait out the TTL
         assignment = decisions.replan_after_loss(job, reports, lost, missing,
                                                  {k: specs[k]["target"] for k in missing}, replans_done=round_)
+        progress.assign({n: keys for n, (keys, _) in assignment.items()})
     progress.show(final=True)
     # Keys without a record were compiled by another export that held their lease: reused.
     records = phases.compile_records(job, to_compile)
@@ -81,21 +83,34 @@ def _watch(running: dict, runner: HostRunner, progress: "_Progress") -> set[str]
 
 
 class _Progress:
-    """The live line and the Prefect progress artifact: forwards done over every host."""
+    """The live line and the Prefect progress artifact: forwards done over every host, and per host
+    (in the artifact's description)."""
 
     def __init__(self, job: ExportJob, store, keys: list[str]):
         self.store, self.keys, self.shown = store, set(keys), -1
+        self.by_host: dict[str, set[str]] = {}
         self.artifact = artifacts.progress(job.export_id, f"Forwards compiled over all hosts for {job.export_id}") \
             if keys else None
+
+    def assign(self, assignment: dict[str, list[str]]) -> None:
+        """Which host compiles which keys (after a host is lost, its keys move to the others)."""
+        for keys in self.by_host.values():
+            keys.difference_update(k for ks in assignment.values() for k in ks)
+        for name, keys in assignment.items():
+            self.by_host.setdefault(name, set()).update(keys)
 
     def show(self, final: bool = False) -> None:
         if not self.keys:
             return
         try:  # a reading for the progress line, not a phase: a failed listing waits for the next one
-            done = len(self.keys & layout.forward_keys_in(self.store.list(layout.FORWARDS)))
+            stored = layout.forward_keys_in(self.store.list(layout.FORWARDS))
         except Exception:
             return
+        done = len(self.keys & stored)
         if done != self.shown:
             self.shown = done
-            print(f"Compile forwards: {done}/{len(self.keys)} (all hosts)", file=sys.stderr, flush=True)
-            update_progress_artifact(self.artifact, 100.0 * done / len(self.keys))
+            per_host = ", ".join(f"{n} {len(ks & stored)}/{len(ks)}" for n, ks in sorted(self.by_host.items()) if ks)
+            print(f"Compile forwards: {done}/{len(self.keys)} (all hosts; {per_host})", file=sys.stderr, flush=True)
+            update_progress_artifact(self.artifact, 100.0 * done / len(self.keys),
+                                     description=f"Forwards compiled: {done}/{len(self.keys)} over all hosts; "
+                                                 f"per host {per_host}")

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Annotated
 
 from prefect import flow, get_run_logger
+from pydantic import Field
 from prefect.context import FlowRunContext
 
 from flows import artifacts, model_lease, outcome_events, retry
@@ -23,7 +24,8 @@ from flows.hosts import HostRunner
 from flows.logs import hide_expected_tracebacks
 from flows.params import ExportParams, default_host_names, prepare
 from kiln.core import decisions, ledger_plot, outcome, tuning_plan
-from kiln.core.errors import KilnError
+from kiln.core.errors import GateRefused, KilnError
+from kiln.core.retry_rule import worth_retrying
 from kiln.core.gate import Plan
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.manifest import export_manifest
@@ -88,7 +90,9 @@ def _flow_signature() -> inspect.Signature:
     default, so the run form Prefect renders cannot drift from the CLI."""
     out = []
     for name, f in ExportParams.model_fields.items():
-        annotation = Annotated[(f.annotation, *f.metadata)] if f.metadata else f.annotation
+        # The form's label is the field's title (Prefect titles a parameter with its name unless the
+        # schema's extra says otherwise).
+        annotation = Annotated[(f.annotation, *f.metadata, Field(json_schema_extra={"title": f.title}))]
         out.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
                                      default=f.get_default(call_default_factory=True)))
     return inspect.Signature(out, return_annotation=dict)
@@ -119,19 +123,43 @@ def _export(params: ExportParams, recipe: Recipe, outcome: "outcome_events.Expor
         phase = Phases(report, hosts, runner)
         if outcome is not None:
             outcome.job, outcome.report = job, report
+        final = False
         try:
             _run(job, hosts, report, phase, runner)
             report.status = "completed"
+            final = True
         except BaseException as exc:
             report.status = "failed"
             report.error = str(exc) if isinstance(exc, KilnError) else f"{type(exc).__name__}: {exc}"
+            final = report.attempt > recipe.flow_retries or not (
+                isinstance(exc, Exception) and worth_retrying(exc, retry_refusals=recipe.retry_refusals))
             raise
         finally:
             picture = _store_ledger_picture(report, job)
             if params.report:
                 report.write(params.report)
-            artifacts.publish(report, job, max_tries=recipe.flow_retries + 1, picture=picture)
+            artifacts.publish(report, job, max_tries=recipe.flow_retries + 1, picture=picture, final=final,
+                              changed=_changed_settings(params, recipe))
+        _closing_line(report)
     return report.to_dict()
+
+
+def _changed_settings(params: ExportParams, recipe: Recipe) -> dict[str, str]:
+    """{form title: value} of every field and recipe setting of this try that differs from its default."""
+    from kiln.core.recipe import SETTING
+
+    out = {ExportParams.model_fields[k].title: v for k, v in params.model_dump(exclude_defaults=True).items()
+           if k not in ("recipe", "export_id")}
+    out.update({f"Recipe > {SETTING[k].title}": SETTING[k].show(v) for k, v in recipe.changed().items()})
+    return {k: str(v) for k, v in out.items()}
+
+
+def _closing_line(report: Report) -> None:
+    """One line a reader copies from the log: which export, where its manifest is, how it is signed."""
+    signature = report.signing.get("signature") or "unsigned"
+    get_run_logger().info("export %s done: manifest %s; signature %s (key %s)", report.export_id,
+                          report.store_url(report.manifest) if report.manifest else "-", signature,
+                          report.signing.get("key_fingerprint") or "-")
 
 
 def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, runner: HostRunner) -> None:
@@ -152,8 +180,10 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
     with phase("share-verify"):
         _share_verify(job, hosts, runner, report, probes)
     with phase("manifest"):
-        report.signing = phases.write_manifest(job, export_manifest(job, report))
+        manifest = export_manifest(job, report)
+        report.signing = phases.write_manifest(job, manifest)
         report.manifest = report.signing.pop("manifest")
+        report.manifest_doc = manifest
 
 
 def _on_hosts(runner: HostRunner, hosts: list[HostSpec], task, **parameters) -> list:
@@ -186,7 +216,12 @@ def _tune(job, hosts, runner, report, probes, info: dict) -> list[HostProbe]:
 
 def _gate(job, probes, report, phase) -> Plan:
     """The KV plan, then the gate on it (two phases of the report); raises the refusal."""
-    decision = phases.decide(job, probes)
+    try:
+        decision = phases.decide(job, probes)
+    except GateRefused as refusal:
+        decision = getattr(refusal, "decision", None)
+        if decision is None:
+            raise
     report.kv_plan = decision.kv_plan
     phase.record("kv-plan", "ok", decision.kv_plan_s)
     report.gate["policy"] = job.recipe.policy
@@ -194,6 +229,7 @@ def _gate(job, probes, report, phase) -> Plan:
         report.gate.update(decision="refused", message=str(decision.refusal))
         report.record_shortfall(decision.refusal.short_hosts)
         phase.record("gate", "failed", decision.gate_s)
+        get_run_logger().error("gate: %s", decision.refusal)  # the refusal, said once
         raise decision.refusal
     report.record_plan(decision.plan)
     phase.record("gate", "ok", decision.gate_s)

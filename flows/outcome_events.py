@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from prefect.events import emit_event
 
 from kiln.core import events
-from kiln.core.errors import GateRefused, KilnError, worth_retrying
+from kiln.core.errors import GateRefused, KilnError
+from kiln.core.retry_rule import worth_retrying
 
 
 @dataclass

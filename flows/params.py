@@ -21,13 +21,19 @@ from kiln.core.home import kiln_home
 from kiln.core.job import ExportJob, HostSpec, place_ranks
 from kiln.core.layout import manifest_key
 from kiln.core.recipe import SETTING, Recipe, recipe_form, recipe_of_form
+from kiln.core.settings import GROUPS, form_value, worded_text
 from kiln.host.cache import cache_root, cache_status, check_caches
 
-_NAME = r"^[A-Za-z0-9._-]+$"
+_NAME = r"^[A-Za-z0-9._-]*$"
+_BLOCK = worded_text(_NAME, "a block name: letters, digits, '.', '_' or '-'; or empty")
+_EXPORT_ID = Annotated[worded_text(_NAME, "an export name: letters, digits, '.', '_' or '-'; or empty"),
+                       Field(max_length=200)]
+
+
 class HostMemory(BaseModel):
     """One host's assumed available memory."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", title="Host memory")
 
     host: str = Field(..., min_length=1, title="Host", description="The host's name (e.g. host-1).")
     mib: int = Field(..., ge=0, title="Available (MiB)", description="Memory to assume available, MiB.")
@@ -41,46 +47,71 @@ RecipeSettings = recipe_form()
 # form's introduction): bounds and patterns reject bad values before a run is
 # created, since deployments enforce their parameter schema; `prepare` checks
 # the rest (checkpoint, tp against the heads, the store) before any work.
+# No field is nullable (the form would show a type switch): an empty text, 0
+# hosts or the 'checkpoint' dtype means "not given". Fields are in form order:
+# model and layout, store, then the recipe's own sections, then the rest.
 class ExportParams(BaseModel):
-    """What to export and how. Empty fields take the recipe's defaults."""
+    """What to export and how. Every field has its default; leave a field empty to use it."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field("tiny", min_length=1, title="Model",
-                       description="'tiny' (the bundled model), a Hugging Face-layout checkpoint directory, or s3://BUCKET/PREFIX holding one (read in place, at the S3 endpoint).")
-    tp: int = Field(2, ge=1, le=1024, title="Tensor-parallel degree",
-                    description="Tensor-parallel degree: ranks that share the model.")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, title="Dtype", description="Compile and run in this dtype (default: the checkpoint's config.json dtype).")
-    store: str | None = Field(None, title="Store", description="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store).")
-    s3_endpoint: str | None = Field(None, title="S3 endpoint", description="S3 endpoint URL (default: AWS_ENDPOINT_URL).")
+                       description="'tiny' (a small bundled test model), the directory of a Hugging Face "
+                                   "checkpoint on the hosts (config.json and safetensors files), or "
+                                   "s3://BUCKET/PREFIX holding one (read in place at the S3 endpoint).")
+    tp: int = Field(2, ge=1, le=1024, title="Tensor-parallel ranks",
+                    description="How many ranks share the model, each holding a slice of every layer.")
+    dtype: Literal["checkpoint", "float32", "bfloat16", "float16"] = Field(
+        "checkpoint", title="Number format",
+        description="The number format to compile and run in: 'checkpoint' keeps the one the checkpoint was "
+                    "saved in.")
+    hosts: int = Field(0, ge=0, le=64, title="Local test hosts",
+                       description="0: the export runs on this machine alone. A number: that many local worker "
+                                   "processes stand for hosts host-0, host-1, ... (for trying several hosts "
+                                   "on one machine).")
+    dask: str = Field("", title="Dask scheduler address",
+                      description="Empty: no cluster. An address (tcp://HOST:8786): the hosts are that Dask "
+                                  "scheduler's workers.")
+    store: str = Field("", title="Store",
+                       description="Where compiled forwards and the manifest are kept: file://DIR or "
+                                   "s3://BUCKET/PREFIX. Empty: the 'store' folder under the Kiln home.")
+    s3_endpoint: str = Field("", title="S3 endpoint",
+                             description="The S3 server's URL (e.g. http://127.0.0.1:9000). Empty: the "
+                                         "serving machine's AWS_ENDPOINT_URL, or AWS itself.")
     s3_checksum: Literal["when_required", "when_supported"] = Field(
-        "when_required", title="S3 checksum mode",
-        description="boto3 checksum mode; some S3-compatible servers reject 'when_supported'.")
-    store_block: Annotated[str, Field(pattern=_NAME)] | None = Field(
-        None, title="Store block", description="Name of a 'Kiln Store' block (replaces store, S3 endpoint and checksum mode).")
-    recipe_block: Annotated[str, Field(pattern=_NAME)] | None = Field(
-        None, title="Recipe block", description="Name of a 'Kiln Recipe' block; recipe settings and fields here override it.")
-    hosts: int | None = Field(None, ge=1, le=64, title="Local hosts",
-                              description="Start a local Dask cluster of this many worker processes standing for hosts host-0..host-N-1.")
-    dask: str | None = Field(None, title="Dask scheduler",
-                             description="Address of a Dask scheduler whose workers are the hosts (each started with --resources kiln-host-NAME=1).")
+        "when_required", title="S3 checksums",
+        description="When uploads send a checksum; some S3-compatible servers refuse 'when_supported'.")
+    store_block: _BLOCK = Field(
+        "", title="Store block",
+        description="Name of a saved 'Kiln Store' block; it replaces Store, S3 endpoint and S3 checksums. "
+                    "Empty: no block.")
     sign: bool = Field(True, title="Sign the manifest",
-                       description="Sign the manifest (Ed25519). False only on purpose: `kiln verify` then needs --allow-unsigned.")
-    signing_key_block: Annotated[str, Field(pattern=_NAME)] | None = Field(
-        None, title="Signing key block",
-        description="Name of a Prefect Secret block holding the Ed25519 signing key (default: KILN_SIGNING_KEY, or the local development key for a local store).")
+                       description="Sign the manifest so that consumers can check who made it. Off only on "
+                                   "purpose: checking it then needs an explicit 'allow unsigned'.")
+    signing_key_block: _BLOCK = Field(
+        "", title="Signing key block",
+        description="Name of a Prefect Secret block holding the signing key. Empty: the serving machine's "
+                    "KILN_SIGNING_KEY, or the local development key for a local store.")
     recipe: RecipeSettings = Field(
-        default_factory=RecipeSettings, title="Recipe settings",
-        description="Every recipe setting with its default (docs/recipe.md). With a recipe block, the settings "
-                    "changed here from their defaults override the block's.")
+        default_factory=RecipeSettings, title="Recipe",
+        description="Every choice of the export, with its default, in sections: "
+                    + ", ".join(GROUPS.values()).lower() + ". With a recipe block, the settings changed here "
+                    "override the block's.")
+    recipe_block: _BLOCK = Field(
+        "", title="Recipe block",
+        description="Name of a saved 'Kiln Recipe' block to start from; the Recipe settings changed here "
+                    "override it. Empty: no block.")
     assume_available: list[HostMemory] = Field(
-        default_factory=list, title="Assume available",
-        description="Per host, the available memory (MiB) the gate assumes instead of the host's reading.")
-    export_id: Annotated[str, Field(pattern=_NAME, max_length=200)] | None = Field(
-        None, title="Export id", description="Name of the export (default: model, tp and time).")
-    report: str | None = Field(None, title="Report file",
-                               description="Path of the JSON report to write, also on failure.")
+        default_factory=list, title="Assume available memory",
+        description="For a host, the available memory (MiB) to plan with instead of what the host reports "
+                    "(for trying what a smaller host would do).")
+    export_id: _EXPORT_ID = Field(
+        "", title="Export name",
+        description="The export's name in the store. Empty: the model, ranks and start time, e.g. "
+                    "tiny-tp2-20260101T120000-ab12.")
+    report: str = Field("", title="Report file",
+                        description="Path of a JSON report to write on the serving machine, also on "
+                                    "failure. Empty: none.")
 
     @field_validator("assume_available", mode="before")
     @classmethod
@@ -118,7 +149,8 @@ def model_name(params: ExportParams) -> str:
 def export_params(*, recipe: dict | None = None, **fields) -> ExportParams:
     """ExportParams from typed values (the CLI's): `recipe` {setting: value}, the rest ExportParams' fields.
     A value out of its bounds is BadInput naming the flag and what it takes."""
-    form = {k: SETTING[k].show(v) if SETTING[k].kind == "text" else v for k, v in (recipe or {}).items()}
+    form = {k: form_value(SETTING[k], v) for k, v in (recipe or {}).items()}
+    fields = {k: v for k, v in fields.items() if v is not None}  # not given: the field's default
     try:
         return ExportParams(recipe=form, **fields)
     except ValidationError as exc:
@@ -182,8 +214,8 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
         checkpoint = params.model.rstrip("/")  # read where it is: each host reads its ranks' slices
     else:
         checkpoint = str(Path(params.model).expanduser().resolve())
-    cfg = weights.inspect(checkpoint, s3_endpoint=params.s3_endpoint)
-    if params.dtype:
+    cfg = weights.inspect(checkpoint, s3_endpoint=params.s3_endpoint or None)
+    if params.dtype != "checkpoint":
         cfg = cfg.replace(dtype=params.dtype)
     cfg.check_tp(params.tp)
     names = host_names or []
@@ -199,7 +231,7 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
         from blocks.kiln_blocks import load_store_block
         store = load_store_block(params.store_block).open()
     else:
-        store = open_store(params.store or f"file://{home / 'store'}", s3_endpoint=params.s3_endpoint,
+        store = open_store(params.store or f"file://{home / 'store'}", s3_endpoint=params.s3_endpoint or None,
                            checksum_mode=params.s3_checksum)
     if check_store:
         store.check()
@@ -213,11 +245,11 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     plan = None
     if signing:
         from blocks.trust import plan_signing
-        plan, _ = plan_signing(sign=params.sign, block=params.signing_key_block, store=store, home=home)
+        plan, _ = plan_signing(sign=params.sign, block=params.signing_key_block or None, store=store, home=home)
     job = ExportJob(export_id=export_id, model_name=name, checkpoint=checkpoint,
-                    checkpoint_identity=weights.identity(checkpoint, s3_endpoint=params.s3_endpoint),
+                    checkpoint_identity=weights.identity(checkpoint, s3_endpoint=params.s3_endpoint or None),
                     config=cfg.to_dict(), tp=params.tp, recipe=recipe, store_url=store.url,
-                    s3_endpoint=params.s3_endpoint, checksum_mode=params.s3_checksum,
-                    store_block=params.store_block, assume_available=params.assumed(),
+                    s3_endpoint=params.s3_endpoint or None, checksum_mode=params.s3_checksum,
+                    store_block=params.store_block or None, assume_available=params.assumed(),
                     signing=plan)
     return job, hosts

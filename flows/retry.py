@@ -31,8 +31,8 @@ from prefect.context import FlowRunContext
 
 from flows.params import ExportParams, build_recipe, default_export_id
 from kiln.core.errors import GateRefused
+from kiln.core.recipe import Recipe, where_to_set
 from kiln.core.retry_rule import worth_retrying
-from kiln.core.recipe import Recipe
 
 
 def _set_policy(flow_run_id, *, retries: int, delay_s: float | None = None) -> None:
@@ -58,7 +58,7 @@ def resumable(params: ExportParams) -> Iterator[tuple[ExportParams, Recipe]]:
     try:
         recipe = build_recipe(params)
         _set_policy(run.id, retries=recipe.flow_retries, delay_s=recipe.flow_retry_delay_s)
-        if params.export_id is None:
+        if not params.export_id:
             when = run.expected_start_time or run.start_time or dt.datetime.now(dt.timezone.utc)
             params = params.model_copy(update={"export_id": default_export_id(params, when, run.id.hex[:4])})
         if run.run_count > 1:  # a warning: the console shows it by default (kiln export without --verbose)
@@ -68,7 +68,9 @@ def resumable(params: ExportParams) -> Iterator[tuple[ExportParams, Recipe]]:
     except Exception as exc:
         if not worth_retrying(exc, retry_refusals=recipe is not None and recipe.retry_refusals):
             _set_policy(run.id, retries=0)
-            why = ("is final (set retry_refusals=true to wait for memory)" if isinstance(exc, GateRefused)
-                   else "fails the same way every time")
-            log.error("not retried: %s %s (%s)", type(exc).__name__, why, exc)
+            if isinstance(exc, GateRefused):
+                log.error("not retried: a refusal is final (to wait for memory instead, %s)",
+                          where_to_set("retry_refusals", True))
+            else:
+                log.error("not retried: %s fails the same way every time (%s)", type(exc).__name__, exc)
         raise

@@ -254,6 +254,14 @@ def check_memory(job: ExportJob, num_forwards: int, available_mib: int, what: st
     return need
 
 
+def _mtime_iso(path) -> str:
+    """UTC time (seconds) of `path`'s last change, or now for None."""
+    import datetime as dt
+
+    when = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc) if path else dt.datetime.now(dt.timezone.utc)
+    return when.isoformat(timespec="seconds")
+
+
 def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[str, dict]:
     """Load each forward with each of this host's rank weights and compare with eager.
 
@@ -276,9 +284,11 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     todo: dict[int, list[dict]] = {}
     for rank in host.ranks:
         for f in forwards:
-            check = cache.read_record(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json")
+            seen = record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json"
+            check = cache.read_record(seen)
             # The measured figures are remembered (an unreadable record counts as none); the limit is this export's.
             if check is not None and isinstance(check.get("diff"), (int, float)):
+                check["remembered"] = check.pop("verified_at", None) or _mtime_iso(seen)
                 check["limit"] = limit_of(check.get("own"), atol=job.recipe.verify_atol,
                                           half_ratio=job.recipe.verify_half_ratio)
                 diffs[f"rank{rank}/{f['bucket']}"] = check
@@ -300,5 +310,6 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
             for f in fs:
                 check = found[f"rank{rank}/{f['bucket']}"]
                 if check["diff"] <= check["limit"]:
-                    cache.write_record(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json", check)
+                    cache.write_record(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json",
+                                       {**check, "verified_at": _mtime_iso(None)})
     return {"checks": diffs, "memory": memory}

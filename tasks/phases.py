@@ -54,8 +54,13 @@ def tune(job: ExportJob, target: str) -> dict:
 
 @task(name="kv-plan-gate", cache_policy=None)
 def decide(job: ExportJob, probes: list[HostProbe]) -> decisions.Decision:
-    """The KV plan and the gate's plan or refusal (kiln.core.decisions.decide_export)."""
-    return decisions.decide_export(job, probes)
+    """The KV plan and the gate's plan (kiln.core.decisions.decide_export); a refusal fails this task run
+    (the refusal carries the decision as `.decision`, for the report's KV plan and timings)."""
+    decision = decisions.decide_export(job, probes)
+    if decision.refusal is not None:
+        decision.refusal.decision = decision
+        raise decision.refusal
+    return decision
 
 
 @task(name="compile", cache_policy=None)
@@ -96,7 +101,8 @@ def write_manifest(job: ExportJob, manifest: dict) -> dict:
     return {**entry, "manifest": manifest_key(job.export_id)}
 
 
-# --- the flow's own store reads and writes: each a retried task --------------------------------------
+# --- the flow's own store reads and writes: a retried task where a lost read would cost the run; -----
+# --- plain calls for bookkeeping (records, the picture), which the flow reads or writes once. ----------
 
 
 @task(name="missing-forwards", **_IO)
@@ -112,12 +118,10 @@ def break_leases(job: ExportJob, keys: list[str], hosts: set[str]) -> int:
     return hostwork.break_leases(job, keys, hosts)
 
 
-@task(name="forward-records", **_IO)
 def compile_records(job: ExportJob, keys: list[str]) -> dict[str, dict]:
     """key -> this export's compile record (who compiled it, how long); keys another export compiled are absent."""
     return hostwork.compile_records(job, keys)
 
 
-@task(name="store-picture", **_IO)
 def store_picture(job: ExportJob, key: str, png: bytes) -> None:
     hostwork.store_of(job).put_bytes(key, png)

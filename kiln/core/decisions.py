@@ -28,7 +28,8 @@ def host_reports(job: ExportJob, probes: list[HostProbe]) -> list[HostReport]:
             available_mib=assumed if assumed is not None else p.host_available_mib,
             available_assumed=assumed is not None, unified=p.unified,
             device_free_mib=p.device_free_mib, local_keys=frozenset(p.local_keys),
-            measured_worker_mib=measured_worker_mib(job.recipe, list(p.worker_peaks_mib))))
+            measured_worker_mib=measured_worker_mib(job.recipe, list(p.worker_peaks_mib)),
+            measured_peak_mib=max(p.worker_peaks_mib) if p.worker_peaks_mib else None))
     return out
 
 

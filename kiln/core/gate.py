@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from kiln.core.errors import GateRefused
-from kiln.core.recipe import Recipe
+from kiln.core.recipe import Recipe, where_to_set
 from kiln.core.sizing import floor_admitting_one, required_mib, worker_capacity
 
 
@@ -36,6 +36,8 @@ class HostReport:
     """Measured seconds per forward on this host, when known."""
     measured_worker_mib: int | None = None
     """A compile worker's measured peak for this graph and target, margin included (None: not measured)."""
+    measured_peak_mib: int | None = None
+    """That measured peak itself, before the margin (None: not measured)."""
 
 
 @dataclass
@@ -56,10 +58,12 @@ class HostPlan:
     compile: list[str] = field(default_factory=list)
     download: list[str] = field(default_factory=list)
     predicted_s: float = 0.0
+    worker_words: str = ""
+    """worker_mib explained (gate.worker_words): the one figure the refusal, the summary and the picture show."""
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("name", "target", "available_mib", "required_one_mib", "worker_mib",
-                                               "worker_mib_source", "capacity", "workers", "compile", "download",
+                                               "worker_mib_source", "worker_words", "capacity", "workers", "compile", "download",
                                                "predicted_s")}
 
 
@@ -101,6 +105,7 @@ def decide(hosts: list[HostReport], recipe: Recipe, needed: dict[str, list[str]]
         required_one_mib=required_mib(recipe, 1, h.unified, h.measured_worker_mib),
         worker_mib=recipe.worker_host_source(h.measured_worker_mib)[0],
         worker_mib_source=recipe.worker_host_source(h.measured_worker_mib)[1],
+        worker_words=worker_words(recipe, h.measured_worker_mib, h.measured_peak_mib),
         capacity=worker_capacity(recipe, available_mib=h.available_mib, unified=h.unified, num_cpus=h.num_cpus,
                                  device_free_mib=h.device_free_mib, measured_host_mib=h.measured_worker_mib))
         for h in sorted(hosts, key=lambda h: h.name)}
@@ -124,7 +129,8 @@ def decide(hosts: list[HostReport], recipe: Recipe, needed: dict[str, list[str]]
             short.extend(h for h in hosts if h.target == target and h not in short)
     if short:
         figures = {h.name: {"available_mib": h.available_mib, "required_one_mib": plans[h.name].required_one_mib,
-                            "short_mib": max(0, plans[h.name].required_one_mib - h.available_mib)} for h in short}
+                            "short_mib": max(0, plans[h.name].required_one_mib - h.available_mib),
+                            "worker_words": plans[h.name].worker_words} for h in short}
         raise GateRefused(_refusal(short, plans, by_name, recipe, page_size_bytes, kv_pages_per_rank), figures)
 
     for target, missing in missing_by_target.items():
@@ -167,6 +173,22 @@ def _assign(keys: list[str], compilers: list[HostPlan], by_name: dict[str, HostR
         p.workers = len(used[p.name])
 
 
+def worker_words(recipe: Recipe, measured_worker_mib: int | None, measured_peak_mib: int | None) -> str:
+    """What one compile worker is counted at, and why: a set figure, a measured peak times the margin, or
+    the estimate before any measurement."""
+    mib, source = recipe.worker_host_source(measured_worker_mib)
+    if source == "measured" and measured_peak_mib:
+        why = f": its measured peak {measured_peak_mib} MiB x margin {recipe.worker_mib_margin:g}"
+    elif source == "measured":
+        why = f": measured peak x margin {recipe.worker_mib_margin:g}"
+    elif source == "recipe":
+        why = ", as set in the recipe"
+    else:
+        why = ", the estimate before anything was measured"
+    device = f", + {recipe.worker_device_mib} MiB device memory" if recipe.worker_device_mib else ""
+    return f"a worker counted at {mib} MiB{why}{device}"
+
+
 def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[str, HostReport],
              recipe: Recipe, page_size_bytes: int | None, kv_pages_per_rank: int | None) -> str:
     lines = []
@@ -174,7 +196,7 @@ def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[
         p = plans[h.name]
         assumed = " (assumed)" if h.available_assumed else ""
         gap = p.required_one_mib - h.available_mib
-        measured = f" (its worker peak measured {p.worker_mib} MiB)" if p.worker_mib_source == "measured" else ""
+        measured = f" (headroom {recipe.floor_mib()} MiB + {p.worker_words})"
         if gap > 0:
             lines.append(f"{h.name} has {h.available_mib} MiB available{assumed} but one compile worker "
                          f"needs {p.required_one_mib} MiB{measured}: {gap} MiB short")
@@ -187,12 +209,13 @@ def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[
     floors = [floor_admitting_one(recipe, available_mib=h.available_mib, unified=h.unified,
                                   measured_host_mib=h.measured_worker_mib) for h in short]
     if all(f is not None for f in floors) and any(plans[h.name].required_one_mib > h.available_mib for h in short):
-        fixes.append(f"--set headroom_floor_mib={min(floors)} would admit one worker on every short host")
+        fixes.append(f"{where_to_set('headroom_floor_mib', min(floors))}: that admits one worker on every "
+                     "short host")
     lenders = {p.name: p.capacity for p in plans.values() if p.capacity > 0
                and any(p.target == h.target for h in short)}
     if recipe.policy == "fail" and lenders:
         who = ", ".join(f"{n} ({c} worker{'s' if c > 1 else ''})" for n, c in sorted(lenders.items()))
-        fixes.append(f"--policy borrow lets them lend their forwards to {who}")
+        fixes.append(f"{where_to_set('policy', 'borrow')}: they lend their forwards to {who}")
     frees = []
     for h in short:
         gap = plans[h.name].required_one_mib - h.available_mib
@@ -224,6 +247,7 @@ def check_kv(kv_pages_per_rank: int, *, need_pages: int, largest: str, batch: in
     raise GateRefused(
         f"export refused before compiling: the KV plan leaves {kv_pages_per_rank} pages per rank (limited by "
         f"{limiting}) but bucket {largest} needs {need_pages} ({batch} sequences x {pages_per_seq} pages of "
-        f"{page_tokens} tokens for max_context_tokens {context_tokens}). To fix: fewer compile workers on that "
-        "host (--set max_compile_workers=N; the plan reserves their memory), smaller buckets (a smaller largest "
-        "batch), a shorter --set max_context_tokens, or more memory on that host.")
+        f"{page_tokens} tokens for a context of {context_tokens}). To fix: fewer compile workers on that host "
+        f"({where_to_set('max_compile_workers', 'N')}; the plan reserves their memory), smaller buckets (a smaller "
+        f"largest batch), a shorter context ({where_to_set('max_context_tokens', 'N')}), or more memory on that "
+        "host.")

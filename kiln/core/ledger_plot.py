@@ -52,7 +52,8 @@ def draw(hosts: list[dict], *, title: str = "memory ledger") -> bytes:
                     marker="x", label="assumed available")
         if host.get("required_one_mib"):
             ax.axhline(host["required_one_mib"], color="tab:red", linestyle=":", linewidth=1.2,
-                       label=f"needed for one compile worker ({host['required_one_mib']})")
+                       label=f"one compile worker needs {host['required_one_mib']} MiB with the headroom"
+                             + (f"\n({host['worker_words']})" if host.get("worker_words") else ""))
         if host.get("short_mib") and rows and avail[-1] is not None:  # a refusal: the gap itself
             ax.annotate("", xy=(x[-1], host["required_one_mib"]), xytext=(x[-1], avail[-1]),
                         arrowprops={"arrowstyle": "<->", "color": "tab:red"})
@@ -61,7 +62,8 @@ def draw(hosts: list[dict], *, title: str = "memory ledger") -> bytes:
         peak = (host.get("compile_memory") or {}).get("peak_tree_mib")
         for xi, row in zip(x, rows):
             if row["phase"] == "compile (lowest)" and row.get("host_available_mib") is not None:
-                label = "lowest while compiling" + (f" (compile processes peaked at {peak} MiB)" if peak else "")
+                label = "lowest while compiling" + (
+                    f"\n(compile processes, all workers and compilers: peak {peak} MiB)" if peak else "")
                 ax.plot([xi], [row["host_available_mib"]], marker="v", color="tab:orange", markersize=9,
                         linestyle="none", label=label)
         for xi, value in zip(x, avail):
@@ -88,6 +90,6 @@ def markdown(png: bytes, where: str | None, url: str | None = None) -> str:
     if where is None:
         where = " Not stored: the export stopped before writing anything."
     else:
-        where = f" Stored at [{where}]({url})." if url else f" Stored at `{where}`."
+        where = f" Stored at [{where}]({url})" if url else f" Stored at `{where}`"
     return (f"# Memory ledger\n\nEvery host's memory at every phase boundary (MiB).{where}\n\n"
             f"![memory ledger](data:image/png;base64,{data})\n")

@@ -65,76 +65,89 @@ class Recipe:
     buckets: tuple[Bucket, ...] = setting(
         DEFAULT_BUCKETS, "Shape classes to compile, one forward each: BATCHxTOKENS (sequences x new tokens).",
         parse=lambda text: parse_buckets(text), show=lambda buckets: ",".join(map(str, buckets)),
-        pattern=BUCKET_PATTERN, example="1x16,4x64")
+        pattern=BUCKET_PATTERN, example="1x16,4x64", title="Buckets", group="layout")
     policy: Policy = setting(
         "borrow", "What the gate does when a host can run no compile worker: lend its forwards to a host that "
-        "can (borrow) or refuse the export (fail).", compiling_only=True)
+        "can (borrow) or refuse the export (fail).", compiling_only=True,
+        title="When a host cannot compile", group="memory")
     tuning: TuningMode = setting(
         "cached", "Kernel tuning: off; cached measures only the GEMM shapes the store lacks; full measures all "
-        "again and replaces them. CPU forwards have nothing to tune.")
+        "again and replaces them. CPU forwards have nothing to tune.", title="Kernel tuning", group="compile")
     headroom_floor_mib: int = setting(
-        2048, "Memory a host keeps free whatever else runs (the incident's fixed 8 GiB floor).", unit="MiB", gt=0)
+        2048, "Memory a host keeps free whatever else runs; compile workers start only above it.", unit="MiB", gt=0,
+        title="Headroom floor (MiB)", group="memory")
     recipe_headroom_mib: int = setting(
         1024, "Memory the recipe's own preparation needs; the larger of this and headroom_floor_mib applies.",
-        unit="MiB", gt=0)
+        unit="MiB", gt=0, title="Preparation headroom (MiB)", group="memory")
     worker_host_mib: int | None = setting(
         None, "Host memory one compile worker takes at its peak, its compiler children included. A number "
         "always wins.", unit="MiB", gt=0,
         null="the peak measured for this graph and target (kept in the store) times worker_mib_margin, or "
-             "worker_host_estimate_mib before anything was measured", compiling_only=True)
+             "worker_host_estimate_mib before anything was measured", compiling_only=True,
+        title="Memory per compile worker (MiB)", group="memory")
     worker_host_estimate_mib: int = setting(
         1024, "The per-worker figure used before any compile of this graph on this target was measured.",
-        unit="MiB", gt=0, compiling_only=True)
+        unit="MiB", gt=0, compiling_only=True, title="Memory per compile worker before measuring (MiB)",
+        group="memory")
     worker_mib_margin: float = setting(
         1.15, "Factor over the largest measured worker peak (the next forwards may be a little larger).", ge=1,
-        compiling_only=True)
+        compiling_only=True, title="Margin over the measured worker peak", group="memory")
     max_compile_workers: int = setting(
-        0, "Most compile workers a host starts (0: as many as memory and CPUs allow).", ge=0, compiling_only=True)
+        0, "Most compile workers a host starts (0: as many as memory and CPUs allow).", ge=0, compiling_only=True,
+        title="Most compile workers per host", group="compile")
     process_base_mib: int = setting(
         512, "Memory of a process that has imported torch and loaded compiled forwards, before any weights "
-        "(used to predict the checks' memory).", unit="MiB", gt=0)
+        "(used to predict the checks' memory).", unit="MiB", gt=0, title="Memory of a bare process (MiB)",
+        group="checks")
     worker_device_mib: int = setting(
         0, "Device memory one compile worker takes (its CUDA context); about 2048 on GPU hosts, 0 on CPU-only "
-        "hosts.", unit="MiB", ge=0, compiling_only=True)
+        "hosts.", unit="MiB", ge=0, compiling_only=True, title="Device memory per compile worker (MiB)",
+        group="memory")
     activation_reserve_mib: int = setting(
-        256, "Memory each rank keeps for activations when serving; not given to the KV cache.", unit="MiB", ge=0)
+        256, "Memory each rank keeps for activations when serving; not given to the KV cache.", unit="MiB", ge=0,
+        title="Activation reserve per rank (MiB)", group="layout")
     unified_memory: bool | None = setting(
-        None, "Whether device memory is the host's own pool (GB10, CPU-only hosts).", null="as probed on each host")
-    page_tokens: int = setting(16, "Tokens per KV-cache page.", unit="tokens", gt=0)
+        None, "Whether device memory is the host's own pool (GB10, CPU-only hosts).", null="as probed on each host",
+        title="Unified memory", group="memory")
+    page_tokens: int = setting(16, "Tokens per KV-cache page.", unit="tokens", gt=0, title="Tokens per KV page",
+                              group="layout")
     max_context_tokens: int = setting(
         256, "Longest context a sequence can attend to; pages per sequence = this / page_tokens.", unit="tokens",
-        gt=0)
+        gt=0, title="Longest context (tokens)", group="layout")
     kv_max_pages: int = setting(4096, "Upper bound on KV pages per rank, whatever the memory would allow.",
-                                unit="pages", gt=0)
+                                unit="pages", gt=0, title="Most KV pages per rank", group="layout")
     compile_s_estimate: float = setting(
         30.0, "Predicted seconds to compile one forward when nothing was measured yet.", unit="s", gt=0,
-        compiling_only=True)
+        compiling_only=True, title="Compile time estimate per forward (s)", group="compile")
     max_compile_attempts: int = setting(2, "Times one forward is tried when its compile worker dies.", gt=0,
-                                        compiling_only=True)
+                                        compiling_only=True, title="Tries per forward", group="compile")
     verify_atol: float = setting(
         1e-3, "Largest difference allowed between a compiled forward and eager, as max |compiled - eager| / "
-        "max(1, max |eager|) (absolute for outputs up to 1, relative above).", gt=0)
+        "max(1, max |eager|) (absolute for outputs up to 1, relative above).", gt=0,
+        title="Largest difference from eager", group="checks")
     verify_half_ratio: float = setting(
         2.0, "bfloat16 / float16 forwards: compared with eager in float32 on the same weights, they may be off "
-        "by this many times eager's own error in their dtype (and always by verify_atol).", gt=0)
+        "by this many times eager's own error in their dtype (and always by verify_atol).", gt=0,
+        title="Half-precision error ratio", group="checks")
     lease_ttl_s: float = setting(
         900.0, "Seconds a compile lease protects a key from other exports without a renewal (its holder "
         "renews it every third of that while the key compiles); a lease past expiry, or whose process on "
         "this host died, is taken over.",
-        unit="s", gt=0, compiling_only=True)
+        unit="s", gt=0, compiling_only=True, title="Compile lease lifetime (s)", group="compile")
     flow_retries: int = setting(
         2, "Times a failed export is tried again, with a fresh probe; only failures that can heal are "
         "retried (docs/operations.md), never bad input, gate refusals (unless retry_refusals), integrity "
-        "or verification failures or bugs.", ge=0, le=10)
+        "or verification failures or bugs.", ge=0, le=10, title="Retries of a failed export", group="advanced")
     flow_retry_delay_s: float = setting(30.0, "Seconds between a failed try of the export and the next one.",
-                                        unit="s", ge=0, le=86400)
+                                        unit="s", ge=0, le=86400, title="Delay between retries (s)",
+                                        group="advanced")
     retry_refusals: bool = setting(
         False, "Whether a gate refusal counts as a failure that flow_retries try again, flow_retry_delay_s "
         "apart, with a fresh probe each time: for a deployment that waits for memory to be freed. Off: a refusal "
-        "is final, and kiln export refuses before starting Prefect.")
+        "is final.", title="Retry refusals", group="advanced")
     artifact_mib_estimate: int = setting(
         16, "Disk one compiled forward takes in a host's cache; a host needs this times the forwards it lacks "
-        "free.", unit="MiB", ge=0)
+        "free.", unit="MiB", ge=0, title="Disk per forward (MiB)", group="store")
 
     def __post_init__(self) -> None:
         for s in SETTINGS:
@@ -204,6 +217,13 @@ def recipe_from_text(items: list[str] | tuple[str, ...], base: Recipe | None = N
     return (base or Recipe()).replace(**parse_assignments(SETTINGS, items))
 
 
+def where_to_set(name: str, value) -> str:
+    """How a reader sets recipe setting `name` to `value`: the run form's field and the CLI flag."""
+    s = SETTING[name]
+    shown = s.show(value)
+    return f"set Recipe > '{s.title}' to {shown} in the run form (CLI: --set {name}={shown})"
+
+
 _FORM = None
 
 
@@ -212,7 +232,8 @@ def recipe_form():
     `recipe` field and the `Kiln Recipe` block are made of it."""
     global _FORM
     if _FORM is None:
-        _FORM = form_model(SETTINGS, "RecipeSettings", "Recipe settings: every choice of an export, with its default.")
+        _FORM = form_model(SETTINGS, "RecipeSettings", "Recipe settings: every choice of an export, with its default.",
+                           title="Recipe settings")
     return _FORM
 
 

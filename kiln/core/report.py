@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from kiln.core import run_page
+
 
 class Report:
     """Accumulates what an export did; `to_dict` is the `--report` JSON."""
@@ -29,6 +31,8 @@ class Report:
         self.kv_plan: dict | None = None
         self.verify: dict = {}
         self.manifest: str | None = None
+        self.manifest_doc: dict | None = None
+        """The manifest written (its contents, for the run's page; not part of the JSON report)."""
         self.ledger_picture: str | None = None
         """Store key of the memory ledger drawn as a PNG (kiln.core.ledger_plot)."""
         self.signing: dict = {"signed": None}
@@ -87,7 +91,7 @@ class Report:
         for p in self.phases:
             lines.append(f"  {p['name']:<14} {p['status']:<8} {p['duration_s']:8.1f} s")
         c = self.counts
-        lines.append(f"  forwards {c['forwards']}: compiled {c['compiled']}, reused {c['reused']}; "
+        lines.append(f"  {run_page.forward_counts(self.forwards) if self.forwards else 'forwards 0'}; "
                      f"tuning measured {c['tuning_measured']}")
         if self.manifest:
             lines.append(f"  manifest {self.manifest}")
@@ -106,6 +110,7 @@ class Report:
                          predicted_s=plan.predicted_s, hosts={n: h.to_dict() for n, h in plan.hosts.items()})
         for name, hp in plan.hosts.items():
             self.host(name, workers=hp.workers).update(worker_mib=hp.worker_mib, worker_mib_source=hp.worker_mib_source,
+                                                       worker_words=hp.worker_words,
                                                        required_one_mib=hp.required_one_mib)
 
     def record_compile(self, during: dict[str, dict], lost: set[str], assumed: dict[str, int]) -> None:
@@ -128,13 +133,16 @@ class Report:
         """Each short host's figures from a refusal (GateRefused.short_hosts): what one compile worker
         needed and by how much the host fell short; the ledger picture draws them."""
         for name, figures in short_hosts.items():
-            self.host(name).update(required_one_mib=figures["required_one_mib"], short_mib=figures["short_mib"])
+            self.host(name).update(required_one_mib=figures["required_one_mib"], short_mib=figures["short_mib"],
+                                   worker_words=figures.get("worker_words"))
 
-    def markdown(self, links: dict[str, tuple[str, str | None]] | None = None) -> str:
-        """The Prefect artifact: phases, gate decision and every host's memory at every boundary.
+    def markdown(self, links: dict[str, tuple[str, str | None]] | None = None,
+                 changed: dict[str, str] | None = None) -> str:
+        """The Prefect artifact: phases, gate decision, forwards by origin, checks, memory per compile
+        worker, every host's memory at every boundary and the settings that differ from the defaults.
 
         `links`: store key -> (text, URL a browser opens, or None) for the picture and the manifest;
-        without a URL the text is shown as a path, never as a dead link.
+        without a URL the text is shown as a path, never as a dead link. `changed`: form title -> value.
         """
         links = links or {}
         out = [f"# Kiln export `{self.export_id}`: {self.status}", ""]
@@ -146,8 +154,21 @@ class Report:
         out += [f"| {p['name']} | {p['status']} | {p['duration_s']:.1f}"
                 f"{f' (the gate estimated {estimate:.0f})' if p['name'] == 'compile' and estimate else ''} |"
                 for p in self.phases]
-        out += ["", f"**Gate:** {self.gate.get('decision')} (policy {self.gate.get('policy')}): "
-                f"{self.gate.get('message')}", "", "## Memory ledger (MiB)", "",
+        gate = self.gate.get("message")
+        gate = "see the error above" if gate and gate == self.error else gate  # the refusal, once
+        out += ["", f"**Gate:** {self.gate.get('decision')} (policy {self.gate.get('policy')}): {gate}"]
+        if self.forwards:
+            out += ["", f"**Forwards:** {run_page.forward_counts(self.forwards)}; kernel tuning measured "
+                    f"{self.counts['tuning_measured']}"]
+        if self.verify:
+            out += ["", "**Checks** (each rank's compiled forwards against eager on the same weights):", ""]
+            out += run_page.checks_lines(self.verify)
+        workers = run_page.worker_lines(self.hosts)
+        if workers:
+            out += ["", "**Memory per compile worker:**", ""] + workers
+        if changed is not None:
+            out += ["", "**Settings changed from the defaults:**", ""] + run_page.changed_lines(changed)
+        out += ["", "## Memory ledger (MiB)", "",
                 "| host | phase | host available | device free |", "|---|---|---|---|"]
         for name in sorted(self.hosts):
             for m in self.hosts[name]["memory"]:
@@ -157,7 +178,7 @@ class Report:
                 out.append(f"| {name} | {m['phase']} | {avail} | {m['device_free_mib'] or '-'} |")
         for label, key in (("Memory ledger picture", self.ledger_picture), ("Manifest", self.manifest)):
             if key:
-                text, url = links.get(key, (self._url(key), None))
+                text, url = links.get(key, (self.store_url(key), None))
                 out += ["", f"{label}: [{text}]({url})" if url else f"{label}: `{text}`"]
         if self.manifest and self.signing.get("note"):
             out += ["", f"Signing: {self.signing['note']}"]
@@ -165,5 +186,6 @@ class Report:
             out += ["", "Signing: nothing was signed: the export stopped before writing its manifest."]
         return "\n".join(out)
 
-    def _url(self, key: str) -> str:
+    def store_url(self, key: str) -> str:
+        """Where `key` lives in the store, as its URL (file://... or s3://...)."""
         return f"{self.store.rstrip('/')}/{key}"

@@ -23,21 +23,29 @@ from types import NoneType, UnionType
 
 from kiln.core.errors import BadInput
 
+GROUPS: dict[str, str] = {"layout": "Model and layout", "store": "Store", "memory": "Memory and gate",
+                          "compile": "Compile", "checks": "Checks", "advanced": "Advanced"}
+"""The run form's sections, in order: key -> heading."""
+
 
 def setting(default, doc: str, *, unit: str | None = None, ge: float | None = None, gt: float | None = None,
             le: float | None = None, null: str | None = None, parse: Callable[[str], object] | None = None,
             show: Callable[[object], str] | None = None, pattern: str | None = None, example: str | None = None,
-            compiling_only: bool = False):
+            compiling_only: bool = False, title: str | None = None, group: str = "advanced"):
     """Declare one setting: its default, what it means (`doc`), its unit and bounds.
 
     `null` says what None means, for a setting that may be left unset. A setting
     whose value is not a plain number, flag or choice gives `parse` (text to
     value), `show` (value to text) and the `pattern` its text must match, with an
     `example`. `compiling_only`: the setting matters only when something is compiled (an export
-    that finds every forward in the store warns that it had no effect).
+    that finds every forward in the store warns that it had no effect). `title` is the run form's label
+    (default: derived from the name); `group` the form section it is listed in (one of GROUPS).
     """
+    if group not in GROUPS:
+        raise TypeError(f"setting group {group!r} is not one of {', '.join(GROUPS)}")
     meta = {"doc": " ".join(doc.split()), "unit": unit, "ge": ge, "gt": gt, "le": le, "null": null,
-            "parse": parse, "show": show, "pattern": pattern, "example": example, "compiling_only": compiling_only}
+            "parse": parse, "show": show, "pattern": pattern, "example": example, "compiling_only": compiling_only,
+            "title": title, "group": group}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -61,6 +69,8 @@ class Setting:
     pattern: str | None = None
     example: str | None = None
     compiling_only: bool = False
+    title: str = ""
+    group: str = "advanced"
 
     @property
     def flag(self) -> str:
@@ -191,7 +201,8 @@ def settings_of(cls) -> tuple[Setting, ...]:
         out.append(Setting(name=f.name, kind=kind, default=f.default, doc=m["doc"], nullable=nullable,
                            choices=choices, unit=m["unit"], ge=m["ge"], gt=m["gt"], le=m["le"], null=m["null"],
                            parser=m["parse"], shower=m["show"], pattern=m["pattern"], example=m["example"],
-                           compiling_only=m["compiling_only"]))
+                           compiling_only=m["compiling_only"], title=m.get("title") or _title(f.name),
+                           group=m.get("group", "advanced")))
     return tuple(out)
 
 
@@ -208,56 +219,120 @@ def parse_assignments(settings: tuple[Setting, ...], items: list[str] | tuple[st
     return out
 
 
-def form_model(settings: tuple[Setting, ...], name: str, doc: str):
+AUTO = "auto"
+"""A nullable choice or flag's form value for 'unset' (the CLI's `auto` too)."""
+
+
+def worded_text(pattern: str, expected: str):
+    """A pydantic text type that must match `pattern`, answered in words.
+
+    The JSON schema says it as `if pattern / else const expected`, so a form's
+    validation (Prefect's, jsonschema) answers "'<expected>' was expected"
+    instead of showing the raw regex; pydantic's error names `expected` too.
+    """
+    import re
+    from typing import Annotated
+
+    from pydantic import AfterValidator, Field
+
+    compiled = re.compile(pattern)
+
+    def check(value: str) -> str:
+        if not compiled.search(value):
+            raise ValueError(f"{value!r}: {expected}")
+        return value
+
+    return Annotated[str, AfterValidator(check),
+                     Field(json_schema_extra={"if": {"pattern": pattern}, "else": {"const": expected}})]
+
+
+def form_description(s: Setting, titles: dict[str, str]) -> str:
+    """What the form says under a setting: its doc, other settings named by their form titles, then its
+    unit, bounds and what 'auto' (or 0) means, in words."""
+    import re
+
+    text = re.sub(r"\b(" + "|".join(map(re.escape, titles)) + r")\b", lambda m: f"'{titles[m[1]]}'", s.doc)
+    extra = []
+    if s.bounds() and not (s.nullable and s.kind in ("int", "float")):
+        extra.append("must be " + s.bounds().replace(">=", "at least").replace("<=", "at most")
+                     .replace(">", "more than"))
+    if s.null:
+        empty = {"int": "0", "float": "0", "text": "empty"}.get(s.kind, AUTO)
+        extra.append(f"{empty}: {s.null}")
+    if s.example:
+        extra.append(f"e.g. {s.example}")
+    return text + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def form_model(settings: tuple[Setting, ...], name: str, doc: str, title: str | None = None):
     """A pydantic model with one typed field per setting: default, bounds, enum, title and description.
 
-    Its fields hold what a form or a block can hold: text settings (buckets) as
-    their text, checked against the setting's pattern. `from_form(values)`
-    turns a dump of it back into typed recipe values.
+    Its fields hold what a form or a block can hold, never null (a form renders
+    `X | None` as a type switch): text settings (buckets) as their text, checked
+    in words; a nullable number as 0 for unset, a nullable flag or choice with an
+    'auto' choice. Fields are listed by group (GROUPS), then declaration order;
+    `from_form(values)` turns a dump of it back into typed recipe values.
     """
-    from typing import Annotated, Literal, Optional
+    from typing import Annotated, Literal
 
     from pydantic import ConfigDict, Field, create_model
 
+    titles = {s.name: s.title for s in settings}
+    order = list(GROUPS)
     fields = {}
-    for s in settings:
+    for s in sorted(settings, key=lambda s: order.index(s.group)):
         if s.kind == "choice":
-            typ = Literal[s.choices]
+            typ = Literal[((AUTO,) if s.nullable else ()) + s.choices]
+        elif s.kind == "bool" and s.nullable:
+            typ = Literal[AUTO, "yes", "no"]
         elif s.kind == "text":
-            typ = Annotated[str, Field(pattern=s.pattern)] if s.pattern else str
+            typ = worded_text(s.pattern, f"write {s.title.lower()} like {s.example}") if s.pattern else str
         else:
             typ = {"int": int, "float": float, "bool": bool}[s.kind]
         bounds = {k: getattr(s, k) for k in ("ge", "gt", "le") if getattr(s, k) is not None}
+        if s.nullable and s.kind in ("int", "float"):
+            bounds = {"ge": 0, **({"le": s.le} if s.le is not None else {})}  # 0 stands for unset
         if bounds:
             typ = Annotated[typ, Field(**bounds)]
-        default = None if s.default is None else (s.show(s.default) if s.kind == "text" else s.default)
-        if s.nullable:
-            typ = Optional[typ]
-        fields[s.name] = (typ, Field(default, title=_title(s.name), description=s.describe(),
-                                     json_schema_extra={"example": s.example} if s.example else None))
-    return create_model(name, __doc__=doc, __config__=ConfigDict(extra="forbid"), **fields)
+        fields[s.name] = (typ, Field(form_value(s, s.default), title=s.title,
+                                     description=form_description(s, titles)))
+    return create_model(name, __doc__=doc, __config__=ConfigDict(extra="forbid", title=title), **fields)
+
+
+def form_value(s: Setting, value):
+    """A typed value as the form holds it (see form_model)."""
+    if value is None:
+        return {"int": 0, "float": 0.0, "text": ""}.get(s.kind, AUTO)
+    if s.kind == "text":
+        return s.show(value)
+    if s.kind == "bool" and s.nullable:
+        return "yes" if value else "no"
+    return value
 
 
 def _title(name: str) -> str:
-    """`headroom_floor_mib` -> 'Headroom floor (MiB)': the form's label."""
+    """`headroom_floor_mib` -> 'Headroom floor (MiB)': the form's label unless the setting gives one."""
     words = name.split("_")
     unit = {"mib": "MiB", "s": "s"}.get(words[-1]) if len(words) > 1 else None
     if unit:
         words.pop()
-    words = ["MiB" if w == "mib" else w for w in words]
+    words = ["MiB" if w == "mib" else w.upper() if w in ("kv", "s3", "tp") else w for w in words]
     words[0] = words[0][:1].upper() + words[0][1:]
     return " ".join(words) + (f" ({unit})" if unit else "")
 
 
-
-
 def from_form(settings: tuple[Setting, ...], values: dict) -> dict:
-    """{name: typed value} from a form model's dump (text settings parsed)."""
+    """{name: typed value} from a form model's dump (text settings parsed, the form's unset values None)."""
     by_name = {s.name: s for s in settings}
     out = {}
     for name, value in values.items():
         s = by_name[name]
-        out[name] = s.parse(value) if s.kind == "text" and value is not None else value
+        if s.nullable and value in (AUTO, "", None) or (s.nullable and s.kind in ("int", "float") and value == 0):
+            out[name] = None
+        elif s.kind == "bool" and s.nullable:
+            out[name] = value in (True, "yes")
+        else:
+            out[name] = s.parse(value) if s.kind == "text" else value
     return out
 
 

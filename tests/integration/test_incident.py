@@ -48,7 +48,7 @@ def test_policy_fail_refuses_before_any_compilation(kiln, cluster_env, s3_bucket
     assert run.code == 3, run.err[-3000:]
     assert "host-1 has 12038 MiB available (assumed) but one compile worker needs 12288 MiB: 250 MiB short" in run.err
     assert "host-2 has 11939 MiB available (assumed) but one compile worker needs 12288 MiB: 349 MiB short" in run.err
-    assert "--policy borrow" in run.err and "headroom_floor_mib=7843" in run.err
+    assert "--set policy=borrow" in run.err and "--set headroom_floor_mib=7843" in run.err
     r = json.loads(report.read_text())
     assert r["gate"]["decision"] == "refused"
     assert [p["name"] for p in r["phases"]] == ["probe", "tune", "kv-plan", "gate"]

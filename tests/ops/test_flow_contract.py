@@ -28,11 +28,42 @@ def test_the_flow_parameters_are_top_level_fields_with_defaults():
     assert form["tp"]["default"] == 2 and form["tp"]["minimum"] == 1 and form["model"]["default"] == "tiny"
     assert all(form[name].get("description") for name in form)
     recipe = schema["definitions"]["RecipeSettings"]["properties"]
-    assert list(recipe) == [s.name for s in SETTINGS]  # every setting, typed, in declaration order
+    assert sorted(recipe) == sorted(s.name for s in SETTINGS)  # every setting, typed (listed by section)
     assert recipe["policy"]["enum"] == ["borrow", "fail"] and recipe["policy"]["default"] == "borrow"
     assert "settings" not in form  # no NAME=VALUE list
     pair = schema["definitions"]["HostMemory"]["properties"]
     assert form["assume_available"]["type"] == "array" and set(pair) == {"host", "mib"}
+
+
+def _schema_nodes(node, path="$"):
+    """Every (path, sub-schema) of a JSON schema."""
+    if isinstance(node, dict):
+        yield path, node
+        for k, v in node.items():
+            yield from _schema_nodes(v, f"{path}/{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _schema_nodes(v, f"{path}[{i}]")
+
+
+def test_the_run_form_has_no_type_switches_and_human_titles():
+    """What the Prefect UI renders as the run form: no `X | None` (a type switch), every label a title a
+    reader reads (no snake_case), optional fields with a typed default (dtype: the checkpoint's)."""
+    schema = export.parameters.model_dump()
+    nullable = [p for p, n in _schema_nodes(schema) for alt in n.get("anyOf", []) if alt.get("type") == "null"]
+    assert not nullable, nullable
+    assert not [p for p, n in _schema_nodes(schema) if n.get("type") == "null"]
+    props = [(p, n) for p, n in _schema_nodes(schema) if p.endswith("/properties")]
+    titles = {f"{p}/{name}": field.get("title") for p, n in props for name, field in n.items()}
+    assert all(titles.values()) and not {p: t for p, t in titles.items() if "_" in t}, titles
+    assert schema["properties"]["s3_endpoint"]["title"] == "S3 endpoint"
+    assert schema["properties"]["dtype"]["default"] == "checkpoint" and "float32" in schema["properties"]["dtype"]["enum"]
+    recipe = schema["definitions"]["RecipeSettings"]["properties"]
+    assert recipe["kv_max_pages"]["title"] == "Most KV pages per rank"
+    assert not [n for n, f in recipe.items() if "kiln " in f["description"] or "--" in f["description"]]
+    # In the form's order: model and layout first, then the store; the recipe's sections in GROUPS order.
+    assert list(schema["properties"])[:3] == ["model", "tp", "dtype"]
+    assert [schema["properties"][n]["position"] for n in schema["properties"]] == list(range(len(schema["properties"])))
 
 
 def test_the_served_flow_retries_twice_30_s_apart():

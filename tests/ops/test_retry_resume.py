@@ -115,14 +115,14 @@ def test_gate_refusal_is_final(failing_runs, prefect_server):
     assert "MiB short" in run["state"]["message"]
     api = prefect_server.api()
     logs = api.logs(run["id"])
-    assert "not retried: GateRefused is final" in logs
+    assert "not retried: a refusal is final" in logs
     assert not any(s["name"] == "AwaitingRetry" for s in api.states(run["id"]))
     # The run page explains itself: one log line per phase end, one artifact of each kind that applies.
     assert "phase probe: ok in" in logs and "phase gate: failed in" in logs
     arts = [a for a in api.artifacts(run["id"]) if a["type"]]  # (Prefect's own failed-state record has none)
     assert sorted(a["key"].rsplit("-", 1)[1] for a in arts) == ["memory", "summary"]  # nothing compiled or written
     [summary] = [a for a in arts if a["key"].endswith("-summary")]
-    assert summary["description"] == "Kiln export summary (try 1 of 3)"
+    assert summary["description"] == "Kiln export summary (final, try 1)"  # a refusal is final
     assert "MiB short" in summary["data"] and "nothing was signed" in summary["data"]
 
 
@@ -137,5 +137,5 @@ def test_gate_refusal_is_retried_with_a_fresh_probe_when_the_recipe_waits(failin
     # Two tries, one artifact of each kind: the second try updated the first's in place.
     arts = [a for a in api.artifacts(run["id"]) if a["type"]]
     assert sorted(a["key"].rsplit("-", 1)[1] for a in arts) == ["memory", "summary"]
-    assert all(a["description"].endswith("(try 2 of 2)") for a in arts), [a["description"] for a in arts]
+    assert all(a["description"].endswith("(final, try 2)") for a in arts), [a["description"] for a in arts]
     assert not list(Path(run["parameters"]["store"].removeprefix("file://")).rglob("*.pt2"))

@@ -2,15 +2,17 @@
 
 The UI test drives Debian's chromium (headless, no downloads) with Playwright:
 deployments list -> the deployment -> Run -> Custom run -> the parameter form
-(the recipe's defaults visible, a bad bucket first, which the form must refuse, then buckets 1x8) -> Submit.
-It reads the outcome back through the API and saves screenshots of the
-finished run under the test's tmp_path and .kiln/test-artifacts/.
+(human titles, no type switches, the recipe's defaults visible; a bad bucket first, which the form must
+refuse in words, then buckets 1x8) -> Submit. It reads the outcome back through the API (summary, forwards,
+manifest, progress, logs, task runs), runs the same export again (everything reused, checks remembered),
+and saves screenshots of the form and the runs under the test's tmp_path and .kiln/test-artifacts/.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import shutil
 import time
 import uuid
@@ -91,6 +93,34 @@ def _prop(page, label: str):
     return page.locator(".p-label").filter(has=page.get_by_text(label, exact=True)).last
 
 
+def _open_artifact(page, card: str, wait_text: str, shot: Path, height: int = 1000) -> None:
+    """From a run's Artifacts tab: open the artifact whose card says `card`, wait for `wait_text`, take
+    `shot` at `height` px, and come back to the tab."""
+    page.get_by_text(card).first.click()
+    page.get_by_text(wait_text).first.wait_for()
+    page.set_viewport_size({"width": 1400, "height": height})
+    page.screenshot(path=shot)
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    page.go_back()
+    page.get_by_text("Artifacts", exact=True).click()
+
+
+def _labels(page) -> list[str]:
+    return [t.strip() for t in page.locator(".p-label__label, .p-label legend, label").all_inner_texts() if t.strip()]
+
+
+def _summary(api, run_id: str) -> tuple[str, dict, dict]:
+    """(export id, {kind: artifact}, the summary artifact) of a finished run."""
+    listed = [a for a in api.artifacts(run_id) if a["type"]]  # Kiln's (Prefect's own records have no type)
+    arts = {a["key"]: a for a in listed}
+    assert len(listed) == len(arts)  # one artifact of each kind
+    [summary] = [a for a in listed if a["key"].endswith("-summary")]
+    prefix = summary["key"].removesuffix("summary")  # the export id, lower case (Prefect's key rules)
+    export_id = re.search(r"^# Kiln export `([^`]+)`", summary["data"], re.M)[1]
+    assert prefix == f"{export_id.lower()}-"
+    return export_id, {k.removeprefix(prefix): a for k, a in arts.items()}, summary
+
+
 def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefect_server, ops_env, tmp_path,
                                                                    keep_dir):
     served = serve()
@@ -108,20 +138,29 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
         page.wait_for_load_state("networkidle")
         _prop(page, "Run Name").locator("input").first.fill(run_name)
 
-        # The recipe's settings are typed fields with their defaults filled in (derived from kiln/core/recipe.py).
-        # ("Optional": each has a default, so an API caller may leave it out.)
+        # The form: human titles, no type switches, typed defaults (derived from flows/params.py and
+        # kiln/core/recipe.py). ("Optional": each has a default, so an API caller may leave it out.)
+        labels = _labels(page)
+        assert "S3 endpoint (Optional)" in labels and "Most KV pages per rank (Optional)" in labels, labels
+        assert not [t for t in labels if "_" in t], labels
+        assert not page.get_by_text("Property is type None").count()
+        dtype = _prop(page, "Number format (Optional)")  # a dropdown, shown, with the checkpoint's as default
+        assert dtype.locator(".p-select-button__value").first.inner_text().strip() == "checkpoint"
         buckets = _prop(page, "Buckets (Optional)")
         field = buckets.locator("textarea, input").first
         assert field.input_value() == "1x16,2x16,4x32,8x64"
-        policy = _prop(page, "Policy (Optional)")  # a dropdown with the default selected
+        policy = _prop(page, "When a host cannot compile (Optional)")
         assert policy.locator(".p-select-button__value").first.inner_text().strip() == "borrow"
         assert _prop(page, "Headroom floor (MiB) (Optional)").locator("input").first.input_value() == "2048"
+        assert _prop(page, "Memory per compile worker (MiB) (Optional)").locator("input").first.input_value() == "0"
         page.screenshot(path=shots / "run-form.png", full_page=True)
         field.fill("ax3")
         page.get_by_role("button", name="Submit", exact=True).click()
-        page.wait_for_timeout(3000)  # the form refuses it: still on the form, nothing is created
+        # The form refuses it in words: still on the form, nothing is created.
+        page.get_by_text("write buckets like 1x16,4x64", exact=False).first.wait_for(timeout=15_000)
         page.screenshot(path=shots / "run-form-refused.png", full_page=True)
         assert "/run" in page.url and not api.flow_runs(name={"any_": [run_name]})
+        assert not page.get_by_text("[1-9]").count()  # no raw regex shown
 
         field.fill("1x8")
         page.get_by_role("button", name="Submit", exact=True).click()
@@ -135,56 +174,77 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
 
         page.goto(f"{prefect_server.url}/runs/flow-run/{run['id']}", wait_until="networkidle")
         page.get_by_text("Completed", exact=True).first.wait_for()
+        page.screenshot(path=shots / "flow-run-logs.png", full_page=True)
         page.get_by_text("Artifacts", exact=True).click()
         page.get_by_text("Kiln export summary").wait_for()
         page.set_viewport_size({"width": 1400, "height": 1400})  # every artifact card in view
         page.screenshot(path=shots / "flow-run-artifacts.png")
-        page.get_by_text("Kiln export summary").click()
-        page.get_by_text("Memory ledger (MiB)").wait_for()
-        page.set_viewport_size({"width": 1400, "height": 2000})  # the whole summary, links included
-        page.screenshot(path=shots / "summary.png")
         page.set_viewport_size({"width": 1400, "height": 1000})
-        page.go_back()
-        page.get_by_text("Artifacts", exact=True).click()
-        page.get_by_text("Memory ledger, drawn").click()
-        page.get_by_role("img", name="memory ledger").wait_for()
-        page.screenshot(path=shots / "memory-ledger.png")
+        # The whole summary, links included.
+        _open_artifact(page, "Kiln export summary", "Settings changed from the defaults", shots / "summary.png", 2400)
+        _open_artifact(page, "Memory ledger, drawn", "Every host's memory at every phase", shots / "memory-ledger.png")
+        _open_artifact(page, "The export's manifest", "Forwards and their interface", shots / "manifest.png", 1600)
 
-    listed = [a for a in api.artifacts(run["id"]) if a["type"]]  # Kiln's (Prefect's own records have no type)
-    arts = {a["key"]: a for a in listed}
-    [summary] = [a for a in listed if a["key"].endswith("-summary")]
-    export_id = summary["key"].removesuffix("-summary")
-    # One artifact of each kind, keyed by the export; the summary says which try it shows.
-    assert sorted(arts) == sorted(f"{export_id}-{k}" for k in ("summary", "forwards", "memory", "manifest", "progress"))
-    assert len(listed) == len(arts)
-    assert summary["description"] == "Kiln export summary (try 1 of 3)"
+    export_id, arts, summary = _summary(api, run["id"])
+    assert sorted(arts) == sorted(("summary", "forwards", "memory", "manifest", "progress"))
+    assert summary["description"] == "Kiln export summary (final, try 1)"  # completed: no try follows
+    data = summary["data"]
     for phase in ("probe", "tune", "kv-plan", "gate", "compile", "outcome-check", "share-verify", "manifest"):
-        assert f"| {phase} |" in summary["data"]
-    assert "**Gate:** compile" in summary["data"] and "## Memory ledger (MiB)" in summary["data"]
+        assert f"| {phase} |" in data
+    assert "**Gate:** compile" in data and "## Memory ledger (MiB)" in data
     # A local store: paths shown as text, never file:// links a browser will not open.
-    assert "Memory ledger picture: `" in summary["data"] and "Manifest: `" in summary["data"]
-    assert "file://" not in summary["data"]
-    assert "(the gate estimated" in summary["data"]  # the compile phase beside the gate's estimate
-    forwards = json.loads(arts[f"{export_id}-forwards"]["data"])
-    assert [f["bucket"] for f in forwards] == ["1x8"] and forwards[0]["compiled_by"]
-    assert list(forwards[0]) == ["bucket", "compiled_by", "compile_s", "size_bytes", "key", "sha256"]
+    assert "Memory ledger picture: `" in data and "Manifest: `" in data and "file://" not in data
+    assert "(the gate estimated" in data  # the compile phase beside the gate's estimate
+    # The forwards by origin, the checks with their figures, one memory figure explained, the changes.
+    assert "**Forwards:** 1 forward: 1 compiled by " in data
+    assert "ranks 0, 1 against eager, 2 check(s) (2 checked now); largest difference " in data and "(limit " in data
+    assert "a worker counted at " in data and "with the headroom, one worker needs " in data
+    assert "- Recipe > Buckets: `1x8`" in data and "Headroom floor" not in data.split("Settings changed")[1]
+    forwards = json.loads(arts["forwards"]["data"])
+    assert list(forwards[0]) == ["bucket", "origin", "size_mib", "target", "key", "sha256"]
+    assert [f["bucket"] for f in forwards] == ["1x8"] and forwards[0]["origin"].startswith("compiled by ")
+    assert forwards[0]["size_mib"].endswith(" MiB") and len(forwards[0]["sha256"]) == 64
+    manifest = arts["manifest"]["data"]  # the manifest's contents, not only its path
+    assert "**Ranks:** 2" in manifest and "## Forwards and their interface" in manifest and "## Weights (" in manifest
+    assert forwards[0]["sha256"] in manifest and "tokens int64 [1, 8]" in manifest
+    progress = arts["progress"]
+    assert progress["data"] == 100.0 and progress["updated"] > progress["created"]  # it advanced
+    assert "per host " in progress["description"] and " 1/1" in progress["description"], progress["description"]
+    assert "data:image/png;base64," in arts["memory"]["data"]
     logs = api.logs(run["id"])
     for phase in ("probe", "tune", "kv-plan", "gate", "outcome-check", "share-verify", "manifest"):
         assert f"phase {phase}: " in logs, phase
     assert "phase compile: ok in " in logs and "s (the gate estimated " in logs
-    progress = arts[f"{export_id}-progress"]
-    assert progress["data"] == 100.0 and progress["updated"] > progress["created"]  # it advanced
-    assert "manifest.json" in arts[f"{export_id}-manifest"]["data"]
-    assert "data:image/png;base64," in arts[f"{export_id}-memory"]["data"]
+    assert f"export {export_id} done: manifest " in logs and "; signature " in logs  # one closing line
+    # Bookkeeping is no task run: only phases with work (or retries) are.
+    names = {t["name"].rsplit("-", 1)[0] for t in api.task_runs(run["id"])}
+    assert not names & {"forward-records", "store-picture"}, names
     store = Path(ops_env["KILN_HOME"]) / "store"
     [picture] = (store / "exports").glob("*/memory-*.png")
     assert picture.read_bytes()[:4] == b"\x89PNG"
+
+    # The same export again: everything is in the store and the checks are remembered; the page says so.
+    again = api.post(f"/deployments/{served.deployment['id']}/create_flow_run",
+                     {"parameters": {"recipe": {"buckets": "1x8"}}})
+    assert again.status_code == 201, again.text
+    rerun = api.wait_final(again.json()["id"], timeout_s=600)
+    assert rerun["state_type"] == "COMPLETED", rerun["state"]
+    _, arts2, summary2 = _summary(api, rerun["id"])
+    assert "**Forwards:** 1 forward: 1 reused from the store" in summary2["data"]
+    assert "(none checked now, 2 remembered from a verification on 20" in summary2["data"]
+    assert json.loads(arts2["forwards"]["data"])[0]["origin"] == "reused from the store"
+    with _browser_page() as page:
+        page.goto(f"{prefect_server.url}/runs/flow-run/{rerun['id']}", wait_until="networkidle")
+        page.get_by_text("Artifacts", exact=True).click()
+        _open_artifact(page, "Kiln export summary", "remembered from a verification", shots / "rerun-summary.png",
+                       2000)
 
     _keep(shots, keep_dir, "ui-run")
 
 
 def test_a_refused_run_says_why_on_its_page(serve, prefect_server, tmp_path, keep_dir):
-    """A run the gate refuses: its state message is the refusal, naming the short host, and its page shows it."""
+    """A run the gate refuses: its state message is the refusal, naming the short host, what one worker is
+    counted at and the fix in the form's and the CLI's words; said once in the logs and the summary."""
     import socket
 
     served = serve()
@@ -197,6 +257,20 @@ def test_a_refused_run_says_why_on_its_page(serve, prefect_server, tmp_path, kee
     host = socket.gethostname()
     assert run["state_type"] == "FAILED" and run["run_count"] == 1, run["state"]
     assert f"{host} has " in message and "MiB short" in message, message
+    assert "(headroom 10000000 MiB + a worker counted at " in message
+    assert "set Recipe > 'Headroom floor (MiB)' to " in message and "(CLI: --set headroom_floor_mib=" in message
+    logs = api.logs(run["id"])
+    assert logs.count("MiB short") == 1, logs  # the refusal, once
+    assert "not retried: a refusal is final" in logs
+    gate = [t for t in api.task_runs(run["id"]) if t["name"].startswith("kv-plan-gate")]
+    assert [t["state_type"] for t in gate] == ["FAILED"]  # the gate's task run is red
+    _, arts, summary = _summary(api, run["id"])
+    assert summary["description"] == "Kiln export summary (final, try 1)"
+    assert summary["data"].count("MiB short") == 1 and "**Gate:** refused (policy borrow): see the error above" in \
+        summary["data"]
+    worker = message.split("a worker counted at ")[1].split(")")[0]
+    assert f"a worker counted at {worker}" in summary["data"].split("**Memory per compile worker:**")[1]
+    assert "- Recipe > Headroom floor (MiB): `10000000`" in summary["data"]
     shots = tmp_path / "screenshots"
     shots.mkdir()
     with _browser_page() as page:
@@ -207,4 +281,7 @@ def test_a_refused_run_says_why_on_its_page(serve, prefect_server, tmp_path, kee
         page.get_by_text("Artifacts", exact=True).click()
         page.get_by_text("Kiln export summary").wait_for()
         page.screenshot(path=shots / "refused-run-artifacts.png", full_page=True)
+        _open_artifact(page, "Kiln export summary", "Memory per compile worker", shots / "refused-summary.png", 1800)
+        _open_artifact(page, "Memory ledger, drawn", "Every host's memory at every phase",
+                       shots / "refused-memory-ledger.png")
     _keep(shots, keep_dir, "ui-refused")

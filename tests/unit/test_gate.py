@@ -25,11 +25,14 @@ def test_incident_fail_policy_names_each_short_host():
     with pytest.raises(GateRefused) as err:
         decide(incident_hosts(), recipe, {"t": KEYS}, set(), page_size_bytes=2**20)
     msg = str(err.value)
-    assert "host-1 has 12038 MiB available but one compile worker needs 12288 MiB: 250 MiB short" in msg
-    assert "host-2 has 11939 MiB available but one compile worker needs 12288 MiB: 349 MiB short" in msg
+    # The figure explained: the headroom, then the worker (its source) and its device memory.
+    why = "(headroom 8192 MiB + a worker counted at 2048 MiB, as set in the recipe, + 2048 MiB device memory)"
+    assert f"host-1 has 12038 MiB available but one compile worker needs 12288 MiB {why}: 250 MiB short" in msg
+    assert f"host-2 has 11939 MiB available but one compile worker needs 12288 MiB {why}: 349 MiB short" in msg
     assert "host-0" not in msg.split("To fix")[0]
-    assert "--set headroom_floor_mib=7843" in msg  # 11939 - 4096 admits one worker on both
-    assert "--policy borrow" in msg and "host-0 (5 workers)" in msg
+    # 11939 - 4096 admits one worker on both; the fix names the form's field and the CLI's flag.
+    assert "set Recipe > 'Headroom floor (MiB)' to 7843 in the run form (CLI: --set headroom_floor_mib=7843)" in msg
+    assert "--set policy=borrow" in msg and "host-0 (5 workers)" in msg
     assert "250 fewer KV pages per rank" in msg
 
 
@@ -106,7 +109,7 @@ def test_zero_capacity_everywhere_refuses_under_borrow():
         decide([host("a", 1000), host("b", 2000, ranks=(1,))], Recipe(), {"t": KEYS[:2]}, set())
     msg = str(err.value)
     assert "a has 1000 MiB" in msg and "b has 2000 MiB" in msg
-    assert "--policy borrow" not in msg
+    assert "policy=borrow" not in msg
 
 
 def test_zero_capacity_is_fine_when_nothing_is_missing():

@@ -66,7 +66,7 @@ def test_a_kv_cache_that_cannot_hold_the_largest_bucket_is_refused():
         run_gate(j, probes, kv)
     msg = str(err.value)
     assert "100 pages per rank (limited by rank 0 on h)" in msg
-    assert "bucket 8x64 needs 128 (8 sequences x 16 pages of 16 tokens for max_context_tokens 256)" in msg
+    assert "bucket 8x64 needs 128 (8 sequences x 16 pages of 16 tokens for a context of 256)" in msg
     assert "max_compile_workers" in msg and "max_context_tokens" in msg
     run_gate(j.replace(recipe=Recipe(buckets=(Bucket(1, 16), Bucket(6, 64)), kv_max_pages=100)), probes,
              plan_kv_for(j.replace(recipe=Recipe(buckets=(Bucket(1, 16), Bucket(6, 64)), kv_max_pages=100)), probes))

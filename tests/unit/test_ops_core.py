@@ -31,7 +31,7 @@ from kiln.host.compiler import CompileFailed
 
 def test_empty_parameters_are_the_tiny_default_export():
     p = ExportParams.model_validate({})
-    assert (p.model, p.tp, p.store, p.recipe.buckets, p.recipe.policy) == ("tiny", 2, None, "1x16,2x16,4x32,8x64",
+    assert (p.model, p.tp, p.store, p.recipe.buckets, p.recipe.policy) == ("tiny", 2, "", "1x16,2x16,4x32,8x64",
                                                                           "borrow")
 
 
@@ -52,7 +52,9 @@ def test_schema_carries_bounds_for_the_ui():
     assert props["tp"]["minimum"] == 1 and props["tp"]["maximum"] == 1024
     recipe = schema["$defs"]["RecipeSettings"]["properties"]
     assert recipe["flow_retries"]["maximum"] == 10 and recipe["flow_retries"]["default"] == 2
-    assert "pattern" in recipe["buckets"] and recipe["buckets"]["default"] == "1x16,2x16,4x32,8x64"
+    # A bad bucket list is answered in words (jsonschema: "'write buckets like 1x16,4x64' was expected").
+    assert recipe["buckets"]["if"]["pattern"] and recipe["buckets"]["else"] == {"const": "write buckets like 1x16,4x64"}
+    assert recipe["buckets"]["default"] == "1x16,2x16,4x32,8x64" and "pattern" not in recipe["buckets"]
     assert recipe["policy"] == {**recipe["policy"], "enum": ["borrow", "fail"], "default": "borrow"}
     assert all(props[name].get("description") for name in props)
     assert all(recipe[name].get("description") for name in recipe)

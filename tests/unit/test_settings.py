@@ -21,6 +21,7 @@ from cli.main import parser
 from flows.params import ExportParams, build_recipe, export_params
 from kiln.core.errors import BadInput
 from kiln.core.recipe import SETTING, SETTINGS, Bucket, Recipe, recipe_from_text
+from kiln.core.settings import GROUPS, form_description, form_value
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,12 +50,14 @@ def test_every_setting_is_a_typed_form_and_block_field_with_its_default():
         for where, props in (("form", form), ("block", block)):
             assert s.name in props, f"{s.name} missing from the {where}"
             field = props[s.name]
-            want = None if s.default is None else (s.show(s.default) if s.kind == "text" else s.default)
-            assert field.get("default") == want, (where, s.name, field)
-            assert field["description"] == s.describe()
+            assert field.get("default") == form_value(s, s.default), (where, s.name, field)
+            assert field["title"] == s.title and "_" not in field["title"]
+            assert field["description"] == form_description(s, {t.name: t.title for t in SETTINGS})
+            assert "anyOf" not in field, (where, s.name)  # never a type switch in a form
             if s.kind == "choice":
-                assert field["enum"] == list(s.choices)
-    assert list(form) == [s.name for s in SETTINGS]
+                assert field["enum"] == (["auto"] if s.nullable else []) + list(s.choices)
+    # Listed by the form's sections, in declaration order within each.
+    assert list(form) == [s.name for s in sorted(SETTINGS, key=lambda s: list(GROUPS).index(s.group))]
 
 
 def test_the_defaults_round_trip_through_form_block_and_text():
