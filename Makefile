@@ -60,7 +60,7 @@ export: setup
 	$(BIN)/kiln export --model tiny --tp 2 --report report.json
 
 test: test-setup
-	$(BIN)/pytest -q -rs
+	$(BIN)/pytest -q -rs --durations=25
 
 test-fast: setup
 	$(BIN)/pytest -q -rs -m "not slow"

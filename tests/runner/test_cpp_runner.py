@@ -123,11 +123,11 @@ def _run_ranks(runner: Path, export: dict, tokens: list[int], out: Path, world_s
 def _eager_logits(export: dict, tokens: list[int]):
     import torch
 
-    from kiln.host.model import ShardedDecoder
+    from kiln.host.model import ShardedDecoder, shard_state_dict
 
     cfg = export["cfg"]
     model = ShardedDecoder(cfg, 1).eval()
-    model.load_state_dict({n: t.to(torch.float32) for n, t in export["full"].items()})
+    model.load_state_dict(shard_state_dict({n: t.to(torch.float32) for n, t in export["full"].items()}, cfg, 1, 0))
     num_pages = PAGES_PER_SEQ * BATCH + 1
     cache = torch.zeros(cfg.num_layers, 2, num_pages, PAGE_TOKENS, cfg.num_kv_heads, cfg.head_dim)
     table = torch.arange(BATCH * PAGES_PER_SEQ).reshape(BATCH, PAGES_PER_SEQ)
