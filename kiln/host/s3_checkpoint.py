@@ -33,6 +33,7 @@ import torch
 from kiln.core.config import ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.hf_config import from_hf
+from kiln.core.contract import LAYOUT
 from kiln.host.model import expected_shapes, shard_slice
 
 INDEX = "model.safetensors.index.json"
@@ -220,15 +221,31 @@ class S3Checkpoint:
     def _cache_file(self, cfg: ModelConfig, tp: int, rank: int) -> Path | None:
         if self.cache_dir is None:
             return None
-        key = hashlib.sha256(json.dumps([self.identity()["objects"], tp, rank, cfg.dtype]).encode()).hexdigest()
+        key = hashlib.sha256(json.dumps([self.identity()["objects"], tp, rank, cfg.dtype, LAYOUT]).encode()).hexdigest()
         return self.cache_dir / "s3-checkpoints" / key[:32] / f"rank{rank}-of-{tp}.safetensors"
 
     def load_rank_weights(self, cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
-        """One rank's shard of every parameter, in `cfg.dtype`; from the cache when it holds them."""
+        """One rank's package constants (kiln.host.checkpoint.load_rank_weights' contract), in `cfg.dtype`;
+        from the cache when it holds them."""
         from safetensors.torch import load_file, save_file
+
+        from kiln.host.model import rank_constants
         cached = self._cache_file(cfg, tp, rank)
         if cached is not None and cached.exists():
             return load_file(str(cached))
+        parts = self._rank_tensors(cfg, tp, rank)
+        # Each tensor, already cut for the rank, is copied into its (stacked) constant and dropped at once.
+        out = rank_constants(cfg, tp, rank, lambda name, _cut, into: into.copy_(parts.pop(name)),
+                             getattr(torch, cfg.dtype))
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".tmp-{threading.get_ident()}")
+            save_file(out, str(tmp))
+            tmp.replace(cached)
+        return out
+
+    def _rank_tensors(self, cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
+        """Each checkpoint tensor cut for `rank`, by its checkpoint name, in `cfg.dtype`."""
         have = self.tensors()
         plan = {name: row_ranges(have[name], shard_slice(name, cfg, tp, rank)) for name in expected_shapes(cfg)}
         jobs = [(name, r) for name, ranges in plan.items() for r in ranges]
@@ -245,11 +262,6 @@ class S3Checkpoint:
             flat = torch.frombuffer(bytearray(b"".join(chunks.get(name, []))), dtype=_DTYPES[info.dtype]) \
                 if any(local) else torch.empty(0, dtype=_DTYPES[info.dtype])
             out[name] = flat.reshape(local).to(dtype).contiguous()
-        if cached is not None:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_suffix(f".tmp-{threading.get_ident()}")
-            save_file(out, str(tmp))
-            tmp.replace(cached)
         return out
 
 

@@ -52,14 +52,6 @@ def load_rank_weights(checkpoint: str, cfg: ModelConfig, tp: int, rank: int, *, 
                       cache_dir: str | Path | None = None) -> dict:
     """One rank's package constants in `cfg.dtype` (kiln.host.checkpoint.load_rank_weights' contract)."""
     if is_s3(checkpoint):
-        import torch
-
-        from kiln.host.model import rank_constants
-
-        # The S3 reader gives each checkpoint tensor already cut for the rank; each is copied into its
-        # (stacked) constant and dropped at once, so the rank's weights are held about once.
-        parts = _s3(checkpoint, s3_endpoint, cache_dir).load_rank_weights(cfg, tp, rank)
-        return rank_constants(cfg, tp, rank, lambda name, _cut, out: out.copy_(parts.pop(name)),
-                              getattr(torch, cfg.dtype))
+        return _s3(checkpoint, s3_endpoint, cache_dir).load_rank_weights(cfg, tp, rank)
     from kiln.host.checkpoint import load_rank_weights as from_directory
     return from_directory(checkpoint, cfg, tp, rank)
