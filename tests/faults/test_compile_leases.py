@@ -9,16 +9,11 @@ key compiled twice would also fail its create-once upload.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from pathlib import Path
-
-import pytest
 
 from kiln.core.layout import artifact_key
 from kiln.host.compiler import CompilePool, CompileResult
@@ -116,27 +111,5 @@ def test_pool_skips_what_on_submit_refuses_and_ticks_while_compiling(tmp_path):
     assert max(b - a for a, b in zip(ticks, ticks[1:])) < 0.6
 
 
-@pytest.mark.slow
-def test_two_real_exports_racing_with_a_ttl_shorter_than_a_compile_compile_the_key_once(kiln_env, tmp_path):
-    """Two `kiln export`s of one store at once, each on its own Prefect home (so the model lease does not
-    queue them) with a 3 s compile-lease TTL, far shorter than the compile: the one that finds the key
-    leased waits through the whole compile (the holder renews) and reuses it; both finish."""
-    procs = {}
-    for name in ("a", "b"):
-        env = {**kiln_env, "KILN_HOME": str(tmp_path / name), "PREFECT_HOME": str(tmp_path / f"prefect-{name}")}
-        procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "export", "--tp", "1", "--buckets", "1x8", "--store",
-             f"file://{tmp_path / 'store'}", "--report", str(tmp_path / f"{name}.json"), "--set", "lease_ttl_s=3",
-             "--set", "flow_retries=0"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    outs = {name: p.communicate(timeout=1200)[0] for name, p in procs.items()}
-    for name, p in procs.items():  # a key compiled twice fails the second create-once upload (other bytes)
-        assert p.returncode == 0, outs[name][-4000:]
-    reports = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in procs}
-    counts = {n: r["counts"]["compiled"] for n, r in reports.items()}
-    waited = {n: [k for h in r["hosts"] for k in h.get("waited_for_lease") or []] for n, r in reports.items()}
-    print(f"compiled per export: {counts}; waited for a lease: {waited}")
-    assert sorted(counts.values()) == [0, 1], counts  # the key compiled once, over both
-    assert [n for n in waited if waited[n]] == [n for n in counts if counts[n] == 0], waited  # the other waited
-    assert "took over the compile lease" not in outs["a"] + outs["b"]  # never: the holder renewed
-    assert not list((tmp_path / "store").glob("leases/*/*.json"))
+# The same race between two real exports (a TTL shorter than a compile, the holder renewing) is
+# tests/integration/test_faults_cluster.py::test_two_exports_at_once_compile_each_key_once.

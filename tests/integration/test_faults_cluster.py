@@ -71,12 +71,14 @@ def test_two_exports_at_once_compile_each_key_once(kiln, s3_bucket, signing_key_
     """Each export talks to its own embedded Prefect API, so only the store's leases keep them apart.
 
     The second export starts once the first holds a compile lease, so the two overlap: the second
-    must find keys leased, wait for them and reuse them, never compile them again.
+    must find keys leased, wait for them and reuse them, never compile them again. The leases' TTL
+    (3 s) is far shorter than a compile: only the holder's renewals keep the second from taking over.
     """
     import time
 
     aws = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
-    args = ["export", "--model", "tiny", "--tp", "2", "--buckets", "1x8,2x8,4x8", "--store", s3_bucket]
+    args = ["export", "--model", "tiny", "--tp", "2", "--buckets", "1x8,2x8,4x8", "--store", s3_bucket,
+            "--set", "lease_ttl_s=3"]
 
     def one(i: int):
         env = {**aws, **signing_key_env, "PREFECT_HOME": str(tmp_path / f"prefect{i}")}
@@ -92,6 +94,7 @@ def test_two_exports_at_once_compile_each_key_once(kiln, s3_bucket, signing_key_
         runs = [first.result(), second.result()]
     for run in runs:
         assert run.code == 0, run.err[-3000:]
+        assert "took over the compile lease" not in run.err  # the holder renewed: no lease lapsed
     reports = [json.loads((tmp_path / f"r{i}.json").read_text()) for i in (0, 1)]
     compiled = [f["key"] for r in reports for f in r["forwards"] if f["compiled_by"]]
     assert sorted(compiled) == sorted(set(compiled)), "a key was compiled by both exports"
