@@ -22,7 +22,7 @@ from pathlib import Path
 
 DEPTHS = (2, 8, 24)
 """The depths compared in a full run; the deepest is also the step comparison's."""
-QUICK_DEPTHS = (2, 4)
+QUICK_DEPTHS = (1, 2)
 """`--quick`'s depths: a smoke test of the part, not its figure."""
 TP = 2
 PAGE_TOKENS, PAGES_PER_SEQ = 16, 4
