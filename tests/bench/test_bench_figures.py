@@ -227,3 +227,12 @@ def test_the_suite_takes_alternating_samples_and_keeps_them(tmp_path, monkeypatc
     assert [r["sample"] for r in result["raw"]["a"]["samples"]] == [0, 1, 2]
     assert result["settings"]["samples"] == 3 and "commit" in result["machine"]
     assert "| `a_ratio` | 0.2 (0.1-0.3, n=3) |" in out.with_suffix(".md").read_text()
+
+
+def test_the_cli_names_every_bench_part():
+    """`kiln bench --help` lists the parts the suite has (the help text is not derived, so it is held here)."""
+    from bench.suite import PARTS
+
+    out = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--help"], capture_output=True, text=True,
+                         check=True, cwd=REPO).stdout
+    assert all(name in " ".join(out.split()) for name in PARTS), out
