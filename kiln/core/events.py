@@ -40,9 +40,10 @@ def checkpoint_resource(model: str, name: str, export_id: str | None = None) -> 
 
 def trigger_parameters() -> dict[str, str]:
     """The flow parameters a `kiln.checkpoint.ready` event sets (Prefect renders each template from the
-    event; every other parameter is the deployment's default). A missing export id renders as null."""
+    event; every other parameter is the deployment's default). A missing export id renders as '' (the
+    run form's "empty: a name of its own"; the parameter is not nullable)."""
     return {"model": "{{ event.resource['%s'] }}" % MODEL_LABEL,
-            "export_id": "{{ event.resource.get('%s') }}" % EXPORT_ID_LABEL}
+            "export_id": "{{ event.resource.get('%s', '') }}" % EXPORT_ID_LABEL}
 
 
 def manifest_url(store_url: str, manifest_key: str) -> str:

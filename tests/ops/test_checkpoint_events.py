@@ -88,7 +88,7 @@ def test_an_announced_checkpoint_is_exported_once_per_event_and_each_outcome_is_
     for run in finals:
         assert run["state_type"] == "COMPLETED", (run["state"], served.log.read_text()[-4000:])
         # The model from the event; every other parameter from the deployment's defaults.
-        assert run["parameters"]["model"] == str(model) and run["parameters"]["export_id"] is None
+        assert run["parameters"]["model"] == str(model) and run["parameters"]["export_id"] == ""
         assert run["parameters"]["recipe"] == {"buckets": "1x8", "flow_retries": 0}
     # One at a time: the later run probed only after the earlier one had finished its work (the model lease).
     finals.sort(key=lambda r: _busy_interval(api, r["id"]))
