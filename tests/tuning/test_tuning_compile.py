@@ -87,11 +87,14 @@ def test_compile_uses_stored_choices_without_benchmarking(tuned, tmp_path, monke
     entries = tuner.load_for_compile(store, [spec], torch.__version__)
     with CompilePool(1, tuning_entries=entries) as pool:
         [result] = pool.run([(spec, str(tmp_path / "f.pt2"))], lambda r: None)
-    from kiln.host.model import ShardedDecoder
+    from kiln.core.contract import constant_shapes
 
-    linears = collections.Counter((m.in_features, m.out_features) for m in ShardedDecoder(TINY, 2).modules()
-                                  if isinstance(m, torch.nn.Linear))
-    assert result.autotune["selections"] == sum(linears.values()) == 15
+    # The GEMMs Inductor autotunes: with the layers one scan, only the output head. torch 2.13's Inductor
+    # lowers the scan's body without algorithm selection (measured: 1 selection where the unrolled model
+    # had 15), so the layers' projections compile with ATen whatever was tuned (docs/tuning.md).
+    head = constant_shapes(TINY, 2)["lm_head.weight"]
+    linears = collections.Counter({(head[1], head[0]): 1})
+    assert result.autotune["selections"] == sum(linears.values()) == 1
     assert result.autotune["benchmarked"] == 0
     assert result.autotune["tuning_timings"] == tuning_plan.count_timings(entries)
     chosen = {}
