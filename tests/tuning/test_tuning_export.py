@@ -99,7 +99,9 @@ def test_compile_workers_used_the_stored_choices(two_exports):
     forwards = two_exports["first"]["forwards"]
     assert len(forwards) == 2 and all(f["tuning"] for f in forwards)
     for f in forwards:
-        assert f["autotune"]["selections"] == 15, "every linear of the forward was autotuned"
+        # Only the output head: Inductor lowers the scanned layer body without algorithm selection
+        # (docs/tuning.md; the unrolled forward autotuned all 15 linears).
+        assert f["autotune"]["selections"] == 1, "the output head's GEMM was autotuned"
         assert f["autotune"]["benchmarked"] == 0, "from the stored results, without benchmarking"
 
 
