@@ -197,7 +197,8 @@ class LayerRun(nn.Module):
         super().__init__()
         self.start, self.stop = layer_runs(cfg)[index]
         prefix = f"{RUN_PREFIX}{index}."
-        self.suffixes = [n.removeprefix(prefix) for n in constant_shapes(cfg, tp) if n.startswith(prefix)]
+        shapes = constant_shapes(cfg, tp)
+        self.suffixes = [n.removeprefix(prefix) for n in shapes if n.startswith(prefix)]
         for suffix in self.suffixes:
             owner = self
             *path, leaf = suffix.split(".")
@@ -205,7 +206,7 @@ class LayerRun(nn.Module):
                 if not hasattr(owner, part):
                     owner.add_module(part, Holder())
                 owner = getattr(owner, part)
-            owner.register_parameter(leaf, nn.Parameter(torch.empty(constant_shapes(cfg, tp)[prefix + suffix])))
+            owner.register_parameter(leaf, nn.Parameter(torch.empty(shapes[prefix + suffix])))
 
     def stacked(self) -> dict[str, torch.Tensor]:
         """suffix -> the stacked tensor [layers, ...]."""
@@ -310,9 +311,10 @@ def rank_constants(cfg: ModelConfig, tp: int, rank: int,
     if not 0 <= rank < tp:
         raise ValueError(f"rank {rank} is outside tp {tp}")
     out = {}
+    sources_of = constant_sources(cfg)
     for name, shape in constant_shapes(cfg, tp).items():
         constant = torch.empty(shape, dtype=dtype)
-        sources = constant_sources(cfg)[name]
+        sources = sources_of[name]
         for i, source in enumerate(sources):
             read_into(source, shard_slice(source, cfg, tp, rank), constant if sources == [name] else constant[i])
         out[name] = constant
