@@ -186,6 +186,15 @@ class Holder(nn.Module):
     """A bare container, so stacked tensors keep their checkpoint suffix as their module path."""
 
 
+def _initial(suffix: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A stacked parameter's initial value, from the global generator as nn.Linear's would be (norms start at
+    one, everything else at random with a 1/sqrt(fan-in) scale): a model built without weights computes
+    something, so comparing two forwards of it shows something. Free on the meta device."""
+    if suffix.endswith("norm.weight"):
+        return torch.ones(shape)
+    return torch.randn(shape) * shape[-1] ** -0.5
+
+
 class LayerRun(nn.Module):
     """Run `index` of same-shaped decoder layers of one rank, each tensor stacked along a leading layer dimension.
 
@@ -206,7 +215,7 @@ class LayerRun(nn.Module):
                 if not hasattr(owner, part):
                     owner.add_module(part, Holder())
                 owner = getattr(owner, part)
-            owner.register_parameter(leaf, nn.Parameter(torch.empty(shapes[prefix + suffix])))
+            owner.register_parameter(leaf, nn.Parameter(_initial(suffix, shapes[prefix + suffix])))
 
     def stacked(self) -> dict[str, torch.Tensor]:
         """suffix -> the stacked tensor [layers, ...]."""

@@ -58,8 +58,8 @@ def contender(store_url: str, owner: str, jobs, ttl_s: float, out: dict, renew: 
         out["error"] = exc
 
 
-def race(tmp_path: Path, *, renew: bool, compile_s: float = 1.5, ttl_s: float = 0.5):
-    keys = [f"{i:032x}" for i in range(4)]
+def race(tmp_path: Path, *, renew: bool, compile_s: float = 3.0, ttl_s: float = 0.5, n_keys: int = 4):
+    keys = [f"{i:032x}" for i in range(n_keys)]
     outs: dict[str, dict] = {"a": {}, "b": {}}
     url = f"file://{tmp_path / 'store'}"
     threads = []
@@ -69,8 +69,16 @@ def race(tmp_path: Path, *, renew: bool, compile_s: float = 1.5, ttl_s: float = 
         (tmp_path / name).mkdir()
         threads.append(threading.Thread(target=contender, args=(url, f"export-{name}:host", jobs, ttl_s,
                                                                 outs[name], renew)))
-    for t in threads:
-        t.start()
+    # The second export arrives while the first is compiling its first key, its lease already older than
+    # the TTL: without renewal that lease has expired by then whatever the machine's load (the control
+    # depends on it), with renewal it is fresh.
+    threads[0].start()
+    log = tmp_path / "starts.log"
+    deadline = time.monotonic() + 60
+    while not (log.exists() and log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(2 * ttl_s)
+    threads[1].start()
     for t in threads:
         t.join(timeout=120)
     return keys, outs, starts(tmp_path / "starts.log"), open_store(url)
@@ -88,7 +96,8 @@ def test_two_exports_racing_with_a_ttl_shorter_than_a_compile_compile_each_key_o
 
 def test_without_renewal_the_same_race_compiles_a_key_twice(tmp_path):
     """The control: the race above shows something only because renewal is what keeps a compiling key."""
-    _, outs, counts, _ = race(tmp_path, renew=False)
+    # A longer compile leaves the second export's pool seconds to start while the first key still compiles.
+    _, outs, counts, _ = race(tmp_path, renew=False, compile_s=5.0, n_keys=2)
     assert max(counts.values()) > 1, counts
 
 
