@@ -16,14 +16,15 @@ from dataclasses import dataclass
 from kiln.core.errors import BadInput
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 """model_type -> the transformers class whose math Kiln reproduces."""
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2)."""
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3)."""
 
     vocab_size: int
     """Rows of the embedding and of the output head."""
@@ -46,7 +47,7 @@ class ModelConfig:
     dtype: str = "float32"
     """Dtype of weights and activations; forwards are compiled in it."""
     architecture: str = "llama"
-    """Hugging Face model_type: llama, mistral or qwen2."""
+    """Hugging Face model_type: llama, mistral, qwen2 or qwen3."""
     rope_type: str = "default"
     """Rotary frequency scaling: default (none), linear (positions / rope_factor) or llama3."""
     rope_factor: float = 1.0
@@ -69,6 +70,9 @@ class ModelConfig:
     """Tokens a query may look back (itself included) on sliding layers; None: unlimited."""
     first_sliding_layer: int = 0
     """Layers from this index on use the sliding window (Qwen2's max_window_layers); earlier ones do not."""
+    qk_norm: bool = False
+    """Each query and key head is RMS-normalised over head_dim, with its own weight, before the rotary
+    embedding (Qwen3's q_norm / k_norm)."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -137,7 +141,7 @@ class ModelConfig:
         attn += ((q + 2 * kv) // tp if self.qkv_bias else 0) + (self.hidden_size if self.o_bias else 0)
         mlp = 3 * self.hidden_size * self.intermediate_size // tp
         mlp += 2 * self.intermediate_size // tp + self.hidden_size if self.mlp_bias else 0
-        per_layer = attn + mlp + 2 * self.hidden_size
+        per_layer = attn + mlp + 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         heads = 1 if self.tie_word_embeddings else 2
         return self.num_layers * per_layer + heads * self.vocab_size * self.hidden_size + self.hidden_size
 

@@ -66,6 +66,9 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[f"{p}.self_attn.{name}.weight"] = (rows, h)
             if cfg.qkv_bias:
                 out[f"{p}.self_attn.{name}.bias"] = (rows,)
+        if cfg.qk_norm:
+            out[f"{p}.self_attn.q_norm.weight"] = (cfg.head_dim,)
+            out[f"{p}.self_attn.k_norm.weight"] = (cfg.head_dim,)
         out[f"{p}.self_attn.o_proj.weight"] = (h, q)
         if cfg.o_bias:
             out[f"{p}.self_attn.o_proj.bias"] = (h,)

@@ -11,9 +11,10 @@ starts. So a field Kiln does not know can never be silently ignored.
 Both spellings are read: transformers 4.x (top-level `rope_theta`,
 `rope_scaling`, `torch_dtype`) and transformers 5 (`rope_parameters`,
 `dtype`). Supported families: Llama 2/3/3.1/3.2 (rope default, linear,
-llama3; tied embeddings; attention_bias, mlp_bias), Mistral (sliding window)
-and Qwen2 (q/k/v biases; sliding window from max_window_layers or
-layer_types).
+llama3; tied embeddings; attention_bias, mlp_bias), Mistral (sliding window),
+Qwen2 (q/k/v biases; sliding window from max_window_layers or layer_types)
+and Qwen3 (per-head q/k RMSNorm, attention_bias, head_dim 128 unless given,
+Qwen2's sliding window).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ READ = {
     "llama": _COMMON | {"attention_bias", "mlp_bias"},
     "mistral": _COMMON | {"sliding_window"},
     "qwen2": _COMMON | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
+    "qwen3": _COMMON | {"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
 }
 """Fields each family's config may hold that change the math; Kiln reads every one of them."""
 
@@ -71,8 +73,9 @@ def from_hf(raw: dict) -> ModelConfig:
     if raw.get("hidden_act", "silu") != "silu":
         raise BadInput(f"config.json: hidden_act={raw['hidden_act']!r}: Kiln computes the SwiGLU MLP with silu only.")
     heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
-    head_dim = raw.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
-                                       and heads else 0)
+    # Qwen3Config's head_dim defaults to 128, not hidden_size / heads as the other families' do.
+    head_dim = raw.get("head_dim") or (128 if family == "qwen3" else hidden // heads
+                                       if isinstance(hidden, int) and isinstance(heads, int) and heads else 0)
     bias = _flag(raw, "attention_bias")
     window, first_sliding = _sliding(raw, family)
     return ModelConfig(
@@ -82,7 +85,7 @@ def from_hf(raw: dict) -> ModelConfig:
         intermediate_size=raw["intermediate_size"],
         rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),  # every family's default
         dtype=_dtype(raw),
-        qkv_bias=bias or family == "qwen2", o_bias=bias, mlp_bias=_flag(raw, "mlp_bias"),
+        qkv_bias=bias or family == "qwen2", o_bias=bias, mlp_bias=_flag(raw, "mlp_bias"), qk_norm=family == "qwen3",
         tie_word_embeddings=_flag(raw, "tie_word_embeddings"),
         sliding_window=window, first_sliding_layer=first_sliding,
         **_rope(raw),
@@ -181,7 +184,7 @@ def _sliding(raw: dict, family: str) -> tuple[int | None, int]:
     """(sliding_window, first sliding layer), as the family's transformers class decides them."""
     if family == "mistral":
         return raw.get("sliding_window"), 0
-    if family != "qwen2" or not _flag(raw, "use_sliding_window") or raw.get("sliding_window") is None:
+    if family not in ("qwen2", "qwen3") or not _flag(raw, "use_sliding_window") or raw.get("sliding_window") is None:
         return None, 0
     layers = raw["num_hidden_layers"]
     types = raw.get("layer_types")
@@ -202,11 +205,15 @@ def _sliding(raw: dict, family: str) -> tuple[int | None, int]:
 def to_hf(cfg: ModelConfig) -> dict:
     """The `config.json` (transformers 4.x spelling) of `cfg`; BadInput for a combination no family has."""
     family = cfg.architecture
+    if cfg.qk_norm != (family == "qwen3"):
+        raise BadInput("q/k norms are Qwen3's, and every qwen3 config has them.")
+    if family == "qwen3" and (cfg.qkv_bias != cfg.o_bias or cfg.mlp_bias):
+        raise BadInput("a qwen3 config's attention_bias covers q, k, v and o together; it has no mlp_bias.")
     if family == "qwen2" and (not cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias):
         raise BadInput("a qwen2 config has q/k/v biases and no other biases.")
-    if family != "qwen2" and cfg.qkv_bias != cfg.o_bias:
+    if family not in ("qwen2", "qwen3") and cfg.qkv_bias != cfg.o_bias:
         raise BadInput("a llama config's attention_bias covers q, k, v and o together.")
-    if family != "llama" and (cfg.o_bias or cfg.mlp_bias):
+    if family not in ("llama", "qwen3") and (cfg.o_bias or cfg.mlp_bias):
         raise BadInput(f"a {family} config has no attention_bias / mlp_bias.")
     if family == "llama" and cfg.sliding_window is not None:
         raise BadInput("a llama config has no sliding window (use mistral or qwen2).")
@@ -232,4 +239,6 @@ def to_hf(cfg: ModelConfig) -> dict:
     else:
         out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                    max_window_layers=cfg.first_sliding_layer)
+        if family == "qwen3":
+            out["attention_bias"] = cfg.o_bias
     return out

@@ -1,9 +1,9 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) in plain torch, tensor-parallel over `tp` ranks.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain torch, tensor-parallel over `tp` ranks.
 
-It computes what transformers' LlamaForCausalLM, MistralForCausalLM and
-Qwen2ForCausalLM compute for the configs kiln.core.hf_config accepts: rotary
-scaling (linear, llama3), q/k/v, o and MLP biases, tied embeddings, sliding
-windows, RMSNorm in float32. One rank's module holds its shard: heads/tp query
+It computes what transformers' LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM and Qwen3ForCausalLM compute for the configs
+kiln.core.hf_config accepts: rotary scaling (linear, llama3), q/k/v, o and MLP
+biases, per-head q/k norms, tied embeddings, sliding windows, RMSNorm in float32. One rank's module holds its shard: heads/tp query
 heads, kv_heads/tp KV heads and intermediate/tp MLP columns; embeddings, norms
 and the output head are replicated. The cross-rank sum after the attention output and MLP down
 projections is torch's native functional collective (`_c10d_functional.all_reduce` +
@@ -164,6 +164,9 @@ def decoder_layer(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], x: torc
     q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(b, t, heads, hd)
     k = F.linear(h, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias")).view(b, t, kv_heads, hd)
     v = F.linear(h, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias")).view(b, t, kv_heads, hd)
+    if cfg.qk_norm:  # Qwen3: every head normalised over head_dim, before the rotary embedding
+        q = _rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
+        k = _rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
     q = q * ctx.cos + _rotate_half(q) * ctx.sin
     k = k * ctx.cos + _rotate_half(k) * ctx.sin
     num_ctx = ctx.block_table.shape[1] * kv.shape[2]

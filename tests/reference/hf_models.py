@@ -1,7 +1,7 @@
 """Small random-init checkpoints written by transformers' own classes, and their reference outputs.
 
 The reference is independent of Kiln: transformers' LlamaForCausalLM,
-MistralForCausalLM and Qwen2ForCausalLM, built from a config dict and saved
+MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM, built from a config dict and saved
 with `save_pretrained` (safetensors). Nothing is downloaded.
 """
 
@@ -15,7 +15,7 @@ import pytest
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
 
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
@@ -51,6 +51,12 @@ CASES = {
     "mistral-window": ("mistral", dict(sliding_window=6), "float32"),
     "qwen2": ("qwen2", {}, "float32"),
     "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1), "float32"),
+    # Qwen3: 4 heads of 64 over a hidden size of 128 (heads x head_dim != hidden, as in Qwen3's own sizes).
+    "qwen3": ("qwen3", dict(head_dim=64, num_hidden_layers=3), "float32"),
+    "qwen3-bias-window": ("qwen3", dict(head_dim=64, attention_bias=True, use_sliding_window=True, sliding_window=5,
+                                        max_window_layers=1), "float32"),
+    "qwen3-bf16": ("qwen3", dict(hidden_size=256, head_dim=128, num_attention_heads=4, num_key_value_heads=2,
+                                 num_hidden_layers=4, vocab_size=32000, initializer_range=0.05), "bfloat16"),
 }
 
 

@@ -25,6 +25,8 @@ FEATURE_OFF = {
     "mistral-window": {"sliding_window": None},
     "qwen2": {"qkv_bias": False},
     "qwen2-window": {"sliding_window": None, "first_sliding_layer": 0},
+    "qwen3": {"qk_norm": False},
+    "qwen3-bias-window": {"sliding_window": None, "first_sliding_layer": 0},
 }
 
 

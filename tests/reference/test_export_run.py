@@ -24,6 +24,7 @@ E2E = {
     "llama-biases": "attention_bias and mlp_bias: row-parallel biases added once after the all-reduce",
     "qwen2-window": "Qwen2: sharded q/k/v biases, a sliding window shorter than the prompt on layer 1",
     "mistral-window": "Mistral: a sliding window of 6 over the paged cache",
+    "qwen3-bias-window": "Qwen3: per-head q/k norms, 4 heads of 64 over hidden 128, sharded q/k/v/o biases, a window",
     "llama-deep": "24 layers of llama-hd64's width: one scanned layer body, 24 layers' stacked weights",
     "llama-realistic-bf16": "bfloat16, head_dim 128, 4 layers, vocabulary 32000",
 }

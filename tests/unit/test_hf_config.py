@@ -49,12 +49,24 @@ def test_families():
     biased = from_hf({**LLAMA, "attention_bias": True, "mlp_bias": True})
     assert biased.qkv_bias and biased.o_bias and biased.mlp_bias
     assert from_hf(LLAMA).head_dim == 32  # hidden / heads when head_dim is absent
+    qwen3 = from_hf({**LLAMA, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 64,
+                     "attention_bias": True, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1})
+    assert (qwen3.qk_norm, qwen3.head_dim, qwen3.qkv_bias, qwen3.o_bias, qwen3.mlp_bias) == (True, 64, True, True, False)
+    assert [qwen3.window_of(i) for i in range(2)] == [None, 16]
+    assert not from_hf({**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}).qk_norm
+    # Qwen3Config's own default head_dim is 128, whatever hidden_size / heads is.
+    assert from_hf({**LLAMA, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}).head_dim == 128
+    with pytest.raises(BadInput, match="mlp_bias"):
+        from_hf({**LLAMA, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "mlp_bias": True})
 
 
 def test_to_hf_round_trips():
     for cfg in (TINY, from_hf({**LLAMA, "attention_bias": True, "tie_word_embeddings": True}),
                 from_hf({**LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-                         "sliding_window": 8, "rope_scaling": {"rope_type": "linear", "factor": 4.0}})):
+                         "sliding_window": 8, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+                from_hf({**LLAMA, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 64,
+                         "attention_bias": True, "use_sliding_window": True, "sliding_window": 16,
+                         "max_window_layers": 1})):
         assert from_hf(to_hf(cfg)) == cfg
 
 
