@@ -59,15 +59,11 @@ runner: setup
 export: setup
 	$(BIN)/kiln export --model tiny --tp 2 --report report.json
 
-# Two pytest-xdist workers: most tests compile in one process or wait on a server, which leaves a core
-# idle (docs/testing.md); tests that share a session fixture stay on one worker (tests/conftest.py).
-TEST_WORKERS ?= 2
-
 test: test-setup
-	$(BIN)/pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/pytest -q -rs --durations=25
 
 test-fast: setup
-	$(BIN)/pytest -q -rs -m "not slow" -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/pytest -q -rs -m "not slow"
 
 bench: setup
 	$(BIN)/kiln bench

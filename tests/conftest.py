@@ -30,46 +30,6 @@ import kiln_faults  # noqa: E402
 kiln_faults.install_all()
 
 # =============================================================================
-# Parallel runs: `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`)
-# =============================================================================
-
-SHARED_BY_GROUP = {"tp2_export": "tp2-export", "tp2_store_copy": "tp2-export", "small_forward": "small-forward"}
-"""Session fixtures that take minutes to build: the tests that use one run on one worker, so it is built once."""
-GROUPED_DIRS = {"ops": "ops-postgres"}
-"""Test folders whose session servers (PostgreSQL and a Prefect server on it) the whole folder shares."""
-
-
-def _group(item: pytest.Item) -> str:
-    """The xdist group of `item`: its shared session fixture's, its folder's, else its module's (so a
-    module-scoped fixture is built once too)."""
-    for fixture, group in SHARED_BY_GROUP.items():
-        if fixture in getattr(item, "fixturenames", ()):
-            return group
-    folder = item.path.parent.name
-    return GROUPED_DIRS.get(folder, f"{folder}/{item.path.stem}")
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Give every test its xdist group (before xdist reads the marks), then order the groups slowest first:
-    a worker takes a whole group at a time, so the long ones start at once and the many short ones fill
-    the end. Without xdist the marks do nothing and only the order changes."""
-    groups: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        group = _group(item)
-        item.add_marker(pytest.mark.xdist_group(group))
-        groups.setdefault(group, []).append(item)
-
-    def weight(group: str) -> tuple[int, int]:
-        members = groups[group]
-        slow = sum(1 for i in members if i.get_closest_marker("slow"))
-        return (0 if any(i.path.parent.name == "bench" for i in members if i.get_closest_marker("slow")) else 1,
-                -slow)
-
-    items[:] = [item for group in sorted(groups, key=weight) for item in groups[group]]
-
-
-# =============================================================================
 # Store: real S3 APIs (moto_server, SeaweedFS) started by the tests themselves
 # =============================================================================
 
