@@ -37,6 +37,9 @@ class Settings:
     store_reps: int = 5
     """Repetitions of the store transfers (a few seconds each)."""
     store_file_mib: tuple[int, ...] = (8, 16, 24, 32)
+    s3_read_layers: int = 2
+    """Layers of the checkpoint the s3_read part reads from S3 (the tiny model's width: ~7 MiB per layer; its
+    exact side makes one GET per row of every column-cut tensor, ~770 per layer per rank)."""
     samples: int = 3
     """Samples per side of every ratio the suite repeats (each sample a fresh cold start, the sides' order
     alternating); the store and collective parts repeat inside themselves (`store_reps`, their own count)."""
@@ -47,7 +50,7 @@ class Settings:
             raise BadInput(f"--samples must be at least 1, not {samples}")
         if quick:
             return cls(quick=True, buckets="1x8", borrow_buckets="1x8,2x8,4x8", reps=1, store_reps=1,
-                       store_file_mib=(8, 16), samples=samples or 1)
+                       store_file_mib=(8, 16), s3_read_layers=1, samples=samples or 1)
         eight = "1x8,2x8,4x8,8x8,1x32,2x32,4x32,8x32"
         # Borrow's two 3-host exports are the suite's longest runs; 4 buckets (at least one per host) keep
         # three samples of them within the suite's half hour.
@@ -61,6 +64,7 @@ class Settings:
         return {"quick": self.quick, "buckets": self.buckets, "num_buckets": self.num_buckets,
                 "borrow_buckets": self.borrow_buckets, "tp": self.tp, "hosts_tp": self.hosts_tp, "reps": self.reps,
                 "store_reps": self.store_reps, "store_file_mib": list(self.store_file_mib),
+                "s3_read_layers": self.s3_read_layers,
                 "samples": self.samples}
 
 

@@ -66,6 +66,13 @@ FIGURES: dict[str, tuple[str, str]] = {
     "unrolled_depth_ratio": ("depth", "the same at 24 layers unrolled / 2 layers scanned: what the scan saves"),
     "scan_step_ratio": ("depth", "decode step at 24 layers: scanned package / unrolled package (median s per step, "
                                  "alternating samples)"),
+    "s3_rank_bytes_ratio": ("s3_read", "S3 checkpoint at tp 2: most weight bytes one rank read by ranged GETs / "
+                                       "that rank's weight bytes (default: a column-cut tensor in one GET)"),
+    "s3_read_vs_download_ratio": ("s3_read", "one rank's read of an S3 checkpoint (list, headers, its slices) / "
+                                             "boto3 downloading every file whole (median)"),
+    "s3_exact_rank_bytes_ratio": ("s3_read", "the same bytes ratio with merge_gap_bytes 0: one GET per row of a "
+                                             "column-cut tensor"),
+    "s3_exact_read_vs_download_ratio": ("s3_read", "the same time ratio with merge_gap_bytes 0"),
     "gate_scale_s": ("gate_scale", "a synthetic timing, not a ratio: gate run time on paper, 64 hosts x 8 ranks x "
                                    "67 buckets (median of 5), seconds"),
     "gate_scale_predicted_s": ("gate_scale", "a prediction, not a measurement: the gate's predicted compile wall "
@@ -83,6 +90,7 @@ TARGETS: dict[str, Target] = {
     "gate_scale_s": Target("<", 1.0),
     "compile_depth_ratio": Target("<=", 1.2),
     "scan_step_ratio": Target("<=", 1.05),
+    "s3_exact_rank_bytes_ratio": Target("<=", 1.05),
 }
 
 

@@ -4,6 +4,7 @@ size, and bad input naming the object."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import boto3
@@ -12,7 +13,9 @@ import torch
 
 from kiln.core.config import TINY
 from kiln.core.errors import BadInput
+from kiln.core.contract import shard_slice
 from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights, random_checkpoint
+from kiln.host.model import expected_shapes
 from kiln.host.s3_checkpoint import S3Checkpoint
 
 
@@ -32,26 +35,52 @@ def s3_ckpt(s3_bucket, s3_server, tmp_path):
             "endpoint": s3_server.endpoint_url}
 
 
-def test_each_rank_reads_only_its_slices_and_gets_the_directory_readers_tensors(s3_ckpt, tmp_path):
+def _span_bytes(shape, cut, item: int) -> int:
+    """Bytes from a tensor's first wanted byte to its last: a row cut is exactly its rows; a column cut of a
+    [rows, cols] tensor runs from row 0's slice to the last row's, the other ranks' columns between."""
+    if cut is None:
+        return item * math.prod(shape)
+    dim, lo, hi = cut
+    if dim == 0:
+        return item * (hi - lo) * math.prod(shape[1:])
+    rows, cols = shape
+    return item * ((rows - 1) * cols + (hi - lo))
+
+
+@pytest.mark.parametrize("merge_gap", [0, None], ids=["exact", "merged"])
+def test_each_rank_reads_only_its_slices_and_gets_the_directory_readers_tensors(s3_ckpt, tmp_path, merge_gap):
     cfg = inspect_checkpoint(s3_ckpt["folder"])
     tp = 2
+    gap = {} if merge_gap is None else {"merge_gap_bytes": merge_gap}
     for rank in range(tp):  # each host opens the checkpoint itself
-        ck = S3Checkpoint(s3_ckpt["url"], endpoint_url=s3_ckpt["endpoint"], cache_dir=tmp_path / f"cache-{rank}")
+        ck = S3Checkpoint(s3_ckpt["url"], endpoint_url=s3_ckpt["endpoint"], cache_dir=tmp_path / f"cache-{rank}",
+                          **gap)
         assert ck.inspect() == cfg
-        header_bytes = ck.bytes_read
+        header_bytes, header_requests = ck.bytes_read, ck.requests
         got = ck.load_rank_weights(cfg, tp, rank)
         want = load_rank_weights(s3_ckpt["folder"], cfg, tp, rank)
         assert sorted(got) == sorted(want)
         for name in want:
             assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
-        file_item = {n: torch.empty((), dtype=getattr(torch, "float32")).element_size() for n in want}
-        rank_bytes = sum(t.numel() * file_item[n] for n, t in want.items())  # as stored (float32)
-        weight_bytes = ck.bytes_read - header_bytes
+        item = torch.empty((), dtype=torch.float32).element_size()  # as stored (float32)
+        rank_bytes = sum(t.numel() * item for t in want.values())
+        weight_bytes, weight_requests = ck.bytes_read - header_bytes, ck.requests - header_requests
         total = sum(size for size, _ in ck.objects.values())
-        print(f"rank {rank}: read {weight_bytes} weight bytes for {rank_bytes} ({weight_bytes / rank_bytes:.3f}); "
-              f"with config and headers {ck.bytes_read} of the checkpoint's {total}")
-        assert weight_bytes == rank_bytes  # exactly its slices: <= 1.05 with room to spare
-        assert ck.bytes_read < 0.6 * total
+        print(f"rank {rank} ({'exact' if merge_gap == 0 else 'merged'}): read {weight_bytes} weight bytes for "
+              f"{rank_bytes} ({weight_bytes / rank_bytes:.3f}) in {weight_requests} GETs; with config and headers "
+              f"{ck.bytes_read} of the checkpoint's {total}")
+        sources = expected_shapes(cfg)
+        column_cut = [n for n in sources if (c := shard_slice(n, cfg, tp, rank)) is not None and c[0] == 1]
+        assert column_cut, "the row-parallel projections are cut by columns"
+        if merge_gap == 0:
+            assert weight_bytes == rank_bytes  # exactly its slices
+            # one GET per row of every column-cut tensor (no two rows' slices touch at tp 2)
+            assert weight_requests == sum(sources[n][0] for n in column_cut) + len(sources) - len(column_cut)
+            assert ck.bytes_read < 0.6 * total
+        else:  # the default: each tensor in one GET, a column-cut one as its rows' whole span
+            assert weight_requests == len(sources)
+            assert weight_bytes == sum(_span_bytes(sources[n], shard_slice(n, cfg, tp, rank), item) for n in sources)
+            assert rank_bytes < weight_bytes < total
 
         again = S3Checkpoint(s3_ckpt["url"], endpoint_url=s3_ckpt["endpoint"], cache_dir=tmp_path / f"cache-{rank}")
         cached = again.load_rank_weights(cfg, tp, rank)

@@ -1,0 +1,93 @@
+"""S3 checkpoint reads: what each rank reads against its weight bytes, and against downloading the files whole.
+
+One checkpoint (the tiny model's width, `s3_read_layers` layers, float32, two safetensors shards) is uploaded
+once to the suite's moto server. Each of the suite's samples, the sides' order rotating:
+- Kiln: `kiln.host.s3_checkpoint.S3Checkpoint` lists the prefix and reads the config and the headers, then
+  each rank of tp 2 reads its own slices (ranged GETs at the header's offsets, 16 at once, no host cache),
+  as a host does in an export: with its default `merge_gap_bytes` (a column-cut tensor read as its rows'
+  whole span, one GET) and with 0 ("exact": one GET per row of a column-cut tensor, only the rank's bytes);
+- boto3: `download_file` of every object of the prefix (its defaults: threaded ranged transfers), what a
+  user who copies the checkpoint first waits for before anything can start.
+Figures, for the default and for exact: the most weight bytes one rank received over that rank's weight
+bytes (`ModelConfig.weight_bytes_per_rank`; its embedding, norms and head are whole on every rank, its
+projections cut), and one rank's whole read (listing, headers, slices) over the whole download, medians
+over the repetitions.
+"""
+
+from __future__ import annotations
+
+import time
+
+from bench.context import Context
+from bench.figures import median, ratio
+from bench.parts_hosts import BUCKET, s3_client
+from bench.runs import FAKE_AWS
+
+TP = 2
+
+
+def _client(ctx: Context):
+    import boto3
+    from botocore.config import Config
+    return boto3.client("s3", endpoint_url=ctx.work.s3_endpoint, region_name=FAKE_AWS["AWS_DEFAULT_REGION"],
+                        aws_access_key_id=FAKE_AWS["AWS_ACCESS_KEY_ID"],
+                        aws_secret_access_key=FAKE_AWS["AWS_SECRET_ACCESS_KEY"],
+                        config=Config(s3={"addressing_style": "path"}, max_pool_connections=16))
+
+
+def part_s3_read(ctx: Context) -> dict:
+    from kiln.core.config import TINY
+    from kiln.host.checkpoint import random_checkpoint
+    from kiln.host.s3_checkpoint import MERGE_GAP_BYTES, S3Checkpoint
+
+    cfg = TINY.replace(num_layers=ctx.s.s3_read_layers)
+    folder = random_checkpoint(ctx.work.path("s3_read", "ckpt", "x").parent, cfg, seed=3, num_shards=2)
+    prefix = ctx.tag("s3-read/ckpt")
+    plain = s3_client(ctx)
+    files = sorted(folder.iterdir())
+    for f in files:
+        plain.upload_file(str(f), BUCKET, f"{prefix}/{f.name}")
+    total = sum(f.stat().st_size for f in files)
+    client = _client(ctx)
+    url = f"s3://{BUCKET}/{prefix}"
+    rows = []
+    for rep in range(ctx.s.samples):
+        row: dict = {}
+
+        def kiln_side(name: str, gap: dict) -> None:
+            ranks = []
+            for rank in range(TP):
+                start = time.perf_counter()
+                ckpt = S3Checkpoint(url, client=client, **gap)
+                got = ckpt.inspect()
+                before, before_requests = ckpt.bytes_read, ckpt.requests
+                weights = ckpt.load_rank_weights(got, TP, rank)
+                ranks.append({"rank": rank, "s": time.perf_counter() - start, "slice_bytes": ckpt.bytes_read - before,
+                              "slice_requests": ckpt.requests - before_requests, "header_bytes": before,
+                              "tensors": len(weights)})
+            row[name] = ranks
+
+        def boto_side() -> None:
+            down = ctx.work.path("s3_read", f"down-{rep}", "x").parent
+            start = time.perf_counter()
+            for o in plain.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/")["Contents"]:
+                plain.download_file(BUCKET, o["Key"], str(down / o["Key"].rsplit("/", 1)[-1]))
+            row["boto3_s"] = time.perf_counter() - start
+
+        sides = [lambda: kiln_side("kiln", {}), lambda: kiln_side("exact", {"merge_gap_bytes": 0}), boto_side]
+        for side in sides[rep % 3:] + sides[:rep % 3]:
+            side()
+        rows.append(row)
+    rank_bytes = cfg.weight_bytes_per_rank(TP)
+    figures = {}
+    for name, prefix in (("kiln", "s3"), ("exact", "s3_exact")):
+        figures[f"{prefix}_rank_bytes_ratio"] = max(r["slice_bytes"] for row in rows for r in row[name]) / rank_bytes
+        figures[f"{prefix}_read_vs_download_ratio"] = median(
+            [ratio(median([r["s"] for r in row[name]]), row["boto3_s"]) for row in rows])
+    return {"figures": figures,
+            "raw": {"checkpoint_bytes": total, "rank_weight_bytes": rank_bytes, "layers": cfg.num_layers,
+                    "tp": TP, "merge_gap_bytes": MERGE_GAP_BYTES, "reps": rows},
+            "notes": "moto_server on loopback: no network latency, so the time ratio shows the work each side does "
+                     "(bytes moved, requests made), not what a remote S3 endpoint's round trips add; a rank reads "
+                     f"about {rank_bytes / total:.0%} of the checkpoint's bytes at tp {TP} (its embedding and head "
+                     "are whole on every rank)"}
