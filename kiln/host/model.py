@@ -3,9 +3,10 @@
 It computes what transformers' LlamaForCausalLM, MistralForCausalLM,
 Qwen2ForCausalLM and Qwen3ForCausalLM compute for the configs
 kiln.core.hf_config accepts: rotary scaling (linear, llama3), q/k/v, o and MLP
-biases, per-head q/k norms, tied embeddings, sliding windows, RMSNorm in float32. One rank's module holds its shard: heads/tp query
-heads, kv_heads/tp KV heads and intermediate/tp MLP columns; embeddings, norms
-and the output head are replicated. The cross-rank sum after the attention output and MLP down
+biases, per-head q/k norms, tied embeddings, sliding windows, RMSNorm in
+float32. One rank's module holds its shard: heads/tp query heads, kv_heads/tp
+KV heads and intermediate/tp MLP columns; embeddings, norms and the output
+head are replicated. The cross-rank sum after the attention output and MLP down
 projections is torch's native functional collective (`_c10d_functional.all_reduce` +
 `wait_tensor`) on the process group named TP_GROUP: AOTInductor compiles it to a C
 shim of libtorch, so a package needs neither Python nor Kiln to run, and since the

@@ -98,16 +98,23 @@ than as thousands of small ones: more bytes (the other ranks' columns of the row
 fewer requests. 0 reads exactly the rank's bytes."""
 
 
-def coalesce(ranges: list[tuple[int, int]], gap_bytes: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+MAX_FETCH_BYTES = 64 << 20
+"""A merged fetch stops growing at this size, so a large tensor still comes in several GETs at once."""
+
+
+def coalesce(ranges: list[tuple[int, int]], gap_bytes: int,
+             max_fetch_bytes: int = MAX_FETCH_BYTES) -> list[tuple[int, int, list[tuple[int, int]]]]:
     """Sorted, disjoint byte ranges [first, last] grouped into fetches (first, last, [the ranges inside]):
-    a range joins the previous fetch when at most `gap_bytes` unwanted bytes separate them."""
-    out: list[tuple[int, int, list[tuple[int, int]]]] = []
+    a range joins the previous fetch when at most `gap_bytes` unwanted bytes separate them and the fetch
+    stays within `max_fetch_bytes`."""
+    out: list[list] = []
     for first, last in ranges:
-        if out and first - out[-1][1] - 1 <= gap_bytes:
-            out[-1] = (out[-1][0], last, out[-1][2] + [(first, last)])
+        if out and first - out[-1][1] - 1 <= gap_bytes and last - out[-1][0] < max_fetch_bytes:
+            out[-1][1] = last
+            out[-1][2].append((first, last))
         else:
-            out.append((first, last, [(first, last)]))
-    return out
+            out.append([first, last, [(first, last)]])
+    return [(first, last, inside) for first, last, inside in out]
 
 
 class S3Checkpoint:

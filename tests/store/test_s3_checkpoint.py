@@ -132,3 +132,13 @@ def test_bad_input_names_the_object(s3_ckpt):
         opened("badconfig").inspect()
     with pytest.raises(BadInput, match="s3://BUCKET/PREFIX"):
         S3Checkpoint("s3:///x")
+
+
+def test_coalesce_merges_close_ranges_and_caps_a_fetch():
+    from kiln.host.s3_checkpoint import coalesce
+
+    rows = [(i * 100, i * 100 + 49) for i in range(4)]  # 50 wanted bytes, then a 50-byte gap, four times
+    assert coalesce(rows, 0) == [(a, b, [(a, b)]) for a, b in rows]
+    assert coalesce(rows, 50) == [(0, 349, rows)]
+    assert coalesce(rows, 49) == coalesce(rows, 0)  # a gap one byte too wide is not read
+    assert coalesce(rows, 50, max_fetch_bytes=200) == [(0, 149, rows[:2]), (200, 349, rows[2:])]
