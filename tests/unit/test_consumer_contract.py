@@ -13,6 +13,8 @@ CONFIGS = {
     "tiny": TINY,
     "biases, tied": TINY.replace(qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=True),
     "gqa hd64": TINY.replace(num_heads=8, num_kv_heads=2, head_dim=64, hidden_size=512, intermediate_size=1024),
+    "qwen3: q/k norms, heads x head_dim != hidden": TINY.replace(architecture="qwen3", qk_norm=True, num_heads=4,
+                                                                  num_kv_heads=2, head_dim=128),
 }
 
 
