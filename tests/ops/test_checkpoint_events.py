@@ -6,9 +6,10 @@ each try of an export emits kiln.export.completed or kiln.export.failed, read
 back here through the events API (POST /events/filter).
 
 One test, one served deployment and one compile (1 bucket, a 1-layer
-checkpoint): the same checkpoint announced twice at once runs two exports one
-after the other (the model lease), and the second compiles nothing (the store's
-keys); then a run the gate refuses emits kiln.export.failed naming the short host.
+checkpoint uploaded to S3, moto_server, and exported from there): the same
+checkpoint announced twice at once runs two exports one after the other (the
+model lease), and the second compiles nothing (the store's keys); then a run
+the gate refuses emits kiln.export.failed naming the short host.
 """
 
 from __future__ import annotations
@@ -61,11 +62,21 @@ def _busy_interval(api, run_id: str) -> tuple[str, str]:
 
 
 def test_an_announced_checkpoint_is_exported_once_per_event_and_each_outcome_is_an_event(
-        serve, prefect_server, kiln_run, tmp_path):
+        s3_bucket, s3_server, serve, prefect_server, kiln_run, tmp_path):
+    # s3_bucket first: its AWS settings (credentials, AWS_ENDPOINT_URL) are in the environment that ops_env
+    # copies, so `kiln serve` and the runs it starts reach the S3 server.
+    import boto3
+
     api = prefect_server.api()
-    model = tmp_path / f"ckpt-{uuid.uuid4().hex[:6]}"
-    made = kiln_run("checkpoint", str(model), "--layers", "1", timeout=300)
+    folder = tmp_path / f"ckpt-{uuid.uuid4().hex[:6]}"
+    made = kiln_run("checkpoint", str(folder), "--layers", "1", timeout=300)
     assert made.returncode == 0, made.stderr
+    bucket = s3_bucket[5:].split("/")[0]
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint_url)
+    for f in sorted(folder.iterdir()):
+        client.upload_file(str(f), bucket, f"checkpoints/{folder.name}/{f.name}")
+    model = f"s3://{bucket}/checkpoints/{folder.name}"  # where training put it; no local copy is used
+    name = folder.name
     served = serve("--on-checkpoint", "--buckets", "1x8", "--set", "flow_retries=0")
     deployment_id = served.deployment["id"]
     deadline = time.monotonic() + 60  # serve creates the deployment first, then its trigger
@@ -79,16 +90,16 @@ def test_an_announced_checkpoint_is_exported_once_per_event_and_each_outcome_is_
         time.sleep(1.0)
 
     # A burst: the same checkpoint announced twice, at once.
-    announced = [kiln_run("announce", str(model), timeout=120) for _ in range(2)]
+    announced = [kiln_run("announce", model, timeout=120) for _ in range(2)]
     for a in announced:
         assert a.returncode == 0, a.stderr
-        assert f"kiln.checkpoint.{model.name}" in a.stdout
+        assert f"kiln.checkpoint.{name}" in a.stdout
     runs = sorted(_runs(api, deployment_id, want=2), key=lambda r: r["created"])
     finals = [api.wait_final(r["id"], timeout_s=1200) for r in runs]
     for run in finals:
         assert run["state_type"] == "COMPLETED", (run["state"], served.log.read_text()[-4000:])
         # The model from the event; every other parameter from the deployment's defaults.
-        assert run["parameters"]["model"] == str(model) and run["parameters"]["export_id"] == ""
+        assert run["parameters"]["model"] == model and run["parameters"]["export_id"] == ""
         assert run["parameters"]["recipe"] == {"buckets": "1x8", "flow_retries": 0}
     # One at a time: the later run probed only after the earlier one had finished its work (the model lease).
     finals.sort(key=lambda r: _busy_interval(api, r["id"]))
@@ -101,8 +112,8 @@ def test_an_announced_checkpoint_is_exported_once_per_event_and_each_outcome_is_
     for run in finals:
         ev = by_run[run["id"]]
         res = ev["resource"]
-        assert res["prefect.resource.id"].startswith(f"kiln.export.{model.name}-tp2-")
-        assert (res["kiln.model"], res["kiln.model-name"], res["kiln.tp"]) == (str(model), model.name, "2")
+        assert res["prefect.resource.id"].startswith(f"kiln.export.{name}-tp2-")
+        assert (res["kiln.model"], res["kiln.model-name"], res["kiln.tp"]) == (model, name, "2")
         assert (res["kiln.status"], res["kiln.final"], res["kiln.attempt"]) == ("completed", "true", "1")
         manifest = urlparse(res["kiln.manifest-url"])
         assert manifest.scheme == "file" and Path(manifest.path).is_file(), res["kiln.manifest-url"]
@@ -113,7 +124,7 @@ def test_an_announced_checkpoint_is_exported_once_per_event_and_each_outcome_is_
     # A run the gate refuses: kiln.export.failed, naming the short host, final (refusals are not retried).
     # (A bucket not in the store yet: with nothing to compile, the gate has nothing to refuse.)
     refused = api.post(f"/deployments/{deployment_id}/create_flow_run", {"parameters": {
-        "model": str(model), "recipe": {"buckets": "2x8", "headroom_floor_mib": 10000000}}})
+        "model": model, "recipe": {"buckets": "2x8", "headroom_floor_mib": 10000000}}})
     assert refused.status_code == 201, refused.text
     run = api.wait_final(refused.json()["id"], timeout_s=600)
     assert run["state_type"] == "FAILED", run["state"]
