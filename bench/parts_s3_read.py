@@ -80,14 +80,14 @@ def part_s3_read(ctx: Context) -> dict:
         rows.append(row)
     rank_bytes = cfg.weight_bytes_per_rank(TP)
     figures = {}
-    for name, prefix in (("kiln", "s3"), ("exact", "s3_exact")):
-        figures[f"{prefix}_rank_bytes_ratio"] = max(r["slice_bytes"] for row in rows for r in row[name]) / rank_bytes
-        figures[f"{prefix}_read_vs_download_ratio"] = median(
-            [ratio(median([r["s"] for r in row[name]]), row["boto3_s"]) for row in rows])
+    for side, figure in (("kiln", "s3"), ("exact", "s3_exact")):
+        figures[f"{figure}_rank_bytes_ratio"] = max(r["slice_bytes"] for row in rows for r in row[side]) / rank_bytes
+        figures[f"{figure}_read_vs_download_ratio"] = median(
+            [ratio(median([r["s"] for r in row[side]]), row["boto3_s"]) for row in rows])
     return {"figures": figures,
             "raw": {"checkpoint_bytes": total, "rank_weight_bytes": rank_bytes, "layers": cfg.num_layers,
                     "tp": TP, "merge_gap_bytes": MERGE_GAP_BYTES, "reps": rows},
             "notes": "moto_server on loopback: no network latency, so the time ratio shows the work each side does "
-                     "(bytes moved, requests made), not what a remote S3 endpoint's round trips add; a rank reads "
-                     f"about {rank_bytes / total:.0%} of the checkpoint's bytes at tp {TP} (its embedding and head "
+                     "(bytes moved, requests made), not what a remote S3 endpoint's round trips add; a rank's weights "
+                     f"are {rank_bytes / total:.0%} of the checkpoint's bytes at tp {TP} (its embedding and head "
                      "are whole on every rank)"}
