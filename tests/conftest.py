@@ -190,14 +190,29 @@ def s3_bucket(s3_server: S3Server, s3_bucket_on: Callable[[S3Server], str]) -> s
 
 
 @pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory: pytest.TempPathFactory):
-    """A Prefect server (SQLite) for the session; yields its API URL. Nothing in os.environ changes."""
+def session_prefect_url(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], str]:
+    """`url()`: the API URL of the session's Prefect server (SQLite), started on the first call, stopped at
+    the session's end. Nothing in os.environ changes. Lazy, so the `kiln` fixture can offer it to every
+    export without starting a server for the sessions (`make test-fast`) that never export."""
     from flows.prefect_server import PrefectServer
 
-    home = tmp_path_factory.mktemp("prefect-server")
-    server = PrefectServer(home, log_path=home / "server.log")
-    yield server.url
-    server.stop()
+    started: list = []
+
+    def url() -> str:
+        if not started:
+            home = tmp_path_factory.mktemp("prefect-server")
+            started.append(PrefectServer(home, log_path=home / "server.log"))
+        return started[0].url
+
+    yield url
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def prefect_server(session_prefect_url) -> str:
+    """The session's Prefect server (SQLite): its API URL."""
+    return session_prefect_url()
 
 
 # =============================================================================
@@ -277,13 +292,25 @@ def kiln_env(tmp_path_factory) -> dict:
     return env
 
 
+PREFECT_COMMANDS = ("export", "serve", "announce")
+"""The kiln commands that talk to Prefect."""
+
+
 @pytest.fixture(scope="session")
-def kiln(kiln_env):
-    """`run(*args, env=None, unset=(), timeout=900, cwd=None)`: `kiln ARGS` in a subprocess, with kiln_env
-    updated by `env` and without the variables named in `unset`."""
+def kiln(kiln_env, session_prefect_url):
+    """`run(*args, env=None, unset=(), timeout=900, cwd=None, embedded=False)`: `kiln ARGS` in a subprocess,
+    with kiln_env updated by `env` and without the variables named in `unset`.
+
+    A command that talks to Prefect reports to the session's Prefect server (PREFECT_API_URL) unless `env`
+    names one or `embedded` is true: on Prefect's embedded API every export pays 10-20 s to start it (more on
+    a fresh Prefect home), which only the tests of that default setup should pay (tp2_export's cold run, the
+    killed-export and orphan tests, the tuning and --hosts exports that say so)."""
     def run(*args: str, env: dict | None = None, unset: tuple[str, ...] = (), timeout: float = 900,
-            cwd=None) -> Run:
-        full = {k: v for k, v in {**kiln_env, **(env or {})}.items() if k not in unset}
+            cwd=None, embedded: bool = False) -> Run:
+        env = dict(env or {})
+        if not embedded and args and args[0] in PREFECT_COMMANDS and "PREFECT_API_URL" not in env:
+            env["PREFECT_API_URL"] = session_prefect_url()
+        full = {k: v for k, v in {**kiln_env, **env}.items() if k not in unset}
         proc = subprocess.run([*KILN, *args], env=full, capture_output=True, text=True, timeout=timeout, cwd=cwd)
         return Run(proc.returncode, proc.stdout, proc.stderr)
     return run
@@ -353,14 +380,16 @@ def tp2_export(kiln, tmp_path_factory):
 
     The recipe's default buckets. The cold run is also what a new user sees (tests/integration/
     test_first_run.py): a fresh Prefect home (a new SQLite database) and none of kiln_env's Prefect
-    settings, only what Kiln sets by itself. Returns {'dir', 'store' (its URL), 'cold', 'warm' (Run),
+    settings, only what Kiln sets by itself, on the embedded API; the warm run reports to the session's
+    Prefect server. Returns {'dir', 'store' (its URL), 'cold', 'warm' (Run),
     'cold_report', 'warm_report'}. Read-only: a test that writes to the store writes to a copy
     (tp2_store_copy).
     """
     d = tmp_path_factory.mktemp("export")
     store = f"file://{d / 'store'}"
     cold = kiln("export", "--model", "tiny", "--tp", "2", "--store", store, "--report", str(d / "cold.json"),
-                env={"PREFECT_HOME": str(d / "fresh-prefect-home")}, unset=("PREFECT_SERVER_ANALYTICS_ENABLED",))
+                env={"PREFECT_HOME": str(d / "fresh-prefect-home")}, unset=("PREFECT_SERVER_ANALYTICS_ENABLED",),
+                embedded=True)
     assert cold.code == 0, cold.err[-3000:]
     warm = kiln("export", "--model", "tiny", "--tp", "2", "--store", store, "--report", str(d / "warm.json"))
     assert warm.code == 0, warm.err[-3000:]

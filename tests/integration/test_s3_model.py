@@ -40,8 +40,10 @@ def test_an_s3_checkpoint_exports_like_its_directory_and_verify_checks_its_ident
     from_dir = kiln("export", "--model", str(folder), *common, "--export-id", "from-dir",
                     "--report", str(tmp_path / "dir.json"), env=env)
     assert from_dir.code == 0, from_dir.err[-3000:]
+    # Without PREFECT_API_URL, as a user runs it: `--hosts 2` starts a Prefect server of its own (the one test
+    # of that path).
     from_s3 = kiln("export", "--model", url, *common, "--hosts", "2", "--export-id", "from-s3",
-                   "--report", str(tmp_path / "s3.json"), env=env)
+                   "--report", str(tmp_path / "s3.json"), env=env, embedded=True)
     assert from_s3.code == 0, from_s3.err[-3000:]
     dir_report, s3_report = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("dir", "s3"))
     assert [f["key"] for f in s3_report["forwards"]] == [f["key"] for f in dir_report["forwards"]]
