@@ -17,14 +17,15 @@ from kiln.core.errors import BadInput
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 """model_type -> the transformers class whose math Kiln reproduces."""
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3)."""
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) or its mixture-of-experts kin
+    (Mixtral, Qwen3-MoE)."""
 
     vocab_size: int
     """Rows of the embedding and of the output head."""
@@ -47,7 +48,7 @@ class ModelConfig:
     dtype: str = "float32"
     """Dtype of weights and activations; forwards are compiled in it."""
     architecture: str = "llama"
-    """Hugging Face model_type: llama, mistral, qwen2 or qwen3."""
+    """Hugging Face model_type: llama, mistral, qwen2, qwen3, mixtral or qwen3_moe."""
     rope_type: str = "default"
     """Rotary frequency scaling: default (none), linear (positions / rope_factor) or llama3."""
     rope_factor: float = 1.0
@@ -73,6 +74,17 @@ class ModelConfig:
     qk_norm: bool = False
     """Each query and key head is RMS-normalised over head_dim, with its own weight, before the rotary
     embedding (Qwen3's q_norm / k_norm)."""
+    num_experts: int = 0
+    """Experts of each mixture-of-experts layer (Mixtral's num_local_experts, Qwen3-MoE's num_experts)."""
+    experts_per_token: int = 0
+    """Experts a token is routed to (num_experts_per_tok): the top-k of the router's softmax."""
+    moe_intermediate_size: int = 0
+    """Width of one expert's SwiGLU MLP; split across ranks like the dense MLP."""
+    norm_topk_prob: bool = True
+    """The top-k routing weights are renormalised to sum to one (always for Mixtral)."""
+    moe_layers: tuple[int, ...] = ()
+    """The decoder layers whose MLP is the mixture of experts; the others keep the dense MLP
+    (Qwen3-MoE's decoder_sparse_step and mlp_only_layers decide them). Empty: a dense model."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -106,10 +118,28 @@ class ModelConfig:
             raise BadInput(f"config.json: sliding_window must be a positive integer or null, got {self.sliding_window!r}.")
         if not isinstance(self.first_sliding_layer, int) or self.first_sliding_layer < 0:
             raise BadInput(f"config.json: max_window_layers must be >= 0, got {self.first_sliding_layer!r}.")
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))  # a list when read back from JSON
+        if self.moe_layers:
+            for field in ("num_experts", "experts_per_token", "moe_intermediate_size"):
+                value = getattr(self, field)
+                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                    raise BadInput(f"config.json: {field} must be a positive integer for a mixture of experts, "
+                                   f"got {value!r}.")
+            if self.experts_per_token > self.num_experts:
+                raise BadInput(f"config.json: num_experts_per_tok ({self.experts_per_token}) exceeds the "
+                               f"{self.num_experts} experts.")
+            if list(self.moe_layers) != sorted(set(self.moe_layers)) or not all(
+                    isinstance(i, int) and 0 <= i < self.num_layers for i in self.moe_layers):
+                raise BadInput(f"config.json: the mixture-of-experts layers {list(self.moe_layers)} must be distinct "
+                               f"layer indices below {self.num_layers}, in order.")
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    def is_moe(self, layer: int) -> bool:
+        """Decoder layer `layer`'s MLP is the mixture of experts."""
+        return layer in self.moe_layers
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer`, or None when it attends to all its context."""
@@ -126,11 +156,13 @@ class ModelConfig:
         """Raise BadInput unless `tp` ranks can split heads, KV heads and the MLP evenly."""
         if not isinstance(tp, int) or tp <= 0:
             raise BadInput(f"--tp must be a positive integer, got {tp!r}.")
-        for what, count in (("attention heads", self.num_heads), ("KV heads", self.num_kv_heads),
-                            ("MLP intermediate size", self.intermediate_size)):
+        counts = [("attention heads", self.num_heads), ("KV heads", self.num_kv_heads),
+                  ("MLP intermediate size", self.intermediate_size)]
+        if self.moe_layers:
+            counts.append(("expert intermediate size", self.moe_intermediate_size))
+        for what, count in counts:
             if count % tp:
-                ok = [d for d in range(1, count + 1) if count % d == 0 and self.num_heads % d == 0
-                      and self.num_kv_heads % d == 0 and self.intermediate_size % d == 0]
+                ok = [d for d in range(1, count + 1) if all(c % d == 0 for _, c in counts)]
                 raise BadInput(
                     f"--tp {tp} does not divide the model's {count} {what}; "
                     f"use a tp that divides heads, KV heads and the MLP: {', '.join(map(str, ok))}.")
@@ -141,9 +173,12 @@ class ModelConfig:
         attn += ((q + 2 * kv) // tp if self.qkv_bias else 0) + (self.hidden_size if self.o_bias else 0)
         mlp = 3 * self.hidden_size * self.intermediate_size // tp
         mlp += 2 * self.intermediate_size // tp + self.hidden_size if self.mlp_bias else 0
-        per_layer = attn + mlp + 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = attn + 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        moe = self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size // tp + self.hidden_size)
+        dense = self.num_layers - len(self.moe_layers)
+        layers = self.num_layers * per_layer + len(self.moe_layers) * moe + dense * mlp
         heads = 1 if self.tie_word_embeddings else 2
-        return self.num_layers * per_layer + heads * self.vocab_size * self.hidden_size + self.hidden_size
+        return layers + heads * self.vocab_size * self.hidden_size + self.hidden_size
 
     def num_params(self) -> int:
         return self._param_counts(1)

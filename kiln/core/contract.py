@@ -51,8 +51,14 @@ a package of another layout (e.g. the unrolled one, with a constant per layer) i
 LAYER_PREFIX = "model.layers."
 RUN_PREFIX = "model.runs."
 
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_ROW = ("o_proj", "down_proj")
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
+_ROW = ("o_proj", "down_proj", "w2")
+
+EXPERTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+           "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+"""model_type -> (the module of a mixture-of-experts layer, its experts' (gate, up, down) projection names), as
+published checkpoints name them: `<module>.gate.weight` is the router, `<module>.experts.<e>.<proj>.weight`
+expert e's projections."""
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -73,6 +79,14 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.o_bias:
             out[f"{p}.self_attn.o_proj.bias"] = (h,)
         out[f"{p}.post_attention_layernorm.weight"] = (h,)
+        if cfg.is_moe(i):
+            module, (gate, up, down) = EXPERTS[cfg.architecture]
+            e_mlp = cfg.moe_intermediate_size
+            out[f"{p}.{module}.gate.weight"] = (cfg.num_experts, h)
+            for e in range(cfg.num_experts):
+                for name, shape in ((gate, (e_mlp, h)), (up, (e_mlp, h)), (down, (h, e_mlp))):
+                    out[f"{p}.{module}.experts.{e}.{name}.weight"] = shape
+            continue
         for name, shape, bias in (("gate_proj", (mlp, h), mlp), ("up_proj", (mlp, h), mlp),
                                   ("down_proj", (h, mlp), h)):
             out[f"{p}.mlp.{name}.weight"] = shape
@@ -88,27 +102,48 @@ def layer_runs(cfg: ModelConfig) -> list[tuple[int, int]]:
     """[start, stop) of each run of same-shaped decoder layers; each run is one scan in the graph.
 
     Per-layer differences that keep the shapes (the sliding window) are data scanned with the weights,
-    so the Llama-family layers are one run."""
-    return [(0, cfg.num_layers)]
+    so the Llama-family layers are one run; dense and mixture-of-experts layers are runs of their own."""
+    runs: list[tuple[int, int]] = []
+    for i in range(cfg.num_layers):
+        if runs and cfg.is_moe(i) == cfg.is_moe(runs[-1][0]):
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
-def _layer_suffixes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Each per-layer checkpoint tensor's name after `model.layers.<i>.`, with its full shape."""
-    head = f"{LAYER_PREFIX}0."
-    return {name[len(head):]: shape for name, shape in parameter_shapes(cfg.replace(num_layers=1)).items()
-            if name.startswith(head)}
+_EXPERT = ".experts."
+
+
+def _stack_suffix(suffix: str) -> str:
+    """A per-layer tensor's suffix in its stacked constant: an expert's index dropped
+    (`mlp.experts.3.gate_proj.weight` -> `mlp.experts.gate_proj.weight`), since the experts stack too."""
+    if _EXPERT not in suffix:
+        return suffix
+    module, rest = suffix.split(_EXPERT, 1)
+    return f"{module}{_EXPERT}{rest.split('.', 1)[1]}"
+
 
 
 def constant_sources(cfg: ModelConfig) -> dict[str, list[str]]:
     """Package constant -> the checkpoint tensors it holds: one for a plain constant; a stacked one's
-    tensors in layer order. Ordered as the torch module's state dict."""
+    tensors in layer order (and, for experts' projections, in expert order within each layer: the constant
+    stacks layers x experts along one leading dimension, which the graph views as [layers, experts, ...]).
+    Ordered as the torch module's state dict."""
     out: dict[str, list[str]] = {}
-    suffixes = list(_layer_suffixes(cfg))
-    plain = [n for n in parameter_shapes(cfg) if not n.startswith(LAYER_PREFIX)]
+    full = parameter_shapes(cfg)
+    plain = [n for n in full if not n.startswith(LAYER_PREFIX)]
     out[plain[0]] = [plain[0]]  # the embedding comes first, as in the module
-    for j, (start, stop) in enumerate(layer_runs(cfg)):
-        for suffix in suffixes:
-            out[f"{RUN_PREFIX}{j}.{suffix}"] = [f"{LAYER_PREFIX}{i}.{suffix}" for i in range(start, stop)]
+    runs = layer_runs(cfg)
+    run_of = {i: j for j, (start, stop) in enumerate(runs) for i in range(start, stop)}
+    stacked: list[dict[str, list[str]]] = [{} for _ in runs]
+    for name in full:  # layer by layer, each layer's experts in order
+        if name.startswith(LAYER_PREFIX):
+            layer, suffix = name[len(LAYER_PREFIX):].split(".", 1)
+            stacked[run_of[int(layer)]].setdefault(_stack_suffix(suffix), []).append(name)
+    for j, run in enumerate(stacked):
+        for suffix, sources in run.items():
+            out[f"{RUN_PREFIX}{j}.{suffix}"] = sources
     for name in plain[1:]:
         out[name] = [name]
     return out
@@ -140,7 +175,8 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
     if parts[-1] == "bias" and parts[-2] in _ROW:
         return None
     hq, hkv = cfg.num_heads // tp * cfg.head_dim, cfg.num_kv_heads // tp * cfg.head_dim
-    n = {"q_proj": hq, "o_proj": hq, "k_proj": hkv, "v_proj": hkv}.get(parts[-2], cfg.intermediate_size // tp)
+    mlp = cfg.moe_intermediate_size if _EXPERT in name else cfg.intermediate_size
+    n = {"q_proj": hq, "o_proj": hq, "k_proj": hkv, "v_proj": hkv}.get(parts[-2], mlp // tp)
     return (0 if parts[-2] in _COLUMN else 1), rank * n, (rank + 1) * n
 
 

@@ -13,8 +13,10 @@ Both spellings are read: transformers 4.x (top-level `rope_theta`,
 `dtype`). Supported families: Llama 2/3/3.1/3.2 (rope default, linear,
 llama3; tied embeddings; attention_bias, mlp_bias), Mistral (sliding window),
 Qwen2 (q/k/v biases; sliding window from max_window_layers or layer_types)
-and Qwen3 (per-head q/k RMSNorm, attention_bias, head_dim 128 unless given,
-Qwen2's sliding window).
+Qwen3 (per-head q/k RMSNorm, attention_bias, head_dim 128 unless given,
+Qwen2's sliding window), Mixtral (top-k of num_local_experts, renormalised;
+Mistral's sliding window) and Qwen3-MoE (Qwen3's attention; norm_topk_prob,
+decoder_sparse_step, mlp_only_layers; a sliding window on every layer).
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ READ = {
     "mistral": _COMMON | {"sliding_window"},
     "qwen2": _COMMON | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "qwen3": _COMMON | {"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
+    "mixtral": _COMMON | {"sliding_window", "num_local_experts", "num_experts", "num_experts_per_tok"},
+    "qwen3_moe": _COMMON | {"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers",
+                            "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                            "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"},
 }
 """Fields each family's config may hold that change the math; Kiln reads every one of them."""
 
@@ -42,6 +48,8 @@ INERT = {
     "attention_dropout": "dropout is off at inference", "pretraining_tp": "splits the same matmuls (same math)",
     "output_attentions": "a generate() setting", "output_hidden_states": "a generate() setting",
     "return_dict": "a generate() setting", "tokenizer_class": "a tokenizer setting",
+    "output_router_logits": "a training output (the router's logits for the auxiliary loss)",
+    "router_aux_loss_coef": "a training loss weight", "router_jitter_noise": "noise applied in training only",
 }
 """Fields that do not change what a forward step computes, with why."""
 
@@ -78,6 +86,7 @@ def from_hf(raw: dict) -> ModelConfig:
                                        if isinstance(hidden, int) and isinstance(heads, int) and heads else 0)
     bias = _flag(raw, "attention_bias")
     window, first_sliding = _sliding(raw, family)
+    moe = _experts(raw, family)
     return ModelConfig(
         architecture=family,
         vocab_size=raw["vocab_size"], hidden_size=hidden, num_layers=raw["num_hidden_layers"],
@@ -85,11 +94,47 @@ def from_hf(raw: dict) -> ModelConfig:
         intermediate_size=raw["intermediate_size"],
         rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),  # every family's default
         dtype=_dtype(raw),
-        qkv_bias=bias or family == "qwen2", o_bias=bias, mlp_bias=_flag(raw, "mlp_bias"), qk_norm=family == "qwen3",
+        qkv_bias=bias or family == "qwen2", o_bias=bias, mlp_bias=_flag(raw, "mlp_bias"),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=_flag(raw, "tie_word_embeddings"),
         sliding_window=window, first_sliding_layer=first_sliding,
-        **_rope(raw),
+        **moe, **_rope(raw),
     )
+
+
+_EXPERT_DEFAULTS = {"mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+                    "qwen3_moe": {"num_local_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                                  "norm_topk_prob": False, "decoder_sparse_step": 1}}
+"""What MixtralConfig and Qwen3MoeConfig assume for a field config.json leaves out."""
+
+
+def _experts(raw: dict, family: str) -> dict:
+    """ModelConfig's mixture-of-experts fields, as the family's transformers class decides them."""
+    if family not in _EXPERT_DEFAULTS:
+        return {}
+    defaults = _EXPERT_DEFAULTS[family]
+    spelled = {k: raw[k] for k in ("num_local_experts", "num_experts") if raw.get(k) is not None}
+    if len(set(spelled.values())) > 1:
+        raise BadInput(f"config.json: num_local_experts={raw['num_local_experts']!r} and num_experts="
+                       f"{raw['num_experts']!r} disagree; keep one.")
+    experts = next(iter(spelled.values()), defaults["num_local_experts"])
+    layers = raw["num_hidden_layers"]
+    out = {"num_experts": experts, "experts_per_token": raw.get("num_experts_per_tok", defaults["num_experts_per_tok"])}
+    if family == "mixtral":  # every layer; each expert as wide as intermediate_size; top-k always renormalised
+        return {**out, "moe_intermediate_size": raw["intermediate_size"], "norm_topk_prob": True,
+                "moe_layers": tuple(range(layers))}
+    step = raw.get("decoder_sparse_step", defaults["decoder_sparse_step"])
+    if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+        raise BadInput(f"config.json: decoder_sparse_step={step!r} must be a positive integer.")
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise BadInput(f"config.json: mlp_only_layers={dense!r} must list layer indices.")
+    norm = raw.get("norm_topk_prob", defaults["norm_topk_prob"])
+    if not isinstance(norm, bool):
+        raise BadInput(f"config.json: norm_topk_prob={norm!r} must be true or false.")
+    moe_layers = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    return {**out, "moe_intermediate_size": raw.get("moe_intermediate_size", defaults["moe_intermediate_size"]),
+            "norm_topk_prob": norm, "moe_layers": moe_layers}
 
 
 def _family(raw: dict) -> str:
@@ -182,8 +227,10 @@ def _rope(raw: dict) -> dict:
 
 def _sliding(raw: dict, family: str) -> tuple[int | None, int]:
     """(sliding_window, first sliding layer), as the family's transformers class decides them."""
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         return raw.get("sliding_window"), 0
+    if family == "qwen3_moe":  # Qwen3MoeConfig: every layer slides when use_sliding_window (max_window_layers unread)
+        return (raw.get("sliding_window", 4096) if _flag(raw, "use_sliding_window") else None), 0
     if family not in ("qwen2", "qwen3") or not _flag(raw, "use_sliding_window") or raw.get("sliding_window") is None:
         return None, 0
     layers = raw["num_hidden_layers"]
@@ -205,15 +252,24 @@ def _sliding(raw: dict, family: str) -> tuple[int | None, int]:
 def to_hf(cfg: ModelConfig) -> dict:
     """The `config.json` (transformers 4.x spelling) of `cfg`; BadInput for a combination no family has."""
     family = cfg.architecture
-    if cfg.qk_norm != (family == "qwen3"):
-        raise BadInput("q/k norms are Qwen3's, and every qwen3 config has them.")
-    if family == "qwen3" and (cfg.qkv_bias != cfg.o_bias or cfg.mlp_bias):
-        raise BadInput("a qwen3 config's attention_bias covers q, k, v and o together; it has no mlp_bias.")
+    qwen3 = family in ("qwen3", "qwen3_moe")
+    if cfg.qk_norm != qwen3:
+        raise BadInput("q/k norms are Qwen3's, and every qwen3 and qwen3_moe config has them.")
+    if qwen3 and (cfg.qkv_bias != cfg.o_bias or cfg.mlp_bias):
+        raise BadInput(f"a {family} config's attention_bias covers q, k, v and o together; it has no mlp_bias.")
+    moe_family = family in _EXPERT_DEFAULTS
+    if moe_family != bool(cfg.moe_layers):
+        raise BadInput(f"{'a' if moe_family else 'no'} {family} config has mixture-of-experts layers.")
+    if family == "mixtral" and (cfg.moe_layers != tuple(range(cfg.num_layers)) or not cfg.norm_topk_prob
+                                or cfg.moe_intermediate_size != cfg.intermediate_size):
+        raise BadInput("a mixtral config has experts on every layer, as wide as intermediate_size, renormalised.")
+    if family == "qwen3_moe" and cfg.sliding_window is not None and cfg.first_sliding_layer:
+        raise BadInput("a qwen3_moe config's sliding window covers every layer.")
     if family == "qwen2" and (not cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias):
         raise BadInput("a qwen2 config has q/k/v biases and no other biases.")
     if family not in ("qwen2", "qwen3") and cfg.qkv_bias != cfg.o_bias:
         raise BadInput("a llama config's attention_bias covers q, k, v and o together.")
-    if family not in ("llama", "qwen3") and (cfg.o_bias or cfg.mlp_bias):
+    if family not in ("llama", "qwen3", "qwen3_moe") and (cfg.o_bias or cfg.mlp_bias):
         raise BadInput(f"a {family} config has no attention_bias / mlp_bias.")
     if family == "llama" and cfg.sliding_window is not None:
         raise BadInput("a llama config has no sliding window (use mistral or qwen2).")
@@ -234,11 +290,19 @@ def to_hf(cfg: ModelConfig) -> dict:
                                "original_max_position_embeddings": cfg.rope_original_max_position}
     if family == "llama":
         out.update(attention_bias=cfg.o_bias, mlp_bias=cfg.mlp_bias)
-    elif family == "mistral":
+    elif family in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window
+    elif family == "qwen3_moe":
+        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                   attention_bias=cfg.o_bias)
     else:
         out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                    max_window_layers=cfg.first_sliding_layer)
         if family == "qwen3":
             out["attention_bias"] = cfg.o_bias
+    if moe_family:
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token)
+    if family == "qwen3_moe":
+        out.update(moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                   decoder_sparse_step=1, mlp_only_layers=[i for i in range(cfg.num_layers) if not cfg.is_moe(i)])
     return out

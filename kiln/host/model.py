@@ -1,10 +1,11 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain torch, tensor-parallel over `tp` ranks.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE) in plain torch, tensor-parallel.
 
 It computes what transformers' LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM and Qwen3ForCausalLM compute for the configs
-kiln.core.hf_config accepts: rotary scaling (linear, llama3), q/k/v, o and MLP
-biases, per-head q/k norms, tied embeddings, sliding windows, RMSNorm in
-float32. One rank's module holds its shard: heads/tp query heads, kv_heads/tp
+Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM and Qwen3MoeForCausalLM
+compute for the configs kiln.core.hf_config accepts: rotary scaling (linear,
+llama3), q/k/v, o and MLP biases, per-head q/k norms, tied embeddings, sliding
+windows, RMSNorm in float32, mixtures of experts (top-k routing; each expert's
+intermediate columns split over the ranks like the dense MLP's). One rank's module holds its shard: heads/tp query heads, kv_heads/tp
 KV heads and intermediate/tp MLP columns; embeddings, norms and the output
 head are replicated. The cross-rank sum after the attention output and MLP down
 projections is torch's native functional collective (`_c10d_functional.all_reduce` +
@@ -45,7 +46,8 @@ from torch import nn
 
 from kiln.core.config import ModelConfig
 from kiln.core.contract import PROCESS_GROUP as TP_GROUP
-from kiln.core.contract import RUN_PREFIX, constant_shapes, constant_sources, layer_runs, parameter_shapes, shard_slice
+from kiln.core.contract import (EXPERTS, RUN_PREFIX, constant_shapes, constant_sources, layer_runs, parameter_shapes,
+                                 shard_slice)
 
 
 @contextlib.contextmanager
@@ -180,10 +182,55 @@ def decoder_layer(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], x: torc
     x = x + _linear_then_reduce(out.transpose(1, 2).reshape(b, t, -1), p["self_attn.o_proj.weight"],
                                 p.get("self_attn.o_proj.bias"), tp)
     h = _rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    if cfg.moe_layers and f"{EXPERTS[cfg.architecture][0]}.gate.weight" in p:
+        return x + mixture_of_experts(cfg, tp, p, h), k, v
     gate = F.linear(h, p["mlp.gate_proj.weight"], p.get("mlp.gate_proj.bias"))
     up = F.linear(h, p["mlp.up_proj.weight"], p.get("mlp.up_proj.bias"))
     x = x + _linear_then_reduce(F.silu(gate) * up, p["mlp.down_proj.weight"], p.get("mlp.down_proj.bias"), tp)
     return x, k, v
+
+
+GATHER_BELOW = 3
+"""A step gathers its chosen experts when GATHER_BELOW x its (token, expert) pairs are at most the experts."""
+
+
+def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    """One rank's share of a mixture-of-experts MLP, summed over the ranks: [b, t, hidden].
+
+    The router (replicated) takes the softmax over the experts in float32 and keeps the top k, renormalised
+    when `norm_topk_prob`; each expert is a SwiGLU MLP whose intermediate columns are split over the ranks,
+    so a rank's weighted sum of its experts' partial down projections is summed once over the ranks.
+    The compute follows the chosen experts: when a step routes few (token, expert) pairs against the
+    experts (GATHER_BELOW; decode), only the chosen experts' weights are gathered and multiplied; otherwise
+    (prefill) every expert runs over every token, weighted by its routing weight or 0: a gathered expert's
+    weights are read, copied and read again, so for that many pairs reading every expert once costs less.
+    The choice is made per bucket when the graph is traced (its shapes are static).
+    """
+    module, names = EXPERTS[cfg.architecture]
+    gate_w, up_w, down_w = (p[f"{module}.experts.{n}.weight"] for n in names)  # [E, I/tp, H], [E, I/tp, H], [E, H, I/tp]
+    b, t, hidden = h.shape
+    x = h.reshape(b * t, hidden)
+    probs = torch.softmax(F.linear(x, p[f"{module}.gate.weight"]).to(torch.float32), dim=-1)
+    weights, chosen = torch.topk(probs, cfg.experts_per_token, dim=-1)  # [n, k]
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if cfg.architecture == "qwen3_moe":  # Qwen3-MoE weighs in the model's dtype, Mixtral in float32
+        weights = weights.to(h.dtype)
+    n, k = chosen.shape
+    if GATHER_BELOW * n * k <= cfg.num_experts:
+        flat = chosen.reshape(-1)
+        rows = x.repeat_interleave(k, dim=0)[:, None, :]  # [n*k, 1, H]
+        act = F.silu(torch.bmm(rows, gate_w[flat].transpose(1, 2))) * torch.bmm(rows, up_w[flat].transpose(1, 2))
+        out = torch.bmm(act, down_w[flat].transpose(1, 2)).reshape(n, k, hidden)  # [n, k, H]
+        mixed = (out * weights[..., None]).to(h.dtype).sum(dim=1)
+    else:
+        act = F.silu(torch.einsum("nh,eih->nei", x, gate_w)) * torch.einsum("nh,eih->nei", x, up_w)
+        out = torch.einsum("nei,ehi->neh", act, down_w)  # [n, E, H]
+        dense = torch.zeros(n, cfg.num_experts, dtype=weights.dtype, device=x.device).scatter(1, chosen, weights)
+        mixed = (out * dense[..., None]).to(h.dtype).sum(dim=1)
+    if tp > 1:
+        mixed = all_reduce(mixed)
+    return mixed.reshape(b, t, hidden)
 
 
 class Holder(nn.Module):
@@ -222,8 +269,11 @@ class LayerRun(nn.Module):
             owner.register_parameter(leaf, nn.Parameter(_initial(suffix, shapes[prefix + suffix])))
 
     def stacked(self) -> dict[str, torch.Tensor]:
-        """suffix -> the stacked tensor [layers, ...]."""
-        return {suffix: self.get_parameter(suffix) for suffix in self.suffixes}
+        """suffix -> the stacked tensor [layers, ...]; experts' projections, stacked layers x experts along
+        one dimension, viewed as [layers, experts, ...]."""
+        layers = self.stop - self.start
+        return {suffix: (w.view(layers, -1, *w.shape[1:]) if ".experts." in suffix else w)
+                for suffix, w in ((s, self.get_parameter(s)) for s in self.suffixes)}
 
 
 class Inner(nn.Module):

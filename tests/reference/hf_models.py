@@ -1,7 +1,8 @@
 """Small random-init checkpoints written by transformers' own classes, and their reference outputs.
 
 The reference is independent of Kiln: transformers' LlamaForCausalLM,
-MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM, built from a config dict and saved
+MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM and
+Qwen3MoeForCausalLM, built from a config dict and saved
 with `save_pretrained` (safetensors). Nothing is downloaded.
 """
 
@@ -15,7 +16,8 @@ import pytest
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
 
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+           "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
@@ -57,6 +59,21 @@ CASES = {
                                         max_window_layers=1), "float32"),
     "qwen3-bf16": ("qwen3", dict(hidden_size=256, head_dim=128, num_attention_heads=4, num_key_value_heads=2,
                                  num_hidden_layers=4, vocab_size=32000, initializer_range=0.05), "bfloat16"),
+    # Mixtral: 8 experts, top 2, head_dim 64; with Mistral's sliding window.
+    "mixtral": ("mixtral", dict(hidden_size=256, num_hidden_layers=3, num_local_experts=8, num_experts_per_tok=2,
+                                intermediate_size=128), "float32"),
+    "mixtral-window": ("mixtral", dict(hidden_size=256, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128,
+                                       sliding_window=5), "float32"),
+    "mixtral-bf16": ("mixtral", dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+                                     num_local_experts=8, num_experts_per_tok=2, intermediate_size=256,
+                                     vocab_size=32000, initializer_range=0.05), "bfloat16"),
+    # Qwen3-MoE: Qwen3's attention (q/k norms, head_dim 64); layer 1 dense (mlp_only_layers), the others 64 experts
+    # of width 32, top 2 renormalised: a 1x8 step gathers its 16 chosen experts, 20 tokens run every expert.
+    "qwen3-moe": ("qwen3_moe", dict(head_dim=64, num_hidden_layers=4, num_experts=64, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True), "float32"),
+    # Every other layer sparse (decoder_sparse_step 2), the top-k weights not renormalised (the default).
+    "qwen3-moe-step": ("qwen3_moe", dict(head_dim=64, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=64, decoder_sparse_step=2), "float32"),
 }
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hf_models import CASES, CLASSES, transformers, write_case
 
+from kiln.core.contract import layer_runs
 from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights
 from kiln.host.model import ShardedDecoder
 
@@ -27,6 +28,10 @@ FEATURE_OFF = {
     "qwen2-window": {"sliding_window": None, "first_sliding_layer": 0},
     "qwen3": {"qk_norm": False},
     "qwen3-bias-window": {"sliding_window": None, "first_sliding_layer": 0},
+    "mixtral": {"norm_topk_prob": False},
+    "mixtral-window": {"sliding_window": None},
+    "qwen3-moe": {"norm_topk_prob": False},
+    "qwen3-moe-step": {"experts_per_token": 1},
 }
 
 
@@ -67,3 +72,27 @@ def test_kiln_computes_what_transformers_computes(case, hf_root):
     if case in FEATURE_OFF:
         without = kiln_logits(cfg.replace(**FEATURE_OFF[case]), weights, tokens)
         assert float((without - got).abs().max()) > 1e-2, f"{case}: the feature does not change these logits"
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe"])
+def test_a_step_of_few_tokens_gathers_its_experts_and_computes_what_every_expert_would(case, hf_root):
+    """The two ways a mixture-of-experts layer computes (kiln.host.model.mixture_of_experts): one token alone
+    takes the gathered path, the same token among many the every-expert path; same output."""
+    from kiln.host.model import GATHER_BELOW, mixture_of_experts
+
+    path = write_case(case, hf_root)
+    cfg = inspect_checkpoint(path)
+    weights = load_rank_weights(path, cfg, 1, 0)
+    run = next(j for j, (start, _) in enumerate(layer_runs(cfg))
+               if cfg.is_moe(start))
+    model = ShardedDecoder(cfg, 1).eval()
+    model.load_state_dict({k: v for k, v in weights.items() if k in model.state_dict()}, strict=True)
+    layer = {n: w[0] for n, w in model.model.runs[run].stacked().items()}
+    many = cfg.num_experts // cfg.experts_per_token + 1
+    assert GATHER_BELOW * cfg.experts_per_token <= cfg.num_experts < many * cfg.experts_per_token
+    h = torch.randn(1, many, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        alone = mixture_of_experts(cfg, 1, layer, h[:, :1])
+        among = mixture_of_experts(cfg, 1, layer, h)
+    assert float((alone - among[:, :1]).abs().max()) < 1e-5
+    assert float(alone.abs().max()) > 1e-2

@@ -25,6 +25,8 @@ E2E = {
     "qwen2-window": "Qwen2: sharded q/k/v biases, a sliding window shorter than the prompt on layer 1",
     "mistral-window": "Mistral: a sliding window of 6 over the paged cache",
     "qwen3-bias-window": "Qwen3: per-head q/k norms, 4 heads of 64 over hidden 128, sharded q/k/v/o biases, a window",
+    "qwen3-moe": "Qwen3-MoE: 64 experts, top 2 (a 1x8 step gathers the chosen ones), a dense layer between, each "
+                 "expert's columns sharded, the router replicated",
     "llama-deep": "24 layers of llama-hd64's width: one scanned layer body, 24 layers' stacked weights",
     "llama-realistic-bf16": "bfloat16, head_dim 128, 4 layers, vocabulary 32000",
 }
@@ -130,4 +132,28 @@ def test_a_realistic_bfloat16_export_runs_with_torch_alone(export_and_run, tmp_p
     for bucket, logits in alone[0].items():
         assert logits.dtype == torch.bfloat16 and logits.shape[-1] == 32000
         assert torch.equal(logits, alone[1][bucket])  # the all-reduced result is the same on every rank
+        assert torch.equal(logits, kiln_[bucket]), f"{bucket}: torch alone and Kiln's loader differ"
+
+
+def test_a_mixture_of_experts_export_runs_with_torch_alone(export_and_run, tmp_path):
+    """The consumer contract of experts: each stacked expert constant holds layers x experts in order (its
+    manifest entry lists them), which torch alone fills from the checkpoint as Kiln's loader does."""
+    from pathlib import Path
+
+    import torch
+    from torch_only_harness import run_torch_only, run_with_kiln
+
+    got = export_and_run("qwen3-moe")
+    root = Path(got["store"].removeprefix("file://"))
+    manifest_path = root / got["report"]["manifest"]
+    manifest = json.loads(manifest_path.read_text())
+    experts = manifest["weights"]["model.runs.0.mlp.experts.down_proj.weight"]
+    assert experts["stack"] == 64 and experts["shape"] == [64, 128, 16]  # layer 0's 64 experts, half a column each
+    assert experts["sources"][1]["tensor"] == "model.layers.0.mlp.experts.1.down_proj.weight"
+    run_torch_only(manifest_path, root / "forwards", manifest["model"]["checkpoint"], tmp_path / "alone")
+    run_with_kiln(manifest_path, root / "forwards", tmp_path / "kiln")
+    alone = [torch.load(tmp_path / "alone" / f"rank{r}.pt") for r in range(2)]
+    kiln_ = torch.load(tmp_path / "kiln" / "rank0.pt")
+    for bucket, logits in alone[0].items():
+        assert torch.equal(logits, alone[1][bucket])
         assert torch.equal(logits, kiln_[bucket]), f"{bucket}: torch alone and Kiln's loader differ"

@@ -15,6 +15,11 @@ CONFIGS = {
     "gqa hd64": TINY.replace(num_heads=8, num_kv_heads=2, head_dim=64, hidden_size=512, intermediate_size=1024),
     "qwen3: q/k norms, heads x head_dim != hidden": TINY.replace(architecture="qwen3", qk_norm=True, num_heads=4,
                                                                   num_kv_heads=2, head_dim=128),
+    "qwen3_moe: a dense run between expert runs": TINY.replace(
+        architecture="qwen3_moe", qk_norm=True, num_layers=4, num_experts=4, experts_per_token=2,
+        moe_intermediate_size=96, moe_layers=(0, 2, 3)),
+    "mixtral: experts on every layer": TINY.replace(architecture="mixtral", num_experts=3, experts_per_token=2,
+                                                    moe_intermediate_size=TINY.intermediate_size, moe_layers=(0, 1)),
 }
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 
 import pytest
 
@@ -106,7 +108,7 @@ def _changed(cfg: ModelConfig, field: dataclasses.Field):
     """A valid value of `field` other than cfg's."""
     value = getattr(cfg, field.name)
     special = {"dtype": "bfloat16", "architecture": "mistral", "rope_type": "linear", "sliding_window": 8,
-               "num_heads": 48, "num_kv_heads": 6, "first_sliding_layer": 1}
+               "num_heads": 48, "num_kv_heads": 6, "first_sliding_layer": 1, "moe_layers": (0, 1)}
     if field.name in special:
         return special[field.name]
     if isinstance(value, bool):
@@ -123,7 +125,9 @@ def test_every_config_field_is_in_the_forward_key():
                         recipe=Recipe(), store_url="file:///none")
         return job.specs(target="t", torch_version="v", code="c", compiler={})[0].key
 
-    base = TINY.replace(rope_type="llama3", rope_factor=8.0)
+    # A mixture of experts on layer 0, so that every expert field changes what the model computes.
+    base = TINY.replace(rope_type="llama3", rope_factor=8.0, num_experts=4, experts_per_token=2,
+                        moe_intermediate_size=96, moe_layers=(0,))
     seen = {key(base)}
     for field in dataclasses.fields(ModelConfig):
         changed = base.replace(**{field.name: _changed(base, field)})
@@ -151,3 +155,37 @@ def test_dtype_override_changes_what_is_compiled(tmp_path, monkeypatch):
     assert plain.config["dtype"] == "float32" and half.config["dtype"] == "bfloat16"
     key = lambda j: j.specs(target="t", torch_version="v", code="c", compiler={})[0].key  # noqa: E731
     assert key(plain) != key(half)
+
+
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 128,
+             "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "intermediate_size": 96, "num_local_experts": 8, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": [1]}
+
+
+def test_mixture_of_experts_layers_are_chosen_as_transformers_chooses_them():
+    cfg = from_hf(QWEN3_MOE)
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size) == (8, 2, 32)
+    assert cfg.moe_layers == (0, 2, 3) and cfg.qk_norm and not cfg.norm_topk_prob  # Qwen3MoeConfig's default
+    assert from_hf({**QWEN3_MOE, "decoder_sparse_step": 2, "mlp_only_layers": []}).moe_layers == (1, 3)
+    assert from_hf({**QWEN3_MOE, "num_local_experts": None, "num_experts": 16}).num_experts == 16
+    mixtral = from_hf({**LLAMA, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                       "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8})
+    assert mixtral.moe_layers == tuple(range(mixtral.num_layers)) and mixtral.norm_topk_prob
+    assert mixtral.moe_intermediate_size == mixtral.intermediate_size and mixtral.sliding_window == 8
+    for cfg in (from_hf(QWEN3_MOE), mixtral):
+        assert from_hf(to_hf(cfg)) == cfg
+        assert ModelConfig(**json.loads(json.dumps(cfg.to_dict()))) == cfg  # as a forward key reads it back
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"num_experts": 4}, "num_local_experts=8 and num_experts=4 disagree"),
+    ({"num_experts_per_tok": 9}, "exceeds the 8 experts"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step=0 must be a positive integer"),
+    ({"mlp_only_layers": "1"}, "mlp_only_layers='1' must list layer indices"),
+    ({"norm_topk_prob": "yes"}, "norm_topk_prob='yes' must be true or false"),
+    ({"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size=64"),
+])
+def test_mixture_of_experts_values_outside_what_kiln_computes_are_refused_by_name(change, words):
+    with pytest.raises(BadInput, match=re.escape(words)):
+        from_hf({**QWEN3_MOE, **change})
