@@ -76,6 +76,19 @@ def _spare(name: str, cfg: ModelConfig) -> bool:
     return (name == "lm_head.weight" and cfg.tie_word_embeddings) or name.endswith("rotary_emb.inv_freq")
 
 
+def missing_hint(missing: list[str], present) -> str:
+    """What a checkpoint lacking `missing` (and holding `present`) most likely is, for the refusal's words."""
+    if missing == ["lm_head.weight"]:
+        return (" (config.json says tie_word_embeddings: false; a checkpoint without lm_head.weight ties it "
+                "to the embeddings)")
+    fused = sorted(n for n in present if n.endswith((".experts.gate_up_proj", ".experts.down_proj")))
+    if fused:
+        return (f" (it holds experts fused as 3-D tensors, e.g. {fused[0]}: transformers 5's in-memory layout; "
+                "Kiln reads experts one tensor per expert, as published checkpoints and transformers' "
+                "save_pretrained write them: re-save the model with save_pretrained)")
+    return ""
+
+
 def inspect_checkpoint(path: Path | str) -> ModelConfig:
     """Check config, headers, file sizes and shapes without loading weights; return the config.
 
@@ -89,10 +102,8 @@ def inspect_checkpoint(path: Path | str) -> ModelConfig:
     mapping = _weight_map(path)
     missing = sorted(set(want) - set(mapping))
     if missing:
-        hint = (" (config.json says tie_word_embeddings: false; a checkpoint without lm_head.weight ties it "
-                "to the embeddings)" if missing == ["lm_head.weight"] else "")
-        raise BadInput(f"{path} lacks {len(missing)} tensor(s) that config.json implies, e.g. {missing[0]}{hint}; "
-                       "the checkpoint does not match its config.")
+        raise BadInput(f"{path} lacks {len(missing)} tensor(s) that config.json implies, e.g. {missing[0]}"
+                       f"{missing_hint(missing, mapping)}; the checkpoint does not match its config.")
     unused = sorted(n for n in set(mapping) - set(want) if not _spare(n, cfg))
     if unused:
         raise BadInput(f"{path} holds {len(unused)} tensor(s) that config.json does not account for, e.g. "

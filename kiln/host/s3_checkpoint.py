@@ -228,13 +228,13 @@ class S3Checkpoint:
     def inspect(self) -> ModelConfig:
         """Config and headers only (no weights): every tensor config.json implies there with its shape,
         and none it does not account for (kiln.host.checkpoint's checks); returns the config."""
-        from kiln.host.checkpoint import _spare
+        from kiln.host.checkpoint import _spare, missing_hint
         cfg = self.read_config()
         want, have = expected_shapes(cfg), self.tensors()
         missing = sorted(set(want) - set(have))
         if missing:
-            raise BadInput(f"{self.url}/ lacks {len(missing)} tensor(s) that config.json implies, e.g. {missing[0]}; "
-                           "the checkpoint does not match its config.")
+            raise BadInput(f"{self.url}/ lacks {len(missing)} tensor(s) that config.json implies, e.g. {missing[0]}"
+                           f"{missing_hint(missing, have)}; the checkpoint does not match its config.")
         unused = sorted(n for n in set(have) - set(want) if not _spare(n, cfg))
         if unused:
             raise BadInput(f"{self.url}/ holds {len(unused)} tensor(s) that config.json does not account for, "

@@ -40,3 +40,25 @@ def test_an_unknown_family_is_refused(kiln_main, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     run = kiln_main("plan", "--model", str(path), "--tp", "2")
     assert run.code == 2 and "model_type='gemma' is not supported" in run.err, run.err[-2000:]
+
+
+def test_experts_fused_as_3d_tensors_are_refused_saying_how_to_fix_it(kiln_main, tmp_path):
+    """transformers 5 holds experts fused in memory (`mlp.experts.gate_up_proj` [E, 2I, H]); its save_pretrained
+    writes them per expert, as published checkpoints are. A checkpoint saved fused is refused, saying so."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    overrides = dict(head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    path = tmp_path / "fused"
+    hf_model("qwen3_moe", hf_config("qwen3_moe", overrides, "float32")).save_pretrained(path)
+    flat = load_file(path / "model.safetensors")
+    fused = {k: v for k, v in flat.items() if ".experts." not in k}
+    for i in range(2):
+        p = f"model.layers.{i}.mlp.experts"
+        fused[f"{p}.gate_up_proj"] = torch.stack([torch.cat([flat[f"{p}.{e}.gate_proj.weight"],
+                                                             flat[f"{p}.{e}.up_proj.weight"]]) for e in range(4)])
+        fused[f"{p}.down_proj"] = torch.stack([flat[f"{p}.{e}.down_proj.weight"] for e in range(4)])
+    save_file(fused, path / "model.safetensors", metadata={"format": "pt"})
+    run = kiln_main("plan", "--model", str(path), "--tp", "2")
+    assert run.code == 2, run.err[-2000:]
+    assert "experts fused as 3-D tensors" in run.err and "save_pretrained" in run.err, run.err[-2000:]
