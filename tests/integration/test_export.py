@@ -1,4 +1,5 @@
-"""The export spine end to end: real compilation, the embedded Prefect API, a local store.
+"""The export spine end to end: real compilation, a local store; the session's cold export on the embedded
+Prefect API (the default setup), the other exports on the session's Prefect server (the `kiln` fixture).
 
 Every test looks at the session's export (tp2_export); a test that changes its store changes a copy
 (tp2_store_copy). `kiln plan` and refusals that come before Prefect or any rank run in this process

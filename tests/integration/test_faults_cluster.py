@@ -82,7 +82,7 @@ def test_two_exports_at_once_compile_each_key_once(kiln, s3_bucket, signing_key_
 
     def one(i: int):
         env = {**aws, **signing_key_env, "PREFECT_HOME": str(tmp_path / f"prefect{i}")}
-        return kiln(*args, "--report", str(tmp_path / f"r{i}.json"), env=env)
+        return kiln(*args, "--report", str(tmp_path / f"r{i}.json"), env=env, embedded=True)
 
     with cf.ThreadPoolExecutor(2) as pool:  # two CLI processes; the threads only wait for them
         first = pool.submit(one, 0)
