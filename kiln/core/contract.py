@@ -115,10 +115,15 @@ def layer_runs(cfg: ModelConfig) -> list[tuple[int, int]]:
 _EXPERT = ".experts."
 
 
+def is_expert(name: str) -> bool:
+    """`name` (a checkpoint tensor or a stacked constant's suffix) is an expert's projection."""
+    return _EXPERT in name
+
+
 def _stack_suffix(suffix: str) -> str:
     """A per-layer tensor's suffix in its stacked constant: an expert's index dropped
     (`mlp.experts.3.gate_proj.weight` -> `mlp.experts.gate_proj.weight`), since the experts stack too."""
-    if _EXPERT not in suffix:
+    if not is_expert(suffix):
         return suffix
     module, rest = suffix.split(_EXPERT, 1)
     return f"{module}{_EXPERT}{rest.split('.', 1)[1]}"
@@ -175,7 +180,7 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
     if parts[-1] == "bias" and parts[-2] in _ROW:
         return None
     hq, hkv = cfg.num_heads // tp * cfg.head_dim, cfg.num_kv_heads // tp * cfg.head_dim
-    mlp = cfg.moe_intermediate_size if _EXPERT in name else cfg.intermediate_size
+    mlp = cfg.moe_intermediate_size if is_expert(name) else cfg.intermediate_size
     n = {"q_proj": hq, "o_proj": hq, "k_proj": hkv, "v_proj": hkv}.get(parts[-2], mlp // tp)
     return (0 if parts[-2] in _COLUMN else 1), rank * n, (rank + 1) * n
 

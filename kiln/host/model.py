@@ -5,9 +5,10 @@ Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM and Qwen3MoeForCausalLM
 compute for the configs kiln.core.hf_config accepts: rotary scaling (linear,
 llama3), q/k/v, o and MLP biases, per-head q/k norms, tied embeddings, sliding
 windows, RMSNorm in float32, mixtures of experts (top-k routing; each expert's
-intermediate columns split over the ranks like the dense MLP's). One rank's module holds its shard: heads/tp query heads, kv_heads/tp
-KV heads and intermediate/tp MLP columns; embeddings, norms and the output
-head are replicated. The cross-rank sum after the attention output and MLP down
+intermediate columns split over the ranks like the dense MLP's). One rank's
+module holds its shard: heads/tp query heads, kv_heads/tp KV heads and
+intermediate/tp MLP columns; embeddings, norms and the output head are
+replicated. The cross-rank sum after the attention output and MLP down
 projections is torch's native functional collective (`_c10d_functional.all_reduce` +
 `wait_tensor`) on the process group named TP_GROUP: AOTInductor compiles it to a C
 shim of libtorch, so a package needs neither Python nor Kiln to run, and since the
@@ -46,8 +47,8 @@ from torch import nn
 
 from kiln.core.config import ModelConfig
 from kiln.core.contract import PROCESS_GROUP as TP_GROUP
-from kiln.core.contract import (EXPERTS, RUN_PREFIX, constant_shapes, constant_sources, layer_runs, parameter_shapes,
-                                 shard_slice)
+from kiln.core.contract import (EXPERTS, RUN_PREFIX, constant_shapes, constant_sources, is_expert, layer_runs,
+                                 parameter_shapes, shard_slice)
 
 
 @contextlib.contextmanager
@@ -271,9 +272,11 @@ class LayerRun(nn.Module):
     def stacked(self) -> dict[str, torch.Tensor]:
         """suffix -> the stacked tensor [layers, ...]; experts' projections, stacked layers x experts along
         one dimension, viewed as [layers, experts, ...]."""
-        layers = self.stop - self.start
-        return {suffix: (w.view(layers, -1, *w.shape[1:]) if ".experts." in suffix else w)
-                for suffix, w in ((s, self.get_parameter(s)) for s in self.suffixes)}
+        out = {}
+        for suffix in self.suffixes:
+            w = self.get_parameter(suffix)
+            out[suffix] = w.view(self.stop - self.start, -1, *w.shape[1:]) if is_expert(suffix) else w
+        return out
 
 
 class Inner(nn.Module):
