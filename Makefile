@@ -59,8 +59,11 @@ runner: setup
 export: setup
 	$(BIN)/kiln export --model tiny --tp 2 --report report.json
 
+# Two workers, each test group on one of them, the longest groups first (tests/xdist_groups.py).
+XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
+
 test: test-setup
-	$(BIN)/pytest -q -rs --durations=25
+	$(BIN)/pytest -q -rs --durations=25 $(XDIST)
 
 test-fast: setup
 	$(BIN)/pytest -q -rs -m "not slow"

@@ -409,3 +409,14 @@ def tp2_store_copy(tp2_export, tmp_path) -> dict:
     root = tmp_path / "store-copy"
     shutil.copytree(Path(tp2_export["store"].removeprefix("file://")), root, symlinks=True)
     return {"store": f"file://{root}", "root": root}
+
+
+# =============================================================================
+# Two workers: which tests run together (tests/xdist_groups.py)
+# =============================================================================
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import xdist_groups
+
+    xdist_groups.assign(config, items)

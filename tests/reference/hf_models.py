@@ -45,6 +45,10 @@ CASES = {
                                    tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
                      "float32"),
     "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True), "float32"),
+    # llama32-like with both biases: what the tp 2 export test runs end to end (one compile for both points).
+    "llama32-biases": ("llama", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                     tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0,
+                                     attention_bias=True, mlp_bias=True), "float32"),
     "llama-realistic-bf16": ("llama", dict(vocab_size=32000, hidden_size=512, num_attention_heads=4,
                                            num_key_value_heads=2, intermediate_size=1024, num_hidden_layers=4,
                                            initializer_range=0.05), "bfloat16"),

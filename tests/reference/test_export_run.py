@@ -19,15 +19,14 @@ PROMPT = [5, 17, 300, 42, 7, 99, 3, 250, 11, 8, 130, 64]
 NEW_TOKENS = 6
 E2E = {
     # case: why it is exported end to end (each feature alone is checked in eager mode too)
-    "llama-hd64": "plain Llama, head_dim 64, float32",
-    "llama32-like": "Llama 3.2 shape: tied embeddings, llama3 rope scaling, head_dim 64",
-    "llama-biases": "attention_bias and mlp_bias: row-parallel biases added once after the all-reduce",
+    "llama32-biases": "Llama 3.2 shape (tied embeddings, llama3 rope scaling, head_dim 64) with attention_bias and "
+                      "mlp_bias: row-parallel biases added once after the all-reduce",
     "qwen2-window": "Qwen2: sharded q/k/v biases, a sliding window shorter than the prompt on layer 1",
     "mistral-window": "Mistral: a sliding window of 6 over the paged cache",
     "qwen3-bias-window": "Qwen3: per-head q/k norms, 4 heads of 64 over hidden 128, sharded q/k/v/o biases, a window",
     "qwen3-moe": "Qwen3-MoE: 64 experts, top 2 (a 1x8 step gathers the chosen ones), a dense layer between, each "
                  "expert's columns sharded, the router replicated",
-    "llama-deep": "24 layers of llama-hd64's width: one scanned layer body, 24 layers' stacked weights",
+    "llama-deep": "plain Llama, head_dim 64, 24 layers: one scanned layer body, 24 layers' stacked weights",
     "llama-realistic-bf16": "bfloat16, head_dim 128, 4 layers, vocabulary 32000",
 }
 
@@ -96,15 +95,15 @@ def test_bfloat16_export_stays_within_transformers_own_bfloat16_error(export_and
 
 
 def test_verify_passes_on_a_real_checkpoint_export(kiln, export_and_run, prefect_server):
-    got = export_and_run("llama32-like")
-    verified = kiln("verify", "ref-llama32-like", "--store", got["store"], env={"PREFECT_API_URL": prefect_server})
+    got = export_and_run("llama32-biases")
+    verified = kiln("verify", "ref-llama32-biases", "--store", got["store"], env={"PREFECT_API_URL": prefect_server})
     assert verified.code == 0, verified.err[-3000:]
     assert "verify ok: 2 ranks match the unsharded model" in verified.out
 
 
 def test_a_verify_mismatch_is_final_not_retried(kiln, export_and_run, prefect_server):
     """A forward that differs from eager fails the same way every time: one try, no 30 s retry delay."""
-    got = export_and_run("llama-hd64")
+    got = export_and_run("llama-deep")
     failed = kiln("export", "--model", str(got["path"]), "--tp", "2", "--buckets", "1x8", "--store", got["store"],
                   "--set", "verify_atol=1e-12", "--export-id", "ref-mismatch", env={"PREFECT_API_URL": prefect_server})
     assert failed.code == 1
