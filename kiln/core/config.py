@@ -17,15 +17,18 @@ from kiln.core.errors import BadInput
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 """model_type -> the transformers class whose math Kiln reproduces."""
 ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = ("silu", "gelu_tanh")
+"""The gated MLP's activation: SwiGLU's silu, or GeGLU's tanh-approximated gelu (Gemma's gelu_pytorch_tanh)."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) or its mixture-of-experts kin
-    (Mixtral, Qwen3-MoE)."""
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3) or its
+    mixture-of-experts kin (Mixtral, Qwen3-MoE)."""
 
     vocab_size: int
     """Rows of the embedding and of the output head."""
@@ -48,7 +51,7 @@ class ModelConfig:
     dtype: str = "float32"
     """Dtype of weights and activations; forwards are compiled in it."""
     architecture: str = "llama"
-    """Hugging Face model_type: llama, mistral, qwen2, qwen3, mixtral or qwen3_moe."""
+    """Hugging Face model_type: one of ARCHITECTURES."""
     rope_type: str = "default"
     """Rotary frequency scaling: default (none), linear (positions / rope_factor) or llama3."""
     rope_factor: float = 1.0
@@ -85,6 +88,27 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     """The decoder layers whose MLP is the mixture of experts; the others keep the dense MLP
     (Qwen3-MoE's decoder_sparse_step and mlp_only_layers decide them). Empty: a dense model."""
+    full_attention_layers: tuple[int, ...] = ()
+    """Layers from first_sliding_layer on that still attend to all their context (Gemma's interleaving of
+    sliding and full layers, its layer_types)."""
+    activation: str = "silu"
+    """The gated MLP's activation (ACTIVATIONS): silu, or gelu_tanh (Gemma's GeGLU)."""
+    norm_unit_offset: bool = False
+    """RMSNorm scales by (1 + weight), in float32 before the cast back (Gemma), not by weight after it."""
+    sandwich_norms: bool = False
+    """Gemma 2 and 3: the attention's output is normalised (post_attention_layernorm) before the residual add,
+    and the MLP sits between pre_feedforward_layernorm and post_feedforward_layernorm."""
+    embed_scale: bool = False
+    """Embeddings are multiplied by sqrt(hidden_size), rounded to the dtype first (Gemma)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by this ** -0.5 (Gemma); None: head_dim ** -0.5."""
+    attn_softcap: float | None = None
+    """Attention scores pass through cap * tanh(score / cap) before the mask (Gemma 2's attn_logit_softcapping)."""
+    final_softcap: float | None = None
+    """Logits pass through cap * tanh(logit / cap) (Gemma 2's final_logit_softcapping)."""
+    local_rope_theta: float | None = None
+    """Sliding layers' rotary base, unscaled (Gemma 3's rope_local_base_freq); None: every layer uses rope_theta
+    and its scaling."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -119,6 +143,18 @@ class ModelConfig:
         if not isinstance(self.first_sliding_layer, int) or self.first_sliding_layer < 0:
             raise BadInput(f"config.json: max_window_layers must be >= 0, got {self.first_sliding_layer!r}.")
         object.__setattr__(self, "moe_layers", tuple(self.moe_layers))  # a list when read back from JSON
+        object.__setattr__(self, "full_attention_layers", tuple(self.full_attention_layers))
+        if list(self.full_attention_layers) != sorted(set(self.full_attention_layers)) or not all(
+                isinstance(i, int) and 0 <= i < self.num_layers for i in self.full_attention_layers):
+            raise BadInput(f"config.json: the full-attention layers {list(self.full_attention_layers)} must be "
+                           f"distinct layer indices below {self.num_layers}, in order.")
+        if self.activation not in ACTIVATIONS:
+            raise BadInput(f"config.json: activation {self.activation!r} is not supported; Kiln computes "
+                           f"{', '.join(ACTIVATIONS)}.")
+        for field in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rope_theta"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise BadInput(f"config.json: {field} must be a positive number or null, got {value!r}.")
         if self.moe_layers:
             for field in ("num_experts", "experts_per_token", "moe_intermediate_size"):
                 value = getattr(self, field)
@@ -143,7 +179,9 @@ class ModelConfig:
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer`, or None when it attends to all its context."""
-        return self.sliding_window if layer >= self.first_sliding_layer else None
+        if layer < self.first_sliding_layer or layer in self.full_attention_layers:
+            return None
+        return self.sliding_window
 
     def to_dict(self) -> dict:
         """Every field, JSON-ready; `ModelConfig(**d)` reads it back."""
@@ -173,7 +211,8 @@ class ModelConfig:
         attn += ((q + 2 * kv) // tp if self.qkv_bias else 0) + (self.hidden_size if self.o_bias else 0)
         mlp = 3 * self.hidden_size * self.intermediate_size // tp
         mlp += 2 * self.intermediate_size // tp + self.hidden_size if self.mlp_bias else 0
-        per_layer = attn + 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norms else 2) * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = attn + norms
         moe = self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size // tp + self.hidden_size)
         dense = self.num_layers - len(self.moe_layers)
         layers = self.num_layers * per_layer + len(self.moe_layers) * moe + dense * mlp

@@ -79,6 +79,9 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.o_bias:
             out[f"{p}.self_attn.o_proj.bias"] = (h,)
         out[f"{p}.post_attention_layernorm.weight"] = (h,)
+        if cfg.sandwich_norms:
+            out[f"{p}.pre_feedforward_layernorm.weight"] = (h,)
+            out[f"{p}.post_feedforward_layernorm.weight"] = (h,)
         if cfg.is_moe(i):
             module, (gate, up, down) = EXPERTS[cfg.architecture]
             e_mlp = cfg.moe_intermediate_size

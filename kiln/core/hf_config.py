@@ -16,7 +16,11 @@ Qwen2 (q/k/v biases; sliding window from max_window_layers or layer_types)
 Qwen3 (per-head q/k RMSNorm, attention_bias, head_dim 128 unless given,
 Qwen2's sliding window), Mixtral (top-k of num_local_experts, renormalised;
 Mistral's sliding window) and Qwen3-MoE (Qwen3's attention; norm_topk_prob,
-decoder_sparse_step, mlp_only_layers; a sliding window on every layer).
+decoder_sparse_step, mlp_only_layers; a sliding window on every layer),
+Gemma 2 (GeGLU, (1 + weight) norms around attention and MLP, scaled embeddings,
+query_pre_attn_scalar, soft-capped scores and logits, sliding and full layers
+interleaved) and Gemma 3 (Gemma 2's layers with Gemma's q/k norms and a rotary
+base of their own on sliding layers).
 """
 
 from __future__ import annotations
@@ -36,7 +40,22 @@ READ = {
     "qwen3_moe": _COMMON | {"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers",
                             "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                             "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"},
+    "gemma2": _COMMON | {"hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window",
+                         "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
+                         "use_bidirectional_attention"},
 }
+READ["gemma3_text"] = READ["gemma2"] | {"rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern"}
+GEMMA = ("gemma2", "gemma3_text")
+
+_GEMMA_DEFAULTS = {
+    "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "final_logit_softcapping": 30.0,
+               "attn_logit_softcapping": 50.0, "sliding_window": 4096, "pattern": 2, "rope_theta": 10000.0},
+    "gemma3_text": {"head_dim": 256, "query_pre_attn_scalar": 256, "final_logit_softcapping": None,
+                    "attn_logit_softcapping": None, "sliding_window": 4096, "pattern": 6, "rope_theta": 1000000.0,
+                    "rope_local_base_freq": 10000.0},
+}
+"""What Gemma2Config and Gemma3TextConfig assume for a field config.json leaves out (a full layer every
+`pattern` layers, the others sliding)."""
 """Fields each family's config may hold that change the math; Kiln reads every one of them."""
 
 INERT = {
@@ -50,6 +69,7 @@ INERT = {
     "return_dict": "a generate() setting", "tokenizer_class": "a tokenizer setting",
     "output_router_logits": "a training output (the router's logits for the auxiliary loss)",
     "router_aux_loss_coef": "a training loss weight", "router_jitter_noise": "noise applied in training only",
+    "cache_implementation": "a generate() setting (which cache class it builds)",
 }
 """Fields that do not change what a forward step computes, with why."""
 
@@ -78,15 +98,18 @@ def from_hf(raw: dict) -> ModelConfig:
                            "intermediate_size") if k not in raw]
     if missing:
         raise BadInput(f"config.json lacks {', '.join(missing)}; it must describe a decoder of a supported family.")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise BadInput(f"config.json: hidden_act={raw['hidden_act']!r}: Kiln computes the SwiGLU MLP with silu only.")
+    gemma = family in GEMMA
+    activation = _activation(raw, family)
     heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
-    # Qwen3Config's head_dim defaults to 128, not hidden_size / heads as the other families' do.
-    head_dim = raw.get("head_dim") or (128 if family == "qwen3" else hidden // heads
-                                       if isinstance(hidden, int) and isinstance(heads, int) and heads else 0)
+    # Qwen3Config's head_dim defaults to 128 and Gemma's to 256, not hidden_size / heads as the others' do.
+    head_dim = raw.get("head_dim") or ({"qwen3": 128, "gemma2": 256, "gemma3_text": 256}.get(family)
+                                       or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
+                                           and heads else 0))
     bias = _flag(raw, "attention_bias")
-    window, first_sliding = _sliding(raw, family)
+    window, first_sliding, full_layers = _sliding(raw, family)
     moe = _experts(raw, family)
+    extra = _gemma(raw, family) if gemma else {}
+    tied = _flag(raw, "tie_word_embeddings") if "tie_word_embeddings" in raw or not gemma else True
     return ModelConfig(
         architecture=family,
         vocab_size=raw["vocab_size"], hidden_size=hidden, num_layers=raw["num_hidden_layers"],
@@ -95,11 +118,45 @@ def from_hf(raw: dict) -> ModelConfig:
         rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),  # every family's default
         dtype=_dtype(raw),
         qkv_bias=bias or family == "qwen2", o_bias=bias, mlp_bias=_flag(raw, "mlp_bias"),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
-        tie_word_embeddings=_flag(raw, "tie_word_embeddings"),
-        sliding_window=window, first_sliding_layer=first_sliding,
-        **moe, **_rope(raw),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
+        tie_word_embeddings=tied,
+        sliding_window=window, first_sliding_layer=first_sliding, full_attention_layers=full_layers,
+        activation=activation, **moe, **extra, **_rope(raw, family),
     )
+
+
+def _activation(raw: dict, family: str) -> str:
+    """The gated MLP's activation: silu for the Llama kin, gelu_pytorch_tanh (GeGLU) for Gemma."""
+    if family not in GEMMA:
+        if raw.get("hidden_act", "silu") != "silu":
+            raise BadInput(f"config.json: hidden_act={raw['hidden_act']!r}: Kiln computes the SwiGLU MLP with silu only.")
+        return "silu"
+    spelled = {k: raw[k] for k in ("hidden_activation", "hidden_act") if raw.get(k) is not None}
+    if len(set(spelled.values())) > 1:
+        raise BadInput(f"config.json: hidden_activation={raw['hidden_activation']!r} and hidden_act="
+                       f"{raw['hidden_act']!r} disagree; keep one.")
+    value = next(iter(spelled.values()), "gelu_pytorch_tanh")
+    if value != "gelu_pytorch_tanh":
+        raise BadInput(f"config.json: {next(iter(spelled))}={value!r}: Kiln computes Gemma's MLP with "
+                       "gelu_pytorch_tanh only.")
+    return "gelu_tanh"
+
+
+def _gemma(raw: dict, family: str) -> dict:
+    """ModelConfig's Gemma fields: norms, embedding scale, attention scale and soft caps."""
+    defaults = _GEMMA_DEFAULTS[family]
+    if raw.get("use_bidirectional_attention"):
+        raise BadInput("config.json: use_bidirectional_attention=true: Kiln computes causal decoders only.")
+    out = {"norm_unit_offset": True, "sandwich_norms": True, "embed_scale": True}
+    for key, field in (("query_pre_attn_scalar", "query_pre_attn_scalar"), ("attn_logit_softcapping", "attn_softcap"),
+                       ("final_logit_softcapping", "final_softcap")):
+        value = raw.get(key, defaults[key])
+        if value is not None:
+            value = _number(raw, key, defaults[key])
+            if not value > 0:
+                raise BadInput(f"config.json: {key}={value!r} must be positive or null.")
+        out[field] = value
+    return out
 
 
 _EXPERT_DEFAULTS = {"mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
@@ -185,9 +242,25 @@ def _dtype(raw: dict) -> str:
     return value
 
 
-def _rope(raw: dict) -> dict:
-    """ModelConfig's rope_* fields from either spelling."""
+def _rope(raw: dict, family: str = "llama") -> dict:
+    """ModelConfig's rope_* fields (and Gemma 3's local_rope_theta) from either spelling."""
     params = raw.get("rope_parameters")
+    if isinstance(params, dict) and params and set(params) <= {"full_attention", "sliding_attention"}:
+        if family != "gemma3_text":
+            raise BadInput(f"config.json: rope_parameters per layer type ({', '.join(params)}) are Gemma 3's; "
+                           f"a {family} model has one rope for every layer.")
+        local = params.get("sliding_attention") or {}
+        if not isinstance(local, dict) or local.get("rope_type", "default") != "default" or set(local) - {
+                "rope_type", "rope_theta"}:
+            raise BadInput(f"config.json: rope_parameters.sliding_attention={local!r}: Kiln computes sliding "
+                           "layers' rotary embedding unscaled (rope_type default, a rope_theta).")
+        out = _rope({k: v for k, v in raw.items() if k != "rope_parameters"}
+                    | {"rope_parameters": params.get("full_attention") or {}}, "gemma3")
+        return {**out, "local_rope_theta": _number(local, "rope_theta", 10000.0)}
+    if family == "gemma3_text":
+        defaults = _GEMMA_DEFAULTS[family]
+        out = _rope({**raw, "rope_theta": raw.get("rope_theta", defaults["rope_theta"])}, "gemma3")
+        return {**out, "local_rope_theta": _number(raw, "rope_local_base_freq", defaults["rope_local_base_freq"])}
     scaling = raw.get("rope_scaling")
     if params is not None and scaling is not None:
         raise BadInput("config.json has both rope_parameters (transformers 5) and rope_scaling (4.x); keep one.")
@@ -205,7 +278,7 @@ def _rope(raw: dict) -> dict:
     if extra:
         raise BadInput(f"config.json: {where}.{extra[0]}={rope[extra[0]]!r} is not understood for rope type "
                        f"{kind!r}; Kiln reads {', '.join(sorted(_ROPE_KEYS[kind]))}.")
-    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+    theta = rope.get("rope_theta", raw.get("rope_theta", 1000000.0 if family == "gemma3" else 10000.0))
     if "rope_theta" in rope and "rope_theta" in raw and rope["rope_theta"] != raw["rope_theta"]:
         raise BadInput(f"config.json: rope_theta={raw['rope_theta']!r} and {where}.rope_theta="
                        f"{rope['rope_theta']!r} disagree; keep one.")
@@ -225,36 +298,73 @@ def _rope(raw: dict) -> dict:
     return out
 
 
-def _sliding(raw: dict, family: str) -> tuple[int | None, int]:
-    """(sliding_window, first sliding layer), as the family's transformers class decides them."""
+def _sliding(raw: dict, family: str) -> tuple[int | None, int, tuple[int, ...]]:
+    """(sliding_window, first sliding layer, later full-attention layers), as the family's transformers class
+    decides them."""
     if family in ("mistral", "mixtral"):
-        return raw.get("sliding_window"), 0
+        return raw.get("sliding_window"), 0, ()
     if family == "qwen3_moe":  # Qwen3MoeConfig: every layer slides when use_sliding_window (max_window_layers unread)
-        return (raw.get("sliding_window", 4096) if _flag(raw, "use_sliding_window") else None), 0
+        return (raw.get("sliding_window", 4096) if _flag(raw, "use_sliding_window") else None), 0, ()
+    if family in GEMMA:
+        return _gemma_layers(raw, family)
     if family not in ("qwen2", "qwen3") or not _flag(raw, "use_sliding_window") or raw.get("sliding_window") is None:
-        return None, 0
+        return None, 0, ()
     layers = raw["num_hidden_layers"]
     types = raw.get("layer_types")
     if types is None:
         first = raw.get("max_window_layers", 28)
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise BadInput(f"config.json: max_window_layers={first!r} must be an integer >= 0.")
-        return raw["sliding_window"], min(first, layers)
+        return raw["sliding_window"], min(first, layers), ()
     if not isinstance(types, list) or not set(types) <= {"full_attention", "sliding_attention"}:
         raise BadInput(f"config.json: layer_types={types!r} must list 'full_attention' / 'sliding_attention'.")
     first = types.index("sliding_attention") if "sliding_attention" in types else layers
     if types != ["full_attention"] * first + ["sliding_attention"] * (len(types) - first) or len(types) != layers:
         raise BadInput(f"config.json: layer_types={types!r}: Kiln computes full-attention layers followed by "
                        "sliding ones, one entry per layer.")
-    return raw["sliding_window"], first
+    return raw["sliding_window"], first, ()
+
+
+def _gemma_layers(raw: dict, family: str) -> tuple[int | None, int, tuple[int, ...]]:
+    """Gemma's interleaving: layer_types, or else a full layer every sliding_window_pattern layers."""
+    defaults = _GEMMA_DEFAULTS[family]
+    layers = raw["num_hidden_layers"]
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", defaults["pattern"]))
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
+            raise BadInput(f"config.json: sliding_window_pattern={pattern!r} must be a positive integer.")
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    if not isinstance(types, list) or not set(types) <= {"full_attention", "sliding_attention"} \
+            or len(types) != layers:
+        raise BadInput(f"config.json: layer_types={types!r} must list 'full_attention' / 'sliding_attention', one "
+                       "entry per layer.")
+    window = raw.get("sliding_window", defaults["sliding_window"])
+    if window is None or "sliding_attention" not in types:
+        return None, 0, ()
+    return window, 0, tuple(i for i, kind in enumerate(types) if kind == "full_attention")
 
 
 def to_hf(cfg: ModelConfig) -> dict:
     """The `config.json` (transformers 4.x spelling) of `cfg`; BadInput for a combination no family has."""
     family = cfg.architecture
+    gemma = family in GEMMA
     qwen3 = family in ("qwen3", "qwen3_moe")
-    if cfg.qk_norm != qwen3:
-        raise BadInput("q/k norms are Qwen3's, and every qwen3 and qwen3_moe config has them.")
+    if cfg.qk_norm != (qwen3 or family == "gemma3_text"):
+        raise BadInput("q/k norms are Qwen3's and Gemma 3's, and every qwen3, qwen3_moe and gemma3_text config has "
+                       "them.")
+    gemma_math = (cfg.norm_unit_offset, cfg.sandwich_norms, cfg.embed_scale, cfg.activation == "gelu_tanh",
+                  cfg.query_pre_attn_scalar is not None)
+    if gemma_math != (gemma,) * 5 or (not gemma and (cfg.attn_softcap or cfg.final_softcap)):
+        raise BadInput("Gemma's norms, embedding scale, GeGLU, attention scale and soft caps go together, in "
+                       "gemma2 and gemma3_text configs only.")
+    if (cfg.local_rope_theta is not None) != (family == "gemma3_text"):
+        raise BadInput("a rotary base of the sliding layers' own is Gemma 3's, and every gemma3_text config has one.")
+    if cfg.full_attention_layers and not gemma:
+        raise BadInput("full-attention layers among sliding ones are Gemma's interleaving.")
+    if gemma and (cfg.first_sliding_layer or cfg.mlp_bias or cfg.qkv_bias != cfg.o_bias):
+        raise BadInput(f"a {family} config's layers are sliding unless listed full, its attention_bias covers q, "
+                       "k, v and o, and it has no mlp_bias.")
     if qwen3 and (cfg.qkv_bias != cfg.o_bias or cfg.mlp_bias):
         raise BadInput(f"a {family} config's attention_bias covers q, k, v and o together; it has no mlp_bias.")
     moe_family = family in _EXPERT_DEFAULTS
@@ -269,7 +379,7 @@ def to_hf(cfg: ModelConfig) -> dict:
         raise BadInput("a qwen2 config has q/k/v biases and no other biases.")
     if family not in ("qwen2", "qwen3") and cfg.qkv_bias != cfg.o_bias:
         raise BadInput("a llama config's attention_bias covers q, k, v and o together.")
-    if family not in ("llama", "qwen3", "qwen3_moe") and (cfg.o_bias or cfg.mlp_bias):
+    if family not in ("llama", "qwen3", "qwen3_moe", *GEMMA) and (cfg.o_bias or cfg.mlp_bias):
         raise BadInput(f"a {family} config has no attention_bias / mlp_bias.")
     if family == "llama" and cfg.sliding_window is not None:
         raise BadInput("a llama config has no sliding window (use mistral or qwen2).")
@@ -277,7 +387,7 @@ def to_hf(cfg: ModelConfig) -> dict:
         "architectures": [ARCHITECTURES[family]], "model_type": family,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.intermediate_size, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+        "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": None, "torch_dtype": cfg.dtype,
         "tie_word_embeddings": cfg.tie_word_embeddings,
     }
@@ -288,6 +398,16 @@ def to_hf(cfg: ModelConfig) -> dict:
                                "low_freq_factor": cfg.rope_low_freq_factor,
                                "high_freq_factor": cfg.rope_high_freq_factor,
                                "original_max_position_embeddings": cfg.rope_original_max_position}
+    if gemma:
+        out.update(hidden_activation="gelu_pytorch_tanh", attention_bias=cfg.o_bias,
+                   query_pre_attn_scalar=cfg.query_pre_attn_scalar, attn_logit_softcapping=cfg.attn_softcap,
+                   final_logit_softcapping=cfg.final_softcap, sliding_window=cfg.sliding_window,
+                   layer_types=["sliding_attention" if cfg.window_of(i) else "full_attention"
+                                for i in range(cfg.num_layers)])
+        if family == "gemma3_text":
+            out["rope_local_base_freq"] = cfg.local_rope_theta
+    else:
+        out["hidden_act"] = "silu"
     if family == "llama":
         out.update(attention_bias=cfg.o_bias, mlp_bias=cfg.mlp_bias)
     elif family in ("mistral", "mixtral"):
@@ -295,7 +415,7 @@ def to_hf(cfg: ModelConfig) -> dict:
     elif family == "qwen3_moe":
         out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                    attention_bias=cfg.o_bias)
-    else:
+    elif not gemma:
         out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                    max_window_layers=cfg.first_sliding_layer)
         if family == "qwen3":

@@ -1,11 +1,16 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE) in plain torch, tensor-parallel.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Gemma 2 and 3) in plain torch,
+tensor-parallel.
 
 It computes what transformers' LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM and Qwen3MoeForCausalLM
-compute for the configs kiln.core.hf_config accepts: rotary scaling (linear,
-llama3), q/k/v, o and MLP biases, per-head q/k norms, tied embeddings, sliding
-windows, RMSNorm in float32, mixtures of experts (top-k routing; each expert's
-intermediate columns split over the ranks like the dense MLP's). One rank's
+Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM,
+Gemma2ForCausalLM and Gemma3ForCausalLM compute for the configs
+kiln.core.hf_config accepts: rotary scaling (linear, llama3), q/k/v, o and MLP
+biases, per-head q/k norms, tied embeddings, sliding windows (on some layers,
+interleaved or from one layer on), RMSNorm in float32 (Gemma's (1 + weight)
+kind too, and its norms around attention and MLP), GeGLU, soft-capped scores
+and logits, a rotary base of the sliding layers' own, mixtures of experts
+(top-k routing; each expert's intermediate columns split over the ranks like
+the dense MLP's). One rank's
 module holds its shard: heads/tp query heads, kv_heads/tp KV heads and
 intermediate/tp MLP columns; embeddings, norms and the output head are
 replicated. The cross-rank sum after the attention output and MLP down
@@ -88,13 +93,14 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 class RMSNorm(nn.Module):
     """RMSNorm of one replicated weight (see _rms_norm)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.eps = eps
+        self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps)
+        return _rms_norm(x, self.weight, self.eps, self.unit_offset)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -134,11 +140,34 @@ def _linear_then_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return out if bias is None else out + bias
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 and cast back, as transformers does (it matters in bfloat16)."""
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as transformers does (it matters in bfloat16): scaled by
+    `weight` after the cast (Llama), or with `unit_offset` by (1 + weight) before it (Gemma)."""
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (h * (1.0 + weight.to(torch.float32))).to(x.dtype)
     return weight * h.to(x.dtype)
+
+
+def _softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma 2's soft capping of attention scores and logits); x itself for None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def _attention(cfg: ModelConfig, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+    """Softmax attention [b, heads, t, hd] of q over keys/values where `mask` [b, 1, t, keys] allows.
+
+    Scaled by query_pre_attn_scalar ** -0.5 when the config gives one (else head_dim ** -0.5). Soft-capped
+    scores (Gemma 2) are computed as transformers' eager attention does: scores, cap, mask, a float32 softmax
+    cast back, then the values; otherwise torch's fused attention."""
+    scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+    if cfg.attn_softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    scores = _softcap(torch.matmul(q, keys.transpose(2, 3)) * (scale or cfg.head_dim ** -0.5), cfg.attn_softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
 
 
 @dataclass(frozen=True)
@@ -147,6 +176,9 @@ class StepContext:
 
     cos: torch.Tensor
     sin: torch.Tensor
+    local_cos: torch.Tensor | None
+    """Sliding layers' rotary tables when they have a base of their own (Gemma 3's local_rope_theta)."""
+    local_sin: torch.Tensor | None
     causal: torch.Tensor
     """[b, t, ctx + t] bool: key j is a valid, earlier-or-same position for query i."""
     distance: torch.Tensor | None
@@ -164,32 +196,51 @@ def decoder_layer(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], x: torc
     """
     b, t, _ = x.shape
     heads, kv_heads, hd = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
-    h = _rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
+
+    def norm(name: str, y: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(y, p[name], cfg.rms_norm_eps, cfg.norm_unit_offset)
+
+    h = norm("input_layernorm.weight", x)
     q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(b, t, heads, hd)
     k = F.linear(h, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias")).view(b, t, kv_heads, hd)
     v = F.linear(h, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias")).view(b, t, kv_heads, hd)
-    if cfg.qk_norm:  # Qwen3: every head normalised over head_dim, before the rotary embedding
-        q = _rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
-        k = _rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
-    q = q * ctx.cos + _rotate_half(q) * ctx.sin
-    k = k * ctx.cos + _rotate_half(k) * ctx.sin
+    if cfg.qk_norm:  # Qwen3, Gemma 3: every head normalised over head_dim, before the rotary embedding
+        q = norm("self_attn.q_norm.weight", q)
+        k = norm("self_attn.k_norm.weight", k)
+    cos, sin = ctx.cos, ctx.sin
+    if ctx.local_cos is not None and window is not None:  # Gemma 3: a sliding layer rotates at its own base
+        cos, sin = (torch.where(window < FULL_ATTENTION, local, full)
+                    for local, full in ((ctx.local_cos, cos), (ctx.local_sin, sin)))
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
     num_ctx = ctx.block_table.shape[1] * kv.shape[2]
     past_k = kv[0][ctx.block_table].reshape(b, num_ctx, kv_heads, hd)
     past_v = kv[1][ctx.block_table].reshape(b, num_ctx, kv_heads, hd)
     keys = torch.cat((past_k, k), dim=1).repeat_interleave(heads // kv_heads, dim=2).transpose(1, 2)
     values = torch.cat((past_v, v), dim=1).repeat_interleave(heads // kv_heads, dim=2).transpose(1, 2)
     mask = ctx.causal if window is None else ctx.causal & (ctx.distance < window)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None])
-    x = x + _linear_then_reduce(out.transpose(1, 2).reshape(b, t, -1), p["self_attn.o_proj.weight"],
-                                p.get("self_attn.o_proj.bias"), tp)
-    h = _rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    out = _attention(cfg, q.transpose(1, 2), keys, values, mask[:, None])
+    attended = _linear_then_reduce(out.transpose(1, 2).reshape(b, t, -1), p["self_attn.o_proj.weight"],
+                                   p.get("self_attn.o_proj.bias"), tp)
+    if cfg.sandwich_norms:  # Gemma: the attention's output normalised before the residual add, the MLP's too
+        x = x + norm("post_attention_layernorm.weight", attended)
+        h = norm("pre_feedforward_layernorm.weight", x)
+    else:
+        x = x + attended
+        h = norm("post_attention_layernorm.weight", x)
     if cfg.moe_layers and f"{EXPERTS[cfg.architecture][0]}.gate.weight" in p:
         return x + mixture_of_experts(cfg, tp, p, h), k, v
     gate = F.linear(h, p["mlp.gate_proj.weight"], p.get("mlp.gate_proj.bias"))
     up = F.linear(h, p["mlp.up_proj.weight"], p.get("mlp.up_proj.bias"))
-    x = x + _linear_then_reduce(F.silu(gate) * up, p["mlp.down_proj.weight"], p.get("mlp.down_proj.bias"), tp)
-    return x, k, v
+    act = F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")
+    mlp = _linear_then_reduce(act * up, p["mlp.down_proj.weight"], p.get("mlp.down_proj.bias"), tp)
+    if cfg.sandwich_norms:
+        mlp = norm("post_feedforward_layernorm.weight", mlp)
+    return x + mlp, k, v
 
+
+FULL_ATTENTION = 1 << 62
+"""The window of a full-attention layer among sliding ones: no distance reaches it."""
 
 GATHER_BELOW = 3
 """A step gathers its chosen experts when GATHER_BELOW x its (token, expert) pairs are at most the experts."""
@@ -284,7 +335,7 @@ class Inner(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.runs = nn.ModuleList(LayerRun(cfg, tp, j) for j in range(len(layer_runs(cfg))))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
 
 
 class ShardedDecoder(nn.Module):
@@ -304,17 +355,24 @@ class ShardedDecoder(nn.Module):
         self.tp = tp
         self.scan = scan
         self.model = Inner(cfg, tp)
+        # A Python float (no tensor in the graph): sqrt(hidden) as the model's dtype holds it.
+        self.embed_multiplier = torch.tensor(cfg.hidden_size ** 0.5, dtype=getattr(torch, cfg.dtype),
+                                             device="cpu").item()
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def _windows(self, device) -> torch.Tensor | None:
-        """[layers] int64: each layer's window, a value no distance reaches on full-attention layers; None
-        when no layer has a window. Computed in the graph (a buffer would become a package constant)."""
+        """[layers] int64: each layer's window, FULL_ATTENTION (a value no distance reaches) on full-attention
+        layers; None when no layer has a window. Computed in the graph (a buffer would become a package
+        constant)."""
         cfg = self.cfg
-        if cfg.sliding_window is None or cfg.first_sliding_layer >= cfg.num_layers:
+        if all(cfg.window_of(i) is None for i in range(cfg.num_layers)):
             return None
         layer = torch.arange(cfg.num_layers, device=device)
-        return torch.where(layer >= cfg.first_sliding_layer, cfg.sliding_window, 1 << 62)
+        sliding = layer >= cfg.first_sliding_layer
+        for i in cfg.full_attention_layers:
+            sliding = sliding & (layer != i)
+        return torch.where(sliding, cfg.sliding_window, FULL_ATTENTION)
 
     def forward(self, tokens, start_pos, kv_cache, block_table):
         b, t = tokens.shape
@@ -322,6 +380,11 @@ class ShardedDecoder(nn.Module):
         positions = start_pos[:, None] + torch.arange(t, device=tokens.device)[None]
         freqs = positions[..., None].to(torch.float32) * rope_inv_freq(self.cfg, tokens.device)
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        local = None
+        if self.cfg.local_rope_theta is not None:
+            plain = self.cfg.replace(rope_theta=self.cfg.local_rope_theta, rope_type="default")
+            local_freqs = positions[..., None].to(torch.float32) * rope_inv_freq(plain, tokens.device)
+            local = torch.cat((local_freqs, local_freqs), dim=-1)[:, :, None, :]
         # Query i sits at position start+i; cached key j at position j (valid below start); new key i at start+i.
         key_pos = torch.cat((torch.arange(ctx_len, device=tokens.device)[None].expand(b, ctx_len), positions), dim=1)
         key_ok = torch.cat((torch.arange(ctx_len, device=tokens.device)[None] < start_pos[:, None],
@@ -329,9 +392,13 @@ class ShardedDecoder(nn.Module):
         distance = positions[:, :, None] - key_pos[:, None, :]  # [b, t, ctx + t]
         windows = self._windows(tokens.device)
         ctx = StepContext(cos=emb.cos().to(kv_cache.dtype), sin=emb.sin().to(kv_cache.dtype),
+                          local_cos=None if local is None else local.cos().to(kv_cache.dtype),
+                          local_sin=None if local is None else local.sin().to(kv_cache.dtype),
                           causal=key_ok[:, None, :] & (distance >= 0),
                           distance=None if windows is None else distance, block_table=block_table)
         x = self.model.embed_tokens(tokens)
+        if self.cfg.embed_scale:  # Gemma: sqrt(hidden), rounded to the dtype first as transformers does
+            x = x * self.embed_multiplier
         new_k, new_v = [], []
         for run in self.model.runs:
             x, k, v = self._run(run, x, kv_cache[run.start:run.stop],
@@ -340,6 +407,7 @@ class ShardedDecoder(nn.Module):
             new_v.append(v)
         x = self.model.norm(x)
         logits = F.linear(x, self.model.embed_tokens.weight) if self.cfg.tie_word_embeddings else self.lm_head(x)
+        logits = _softcap(logits, self.cfg.final_softcap)
         new_kv = torch.stack((torch.cat(new_k), torch.cat(new_v)), dim=1)
         return logits, new_kv
 

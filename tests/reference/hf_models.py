@@ -1,8 +1,8 @@
 """Small random-init checkpoints written by transformers' own classes, and their reference outputs.
 
 The reference is independent of Kiln: transformers' LlamaForCausalLM,
-MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM and
-Qwen3MoeForCausalLM, built from a config dict and saved
+MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM,
+Qwen3MoeForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM, built from a config dict and saved
 with `save_pretrained` (safetensors). Nothing is downloaded.
 """
 
@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is a tes
 
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-           "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+           "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+           "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
@@ -78,6 +79,23 @@ CASES = {
     # Every other layer sparse (decoder_sparse_step 2), the top-k weights not renormalised (the default).
     "qwen3-moe-step": ("qwen3_moe", dict(head_dim=64, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=64, decoder_sparse_step=2), "float32"),
+    # Gemma 2: head_dim 32 with query_pre_attn_scalar 24 (the scale is not head_dim's), sliding and full layers
+    # interleaved (window 6), soft caps low enough that these small weights reach them.
+    "gemma2": ("gemma2", dict(head_dim=32, num_hidden_layers=4, sliding_window=6, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=3.0), "float32"),
+    # Gemma 2's own defaults (caps 50 and 30, query_pre_attn_scalar 256) at a real shape, in bfloat16.
+    "gemma2-bf16": ("gemma2", dict(hidden_size=256, head_dim=128, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=4, vocab_size=32000, sliding_window=6, initializer_range=0.05),
+                    "bfloat16"),
+    # Gemma 3: q/k norms, full layers rotating at theta 1e6 scaled linearly by 8 (as Gemma 3 4B), sliding ones at
+    # their own 1e4, unscaled; layer 2 full among sliding layers of window 5.
+    "gemma3": ("gemma3_text", dict(head_dim=32, num_hidden_layers=4, sliding_window=5,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                "sliding_attention"],
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                       "rope_theta": 1000000.0},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 10000.0}}), "float32"),
 }
 
 

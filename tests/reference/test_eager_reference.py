@@ -32,6 +32,8 @@ FEATURE_OFF = {
     "mixtral-window": {"sliding_window": None},
     "qwen3-moe": {"norm_topk_prob": False},
     "qwen3-moe-step": {"experts_per_token": 1},
+    "gemma2": {"attn_softcap": None, "final_softcap": None},
+    "gemma3": {"local_rope_theta": None},
 }
 
 

@@ -72,6 +72,55 @@ def test_to_hf_round_trips():
         assert from_hf(to_hf(cfg)) == cfg
 
 
+GEMMA2 = {**LLAMA, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 32,
+          "hidden_activation": "gelu_pytorch_tanh", "num_hidden_layers": 4}
+GEMMA3 = {**GEMMA2, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+for _gemma in (GEMMA2, GEMMA3):
+    del _gemma["hidden_act"]
+
+
+def test_gemma_reads_as_its_transformers_classes_default():
+    g2 = from_hf(GEMMA2)
+    assert (g2.activation, g2.norm_unit_offset, g2.sandwich_norms, g2.embed_scale, g2.tie_word_embeddings) == \
+        ("gelu_tanh", True, True, True, True)
+    # Gemma2Config's defaults: caps 50 and 30, query_pre_attn_scalar 256, window 4096 on every other layer.
+    assert (g2.attn_softcap, g2.final_softcap, g2.query_pre_attn_scalar) == (50.0, 30.0, 256.0)
+    assert [g2.window_of(i) for i in range(4)] == [4096, None, 4096, None] and not g2.qk_norm
+    assert from_hf({k: v for k, v in GEMMA2.items() if k != "head_dim"}).head_dim == 256
+    g3 = from_hf({**GEMMA3, "num_hidden_layers": 7, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    # Gemma3TextConfig's: no caps, a full layer every sixth, theta 1e6 (scaled) on full layers, 1e4 on sliding ones.
+    assert (g3.attn_softcap, g3.final_softcap, g3.qk_norm) == (None, None, True)
+    assert [i for i in range(7) if g3.window_of(i) is None] == [5]
+    assert (g3.rope_theta, g3.rope_type, g3.rope_factor, g3.local_rope_theta) == (1e6, "linear", 8.0, 1e4)
+    v5 = {**{k: v for k, v in GEMMA3.items()}, "num_hidden_layers": 7,
+          "layer_types": ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"],
+          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    assert from_hf(v5) == g3
+    for cfg in (g2, g3, from_hf({**GEMMA2, "layer_types": ["full_attention"] * 4, "attn_logit_softcapping": None})):
+        assert from_hf(to_hf(cfg)) == cfg
+
+
+GEMMA_REFUSED = [
+    (GEMMA2, {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+    (GEMMA2, {"hidden_act": "silu"}, "disagree"),
+    (GEMMA2, {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    (GEMMA2, {"layer_types": ["full_attention"]}, "one entry per layer"),
+    (GEMMA2, {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "Gemma 3's"),
+    (GEMMA3, {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "sliding_attention"),
+    (GEMMA2, {"final_logit_softcapping": -1.0}, "final_logit_softcapping"),
+]
+
+
+@pytest.mark.parametrize("base,change,words", GEMMA_REFUSED, ids=[w for _, _, w in GEMMA_REFUSED])
+def test_gemma_values_outside_what_kiln_computes_are_refused_by_name(base, change, words):
+    with pytest.raises(BadInput, match="config.json") as err:
+        from_hf({**base, **change})
+    assert words in str(err.value)
+
+
 REFUSED = [
     # (change to a valid Llama config, words the message must hold)
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
@@ -108,7 +157,9 @@ def _changed(cfg: ModelConfig, field: dataclasses.Field):
     """A valid value of `field` other than cfg's."""
     value = getattr(cfg, field.name)
     special = {"dtype": "bfloat16", "architecture": "mistral", "rope_type": "linear", "sliding_window": 8,
-               "num_heads": 48, "num_kv_heads": 6, "first_sliding_layer": 1, "moe_layers": (0, 1)}
+               "num_heads": 48, "num_kv_heads": 6, "first_sliding_layer": 1, "moe_layers": (0, 1),
+               "full_attention_layers": (1,), "activation": "gelu_tanh", "query_pre_attn_scalar": 24.0,
+               "attn_softcap": 50.0, "final_softcap": 30.0, "local_rope_theta": 1e4}
     if field.name in special:
         return special[field.name]
     if isinstance(value, bool):
