@@ -60,7 +60,7 @@ export: setup
 	$(BIN)/kiln export --model tiny --tp 2 --report report.json
 
 # Two workers, each test group on one of them, the longest groups first (tests/xdist_groups.py).
-XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
+XDIST := -n 2
 
 test: test-setup
 	$(BIN)/pytest -q -rs --durations=25 $(XDIST)

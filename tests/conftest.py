@@ -415,8 +415,16 @@ def tp2_store_copy(tp2_export, tmp_path) -> dict:
 # Two workers: which tests run together (tests/xdist_groups.py)
 # =============================================================================
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import xdist_groups
 
-    xdist_groups.assign(config, items)
+    xdist_groups.check(items)
+    if hasattr(config, "workerinput"):  # an xdist worker: hand the groups out heaviest first
+        xdist_groups.order(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    import xdist_groups
+
+    return xdist_groups.make_scheduler(config, log)

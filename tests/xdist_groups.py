@@ -1,50 +1,81 @@
-"""How `make test` splits the suite over two pytest-xdist workers (`-n 2 --dist loadgroup`).
+"""How `make test` splits the suite over two pytest-xdist workers (`-n 2`).
 
-On 2 cores one worker leaves a core idle most of the time: a compile, torch's
+On 2 cores one worker leaves a core idle much of the time: a compile, torch's
 import and Inductor are one process each, and many tests wait on servers, leases
-and retries (measured: 45 % of the CPU idle over a serial run). Two workers fill
-it. What a worker runs is a group, never split between the workers:
+and retries (measured over a serial run: 45 % of the CPU idle). Two workers fill
+it. What a worker runs is a group, never split between the two:
 
 - the tests of one module (its module fixtures are made once);
-- every test that reads the session's tp 2 export (`tp2_export`: default buckets
-  compiled cold on the embedded API), or the session's one-layer package
-  (`small_forward`): made on one worker only;
+- the modules that read one costly session fixture (FIXTURE_FILES: the session's
+  tp 2 export, the session's one-layer package), made on one worker only;
 - everything under tests/ops/ (one PostgreSQL cluster and Prefect server).
 
 The groups are handed out longest first (HEAVIEST, then collection order), so
 the last ones to run are short and the two workers end close together.
+
+The scheduler is Kiln's own (`GroupScheduling`, through xdist's
+pytest_xdist_make_scheduler hook), deciding each test's group from its node id:
+xdist's own `--dist loadgroup` silently stops grouping with pytest 9.2
+(pytest-dev/pytest-xdist#1386: it renames node ids through a field pytest no
+longer reads). `check` holds FIXTURE_FILES to what the tests use.
 """
 
 from __future__ import annotations
 
 import pytest
 
-SHARED = ("tp2_export", "small_forward")
-"""Session fixtures too costly to make on both workers: a test that uses one is in that fixture's group."""
+FIXTURE_FILES = {
+    "tp2_export": ("tests/integration/test_export.py", "tests/integration/test_first_run.py",
+                   "tests/integration/test_torch_only.py", "tests/runner/test_cpp_runner.py",
+                   "tests/trust/test_python_free.py"),
+    "small_forward": ("tests/faults/test_s3_proxy.py", "tests/trust/test_loader_weights.py",
+                      "tests/trust/test_runtime_checks.py"),
+}
+"""Session fixtures too costly to make on both workers, and the modules that use them."""
 
-HEAVIEST = ("ops", "tp2_export", "tests/reference/test_export_run.py", "tests/bench/test_bench_quick.py",
-            "tests/integration/test_incident.py", "tests/integration/test_faults_cluster.py",
-            "tests/faults/test_compile_pool_kill.py", "tests/faults/test_s3_proxy.py",
-            "tests/tuning/test_tuning_export.py", "tests/integration/test_s3_model.py",
-            "tests/faults/test_compile_kill_export.py", "tests/faults/test_killed_export_lease.py")
+HEAVIEST = ("ops", "tp2_export", "tests/bench/test_bench_quick.py", "tests/reference/test_export_run.py",
+            "tests/integration/test_faults_cluster.py", "tests/integration/test_incident.py",
+            "small_forward", "tests/tuning/test_tuning_export.py", "tests/tuning/test_tuning_compile.py",
+            "tests/integration/test_s3_model.py", "tests/integration/test_dask_cluster.py",
+            "tests/trust/test_s3_trust.py", "tests/faults/test_compile_kill_export.py")
 """Groups that take minutes (docs/testing.md's slowest), in the order they are handed out."""
 
 
-def group_of(item: pytest.Item) -> str:
-    path = item.nodeid.split("::", 1)[0]
+def group_of(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
     if path.startswith("tests/ops/"):
         return "ops"
-    for fixture in SHARED:
-        if fixture in item.fixturenames:
+    for fixture, files in FIXTURE_FILES.items():
+        if path in files:
             return fixture
     return path
 
 
-def assign(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark each item with its group and order the items heaviest group first (stable within a group)."""
-    if not config.pluginmanager.hasplugin("xdist") or config.getoption("dist", "no") != "loadgroup":
-        return
+def check(items: list[pytest.Item]) -> None:
+    """Fail the collection when a test uses a FIXTURE_FILES fixture from a module not listed for it (its
+    worker would make the fixture a second time)."""
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(group_of(item)))
+        for fixture, files in FIXTURE_FILES.items():
+            path = item.nodeid.split("::", 1)[0]
+            if fixture in item.fixturenames and path not in files and not path.startswith("tests/ops/"):
+                raise pytest.UsageError(f"{item.nodeid} uses the session fixture {fixture}: add {path} to "
+                                        f"FIXTURE_FILES[{fixture!r}] in tests/xdist_groups.py")
+
+
+def order(items: list[pytest.Item]) -> None:
+    """Heaviest group first, stable within a group (a worker reports its collection in this order)."""
     rank = {name: i for i, name in enumerate(HEAVIEST)}
-    items.sort(key=lambda item: rank.get(group_of(item), len(rank)))
+    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))
+
+
+def make_scheduler(config: pytest.Config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        """xdist's load-by-scope scheduling, a scope being a group_of() group, in collection order."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    config.option.loadscopereorder = False  # keep order()'s order, not the largest-count-first one
+    return GroupScheduling(config, log)
