@@ -18,7 +18,8 @@ from kiln.core.errors import BadInput
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}
 """model_type -> the transformers class whose math Kiln reproduces."""
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -28,7 +29,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3) or its
-    mixture-of-experts kin (Mixtral, Qwen3-MoE)."""
+    mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
 
     vocab_size: int
     """Rows of the embedding and of the output head."""
@@ -88,6 +89,9 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     """The decoder layers whose MLP is the mixture of experts; the others keep the dense MLP
     (Qwen3-MoE's decoder_sparse_step and mlp_only_layers decide them). Empty: a dense model."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared expert every token also runs on each mixture-of-experts layer, weighted by a
+    sigmoid gate (Qwen2-MoE's shared_expert); split across ranks like the dense MLP. 0: none."""
     full_attention_layers: tuple[int, ...] = ()
     """Layers from first_sliding_layer on that still attend to all their context (Gemma's interleaving of
     sliding and full layers, its layer_types)."""
@@ -161,6 +165,10 @@ class ModelConfig:
                 if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                     raise BadInput(f"config.json: {field} must be a positive integer for a mixture of experts, "
                                    f"got {value!r}.")
+            if isinstance(self.shared_expert_intermediate_size, bool) or not isinstance(
+                    self.shared_expert_intermediate_size, int) or self.shared_expert_intermediate_size < 0:
+                raise BadInput("config.json: shared_expert_intermediate_size must be a positive integer, got "
+                               f"{self.shared_expert_intermediate_size!r}.")
             if self.experts_per_token > self.num_experts:
                 raise BadInput(f"config.json: num_experts_per_tok ({self.experts_per_token}) exceeds the "
                                f"{self.num_experts} experts.")
@@ -198,6 +206,8 @@ class ModelConfig:
                   ("MLP intermediate size", self.intermediate_size)]
         if self.moe_layers:
             counts.append(("expert intermediate size", self.moe_intermediate_size))
+        if self.moe_layers and self.shared_expert_intermediate_size:
+            counts.append(("shared expert intermediate size", self.shared_expert_intermediate_size))
         for what, count in counts:
             if count % tp:
                 ok = [d for d in range(1, count + 1) if all(c % d == 0 for _, c in counts)]
@@ -214,6 +224,8 @@ class ModelConfig:
         norms = (4 if self.sandwich_norms else 2) * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         per_layer = attn + norms
         moe = self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size // tp + self.hidden_size)
+        if self.shared_expert_intermediate_size:
+            moe += 3 * self.hidden_size * self.shared_expert_intermediate_size // tp + self.hidden_size
         dense = self.num_layers - len(self.moe_layers)
         layers = self.num_layers * per_layer + len(self.moe_layers) * moe + dense * mlp
         heads = 1 if self.tie_word_embeddings else 2

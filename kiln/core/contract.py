@@ -55,10 +55,13 @@ _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
 _ROW = ("o_proj", "down_proj", "w2")
 
 EXPERTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+           "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
            "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 """model_type -> (the module of a mixture-of-experts layer, its experts' (gate, up, down) projection names), as
 published checkpoints name them: `<module>.gate.weight` is the router, `<module>.experts.<e>.<proj>.weight`
-expert e's projections."""
+expert e's projections; Qwen2-MoE's shared expert is `mlp.shared_expert.<proj>.weight`, gated by
+`mlp.shared_expert_gate.weight`."""
+SHARED_EXPERT = ".shared_expert."
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -89,6 +92,11 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             for e in range(cfg.num_experts):
                 for name, shape in ((gate, (e_mlp, h)), (up, (e_mlp, h)), (down, (h, e_mlp))):
                     out[f"{p}.{module}.experts.{e}.{name}.weight"] = shape
+            if cfg.shared_expert_intermediate_size:
+                s_mlp = cfg.shared_expert_intermediate_size
+                for name, shape in (("gate_proj", (s_mlp, h)), ("up_proj", (s_mlp, h)), ("down_proj", (h, s_mlp))):
+                    out[f"{p}.{module}.shared_expert.{name}.weight"] = shape
+                out[f"{p}.{module}.shared_expert_gate.weight"] = (1, h)
             continue
         for name, shape, bias in (("gate_proj", (mlp, h), mlp), ("up_proj", (mlp, h), mlp),
                                   ("down_proj", (h, mlp), h)):
@@ -183,7 +191,8 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
     if parts[-1] == "bias" and parts[-2] in _ROW:
         return None
     hq, hkv = cfg.num_heads // tp * cfg.head_dim, cfg.num_kv_heads // tp * cfg.head_dim
-    mlp = cfg.moe_intermediate_size if is_expert(name) else cfg.intermediate_size
+    mlp = (cfg.moe_intermediate_size if is_expert(name) else cfg.shared_expert_intermediate_size
+           if SHARED_EXPERT in name else cfg.intermediate_size)
     n = {"q_proj": hq, "o_proj": hq, "k_proj": hkv, "v_proj": hkv}.get(parts[-2], mlp // tp)
     return (0 if parts[-2] in _COLUMN else 1), rank * n, (rank + 1) * n
 

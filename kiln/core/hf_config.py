@@ -17,6 +17,8 @@ Qwen3 (per-head q/k RMSNorm, attention_bias, head_dim 128 unless given,
 Qwen2's sliding window), Mixtral (top-k of num_local_experts, renormalised;
 Mistral's sliding window) and Qwen3-MoE (Qwen3's attention; norm_topk_prob,
 decoder_sparse_step, mlp_only_layers; a sliding window on every layer),
+Qwen2-MoE (Qwen2's attention and sliding window; Qwen3-MoE's routing, plus a
+shared expert on every expert layer, weighted by a sigmoid gate),
 Gemma 2 (GeGLU, (1 + weight) norms around attention and MLP, scaled embeddings,
 query_pre_attn_scalar, soft-capped scores and logits, sliding and full layers
 interleaved) and Gemma 3 (Gemma 2's layers with Gemma's q/k norms and a rotary
@@ -40,6 +42,10 @@ READ = {
     "qwen3_moe": _COMMON | {"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers",
                             "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                             "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"},
+    "qwen2_moe": _COMMON | {"qkv_bias", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
+                            "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                            "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                            "mlp_only_layers"},
     "gemma2": _COMMON | {"hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window",
                          "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
                          "use_bidirectional_attention"},
@@ -117,7 +123,8 @@ def from_hf(raw: dict) -> ModelConfig:
         intermediate_size=raw["intermediate_size"],
         rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),  # every family's default
         dtype=_dtype(raw),
-        qkv_bias=bias or family == "qwen2", o_bias=bias, mlp_bias=_flag(raw, "mlp_bias"),
+        qkv_bias=bias or family == "qwen2" or (family == "qwen2_moe" and _flag(raw, "qkv_bias", True)),
+        o_bias=bias, mlp_bias=_flag(raw, "mlp_bias"),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
         tie_word_embeddings=tied,
         sliding_window=window, first_sliding_layer=first_sliding, full_attention_layers=full_layers,
@@ -160,9 +167,12 @@ def _gemma(raw: dict, family: str) -> dict:
 
 
 _EXPERT_DEFAULTS = {"mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+                    "qwen2_moe": {"num_local_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                                  "norm_topk_prob": False, "decoder_sparse_step": 1,
+                                  "shared_expert_intermediate_size": 5632},
                     "qwen3_moe": {"num_local_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                                   "norm_topk_prob": False, "decoder_sparse_step": 1}}
-"""What MixtralConfig and Qwen3MoeConfig assume for a field config.json leaves out."""
+"""What MixtralConfig, Qwen2MoeConfig and Qwen3MoeConfig assume for a field config.json leaves out."""
 
 
 def _experts(raw: dict, family: str) -> dict:
@@ -190,8 +200,14 @@ def _experts(raw: dict, family: str) -> dict:
     if not isinstance(norm, bool):
         raise BadInput(f"config.json: norm_topk_prob={norm!r} must be true or false.")
     moe_layers = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
-    return {**out, "moe_intermediate_size": raw.get("moe_intermediate_size", defaults["moe_intermediate_size"]),
-            "norm_topk_prob": norm, "moe_layers": moe_layers}
+    out = {**out, "moe_intermediate_size": raw.get("moe_intermediate_size", defaults["moe_intermediate_size"]),
+           "norm_topk_prob": norm, "moe_layers": moe_layers}
+    if family == "qwen2_moe":  # every expert layer also has a shared expert of this width
+        shared = raw.get("shared_expert_intermediate_size", defaults["shared_expert_intermediate_size"])
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared <= 0:
+            raise BadInput(f"config.json: shared_expert_intermediate_size={shared!r} must be a positive integer.")
+        out["shared_expert_intermediate_size"] = shared
+    return out
 
 
 def _family(raw: dict) -> str:
@@ -212,8 +228,8 @@ def _family(raw: dict) -> str:
     return model_type
 
 
-def _flag(raw: dict, name: str) -> bool:
-    value = raw.get(name, False)
+def _flag(raw: dict, name: str, default: bool = False) -> bool:
+    value = raw.get(name, default)
     if value is None:
         return False
     if not isinstance(value, bool):
@@ -307,7 +323,8 @@ def _sliding(raw: dict, family: str) -> tuple[int | None, int, tuple[int, ...]]:
         return (raw.get("sliding_window", 4096) if _flag(raw, "use_sliding_window") else None), 0, ()
     if family in GEMMA:
         return _gemma_layers(raw, family)
-    if family not in ("qwen2", "qwen3") or not _flag(raw, "use_sliding_window") or raw.get("sliding_window") is None:
+    if family not in ("qwen2", "qwen2_moe", "qwen3") or not _flag(raw, "use_sliding_window") \
+            or raw.get("sliding_window") is None:
         return None, 0, ()
     layers = raw["num_hidden_layers"]
     types = raw.get("layer_types")
@@ -377,7 +394,11 @@ def to_hf(cfg: ModelConfig) -> dict:
         raise BadInput("a qwen3_moe config's sliding window covers every layer.")
     if family == "qwen2" and (not cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias):
         raise BadInput("a qwen2 config has q/k/v biases and no other biases.")
-    if family not in ("qwen2", "qwen3") and cfg.qkv_bias != cfg.o_bias:
+    if (family == "qwen2_moe") != bool(cfg.shared_expert_intermediate_size) or (
+            family == "qwen2_moe" and (cfg.o_bias or cfg.mlp_bias)):
+        raise BadInput("a shared expert is Qwen2-MoE's, every qwen2_moe config has one, and its only biases are "
+                       "q/k/v's.")
+    if family not in ("qwen2", "qwen2_moe", "qwen3") and cfg.qkv_bias != cfg.o_bias:
         raise BadInput("a llama config's attention_bias covers q, k, v and o together.")
     if family not in ("llama", "qwen3", "qwen3_moe", *GEMMA) and (cfg.o_bias or cfg.mlp_bias):
         raise BadInput(f"a {family} config has no attention_bias / mlp_bias.")
@@ -421,8 +442,11 @@ def to_hf(cfg: ModelConfig) -> dict:
         if family == "qwen3":
             out["attention_bias"] = cfg.o_bias
     if moe_family:
-        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token)
-    if family == "qwen3_moe":
+        out.update({"num_experts" if family == "qwen2_moe" else "num_local_experts": cfg.num_experts,
+                    "num_experts_per_tok": cfg.experts_per_token})
+    if family in ("qwen2_moe", "qwen3_moe"):
         out.update(moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
                    decoder_sparse_step=1, mlp_only_layers=[i for i in range(cfg.num_layers) if not cfg.is_moe(i)])
+    if family == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, qkv_bias=cfg.qkv_bias)
     return out

@@ -1,9 +1,9 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Gemma 2 and 3) in plain torch,
-tensor-parallel.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, Gemma 2 and 3) in plain
+torch, tensor-parallel.
 
 It computes what transformers' LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM,
-Gemma2ForCausalLM and Gemma3ForCausalLM compute for the configs
+Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM,
+Qwen3MoeForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM compute for the configs
 kiln.core.hf_config accepts: rotary scaling (linear, llama3), q/k/v, o and MLP
 biases, per-head q/k norms, tied embeddings, sliding windows (on some layers,
 interleaved or from one layer on), RMSNorm in float32 (Gemma's (1 + weight)
@@ -251,7 +251,9 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
 
     The router (replicated) takes the softmax over the experts in float32 and keeps the top k, renormalised
     when `norm_topk_prob`; each expert is a SwiGLU MLP whose intermediate columns are split over the ranks,
-    so a rank's weighted sum of its experts' partial down projections is summed once over the ranks.
+    so a rank's weighted sum of its experts' partial down projections is summed once over the ranks
+    (with Qwen2-MoE's shared expert, split the same way, its partial output weighted by the replicated sigmoid
+    gate joins that sum).
     The compute follows the chosen experts: when a step routes few (token, expert) pairs against the
     experts (GATHER_BELOW; decode), only the chosen experts' weights are gathered and multiplied; otherwise
     (prefill) every expert runs over every token, weighted by its routing weight or 0: a gathered expert's
@@ -266,7 +268,7 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
     weights, chosen = torch.topk(probs, cfg.experts_per_token, dim=-1)  # [n, k]
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    if cfg.architecture == "qwen3_moe":  # Qwen3-MoE weighs in the model's dtype, Mixtral in float32
+    if cfg.architecture in ("qwen2_moe", "qwen3_moe"):  # Qwen's MoEs weigh in the model's dtype, Mixtral in float32
         weights = weights.to(h.dtype)
     n, k = chosen.shape
     if GATHER_BELOW * n * k <= cfg.num_experts:
@@ -280,6 +282,11 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
         out = torch.einsum("nei,ehi->neh", act, down_w)  # [n, E, H]
         dense = torch.zeros(n, cfg.num_experts, dtype=weights.dtype, device=x.device).scatter(1, chosen, weights)
         mixed = (out * dense[..., None]).to(h.dtype).sum(dim=1)
+    if cfg.shared_expert_intermediate_size:  # Qwen2-MoE: every token also runs the shared expert, gated
+        shared = F.silu(F.linear(x, p[f"{module}.shared_expert.gate_proj.weight"])) * F.linear(
+            x, p[f"{module}.shared_expert.up_proj.weight"])
+        shared = F.linear(shared, p[f"{module}.shared_expert.down_proj.weight"])  # this rank's partial sum
+        mixed = mixed + torch.sigmoid(F.linear(x, p[f"{module}.shared_expert_gate.weight"])) * shared
     if tp > 1:
         mixed = all_reduce(mixed)
     return mixed.reshape(b, t, hidden)

@@ -2,7 +2,7 @@
 
 The reference is independent of Kiln: transformers' LlamaForCausalLM,
 MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM,
-Qwen3MoeForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM, built from a config dict and saved
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM, built from a config dict and saved
 with `save_pretrained` (safetensors). Nothing is downloaded.
 """
 
@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is a tes
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
            "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-           "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+           "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
@@ -79,6 +79,10 @@ CASES = {
     # Every other layer sparse (decoder_sparse_step 2), the top-k weights not renormalised (the default).
     "qwen3-moe-step": ("qwen3_moe", dict(head_dim=64, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=64, decoder_sparse_step=2), "float32"),
+    # Qwen2-MoE: Qwen2's q/k/v biases; 8 experts of width 64, top 2 not renormalised, and a shared expert of
+    # width 96 behind its sigmoid gate on the expert layers; layer 1 dense.
+    "qwen2-moe": ("qwen2_moe", dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                    shared_expert_intermediate_size=96, mlp_only_layers=[1]), "float32"),
     # Gemma 2: head_dim 32 with query_pre_attn_scalar 24 (the scale is not head_dim's), sliding and full layers
     # interleaved (window 6), soft caps low enough that these small weights reach them.
     "gemma2": ("gemma2", dict(head_dim=32, num_hidden_layers=4, sliding_window=6, query_pre_attn_scalar=24,

@@ -32,6 +32,7 @@ FEATURE_OFF = {
     "mixtral-window": {"sliding_window": None},
     "qwen3-moe": {"norm_topk_prob": False},
     "qwen3-moe-step": {"experts_per_token": 1},
+    "qwen2-moe": {"shared_expert_intermediate_size": 0},
     "gemma2": {"attn_softcap": None, "final_softcap": None},
     "gemma3": {"local_rope_theta": None},
 }
@@ -76,7 +77,7 @@ def test_kiln_computes_what_transformers_computes(case, hf_root):
         assert float((without - got).abs().max()) > 1e-2, f"{case}: the feature does not change these logits"
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe", "qwen2-moe"])
 def test_a_step_of_few_tokens_gathers_its_experts_and_computes_what_every_expert_would(case, hf_root):
     """The two ways a mixture-of-experts layer computes (kiln.host.model.mixture_of_experts): one token alone
     takes the gathered path, the same token among many the every-expert path; same output."""

@@ -26,6 +26,8 @@ E2E = {
     "qwen3-bias-window": "Qwen3: per-head q/k norms, 4 heads of 64 over hidden 128, sharded q/k/v/o biases, a window",
     "qwen3-moe": "Qwen3-MoE: 64 experts, top 2 (a 1x8 step gathers the chosen ones), a dense layer between, each "
                  "expert's columns sharded, the router replicated",
+    "qwen2-moe": "Qwen2-MoE: a shared expert behind its sigmoid gate beside 8 experts (top 2), each sharded; q/k/v "
+                 "biases",
     "gemma2": "Gemma 2: GeGLU, (1 + weight) norms around attention and MLP, scaled embeddings, soft-capped scores "
               "and logits, query_pre_attn_scalar, sliding and full layers interleaved",
     "gemma3": "Gemma 3: Gemma's layers with q/k norms; full layers rotate at 1e6 scaled by 8, sliding ones at 1e4",

@@ -20,6 +20,9 @@ CONFIGS = {
         moe_intermediate_size=96, moe_layers=(0, 2, 3)),
     "mixtral: experts on every layer": TINY.replace(architecture="mixtral", num_experts=3, experts_per_token=2,
                                                     moe_intermediate_size=TINY.intermediate_size, moe_layers=(0, 1)),
+    "qwen2_moe: a shared expert beside the experts": TINY.replace(
+        architecture="qwen2_moe", qkv_bias=True, num_experts=4, experts_per_token=2, moe_intermediate_size=96,
+        shared_expert_intermediate_size=192, moe_layers=(1,)),
     "gemma3: sandwich norms, q/k norms": TINY.replace(
         architecture="gemma3_text", qk_norm=True, norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
         activation="gelu_tanh", query_pre_attn_scalar=16.0, sliding_window=8, full_attention_layers=(1,),

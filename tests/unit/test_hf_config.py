@@ -159,7 +159,8 @@ def _changed(cfg: ModelConfig, field: dataclasses.Field):
     special = {"dtype": "bfloat16", "architecture": "mistral", "rope_type": "linear", "sliding_window": 8,
                "num_heads": 48, "num_kv_heads": 6, "first_sliding_layer": 1, "moe_layers": (0, 1),
                "full_attention_layers": (1,), "activation": "gelu_tanh", "query_pre_attn_scalar": 24.0,
-               "attn_softcap": 50.0, "final_softcap": 30.0, "local_rope_theta": 1e4}
+               "attn_softcap": 50.0, "final_softcap": 30.0, "local_rope_theta": 1e4,
+               "shared_expert_intermediate_size": 64}
     if field.name in special:
         return special[field.name]
     if isinstance(value, bool):
@@ -224,7 +225,18 @@ def test_mixture_of_experts_layers_are_chosen_as_transformers_chooses_them():
                        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8})
     assert mixtral.moe_layers == tuple(range(mixtral.num_layers)) and mixtral.norm_topk_prob
     assert mixtral.moe_intermediate_size == mixtral.intermediate_size and mixtral.sliding_window == 8
-    for cfg in (from_hf(QWEN3_MOE), mixtral):
+    qwen2_moe = from_hf({**LLAMA, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                         "shared_expert_intermediate_size": 64, "use_sliding_window": False, "sliding_window": 0})
+    # Qwen2MoeConfig's defaults: q/k/v biases, top-k not renormalised, every layer sparse; a shared expert.
+    assert (qwen2_moe.qkv_bias, qwen2_moe.o_bias, qwen2_moe.norm_topk_prob, qwen2_moe.moe_layers) == \
+        (True, False, False, (0, 1))
+    assert qwen2_moe.shared_expert_intermediate_size == 64 and qwen2_moe.sliding_window is None
+    without = {k: v for k, v in to_hf(qwen2_moe).items() if k != "shared_expert_intermediate_size"}
+    assert from_hf(without).shared_expert_intermediate_size == 5632  # Qwen2MoeConfig's default width
+    with pytest.raises(BadInput, match="shared_expert_intermediate_size=0 must be a positive integer"):
+        from_hf({**without, "shared_expert_intermediate_size": 0})
+    for cfg in (from_hf(QWEN3_MOE), mixtral, qwen2_moe):
         assert from_hf(to_hf(cfg)) == cfg
         assert ModelConfig(**json.loads(json.dumps(cfg.to_dict()))) == cfg  # as a forward key reads it back
 
