@@ -116,6 +116,14 @@ class Api:
         r.raise_for_status()
         return "\n".join(entry["message"] for entry in r.json())
 
+    def logs_with(self, flow_run_id: str, text: str, timeout_s: float = 30.0) -> str:
+        """The run's logs once they hold `text`, or as they are after `timeout_s`: the run's process ships its
+        logs in batches, so a run can be seen final before its last lines reach the server (seen under load)."""
+        deadline = time.monotonic() + timeout_s
+        while text not in (logs := self.logs(flow_run_id)) and time.monotonic() < deadline:
+            time.sleep(1.0)
+        return logs
+
     def wait_final(self, flow_run_id: str, timeout_s: float) -> dict:
         """Poll until the flow run is in a final state; fail the test after `timeout_s`."""
         deadline = time.monotonic() + timeout_s

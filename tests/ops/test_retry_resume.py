@@ -114,7 +114,7 @@ def test_gate_refusal_is_final(failing_runs, prefect_server):
     assert run["state_type"] == "FAILED" and run["run_count"] == 1
     assert "MiB short" in run["state"]["message"]
     api = prefect_server.api()
-    logs = api.logs(run["id"])
+    logs = api.logs_with(run["id"], "not retried: a refusal is final")
     assert "not retried: a refusal is final" in logs
     assert not any(s["name"] == "AwaitingRetry" for s in api.states(run["id"]))
     # The run page explains itself: one log line per phase end, one artifact of each kind that applies.

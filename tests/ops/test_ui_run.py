@@ -211,7 +211,7 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
     assert progress["data"] == 100.0 and progress["updated"] > progress["created"]  # it advanced
     assert "per host " in progress["description"] and " 1/1" in progress["description"], progress["description"]
     assert "data:image/png;base64," in arts["memory"]["data"]
-    logs = api.logs(run["id"])
+    logs = api.logs_with(run["id"], "done: manifest ")
     for phase in ("probe", "tune", "kv-plan", "gate", "outcome-check", "share-verify", "manifest"):
         assert f"phase {phase}: " in logs, phase
     assert "phase compile: ok in " in logs and "s (the gate estimated " in logs
@@ -259,7 +259,7 @@ def test_a_refused_run_says_why_on_its_page(serve, prefect_server, tmp_path, kee
     assert f"{host} has " in message and "MiB short" in message, message
     assert "(headroom 10000000 MiB + a worker counted at " in message
     assert "set Recipe > 'Headroom floor (MiB)' to " in message and "(CLI: --set headroom_floor_mib=" in message
-    logs = api.logs(run["id"])
+    logs = api.logs_with(run["id"], "not retried: a refusal is final")
     assert logs.count("MiB short") == 1, logs  # the refusal, once
     assert "not retried: a refusal is final" in logs
     gate = [t for t in api.task_runs(run["id"]) if t["name"].startswith("kv-plan-gate")]
