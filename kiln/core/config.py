@@ -167,7 +167,7 @@ class ModelConfig:
                                    f"got {value!r}.")
             if isinstance(self.shared_expert_intermediate_size, bool) or not isinstance(
                     self.shared_expert_intermediate_size, int) or self.shared_expert_intermediate_size < 0:
-                raise BadInput("config.json: shared_expert_intermediate_size must be a positive integer, got "
+                raise BadInput("config.json: shared_expert_intermediate_size must be an integer >= 0, got "
                                f"{self.shared_expert_intermediate_size!r}.")
             if self.experts_per_token > self.num_experts:
                 raise BadInput(f"config.json: num_experts_per_tok ({self.experts_per_token}) exceeds the "

@@ -10,8 +10,8 @@ interleaved or from one layer on), RMSNorm in float32 (Gemma's (1 + weight)
 kind too, and its norms around attention and MLP), GeGLU, soft-capped scores
 and logits, a rotary base of the sliding layers' own, mixtures of experts
 (top-k routing; each expert's intermediate columns split over the ranks like
-the dense MLP's; Qwen2-MoE's gated shared expert). One rank's module holds its shard: heads/tp query heads, kv_heads/tp KV heads and
-intermediate/tp MLP columns; embeddings, norms and the output head are
+the dense MLP's; Qwen2-MoE's gated shared expert). One rank's module holds
+its shard: heads/tp query heads, kv_heads/tp KV heads and intermediate/tp MLP columns; embeddings, norms and the output head are
 replicated. The cross-rank sum after the attention output and MLP down
 projections is torch's native functional collective (`_c10d_functional.all_reduce` +
 `wait_tensor`) on the process group named TP_GROUP: AOTInductor compiles it to a C
