@@ -294,6 +294,7 @@ def _rope(raw: dict, family: str = "llama") -> dict:
     if extra:
         raise BadInput(f"config.json: {where}.{extra[0]}={rope[extra[0]]!r} is not understood for rope type "
                        f"{kind!r}; Kiln reads {', '.join(sorted(_ROPE_KEYS[kind]))}.")
+    # "gemma3": the recursive reading of Gemma 3's full layers' rope, whose default theta is 1e6.
     theta = rope.get("rope_theta", raw.get("rope_theta", 1000000.0 if family == "gemma3" else 10000.0))
     if "rope_theta" in rope and "rope_theta" in raw and rope["rope_theta"] != raw["rope_theta"]:
         raise BadInput(f"config.json: rope_theta={raw['rope_theta']!r} and {where}.rope_theta="
