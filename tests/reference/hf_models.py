@@ -91,6 +91,10 @@ CASES = {
     "gemma2-bf16": ("gemma2", dict(hidden_size=256, head_dim=128, num_attention_heads=4, num_key_value_heads=2,
                                    num_hidden_layers=4, vocab_size=32000, sliding_window=6, initializer_range=0.05),
                     "bfloat16"),
+    # Gemma 3 at a real shape in bfloat16: head_dim 128, vocabulary 32000, a full layer every sixth (layer 5 of 6).
+    "gemma3-bf16": ("gemma3_text", dict(hidden_size=256, head_dim=128, num_attention_heads=4, num_key_value_heads=2,
+                                        num_hidden_layers=6, vocab_size=32000, sliding_window=6,
+                                        initializer_range=0.05), "bfloat16"),
     # Gemma 3: q/k norms, full layers rotating at theta 1e6 scaled linearly by 8 (as Gemma 3 4B), sliding ones at
     # their own 1e4, unscaled; layer 2 full among sliding layers of window 5.
     "gemma3": ("gemma3_text", dict(head_dim=32, num_hidden_layers=4, sliding_window=5,
