@@ -19,7 +19,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM"}
+                 "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 """model_type -> the transformers class whose math Kiln reproduces."""
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -28,7 +28,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3) or its
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3) or its
     mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
 
     vocab_size: int
@@ -113,6 +113,9 @@ class ModelConfig:
     local_rope_theta: float | None = None
     """Sliding layers' rotary base, unscaled (Gemma 3's rope_local_base_freq); None: every layer uses rope_theta
     and its scaling."""
+    rotary_dim: int | None = None
+    """The leading dims of each query and key head that rotate, the rest pass through (Phi-3's
+    partial_rotary_factor x head_dim); None: all of head_dim."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -126,6 +129,11 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads}).")
         if self.head_dim % 2:
             raise BadInput(f"config.json: head_dim ({self.head_dim}) must be even for rotary embeddings.")
+        if self.rotary_dim is not None and (isinstance(self.rotary_dim, bool) or not isinstance(self.rotary_dim, int)
+                                            or self.rotary_dim <= 0 or self.rotary_dim % 2
+                                            or self.rotary_dim > self.head_dim):
+            raise BadInput(f"config.json: the rotary dims (partial_rotary_factor x head_dim) must be an even number "
+                           f"in 2..{self.head_dim}, got {self.rotary_dim!r}.")
         if self.dtype not in DTYPE_BYTES:
             raise BadInput(f"config.json: dtype {self.dtype!r} is not supported; use one of {sorted(DTYPE_BYTES)}.")
         if self.architecture not in ARCHITECTURES:
@@ -176,6 +184,11 @@ class ModelConfig:
                     isinstance(i, int) and 0 <= i < self.num_layers for i in self.moe_layers):
                 raise BadInput(f"config.json: the mixture-of-experts layers {list(self.moe_layers)} must be distinct "
                                f"layer indices below {self.num_layers}, in order.")
+
+    @property
+    def rotated_dims(self) -> int:
+        """The dims of a head that the rotary embedding turns (rotary_dim, else head_dim)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def dtype_bytes(self) -> int:

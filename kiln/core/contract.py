@@ -29,9 +29,12 @@ computed inside it). A forward with tp > 1 sums its partial products with
 torch's native all_reduce over the process group named PROCESS_GROUP, which
 the caller must have registered (torch's default world group has that name).
 
-`parameter_shapes` (the checkpoint's tensors), `shard_slice` and
-`constant_sources` state the model's layout without torch; a unit test holds
-them to the torch module's own state dict.
+`parameter_shapes` (the checkpoint's tensors), `shard_slice`, `source_cut`
+and `constant_sources` state the model's layout without torch; a unit test
+holds them to the torch module's own state dict. A checkpoint tensor is
+usually the source of one constant; a fused one (Phi-3's qkv_proj and
+gate_up_proj, FUSED) is the source of each of its projections' constants,
+each source cut to its own rows, at tp 1 too.
 """
 
 from __future__ import annotations
@@ -64,8 +67,58 @@ expert e's projections; Qwen2-MoE's shared expert is `mlp.shared_expert.<proj>.w
 SHARED_EXPERT = ".shared_expert."
 
 
+FUSED = {"phi3": {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                 "self_attn.v_proj.weight"),
+                  "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}}
+"""model_type -> {a layer's fused checkpoint tensor: the projections it holds, its rows in this order}. The
+package keeps one constant per projection, as for every other family: each source of such a constant is the
+fused tensor, cut to the projection's rows (and, with tp > 1, to the rank's share of them)."""
+
+
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the unsharded model, named as in a Hugging Face checkpoint, with its shape."""
+    fused = FUSED.get(cfg.architecture)
+    module = _module_shapes(cfg)
+    if not fused:
+        return module
+    parts = {part: tensor for tensor, names in fused.items() for part in names}
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in module.items():
+        tensor, _ = _fused_source(name, parts)
+        if tensor == name:
+            out[name] = shape
+        elif tensor in out:
+            out[tensor] = (out[tensor][0] + shape[0], *shape[1:])
+        else:
+            out[tensor] = shape
+    return out
+
+
+def _fused_source(name: str, parts: dict[str, str]) -> tuple[str, str | None]:
+    """(the checkpoint tensor that holds module tensor `name`, the fused suffix or None)."""
+    if not name.startswith(LAYER_PREFIX):
+        return name, None
+    layer, suffix = name[len(LAYER_PREFIX):].split(".", 1)
+    if suffix not in parts:
+        return name, None
+    return f"{LAYER_PREFIX}{layer}.{parts[suffix]}", parts[suffix]
+
+
+def _part_offsets(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
+    """Module tensor -> (its checkpoint tensor, the row where it starts there): (itself, 0) unless fused."""
+    fused = FUSED.get(cfg.architecture) or {}
+    parts = {part: tensor for tensor, names in fused.items() for part in names}
+    out, rows = {}, {}
+    for name, shape in _module_shapes(cfg).items():
+        tensor, suffix = _fused_source(name, parts)
+        start = rows.get(tensor, 0)
+        out[name] = (tensor, start)
+        rows[tensor] = start + shape[0]
+    return out
+
+
+def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the module reads, by its checkpoint-style name (Phi-3's fused projections apart)."""
     h, q, kv, mlp = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_layers):
@@ -145,9 +198,36 @@ def constant_sources(cfg: ModelConfig) -> dict[str, list[str]]:
     """Package constant -> the checkpoint tensors it holds: one for a plain constant; a stacked one's
     tensors in layer order (and, for experts' projections, in expert order within each layer: the constant
     stacks layers x experts along one leading dimension, which the graph views as [layers, experts, ...]).
-    Ordered as the torch module's state dict."""
+    Ordered as the torch module's state dict. A fused tensor (FUSED) is a source of each of its projections'
+    constants, cut to that projection's rows (source_cut)."""
+    where = _part_offsets(cfg)
+    return {name: [where[part][0] for part in parts] for name, parts in _constant_parts(cfg).items()}
+
+
+def source_cut(part: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[str, tuple[int, int, int] | None]:
+    """(checkpoint tensor, (dim, start, stop) or None) that `rank` reads for module tensor `part`
+    (`model.layers.<i>.self_attn.q_proj.weight`, ...): shard_slice's cut of the tensor itself, or, for a
+    projection fused in the checkpoint, the rows of the fused tensor that hold the rank's share of it."""
+    tensor, start = _part_offsets(cfg)[part]
+    cut = shard_slice(part, cfg, tp, rank)
+    if tensor == part:
+        return tensor, cut
+    rows = _module_shapes(cfg)[part][0]
+    dim, a, b = cut if cut is not None else (0, 0, rows)
+    if dim != 0:
+        raise AssertionError(f"{part}: a fused projection is cut along its rows")
+    return tensor, (0, start + a, start + b)
+
+
+def rank_reads(cfg: ModelConfig, tp: int, rank: int) -> dict[str, list[tuple[str, tuple[int, int, int] | None]]]:
+    """Package constant -> what `rank` reads into it, in order: (checkpoint tensor, cut) per source."""
+    return {name: [source_cut(part, cfg, tp, rank) for part in parts] for name, parts in _constant_parts(cfg).items()}
+
+
+def _constant_parts(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Package constant -> the module tensors it stacks (constant_sources before fused tensors are named)."""
     out: dict[str, list[str]] = {}
-    full = parameter_shapes(cfg)
+    full = _module_shapes(cfg)
     plain = [n for n in full if not n.startswith(LAYER_PREFIX)]
     out[plain[0]] = [plain[0]]  # the embedding comes first, as in the module
     runs = layer_runs(cfg)
@@ -167,9 +247,9 @@ def constant_sources(cfg: ModelConfig) -> dict[str, list[str]]:
 
 def constant_shapes(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, ...]]:
     """Package constant -> the shape one rank binds (a stacked one leads with its layer count)."""
-    full = parameter_shapes(cfg)
+    full = _module_shapes(cfg)
     out = {}
-    for name, sources in constant_sources(cfg).items():
+    for name, sources in _constant_parts(cfg).items():
         shape = list(full[sources[0]])
         cut = shard_slice(sources[0], cfg, tp, 0)
         if cut is not None:
@@ -211,15 +291,16 @@ def weight_layout(cfg: ModelConfig, tp: int) -> dict[str, dict]:
     full = parameter_shapes(cfg)
     shapes = constant_shapes(cfg, tp)
 
-    def source(tensor: str) -> dict:
-        cuts = [shard_slice(tensor, cfg, tp, r) for r in range(tp)]
-        cut = None if cuts[0] is None else {"dim": cuts[0][0], "length": cuts[0][2] - cuts[0][1],
-                                            "offsets": [c[1] for c in cuts]}
+    def source(part: str) -> dict:
+        reads = [source_cut(part, cfg, tp, r) for r in range(tp)]
+        tensor, first = reads[0]
+        cut = None if first is None else {"dim": first[0], "length": first[2] - first[1],
+                                          "offsets": [c[1] for _, c in reads]}
         return {"tensor": tensor, "full_shape": list(full[tensor]), "cut": cut}
 
     return {name: {"dtype": cfg.dtype, "shape": list(shapes[name]),
-                   "stack": None if sources == [name] else len(sources), "sources": [source(t) for t in sources]}
-            for name, sources in constant_sources(cfg).items()}
+                   "stack": None if parts == [name] else len(parts), "sources": [source(p) for p in parts]}
+            for name, parts in _constant_parts(cfg).items()}
 
 
 def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:

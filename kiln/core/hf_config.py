@@ -22,7 +22,8 @@ shared expert on every expert layer, weighted by a sigmoid gate),
 Gemma 2 (GeGLU, (1 + weight) norms around attention and MLP, scaled embeddings,
 query_pre_attn_scalar, soft-capped scores and logits, sliding and full layers
 interleaved) and Gemma 3 (Gemma 2's layers with Gemma's q/k norms and a rotary
-base of their own on sliding layers).
+base of their own on sliding layers), Phi-3 (fused qkv_proj and gate_up_proj;
+partial_rotary_factor; a sliding window on every layer; longrope refused).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ READ = {
                          "use_bidirectional_attention"},
 }
 READ["gemma3_text"] = READ["gemma2"] | {"rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern"}
+READ["phi3"] = _COMMON | {"sliding_window", "partial_rotary_factor", "original_max_position_embeddings"}
+"""Phi-3's original_max_position_embeddings only matters to its longrope scaling, which Kiln refuses."""
 GEMMA = ("gemma2", "gemma3_text")
 
 _GEMMA_DEFAULTS = {
@@ -76,6 +79,7 @@ INERT = {
     "output_router_logits": "a training output (the router's logits for the auxiliary loss)",
     "router_aux_loss_coef": "a training loss weight", "router_jitter_noise": "noise applied in training only",
     "cache_implementation": "a generate() setting (which cache class it builds)",
+    "resid_pdrop": "dropout is off at inference", "embd_pdrop": "dropout is off at inference",
 }
 """Fields that do not change what a forward step computes, with why."""
 
@@ -121,14 +125,14 @@ def from_hf(raw: dict) -> ModelConfig:
         vocab_size=raw["vocab_size"], hidden_size=hidden, num_layers=raw["num_hidden_layers"],
         num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
         intermediate_size=raw["intermediate_size"],
-        rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),  # every family's default
+        rms_norm_eps=_number(raw, "rms_norm_eps", 1e-5 if family == "phi3" else 1e-6),  # each family's default
         dtype=_dtype(raw),
         qkv_bias=bias or family == "qwen2" or (family == "qwen2_moe" and _flag(raw, "qkv_bias", True)),
         o_bias=bias, mlp_bias=_flag(raw, "mlp_bias"),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
         tie_word_embeddings=tied,
         sliding_window=window, first_sliding_layer=first_sliding, full_attention_layers=full_layers,
-        activation=activation, **moe, **extra, **_rope(raw, family),
+        activation=activation, **moe, **extra, **(_partial_rotary(raw) if family == "phi3" else _rope(raw, family)),
     )
 
 
@@ -315,10 +319,34 @@ def _rope(raw: dict, family: str = "llama") -> dict:
     return out
 
 
+def _partial_rotary(raw: dict) -> dict:
+    """Phi-3's rope: the common reading, plus partial_rotary_factor (top level, or in rope_parameters as
+    transformers 5 writes it): rotary_dim = int(head_dim x factor), head_dim as Phi3Attention takes it."""
+    params = dict(raw["rope_parameters"]) if isinstance(raw.get("rope_parameters"), dict) else raw.get("rope_parameters")
+    spelled = {}
+    if "partial_rotary_factor" in raw:
+        spelled["partial_rotary_factor"] = raw["partial_rotary_factor"]
+    if isinstance(params, dict) and "partial_rotary_factor" in params:
+        spelled["rope_parameters.partial_rotary_factor"] = params.pop("partial_rotary_factor")
+    if len(set(map(repr, spelled.values()))) > 1:
+        raise BadInput(f"config.json: {' and '.join(f'{k}={v!r}' for k, v in spelled.items())} disagree; keep one.")
+    rest = {k: v for k, v in raw.items() if k not in ("rope_parameters", "partial_rotary_factor")}
+    out = _rope(rest if params is None else {**rest, "rope_parameters": params})
+    factor = next(iter(spelled.values()), 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise BadInput(f"config.json: partial_rotary_factor={factor!r} must be a number in (0, 1].")
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    rotary = int(head_dim * factor)
+    if rotary % 2 or rotary <= 0:
+        raise BadInput(f"config.json: partial_rotary_factor={factor!r} turns {rotary} of head_dim {head_dim}; the "
+                       "rotary embedding needs an even number of dims.")
+    return {**out, "rotary_dim": None if rotary == head_dim else rotary}
+
+
 def _sliding(raw: dict, family: str) -> tuple[int | None, int, tuple[int, ...]]:
     """(sliding_window, first sliding layer, later full-attention layers), as the family's transformers class
     decides them."""
-    if family in ("mistral", "mixtral"):
+    if family in ("mistral", "mixtral", "phi3"):
         return raw.get("sliding_window"), 0, ()
     if family == "qwen3_moe":  # Qwen3MoeConfig: every layer slides when use_sliding_window (max_window_layers unread)
         return (raw.get("sliding_window", 4096) if _flag(raw, "use_sliding_window") else None), 0, ()
@@ -403,6 +431,10 @@ def to_hf(cfg: ModelConfig) -> dict:
         raise BadInput("a llama config's attention_bias covers q, k, v and o together.")
     if family not in ("llama", "qwen3", "qwen3_moe", *GEMMA) and (cfg.o_bias or cfg.mlp_bias):
         raise BadInput(f"a {family} config has no attention_bias / mlp_bias.")
+    if cfg.rotary_dim is not None and family != "phi3":
+        raise BadInput("a partial rotary (rotary_dim) is Phi-3's partial_rotary_factor.")
+    if family == "phi3" and (cfg.qkv_bias or cfg.first_sliding_layer):
+        raise BadInput("a phi3 config has no biases, and its sliding window covers every layer.")
     if family == "llama" and cfg.sliding_window is not None:
         raise BadInput("a llama config has no sliding window (use mistral or qwen2).")
     out = {
@@ -432,8 +464,10 @@ def to_hf(cfg: ModelConfig) -> dict:
         out["hidden_act"] = "silu"
     if family == "llama":
         out.update(attention_bias=cfg.o_bias, mlp_bias=cfg.mlp_bias)
-    elif family in ("mistral", "mixtral"):
+    elif family in ("mistral", "mixtral", "phi3"):
         out["sliding_window"] = cfg.sliding_window
+        if cfg.rotary_dim is not None:
+            out["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
     elif family == "qwen3_moe":
         out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                    attention_bias=cfg.o_bias)

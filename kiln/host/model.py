@@ -1,18 +1,20 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, Gemma 2 and 3) in plain
-torch, tensor-parallel.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, Gemma 2 and 3, Phi-3) in
+plain torch, tensor-parallel.
 
 It computes what transformers' LlamaForCausalLM, MistralForCausalLM,
 Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM,
-Qwen3MoeForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM compute for the configs
+Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM and Phi3ForCausalLM compute for the configs
 kiln.core.hf_config accepts: rotary scaling (linear, llama3), q/k/v, o and MLP
 biases, per-head q/k norms, tied embeddings, sliding windows (on some layers,
 interleaved or from one layer on), RMSNorm in float32 (Gemma's (1 + weight)
 kind too, and its norms around attention and MLP), GeGLU, soft-capped scores
 and logits, a rotary base of the sliding layers' own, mixtures of experts
 (top-k routing; each expert's intermediate columns split over the ranks like
-the dense MLP's; Qwen2-MoE's gated shared expert). One rank's module holds
-its shard: heads/tp query heads, kv_heads/tp KV heads and intermediate/tp MLP columns; embeddings, norms and the output head are
-replicated. The cross-rank sum after the attention output and MLP down
+the dense MLP's; Qwen2-MoE's gated shared expert), a partial rotary (Phi-3;
+its fused qkv_proj and gate_up_proj are cut into the same q/k/v and gate/up
+constants as the others', kiln.core.contract.FUSED). One rank's module holds
+its shard: heads/tp query heads, kv_heads/tp KV heads and intermediate/tp MLP
+columns; embeddings, norms and the output head are replicated. The cross-rank sum after the attention output and MLP down
 projections is torch's native functional collective (`_c10d_functional.all_reduce` +
 `wait_tensor`) on the process group named TP_GROUP: AOTInductor compiles it to a C
 shim of libtorch, so a package needs neither Python nor Kiln to run, and since the
@@ -51,8 +53,8 @@ from torch import nn
 
 from kiln.core.config import ModelConfig
 from kiln.core.contract import PROCESS_GROUP as TP_GROUP
-from kiln.core.contract import (EXPERTS, RUN_PREFIX, constant_shapes, constant_sources, is_expert, layer_runs,
-                                 parameter_shapes, shard_slice)
+from kiln.core.contract import (EXPERTS, RUN_PREFIX, constant_shapes, is_expert, layer_runs, parameter_shapes,
+                                 rank_reads)
 
 
 @contextlib.contextmanager
@@ -114,7 +116,8 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     only tiny constants, so a buffer would become a package constant that no
     checkpoint provides.
     """
-    exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / cfg.head_dim
+    dim = cfg.rotated_dims  # Phi-3's partial rotary: only the leading rotary_dim dims of a head turn
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(torch.float32) / dim
     inv_freq = 1.0 / (cfg.rope_theta ** exponent)
     if cfg.rope_type == "linear":
         inv_freq = inv_freq / cfg.rope_factor
@@ -129,6 +132,15 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
     return inv_freq
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of x's leading cos.shape[-1] dims; the rest pass through (a partial rotary)."""
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    turned, kept = x[..., :dim], x[..., dim:]
+    return torch.cat((turned * cos + _rotate_half(turned) * sin, kept), dim=-1)
 
 
 def _linear_then_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: int) -> torch.Tensor:
@@ -210,8 +222,7 @@ def decoder_layer(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], x: torc
     if ctx.local_cos is not None and window is not None:  # Gemma 3: a sliding layer rotates at its own base
         cos, sin = (torch.where(window < FULL_ATTENTION, local, full)
                     for local, full in ((ctx.local_cos, cos), (ctx.local_sin, sin)))
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     num_ctx = ctx.block_table.shape[1] * kv.shape[2]
     past_k = kv[0][ctx.block_table].reshape(b, num_ctx, kv_heads, hd)
     past_v = kv[1][ctx.block_table].reshape(b, num_ctx, kv_heads, hd)
@@ -451,12 +462,12 @@ def rank_constants(cfg: ModelConfig, tp: int, rank: int,
     if not 0 <= rank < tp:
         raise ValueError(f"rank {rank} is outside tp {tp}")
     out = {}
-    sources_of = constant_sources(cfg)
+    reads = rank_reads(cfg, tp, rank)
     for name, shape in constant_shapes(cfg, tp).items():
         constant = torch.empty(shape, dtype=dtype)
-        sources = sources_of[name]
-        for i, source in enumerate(sources):
-            read_into(source, shard_slice(source, cfg, tp, rank), constant if sources == [name] else constant[i])
+        sources = reads[name]
+        for i, (source, cut) in enumerate(sources):
+            read_into(source, cut, constant if sources == [(name, cut)] else constant[i])
         out[name] = constant
     return out
 

@@ -35,8 +35,8 @@ import torch
 from kiln.core.config import ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.hf_config import from_hf
-from kiln.core.contract import LAYOUT
-from kiln.host.model import expected_shapes, shard_slice
+from kiln.core.contract import LAYOUT, rank_reads
+from kiln.host.model import expected_shapes
 
 INDEX = "model.safetensors.index.json"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -67,7 +67,7 @@ def parse_s3_url(url: str) -> tuple[str, str]:
 
 def row_ranges(info: TensorInfo, cut: tuple[int, int, int] | None) -> list[tuple[int, int]]:
     """Byte ranges [first, last] (inclusive, as HTTP Range says) holding `cut` of the tensor (None: all of it),
-    adjacent ranges merged. `cut` is (dim, start, stop) as kiln.host.model.shard_slice gives it."""
+    adjacent ranges merged. `cut` is (dim, start, stop) as kiln.core.contract.source_cut gives it."""
     if cut is None:
         return [(info.start_byte, info.end_byte - 1)] if info.end_byte > info.start_byte else []
     dim, lo, hi = cut
@@ -267,7 +267,7 @@ class S3Checkpoint:
             return load_file(str(cached))
         parts = self._rank_tensors(cfg, tp, rank)
         # Each tensor, already cut for the rank, is copied into its (stacked) constant and dropped at once.
-        out = rank_constants(cfg, tp, rank, lambda name, _cut, into: into.copy_(parts.pop(name)),
+        out = rank_constants(cfg, tp, rank, lambda name, cut, into: into.copy_(parts.pop((name, cut))),
                              getattr(torch, cfg.dtype))
         if cached is not None:
             cached.parent.mkdir(parents=True, exist_ok=True)
@@ -276,26 +276,28 @@ class S3Checkpoint:
             tmp.replace(cached)
         return out
 
-    def _rank_tensors(self, cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
-        """Each checkpoint tensor cut for `rank`, by its checkpoint name, in `cfg.dtype`."""
+    def _rank_tensors(self, cfg: ModelConfig, tp: int, rank: int) -> dict[tuple, torch.Tensor]:
+        """Each (checkpoint tensor, cut) `rank` reads (kiln.core.contract.rank_reads: one per tensor, or one
+        per projection of a fused tensor), cut, in `cfg.dtype`."""
         have = self.tensors()
-        plan = {name: coalesce(row_ranges(have[name], shard_slice(name, cfg, tp, rank)), self.merge_gap_bytes)
-                for name in expected_shapes(cfg)}
-        jobs = [(name, fetch) for name, fetches in plan.items() for fetch in fetches]
+        shapes = expected_shapes(cfg)
+        reads = list(dict.fromkeys(read for sources in rank_reads(cfg, tp, rank).values() for read in sources))
+        plan = {read: coalesce(row_ranges(have[read[0]], read[1]), self.merge_gap_bytes) for read in reads}
+        jobs = [(read, fetch) for read, fetches in plan.items() for fetch in fetches]
         with ThreadPoolExecutor(self.max_concurrency) as pool:
-            parts = list(pool.map(lambda job: self._get(have[job[0]].file, job[1][0], job[1][1]), jobs))
-        chunks: dict[str, list[bytes]] = {}
-        for (name, (first, _, pieces)), data in zip(jobs, parts):
+            parts = list(pool.map(lambda job: self._get(have[job[0][0]].file, job[1][0], job[1][1]), jobs))
+        chunks: dict[tuple, list[bytes]] = {}
+        for (read, (first, _, pieces)), data in zip(jobs, parts):
             view = memoryview(data)
-            chunks.setdefault(name, []).extend(view[a - first:b - first + 1] for a, b in pieces)
+            chunks.setdefault(read, []).extend(view[a - first:b - first + 1] for a, b in pieces)
         dtype = getattr(torch, cfg.dtype)
         out = {}
-        for name, shape in expected_shapes(cfg).items():
-            info, cut = have[name], shard_slice(name, cfg, tp, rank)
+        for name, cut in reads:
+            info, shape = have[name], shapes[name]
             local = list(shape) if cut is None else [*shape[:cut[0]], cut[2] - cut[1], *shape[cut[0] + 1:]]
-            flat = torch.frombuffer(bytearray(b"".join(chunks.get(name, []))), dtype=_DTYPES[info.dtype]) \
-                if any(local) else torch.empty(0, dtype=_DTYPES[info.dtype])
-            out[name] = flat.reshape(local).to(dtype).contiguous()
+            flat = torch.frombuffer(bytearray(b"".join(chunks.get((name, cut), []))), dtype=_DTYPES[info.dtype]) \
+                if all(local) else torch.empty(0, dtype=_DTYPES[info.dtype])
+            out[(name, cut)] = flat.reshape(local).to(dtype).contiguous()
         return out
 
 

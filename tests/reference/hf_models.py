@@ -2,7 +2,8 @@
 
 The reference is independent of Kiln: transformers' LlamaForCausalLM,
 MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM,
-Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM, built from a config dict and saved
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM and Phi3ForCausalLM, built from a
+config dict and saved
 with `save_pretrained` (safetensors). Nothing is downloaded.
 """
 
@@ -18,7 +19,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is a tes
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
            "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-           "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+           "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+           "phi3": ("Phi3Config", "Phi3ForCausalLM")}
 
 BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
@@ -104,6 +106,14 @@ CASES = {
                                                                        "rope_theta": 1000000.0},
                                                     "sliding_attention": {"rope_type": "default",
                                                                           "rope_theta": 10000.0}}), "float32"),
+    # Phi-3: fused qkv_proj and gate_up_proj; head_dim 64 of which the leading 48 rotate (partial_rotary_factor
+    # 0.75, as Phi-4-mini's), a sliding window of 6 on every layer.
+    # (Phi3Config's token ids default to 32000; none here, within this vocabulary.)
+    "phi3": ("phi3", dict(hidden_size=256, num_hidden_layers=3, partial_rotary_factor=0.75, sliding_window=6,
+                          pad_token_id=None, eos_token_id=None, bos_token_id=None), "float32"),
+    # Phi-3 at a real shape in bfloat16: head_dim 128, Phi-3's vocabulary of 32064, no window (Phi-3-mini's rope).
+    "phi3-bf16": ("phi3", dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
+                               vocab_size=32064, intermediate_size=1024, initializer_range=0.05), "bfloat16"),
 }
 
 

@@ -35,6 +35,7 @@ FEATURE_OFF = {
     "qwen2-moe": {"shared_expert_intermediate_size": 0},
     "gemma2": {"attn_softcap": None, "final_softcap": None},
     "gemma3": {"local_rope_theta": None},
+    "phi3": {"rotary_dim": None},
 }
 
 

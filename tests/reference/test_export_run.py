@@ -31,6 +31,8 @@ E2E = {
     "gemma2": "Gemma 2: GeGLU, (1 + weight) norms around attention and MLP, scaled embeddings, soft-capped scores "
               "and logits, query_pre_attn_scalar, sliding and full layers interleaved",
     "gemma3": "Gemma 3: Gemma's layers with q/k norms; full layers rotate at 1e6 scaled by 8, sliding ones at 1e4",
+    "phi3": "Phi-3: fused qkv_proj and gate_up_proj cut into each rank's q/k/v and gate/up rows, a partial rotary "
+            "(48 of 64 dims), a sliding window of 6",
     "llama-deep": "plain Llama, head_dim 64, 24 layers: one scanned layer body, 24 layers' stacked weights",
     "llama-realistic-bf16": "bfloat16, head_dim 128, 4 layers, vocabulary 32000",
 }
@@ -139,13 +141,25 @@ def test_a_realistic_bfloat16_export_runs_with_torch_alone(export_and_run, tmp_p
         assert torch.equal(logits, kiln_[bucket]), f"{bucket}: torch alone and Kiln's loader differ"
 
 
+def torch_alone_is_kiln(manifest_path, root, manifest, tmp_path) -> None:
+    """Every package of the export run by torch alone from the manifest on both ranks gives Kiln's loader's
+    logits, the same on every rank."""
+    import torch
+    from torch_only_harness import run_torch_only, run_with_kiln
+
+    run_torch_only(manifest_path, root / "forwards", manifest["model"]["checkpoint"], tmp_path / "alone")
+    run_with_kiln(manifest_path, root / "forwards", tmp_path / "kiln")
+    alone = [torch.load(tmp_path / "alone" / f"rank{r}.pt") for r in range(2)]
+    kiln_ = torch.load(tmp_path / "kiln" / "rank0.pt")
+    for bucket, logits in alone[0].items():
+        assert torch.equal(logits, alone[1][bucket])
+        assert torch.equal(logits, kiln_[bucket]), f"{bucket}: torch alone and Kiln's loader differ"
+
+
 def test_a_mixture_of_experts_export_runs_with_torch_alone(export_and_run, tmp_path):
     """The consumer contract of experts: each stacked expert constant holds layers x experts in order (its
     manifest entry lists them), which torch alone fills from the checkpoint as Kiln's loader does."""
     from pathlib import Path
-
-    import torch
-    from torch_only_harness import run_torch_only, run_with_kiln
 
     got = export_and_run("qwen3-moe")
     root = Path(got["store"].removeprefix("file://"))
@@ -154,10 +168,19 @@ def test_a_mixture_of_experts_export_runs_with_torch_alone(export_and_run, tmp_p
     experts = manifest["weights"]["model.runs.0.mlp.experts.down_proj.weight"]
     assert experts["stack"] == 64 and experts["shape"] == [64, 128, 16]  # layer 0's 64 experts, half a column each
     assert experts["sources"][1]["tensor"] == "model.layers.0.mlp.experts.1.down_proj.weight"
-    run_torch_only(manifest_path, root / "forwards", manifest["model"]["checkpoint"], tmp_path / "alone")
-    run_with_kiln(manifest_path, root / "forwards", tmp_path / "kiln")
-    alone = [torch.load(tmp_path / "alone" / f"rank{r}.pt") for r in range(2)]
-    kiln_ = torch.load(tmp_path / "kiln" / "rank0.pt")
-    for bucket, logits in alone[0].items():
-        assert torch.equal(logits, alone[1][bucket])
-        assert torch.equal(logits, kiln_[bucket]), f"{bucket}: torch alone and Kiln's loader differ"
+    torch_alone_is_kiln(manifest_path, root, manifest, tmp_path)
+
+
+def test_a_fused_checkpoint_export_runs_with_torch_alone(export_and_run, tmp_path):
+    """The consumer contract of fused tensors: Phi-3's q, k and v constants each list qkv_proj, cut to their
+    own rows (a cut at every rank, so a consumer that only cuts at tp > 1 would bind the whole tensor)."""
+    from pathlib import Path
+
+    got = export_and_run("phi3")
+    root = Path(got["store"].removeprefix("file://"))
+    manifest_path = root / got["report"]["manifest"]
+    manifest = json.loads(manifest_path.read_text())
+    k = manifest["weights"]["model.runs.0.self_attn.k_proj.weight"]
+    assert k["sources"][0]["tensor"] == "model.layers.0.self_attn.qkv_proj.weight"
+    assert k["sources"][0]["cut"] == {"dim": 0, "length": 64, "offsets": [256, 320]}  # after q's 256 rows
+    torch_alone_is_kiln(manifest_path, root, manifest, tmp_path)

@@ -87,6 +87,22 @@ def test_each_rank_reads_only_its_slices_and_gets_the_directory_readers_tensors(
         assert again.bytes_read == 0 and all(torch.equal(cached[n], want[n]) for n in want)
 
 
+def test_a_fused_checkpoint_reads_each_projections_rows_from_s3_as_from_a_directory(s3_bucket, s3_server, tmp_path):
+    """Phi-3's qkv_proj and gate_up_proj: each rank reads its q, k and v rows (and gate and up rows) of one fused
+    tensor; the same constants as the directory reader, and fewer bytes than the whole checkpoint."""
+    cfg = TINY.replace(architecture="phi3", rotary_dim=8)
+    folder = random_checkpoint(tmp_path / "phi3", cfg, seed=5)
+    bucket = s3_bucket[5:].split("/")[0]
+    _upload(boto3.client("s3", endpoint_url=s3_server.endpoint_url), bucket, "ckpt/phi3", folder)
+    assert inspect_checkpoint(folder) == cfg
+    for rank in range(2):
+        ck = S3Checkpoint(f"s3://{bucket}/ckpt/phi3", endpoint_url=s3_server.endpoint_url, merge_gap_bytes=0)
+        got = ck.load_rank_weights(cfg, 2, rank)
+        want = load_rank_weights(folder, cfg, 2, rank)
+        assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+        assert ck.bytes_read < 0.6 * sum(size for size, _ in ck.objects.values())
+
+
 def test_a_replaced_object_has_a_new_etag_so_the_cache_misses(s3_ckpt, tmp_path):
     cfg = inspect_checkpoint(s3_ckpt["folder"])
     first = S3Checkpoint(s3_ckpt["url"], endpoint_url=s3_ckpt["endpoint"], cache_dir=tmp_path / "cache")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kiln.core.config import TINY
-from kiln.core.contract import constant_sources, forward_interface, parameter_shapes, shard_slice, weight_layout
+from collections import Counter
+
+from kiln.core.contract import FUSED, constant_sources, forward_interface, parameter_shapes, shard_slice, weight_layout
 from kiln.core.errors import IntegrityError, KilnError, NotPythonFree
 from kiln.core.outcome import check_digests, check_outcome, forward_records
 
@@ -27,13 +29,16 @@ CONFIGS = {
         architecture="gemma3_text", qk_norm=True, norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
         activation="gelu_tanh", query_pre_attn_scalar=16.0, sliding_window=8, full_attention_layers=(1,),
         local_rope_theta=1e4, tie_word_embeddings=True),
+    "phi3: fused qkv_proj and gate_up_proj, partial rotary": TINY.replace(
+        architecture="phi3", rotary_dim=8, sliding_window=8),
 }
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_constants_are_the_torch_modules_own(name):
     """The contract's constants (names, order, per-rank shapes) are the module's state dict; every checkpoint
-    tensor parameter_shapes names is the source of exactly one constant."""
+    tensor parameter_shapes names is the source of exactly one constant, a fused one (FUSED) of one per
+    projection it holds."""
     pytest.importorskip("torch")
     from kiln.host.model import ShardedDecoder
 
@@ -41,8 +46,9 @@ def test_constants_are_the_torch_modules_own(name):
     for tp in (1, 2):
         module = {n: list(p.shape) for n, p in ShardedDecoder(cfg, tp).to("meta").state_dict().items()}
         assert [(n, w["shape"]) for n, w in weight_layout(cfg, tp).items()] == list(module.items())
-    sources = [s for group in constant_sources(cfg).values() for s in group]
-    assert sorted(sources) == sorted(parameter_shapes(cfg)) and len(sources) == len(set(sources))
+    fused = FUSED.get(cfg.architecture, {})
+    holds = {n: len(fused.get(n.split(".", 3)[-1], ("one",))) for n in parameter_shapes(cfg)}
+    assert Counter(s for group in constant_sources(cfg).values() for s in group) == Counter(holds)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -88,6 +94,33 @@ def test_layout_says_which_tensors_are_stacked_and_cut_and_how():
     assert embed["stack"] is None and [s["tensor"] for s in embed["sources"]] == ["model.embed_tokens.weight"]
     assert "lm_head.weight" not in layout  # tied: the head reads the embedding
     assert shard_slice("model.norm.weight", cfg, 2, 1) is None
+
+
+def test_a_fused_tensor_is_cut_into_its_projections_rows_then_the_ranks_share():
+    """Phi-3's qkv_proj holds q, k and v along its rows, gate_up_proj gate then up: each projection's constant
+    reads its own rows of the fused tensor, at tp 1 too, and a rank its share of them."""
+    cfg = CONFIGS["phi3: fused qkv_proj and gate_up_proj, partial rotary"]
+    q, kv, mlp = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    shapes = parameter_shapes(cfg)
+    assert shapes["model.layers.1.self_attn.qkv_proj.weight"] == (q + 2 * kv, cfg.hidden_size)
+    assert shapes["model.layers.1.mlp.gate_up_proj.weight"] == (2 * mlp, cfg.hidden_size)
+    assert not any(n.endswith((".q_proj.weight", ".gate_proj.weight", ".up_proj.weight")) for n in shapes)
+    for tp in (1, 2):
+        layout = weight_layout(cfg, tp)
+
+        def cut(constant: str) -> dict:
+            [tensor] = {s["tensor"].split(".", 3)[-1] for s in layout[constant]["sources"]}
+            return {"tensor": tensor, **layout[constant]["sources"][1]["cut"]}
+
+        share = [r * q // tp for r in range(tp)]
+        assert cut("model.runs.0.self_attn.q_proj.weight") == {
+            "tensor": "self_attn.qkv_proj.weight", "dim": 0, "length": q // tp, "offsets": share}
+        assert cut("model.runs.0.self_attn.k_proj.weight")["offsets"] == [q + r * kv // tp for r in range(tp)]
+        assert cut("model.runs.0.self_attn.v_proj.weight")["offsets"] == [q + kv + r * kv // tp for r in range(tp)]
+        assert cut("model.runs.0.mlp.gate_proj.weight")["offsets"] == [r * mlp // tp for r in range(tp)]
+        assert cut("model.runs.0.mlp.up_proj.weight") == {
+            "tensor": "mlp.gate_up_proj.weight", "dim": 0, "length": mlp // tp,
+            "offsets": [mlp + r * mlp // tp for r in range(tp)]}
 
 
 def test_interface_matches_the_inputs_and_outputs_of_a_real_step():

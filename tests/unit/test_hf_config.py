@@ -121,6 +121,46 @@ def test_gemma_values_outside_what_kiln_computes_are_refused_by_name(base, chang
     assert words in str(err.value)
 
 
+PHI3 = {**{k: v for k, v in LLAMA.items() if k != "rms_norm_eps"}, "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3", "hidden_size": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+        "original_max_position_embeddings": 4096, "sliding_window": 2047}
+
+
+def test_phi3_reads_as_phi3config():
+    """Phi3Config's defaults (rms_norm_eps 1e-5, every layer sliding when sliding_window is set) and its
+    partial rotary in both spellings (top level; transformers 5's rope_parameters)."""
+    cfg = from_hf(PHI3)
+    assert (cfg.architecture, cfg.rms_norm_eps, cfg.head_dim, cfg.rotary_dim, cfg.rotated_dims) == \
+        ("phi3", 1e-5, 64, None, 64)
+    assert [cfg.window_of(i) for i in range(2)] == [2047, 2047]
+    v4 = from_hf({**PHI3, "partial_rotary_factor": 0.75})
+    v5 = from_hf({**PHI3, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                              "partial_rotary_factor": 0.75}})
+    both = from_hf({**PHI3, "partial_rotary_factor": 0.75,
+                    "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.75, "rope_type": "default"}})
+    assert v4 == v5 == both and v4.rotary_dim == 48
+    for c in (cfg, v4):
+        assert from_hf(to_hf(c)) == c
+
+
+PHI3_REFUSED = [
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}},
+     "rope_type='longrope'"),
+    ({"partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+     "disagree"),
+    ({"partial_rotary_factor": 0.3}, "even number"),
+    ({"partial_rotary_factor": 1.5}, "(0, 1]"),
+    ({"attention_bias": True}, "attention_bias=True"),
+]
+
+
+@pytest.mark.parametrize("change,words", PHI3_REFUSED, ids=[w for _, w in PHI3_REFUSED])
+def test_phi3_values_outside_what_kiln_computes_are_refused_by_name(change, words):
+    with pytest.raises(BadInput, match="config.json") as err:
+        from_hf({**PHI3, **change})
+    assert words in str(err.value)
+
+
 REFUSED = [
     # (change to a valid Llama config, words the message must hold)
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
@@ -160,7 +200,7 @@ def _changed(cfg: ModelConfig, field: dataclasses.Field):
                "num_heads": 48, "num_kv_heads": 6, "first_sliding_layer": 1, "moe_layers": (0, 1),
                "full_attention_layers": (1,), "activation": "gelu_tanh", "query_pre_attn_scalar": 24.0,
                "attn_softcap": 50.0, "final_softcap": 30.0, "local_rope_theta": 1e4,
-               "shared_expert_intermediate_size": 64}
+               "shared_expert_intermediate_size": 64, "rotary_dim": 8}
     if field.name in special:
         return special[field.name]
     if isinstance(value, bool):
