@@ -80,7 +80,7 @@ def _export_flow(**parameters) -> dict:
     hide_expected_tracebacks()
     with outcome_events.export_outcome(parameters) as outcome:  # kiln.export.completed or kiln.export.failed
         params = ExportParams(**parameters)
-        with retry.resumable(params) as (params, recipe), model_lease.model_lease(params):
+        with retry.resumable(params) as (params, recipe), model_lease.model_lease(params, recipe.model_lease_s):
             outcome.params, outcome.recipe = params, recipe
             return _export(params, recipe, outcome)
 

@@ -10,7 +10,8 @@ probes the store and compiles only what the first one did not store.
 Contracts: the slot is a lease that the holder's process renews (Prefect's
 lease, and the holder record below). The holder records itself in the variable
 `<lease>-holder`: flow run, export, host, pid, process start time, Prefect's
-lease id and an expiry it pushes forward every LEASE_S/4. A waiting run
+lease id and an expiry it pushes forward every quarter of the lease (the
+recipe's model_lease_s, LEASE_S by default). A waiting run
 checks that record every POLL_S; a holder that is provably gone
 (kiln.core.holders: its process on this host is dead, or its record past
 expiry) is taken over at once, logged naming the dead holder. Its slot is
@@ -51,13 +52,13 @@ from prefect.settings import PREFECT_API_URL, get_current_settings
 from prefect.variables import Variable
 
 from flows.params import ExportParams, model_name
+from kiln.core.recipe import Recipe
 from kiln.core.holders import describe, holder_gone, holder_record
 from kiln.host import procs
 
-LEASE_S = 120.0
-"""Lease of the slot; Prefect renews it every 0.75 * LEASE_S while the export runs."""
-RECORD_RENEW_S = LEASE_S / 4
-"""The holder record's expiry (LEASE_S ahead) is pushed forward this often."""
+LEASE_S = Recipe().model_lease_s
+"""Lease of the slot by default (the recipe's model_lease_s); Prefect renews it every 0.75 x the lease while
+the export runs, and the holder record's expiry (a lease ahead) is pushed forward every quarter of it."""
 POLL_S = 3.0
 """A waiting run tries the slot, and judges its holder, this often."""
 _MEMORY_LEASES = "prefect.server.concurrency.lease_storage.memory"
@@ -120,12 +121,12 @@ def _host_lock(name: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _take_over(name: str, holder: dict, why: str, log) -> bool:
+def _take_over(name: str, holder: dict, why: str, log, lease_s: float) -> bool:
     """Free the slot of `holder`, provably gone, through Prefect's API; False when it cannot be freed now."""
     embedded = not PREFECT_API_URL.value() and get_current_settings().server.concurrency.lease_storage == _MEMORY_LEASES
     with get_client(sync_client=True) as client:
         if embedded:  # its lease died with its process's memory: only the slot count is left to free
-            client.release_concurrency_slots([name], slots=1, occupancy_seconds=LEASE_S)
+            client.release_concurrency_slots([name], slots=1, occupancy_seconds=lease_s)
         elif holder.get("lease_id"):  # the server frees the slot and revokes the lease (its expiry frees nothing more)
             client.release_concurrency_slots_with_lease(UUID(holder["lease_id"]))
         else:
@@ -136,13 +137,13 @@ def _take_over(name: str, holder: dict, why: str, log) -> bool:
     return True
 
 
-def _try_acquire(stack: ExitStack, name: str) -> str | None | bool:
+def _try_acquire(stack: ExitStack, name: str, lease_s: float) -> str | None | bool:
     """Take the slot now if it is free (entered on `stack`): its Prefect lease id (None when unknown), or
     False when the slot is taken."""
     ctx = ConcurrencyContext.get()
     before = set(ctx.cleanup_lease_ids) if ctx else set()
     try:
-        stack.enter_context(concurrency(name, occupy=1, strict=True, lease_duration=LEASE_S, max_retries=0))
+        stack.enter_context(concurrency(name, occupy=1, strict=True, lease_duration=lease_s, max_retries=0))
     except ConcurrencySlotAcquisitionError as exc:
         cause = exc.__cause__
         if isinstance(cause, httpx.HTTPStatusError) and cause.response.status_code == 423:
@@ -155,18 +156,18 @@ def _try_acquire(stack: ExitStack, name: str) -> str | None | bool:
 def _record(name: str, record: dict, log) -> None:
     try:
         Variable.set(holder_variable(name), record, overwrite=True)
-    except Exception as exc:  # a missed write is renewed next time; LEASE_S outlasts three misses
+    except Exception as exc:  # a missed write is renewed next time; the lease outlasts three misses
         log.warning("could not record the holder of the model lease %s: %s", name, exc)
 
 
 @contextmanager
-def _renewing(name: str, record: dict, log) -> Iterator[None]:
-    """Push the holder record's expiry forward every RECORD_RENEW_S while the block runs."""
+def _renewing(name: str, record: dict, log, lease_s: float) -> Iterator[None]:
+    """Push the holder record's expiry (a lease ahead) forward every quarter of the lease while the block runs."""
     stop = threading.Event()
 
     def loop() -> None:
-        while not stop.wait(RECORD_RENEW_S):
-            _record(name, {**record, "expires_at": time.time() + LEASE_S}, log)
+        while not stop.wait(lease_s / 4):
+            _record(name, {**record, "expires_at": time.time() + lease_s}, log)
 
     thread = threading.Thread(target=loop, name=f"{name}-holder-renewal", daemon=True)
     thread.start()
@@ -178,7 +179,7 @@ def _renewing(name: str, record: dict, log) -> Iterator[None]:
 
 
 @contextmanager
-def model_lease(params: ExportParams) -> Iterator[str]:
+def model_lease(params: ExportParams, lease_s: float = LEASE_S) -> Iterator[str]:
     """Hold the model's slot for the duration of the block; waits while another export holds it, saying
     for what and whom, and takes it over at once from a holder that is provably gone. The variable
     `<lease>-holder` names the flow run, export and process that took the slot last (the holder while
@@ -201,18 +202,18 @@ def model_lease(params: ExportParams) -> Iterator[str]:
                                              pid_started_at_s=procs.holder_started_at(holder))
                 if why:
                     try:
-                        _take_over(name, holder, why, log)
+                        _take_over(name, holder, why, log, lease_s)
                     except Exception as exc:  # tried again at the next poll
                         log.warning("could not take over the model lease %s from %s: %s", name, describe(holder), exc)
                 elif holder is None and not announced:
                     log.info("taking the model lease %s (one export per model at a time)", name)
                     announced = True
-                lease_id = _try_acquire(stack, name)
+                lease_id = _try_acquire(stack, name, lease_s)
                 if lease_id is not False:
                     now = time.time()
                     record = {**me, "since": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                               "lease_id": lease_id,
-                              **holder_record(proc["host"], proc["pid"], proc["started_at"], now, LEASE_S)}
+                              **holder_record(proc["host"], proc["pid"], proc["started_at"], now, lease_s)}
                     _record(name, record, log)
                     break
             if not announced:
@@ -225,5 +226,5 @@ def model_lease(params: ExportParams) -> Iterator[str]:
         # the holder that overwrote it), so deleting it would buy nothing. It would cost: Prefect deletes a
         # variable by reading it first in a deferred SQLite transaction, which fails at once with "database
         # is locked" (HTTP 503, retried after ~2 s) when the event persister wrote in between.
-        stack.enter_context(_renewing(name, record, log))
+        stack.enter_context(_renewing(name, record, log, lease_s))
         yield name

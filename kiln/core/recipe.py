@@ -145,6 +145,11 @@ class Recipe:
         False, "Whether a gate refusal counts as a failure that flow_retries try again, flow_retry_delay_s "
         "apart, with a fresh probe each time: for a deployment that waits for memory to be freed. Off: a refusal "
         "is final.", title="Retry refusals", group="advanced")
+    model_lease_s: float = setting(
+        120.0, "Seconds an export that died without a word (killed) keeps its model's slot (one export per "
+        "model at a time) before the Prefect server frees it; a running export renews it every three quarters "
+        "of that. A waiting export takes a dead holder's slot over at once when it can tell the holder is gone "
+        "(docs/operations.md). At least 60 (Prefect's shortest lease).", unit="s", ge=60, le=3600, title="Model lease lifetime (s)", group="advanced")
     artifact_mib_estimate: int = setting(
         16, "Disk one compiled forward takes in a host's cache; a host needs this times the forwards it lacks "
         "free.", unit="MiB", ge=0, title="Disk per forward (MiB)", group="store")
