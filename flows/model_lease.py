@@ -52,8 +52,8 @@ from prefect.settings import PREFECT_API_URL, get_current_settings
 from prefect.variables import Variable
 
 from flows.params import ExportParams, model_name
-from kiln.core.recipe import Recipe
 from kiln.core.holders import describe, holder_gone, holder_record
+from kiln.core.recipe import Recipe
 from kiln.host import procs
 
 LEASE_S = Recipe().model_lease_s

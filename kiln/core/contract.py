@@ -29,7 +29,7 @@ computed inside it). A forward with tp > 1 sums its partial products with
 torch's native all_reduce over the process group named PROCESS_GROUP, which
 the caller must have registered (torch's default world group has that name).
 
-`parameter_shapes` (the checkpoint's tensors), `shard_slice`, `source_cut`
+`parameter_shapes` (the checkpoint's tensors), `shard_slice`, `rank_reads`
 and `constant_sources` state the model's layout without torch; a unit test
 holds them to the torch module's own state dict. A checkpoint tensor is
 usually the source of one constant; a fused one (Phi-3's qkv_proj and
@@ -84,7 +84,7 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     parts = {part: tensor for tensor, names in fused.items() for part in names}
     out: dict[str, tuple[int, ...]] = {}
     for name, shape in module.items():
-        tensor, _ = _fused_source(name, parts)
+        tensor = _fused_source(name, parts)
         if tensor == name:
             out[name] = shape
         elif tensor in out:
@@ -94,14 +94,12 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _fused_source(name: str, parts: dict[str, str]) -> tuple[str, str | None]:
-    """(the checkpoint tensor that holds module tensor `name`, the fused suffix or None)."""
+def _fused_source(name: str, parts: dict[str, str]) -> str:
+    """The checkpoint tensor that holds module tensor `name` (`parts`: a projection's suffix -> its fused one)."""
     if not name.startswith(LAYER_PREFIX):
-        return name, None
+        return name
     layer, suffix = name[len(LAYER_PREFIX):].split(".", 1)
-    if suffix not in parts:
-        return name, None
-    return f"{LAYER_PREFIX}{layer}.{parts[suffix]}", parts[suffix]
+    return f"{LAYER_PREFIX}{layer}.{parts[suffix]}" if suffix in parts else name
 
 
 def _part_offsets(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
@@ -110,7 +108,7 @@ def _part_offsets(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
     parts = {part: tensor for tensor, names in fused.items() for part in names}
     out, rows = {}, {}
     for name, shape in _module_shapes(cfg).items():
-        tensor, suffix = _fused_source(name, parts)
+        tensor = _fused_source(name, parts)
         start = rows.get(tensor, 0)
         out[name] = (tensor, start)
         rows[tensor] = start + shape[0]
@@ -199,29 +197,28 @@ def constant_sources(cfg: ModelConfig) -> dict[str, list[str]]:
     tensors in layer order (and, for experts' projections, in expert order within each layer: the constant
     stacks layers x experts along one leading dimension, which the graph views as [layers, experts, ...]).
     Ordered as the torch module's state dict. A fused tensor (FUSED) is a source of each of its projections'
-    constants, cut to that projection's rows (source_cut)."""
+    constants, cut to that projection's rows (rank_reads)."""
     where = _part_offsets(cfg)
     return {name: [where[part][0] for part in parts] for name, parts in _constant_parts(cfg).items()}
 
 
-def source_cut(part: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[str, tuple[int, int, int] | None]:
-    """(checkpoint tensor, (dim, start, stop) or None) that `rank` reads for module tensor `part`
-    (`model.layers.<i>.self_attn.q_proj.weight`, ...): shard_slice's cut of the tensor itself, or, for a
-    projection fused in the checkpoint, the rows of the fused tensor that hold the rank's share of it."""
-    tensor, start = _part_offsets(cfg)[part]
-    cut = shard_slice(part, cfg, tp, rank)
-    if tensor == part:
-        return tensor, cut
-    rows = _module_shapes(cfg)[part][0]
-    dim, a, b = cut if cut is not None else (0, 0, rows)
-    if dim != 0:
-        raise AssertionError(f"{part}: a fused projection is cut along its rows")
-    return tensor, (0, start + a, start + b)
-
-
 def rank_reads(cfg: ModelConfig, tp: int, rank: int) -> dict[str, list[tuple[str, tuple[int, int, int] | None]]]:
-    """Package constant -> what `rank` reads into it, in order: (checkpoint tensor, cut) per source."""
-    return {name: [source_cut(part, cfg, tp, rank) for part in parts] for name, parts in _constant_parts(cfg).items()}
+    """Package constant -> what `rank` reads into it, in order: (checkpoint tensor, (dim, start, stop) or None)
+    per source: shard_slice's cut of the tensor itself, or, for a projection fused in the checkpoint (FUSED),
+    the rows of the fused tensor that hold the rank's share of that projection."""
+    where, shapes = _part_offsets(cfg), _module_shapes(cfg)
+
+    def read(part: str) -> tuple[str, tuple[int, int, int] | None]:
+        tensor, start = where[part]
+        cut = shard_slice(part, cfg, tp, rank)
+        if tensor == part:
+            return tensor, cut
+        dim, a, b = cut if cut is not None else (0, 0, shapes[part][0])
+        if dim != 0:
+            raise AssertionError(f"{part}: a fused projection is cut along its rows")
+        return tensor, (0, start + a, start + b)
+
+    return {name: [read(part) for part in parts] for name, parts in _constant_parts(cfg).items()}
 
 
 def _constant_parts(cfg: ModelConfig) -> dict[str, list[str]]:
@@ -290,16 +287,17 @@ def weight_layout(cfg: ModelConfig, tp: int) -> dict[str, dict]:
     """
     full = parameter_shapes(cfg)
     shapes = constant_shapes(cfg, tp)
+    reads = [rank_reads(cfg, tp, r) for r in range(tp)]
 
-    def source(part: str) -> dict:
-        reads = [source_cut(part, cfg, tp, r) for r in range(tp)]
-        tensor, first = reads[0]
+    def source(name: str, i: int) -> dict:
+        tensor, first = reads[0][name][i]
         cut = None if first is None else {"dim": first[0], "length": first[2] - first[1],
-                                          "offsets": [c[1] for _, c in reads]}
+                                          "offsets": [r[name][i][1][1] for r in reads]}
         return {"tensor": tensor, "full_shape": list(full[tensor]), "cut": cut}
 
     return {name: {"dtype": cfg.dtype, "shape": list(shapes[name]),
-                   "stack": None if parts == [name] else len(parts), "sources": [source(p) for p in parts]}
+                   "stack": None if parts == [name] else len(parts),
+                   "sources": [source(name, i) for i in range(len(parts))]}
             for name, parts in _constant_parts(cfg).items()}
 
 

@@ -67,7 +67,7 @@ def parse_s3_url(url: str) -> tuple[str, str]:
 
 def row_ranges(info: TensorInfo, cut: tuple[int, int, int] | None) -> list[tuple[int, int]]:
     """Byte ranges [first, last] (inclusive, as HTTP Range says) holding `cut` of the tensor (None: all of it),
-    adjacent ranges merged. `cut` is (dim, start, stop) as kiln.core.contract.source_cut gives it."""
+    adjacent ranges merged. `cut` is (dim, start, stop) as kiln.core.contract.rank_reads gives it."""
     if cut is None:
         return [(info.start_byte, info.end_byte - 1)] if info.end_byte > info.start_byte else []
     dim, lo, hi = cut
