@@ -21,7 +21,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 """model_type -> the transformers class whose math Kiln reproduces."""
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_tanh")
 """The gated MLP's activation: SwiGLU's silu, or GeGLU's tanh-approximated gelu (Gemma's gelu_pytorch_tanh)."""
 
@@ -56,13 +56,22 @@ class ModelConfig:
     rope_type: str = "default"
     """Rotary frequency scaling: default (none), linear (positions / rope_factor) or llama3."""
     rope_factor: float = 1.0
-    """linear and llama3: the scaling factor."""
+    """linear, llama3 and yarn: the scaling factor."""
     rope_low_freq_factor: float = 1.0
     """llama3: wavelengths above original_max_position / this are divided by rope_factor."""
     rope_high_freq_factor: float = 4.0
     """llama3: wavelengths below original_max_position / this are kept; between, interpolated."""
     rope_original_max_position: int = 8192
-    """llama3: the context length the model was pretrained with."""
+    """llama3 and yarn: the context length the model was pretrained with."""
+    rope_beta_fast: float = 32.0
+    """yarn: dims turning more than this many times over the original context keep their frequency."""
+    rope_beta_slow: float = 1.0
+    """yarn: dims turning fewer than this many times are interpolated (divided by rope_factor); between, a ramp."""
+    rope_truncate: bool = True
+    """yarn: the ramp's bounds rounded outward to whole dims (transformers' `truncate`)."""
+    rope_attention_factor: float = 1.0
+    """Rotary cos and sin are multiplied by this (yarn's attention factor, from `attention_factor` or
+    `factor`, `mscale` and `mscale_all_dim` as transformers derives it); 1 for the other rope types."""
     qkv_bias: bool = False
     """q/k/v projections carry a bias (Qwen2; Llama's attention_bias)."""
     o_bias: bool = False
@@ -142,7 +151,8 @@ class ModelConfig:
         if self.rope_type not in ROPE_TYPES:
             raise BadInput(f"config.json: rope_type {self.rope_type!r} is not supported; "
                            f"Kiln computes {', '.join(ROPE_TYPES)}.")
-        for field in ("rope_theta", "rope_factor", "rms_norm_eps", "rope_low_freq_factor", "rope_high_freq_factor"):
+        for field in ("rope_theta", "rope_factor", "rms_norm_eps", "rope_low_freq_factor", "rope_high_freq_factor",
+                      "rope_beta_fast", "rope_beta_slow", "rope_attention_factor"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise BadInput(f"config.json: {field} must be a positive number, got {value!r}.")

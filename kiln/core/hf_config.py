@@ -10,8 +10,9 @@ starts. So a field Kiln does not know can never be silently ignored.
 
 Both spellings are read: transformers 4.x (top-level `rope_theta`,
 `rope_scaling`, `torch_dtype`) and transformers 5 (`rope_parameters`,
-`dtype`). Supported families: Llama 2/3/3.1/3.2 (rope default, linear,
-llama3; tied embeddings; attention_bias, mlp_bias), Mistral (sliding window),
+`dtype`). Rope types default, linear, llama3 and yarn (every family but
+Phi-3). Supported families: Llama 2/3/3.1/3.2 (tied embeddings;
+attention_bias, mlp_bias), Mistral (sliding window),
 Qwen2 (q/k/v biases; sliding window from max_window_layers or layer_types)
 Qwen3 (per-head q/k RMSNorm, attention_bias, head_dim 128 unless given,
 Qwen2's sliding window), Mixtral (top-k of num_local_experts, renormalised;
@@ -27,6 +28,8 @@ partial_rotary_factor; a sliding window on every layer; longrope refused).
 """
 
 from __future__ import annotations
+
+import math
 
 from kiln.core.config import ARCHITECTURES, ModelConfig
 from kiln.core.errors import BadInput
@@ -88,7 +91,16 @@ _ROPE_KEYS = {
     "linear": {"rope_type", "rope_theta", "factor"},
     "llama3": {"rope_type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"},
+    "yarn": {"rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim", "attention_factor", "truncate"},
 }
+_SEQUENCE_DEPENDENT = {
+    "dynamic": "it rescales the frequencies whenever a sequence grows past max_position_embeddings",
+    "longrope": "it switches from its short to its long factors once a sequence passes "
+                "original_max_position_embeddings",
+}
+"""Rope types Kiln refuses, and why: transformers decides them by the current sequence's length, which a
+compiled step cannot tell (it holds padded positions past the sequence's end)."""
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
            "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
@@ -291,6 +303,10 @@ def _rope(raw: dict, family: str = "llama") -> dict:
     if "type" in rope and "rope_type" not in rope:  # the older spelling of rope_type
         rope["rope_type"] = rope.pop("type")
     kind = rope.get("rope_type", "default")
+    if kind in _SEQUENCE_DEPENDENT:
+        raise BadInput(f"config.json: {where}.rope_type={kind!r} is not supported: {_SEQUENCE_DEPENDENT[kind]}, "
+                       "and a compiled step holds padded positions, so it cannot tell where its sequence ends "
+                       f"(Kiln computes rope types {', '.join(_ROPE_KEYS)}).")
     if kind not in _ROPE_KEYS:
         raise BadInput(f"config.json: {where}.rope_type={kind!r} is not supported; Kiln computes rope types "
                        f"{', '.join(_ROPE_KEYS)} (a model with {kind!r} would be computed wrongly).")
@@ -306,6 +322,8 @@ def _rope(raw: dict, family: str = "llama") -> dict:
     if isinstance(theta, bool) or not isinstance(theta, (int, float)):
         raise BadInput(f"config.json: rope_theta={theta!r} must be a number.")
     out = {"rope_type": kind, "rope_theta": float(theta)}
+    if kind == "yarn":
+        return {**out, **_yarn(rope, raw, where)}
     if kind in ("linear", "llama3"):
         if "factor" not in rope:
             raise BadInput(f"config.json: {where} of type {kind!r} lacks factor.")
@@ -317,6 +335,44 @@ def _rope(raw: dict, family: str = "llama") -> dict:
                 raise BadInput(f"config.json: {where} of type 'llama3' lacks {key}.")
             out[field] = rope[key] if key.startswith("original") else _number(rope, key, 1.0)
     return out
+
+
+def _yarn(rope: dict, raw: dict, where: str) -> dict:
+    """yarn's fields as transformers' _compute_yarn_parameters reads them: the original context defaults to
+    max_position_embeddings, a null factor to their ratio, beta_fast / beta_slow to 32 / 1, and the attention
+    factor (cos and sin are multiplied by it), when not given, to get_mscale(factor, mscale) /
+    get_mscale(factor, mscale_all_dim) with both mscales, else get_mscale(factor)."""
+    if "factor" not in rope:
+        raise BadInput(f"config.json: {where} of type 'yarn' lacks factor.")
+    old_len = rope.get("original_max_position_embeddings", raw.get("max_position_embeddings"))
+    if isinstance(old_len, bool) or not isinstance(old_len, int) or old_len <= 0:
+        raise BadInput(f"config.json: {where} of type 'yarn' needs original_max_position_embeddings (or "
+                       f"max_position_embeddings) as a positive integer, got {old_len!r}.")
+    factor = rope["factor"]
+    if factor is None:
+        factor = _number(raw, "max_position_embeddings", 0) / old_len
+    factor = _number({"factor": factor}, "factor", 1.0)
+    if not factor > 0:
+        raise BadInput(f"config.json: {where}.factor={factor!r} must be positive.")
+
+    def mscale_of(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None:
+        mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if mscale and all_dim:
+            attention = mscale_of(factor, _number(rope, "mscale", 1.0)) / mscale_of(factor, _number(rope, "mscale_all_dim", 1.0))
+        else:
+            attention = mscale_of(factor)
+    truncate = rope.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise BadInput(f"config.json: {where}.truncate={truncate!r} must be true or false.")
+    return {"rope_factor": factor, "rope_original_max_position": old_len,
+            "rope_beta_fast": _number(rope, "beta_fast", 32.0) if rope.get("beta_fast") else 32.0,
+            "rope_beta_slow": _number(rope, "beta_slow", 1.0) if rope.get("beta_slow") else 1.0,
+            "rope_truncate": truncate, "rope_attention_factor": _number({"attention_factor": attention},
+                                                                        "attention_factor", 1.0)}
 
 
 def _partial_rotary(raw: dict) -> dict:
@@ -331,6 +387,10 @@ def _partial_rotary(raw: dict) -> dict:
     if len(set(map(repr, spelled.values()))) > 1:
         raise BadInput(f"config.json: {' and '.join(f'{k}={v!r}' for k, v in spelled.items())} disagree; keep one.")
     rest = {k: v for k, v in raw.items() if k not in ("rope_parameters", "partial_rotary_factor")}
+    rope = params if params is not None else raw.get("rope_scaling")
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
+        raise BadInput(f"config.json: rope type {rope.get('rope_type', rope.get('type'))!r} is Phi3Config's old name "
+                       "for 'longrope', which Kiln does not compute: " + _SEQUENCE_DEPENDENT["longrope"] + ".")
     out = _rope(rest if params is None else {**rest, "rope_parameters": params})
     factor = next(iter(spelled.values()), 1.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
@@ -431,6 +491,8 @@ def to_hf(cfg: ModelConfig) -> dict:
         raise BadInput("a llama config's attention_bias covers q, k, v and o together.")
     if family not in ("llama", "qwen3", "qwen3_moe", *GEMMA) and (cfg.o_bias or cfg.mlp_bias):
         raise BadInput(f"a {family} config has no attention_bias / mlp_bias.")
+    if cfg.rope_attention_factor != 1.0 and cfg.rope_type != "yarn":
+        raise BadInput("a rotary attention factor is yarn's.")
     if cfg.rotary_dim is not None and family != "phi3":
         raise BadInput("a partial rotary (rotary_dim) is Phi-3's partial_rotary_factor.")
     if family == "phi3" and (cfg.qkv_bias or cfg.first_sliding_layer):
@@ -447,6 +509,11 @@ def to_hf(cfg: ModelConfig) -> dict:
     }
     if cfg.rope_type == "linear":
         out["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_factor}
+    elif cfg.rope_type == "yarn":
+        out["rope_scaling"] = {"rope_type": "yarn", "factor": cfg.rope_factor,
+                               "original_max_position_embeddings": cfg.rope_original_max_position,
+                               "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
+                               "truncate": cfg.rope_truncate, "attention_factor": cfg.rope_attention_factor}
     elif cfg.rope_type == "llama3":
         out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_factor,
                                "low_freq_factor": cfg.rope_low_freq_factor,

@@ -4,7 +4,7 @@ plain torch, tensor-parallel.
 It computes what transformers' LlamaForCausalLM, MistralForCausalLM,
 Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM,
 Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM and Phi3ForCausalLM compute for the configs
-kiln.core.hf_config accepts: rotary scaling (linear, llama3), q/k/v, o and MLP
+kiln.core.hf_config accepts: rotary scaling (linear, llama3, yarn), q/k/v, o and MLP
 biases, per-head q/k norms, tied embeddings, sliding windows (on some layers,
 interleaved or from one layer on), RMSNorm in float32 (Gemma's (1 + weight)
 kind too, and its norms around attention and MLP), GeGLU, soft-capped scores
@@ -131,7 +131,29 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif cfg.rope_type == "yarn":  # transformers' _compute_yarn_parameters, op for op
+        low, high = yarn_correction_range(cfg)
+        pos_freqs = cfg.rope_theta ** (torch.arange(0, dim, 2, device=device).to(torch.float32) / dim)
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (cfg.rope_factor * pos_freqs)
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+        keep = 1 - ramp
+        inv_freq = interpolation * (1 - keep) + extrapolation * keep
     return inv_freq
+
+
+def yarn_correction_range(cfg: ModelConfig) -> tuple[float, float]:
+    """yarn's ramp between the dims that keep their frequency and the interpolated ones, as transformers
+    bounds it (its beta_fast and beta_slow rotations over the original context; whole dims when truncated)."""
+    dim, base, old_len = cfg.rotated_dims, cfg.rope_theta, cfg.rope_original_max_position
+
+    def dim_of(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dim_of(cfg.rope_beta_fast), dim_of(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    return low, (high + 0.001 if low == high else high)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -408,7 +430,10 @@ class ShardedDecoder(nn.Module):
                             torch.ones(b, t, dtype=torch.bool, device=tokens.device)), dim=1)
         distance = positions[:, :, None] - key_pos[:, None, :]  # [b, t, ctx + t]
         windows = self._windows(tokens.device)
-        ctx = StepContext(cos=emb.cos().to(kv_cache.dtype), sin=emb.sin().to(kv_cache.dtype),
+        cos, sin = emb.cos(), emb.sin()
+        if self.cfg.rope_attention_factor != 1.0:  # yarn's: cos and sin scaled before the cast, as transformers does
+            cos, sin = cos * self.cfg.rope_attention_factor, sin * self.cfg.rope_attention_factor
+        ctx = StepContext(cos=cos.to(kv_cache.dtype), sin=sin.to(kv_cache.dtype),
                           local_cos=None if local is None else local.cos().to(kv_cache.dtype),
                           local_sin=None if local is None else local.sin().to(kv_cache.dtype),
                           causal=key_ok[:, None, :] & (distance >= 0),

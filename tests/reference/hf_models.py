@@ -42,6 +42,14 @@ CASES = {
     "llama-linear-rope": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0}), "float32"),
     "llama-tied": ("llama", dict(tie_word_embeddings=True), "float32"),
     "llama-theta": ("llama", dict(rope_theta=50.0), "float32"),
+    # yarn over a short original context (16), so these head dims span extrapolated, ramped and interpolated
+    # frequencies: Qwen2.5's spelling (factor 4, the attention factor from it), and DeepSeek's mscale pair with
+    # its own betas, untruncated.
+    "qwen2-yarn": ("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 16}), "float32"),
+    "llama-yarn-mscale": ("llama", dict(hidden_size=256, rope_scaling={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "mscale": 0.707,
+        "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2, "truncate": False}), "float32"),
     "llama-attention-bias": ("llama", dict(attention_bias=True), "float32"),
     "llama-mlp-bias": ("llama", dict(mlp_bias=True), "float32"),
     "llama32-like": ("llama", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -60,6 +68,10 @@ CASES = {
     "mistral-window": ("mistral", dict(sliding_window=6), "float32"),
     "qwen2": ("qwen2", {}, "float32"),
     "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1), "float32"),
+    # Both, as the tp 2 export test runs Qwen2 (Qwen2.5's long-context yarn, one compile for both points).
+    "qwen2-window-yarn": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1,
+                                        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 16}), "float32"),
     # Qwen3: 4 heads of 64 over a hidden size of 128 (heads x head_dim != hidden, as in Qwen3's own sizes).
     "qwen3": ("qwen3", dict(head_dim=64, num_hidden_layers=3), "float32"),
     "qwen3-bias-window": ("qwen3", dict(head_dim=64, attention_bias=True, use_sliding_window=True, sliding_window=5,

@@ -21,6 +21,8 @@ FEATURE_OFF = {
     "llama3-rope": {"rope_type": "default"},
     "llama-linear-rope": {"rope_type": "default"},
     "llama-theta": {"rope_theta": 10000.0},
+    "qwen2-yarn": {"rope_type": "default", "rope_attention_factor": 1.0},
+    "llama-yarn-mscale": {"rope_attention_factor": 1.0},
     "llama-attention-bias": {"qkv_bias": False, "o_bias": False},
     "llama-mlp-bias": {"mlp_bias": False},
     "mistral-window": {"sliding_window": None},

@@ -21,7 +21,8 @@ E2E = {
     # case: why it is exported end to end (each feature alone is checked in eager mode too)
     "llama32-biases": "Llama 3.2 shape (tied embeddings, llama3 rope scaling, head_dim 64) with attention_bias and "
                       "mlp_bias: row-parallel biases added once after the all-reduce",
-    "qwen2-window": "Qwen2: sharded q/k/v biases, a sliding window shorter than the prompt on layer 1",
+    "qwen2-window-yarn": "Qwen2: sharded q/k/v biases, a sliding window shorter than the prompt on layer 1, yarn "
+                         "(factor 4 over an original context of 16: cos and sin scaled by its attention factor)",
     "mistral-window": "Mistral: a sliding window of 6 over the paged cache",
     "qwen3-bias-window": "Qwen3: per-head q/k norms, 4 heads of 64 over hidden 128, sharded q/k/v/o biases, a window",
     "qwen3-moe": "Qwen3-MoE: 64 experts, top 2 (a 1x8 step gathers the chosen ones), a dense layer between, each "

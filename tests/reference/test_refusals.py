@@ -13,8 +13,10 @@ from hf_models import hf_config, hf_model
 
 REFUSED = {
     # name: (family, config overrides, the words the message must hold)
-    "yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                        "original_max_position_embeddings": 64}}, "rope_type='yarn'"),
+    "longrope": ("phi3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 16,
+                                           "long_factor": [4.0] * 16}, "original_max_position_embeddings": 64,
+                          "pad_token_id": None, "eos_token_id": None, "bos_token_id": None},
+                 "its short to its long factors"),
     "dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
     "gelu": ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 
 import pytest
@@ -121,6 +122,30 @@ def test_gemma_values_outside_what_kiln_computes_are_refused_by_name(base, chang
     assert words in str(err.value)
 
 
+def test_yarn_reads_as_transformers_derives_it():
+    """The attention factor from factor (Qwen2.5's spelling), or from the mscale pair (DeepSeek's); betas 32 / 1,
+    truncation on and the original context from max_position_embeddings when absent; both spellings alike."""
+    qwen = from_hf({**LLAMA, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 32768}})
+    assert (qwen.rope_type, qwen.rope_factor, qwen.rope_original_max_position) == ("yarn", 4.0, 32768)
+    assert (qwen.rope_beta_fast, qwen.rope_beta_slow, qwen.rope_truncate) == (32.0, 1.0, True)
+    assert qwen.rope_attention_factor == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    deepseek = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 0.707,
+                "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2, "truncate": False}
+    v4 = from_hf({**LLAMA, "rope_scaling": deepseek})
+    v5 = from_hf({**LLAMA, "rope_parameters": {**deepseek, "rope_theta": 10000.0}})
+    assert v4 == v5 and (v4.rope_beta_fast, v4.rope_beta_slow, v4.rope_truncate) == (16.0, 2.0, False)
+    assert v4.rope_attention_factor == pytest.approx((0.0707 * math.log(40) + 1) / (0.1 * math.log(40) + 1))
+    assert from_hf({**LLAMA, "rope_scaling": {**deepseek, "mscale_all_dim": 0.707}}).rope_attention_factor == 1.0
+    implied = from_hf({**LLAMA, "max_position_embeddings": 8192,
+                       "rope_scaling": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 2048}})
+    assert implied.rope_factor == 4.0
+    assert from_hf({**LLAMA, "max_position_embeddings": 512,
+                    "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}).rope_original_max_position == 512
+    for cfg in (qwen, v4, implied):
+        assert from_hf(to_hf(cfg)) == cfg
+
+
 PHI3 = {**{k: v for k, v in LLAMA.items() if k != "rms_norm_eps"}, "architectures": ["Phi3ForCausalLM"],
         "model_type": "phi3", "hidden_size": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
         "original_max_position_embeddings": 4096, "sliding_window": 2047}
@@ -146,6 +171,8 @@ def test_phi3_reads_as_phi3config():
 PHI3_REFUSED = [
     ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}},
      "rope_type='longrope'"),
+    ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}}, "'longrope'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}, "'longrope'"),
     ({"partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
      "disagree"),
     ({"partial_rotary_factor": 0.3}, "even number"),
@@ -163,8 +190,12 @@ def test_phi3_values_outside_what_kiln_computes_are_refused_by_name(change, word
 
 REFUSED = [
     # (change to a valid Llama config, words the message must hold)
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
-    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_type='dynamic'"),
+    ({"rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 4096}}, "lacks factor"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "needs original_max_position_embeddings"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "ntk": 1}},
+     "ntk=1"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "cannot tell where"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}}, "long factors"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks low_freq_factor"),
     ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "model_type='gemma'"),
