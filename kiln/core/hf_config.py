@@ -144,7 +144,8 @@ def from_hf(raw: dict) -> ModelConfig:
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
         tie_word_embeddings=tied,
         sliding_window=window, first_sliding_layer=first_sliding, full_attention_layers=full_layers,
-        activation=activation, **moe, **extra, **(_partial_rotary(raw) if family == "phi3" else _rope(raw, family)),
+        activation=activation, **moe, **extra,
+        **(_partial_rotary(raw) if family == "phi3" else _rope(raw, family)),
     )
 
 
@@ -362,7 +363,8 @@ def _yarn(rope: dict, raw: dict, where: str) -> dict:
     if attention is None:
         mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
         if mscale and all_dim:
-            attention = mscale_of(factor, _number(rope, "mscale", 1.0)) / mscale_of(factor, _number(rope, "mscale_all_dim", 1.0))
+            attention = (mscale_of(factor, _number(rope, "mscale", 1.0))
+                         / mscale_of(factor, _number(rope, "mscale_all_dim", 1.0)))
         else:
             attention = mscale_of(factor)
     truncate = rope.get("truncate", True)
@@ -378,7 +380,8 @@ def _yarn(rope: dict, raw: dict, where: str) -> dict:
 def _partial_rotary(raw: dict) -> dict:
     """Phi-3's rope: the common reading, plus partial_rotary_factor (top level, or in rope_parameters as
     transformers 5 writes it): rotary_dim = int(head_dim x factor), head_dim as Phi3Attention takes it."""
-    params = dict(raw["rope_parameters"]) if isinstance(raw.get("rope_parameters"), dict) else raw.get("rope_parameters")
+    params = raw.get("rope_parameters")
+    params = dict(params) if isinstance(params, dict) else params
     spelled = {}
     if "partial_rotary_factor" in raw:
         spelled["partial_rotary_factor"] = raw["partial_rotary_factor"]

@@ -14,9 +14,10 @@ the dense MLP's; Qwen2-MoE's gated shared expert), a partial rotary (Phi-3;
 its fused qkv_proj and gate_up_proj are cut into the same q/k/v and gate/up
 constants as the others', kiln.core.contract.FUSED). One rank's module holds
 its shard: heads/tp query heads, kv_heads/tp KV heads and intermediate/tp MLP
-columns; embeddings, norms and the output head are replicated. The cross-rank sum after the attention output and MLP down
-projections is torch's native functional collective (`_c10d_functional.all_reduce` +
-`wait_tensor`) on the process group named TP_GROUP: AOTInductor compiles it to a C
+columns; embeddings, norms and the output head are replicated. The cross-rank
+sum after the attention output and MLP down projections is torch's native
+functional collective (`_c10d_functional.all_reduce` + `wait_tensor`) on the
+process group named TP_GROUP: AOTInductor compiles it to a C
 shim of libtorch, so a package needs neither Python nor Kiln to run, and since the
 default world group has that name on every rank, one package serves every rank.
 Compiling a shard, or running one with tp > 1, therefore needs that group to exist:
