@@ -230,8 +230,10 @@ def _prefect_server(root: Path, db_env: dict[str, str]) -> Iterator[PrefectServe
             pytest.fail(f"prefect server did not answer at {url} within {_SERVER_START_TIMEOUT_S} s: "
                         f"{log.read_text()[-3000:]}")
         time.sleep(0.5)
-    yield server
-    _stop_group(proc)
+    try:
+        yield server
+    finally:  # also when the caller closes the generator (GeneratorExit at the yield)
+        _stop_group(proc)
 
 
 @pytest.fixture
