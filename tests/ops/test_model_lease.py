@@ -63,8 +63,8 @@ def test_second_export_of_a_model_waits_for_the_lease(prefect_server, ops_env, t
 
 def test_a_killed_export_frees_the_model_lease(prefect_server, ops_env, tmp_path):
     """The promise of docs/operations.md: a run killed while holding its model's slot frees it within its lease
-    (the recipe's model_lease_s; 60 s here, Prefect's shortest, so the test waits one minute, not the default two) and the
-    server's repossessor's round."""
+    (the recipe's model_lease_s; 60 s here, Prefect's shortest, so the test waits one minute, not the default
+    two) and the server's repossessor's round."""
     import signal
 
     from prefect.client.orchestration import get_client
