@@ -77,20 +77,10 @@ fused tensor, cut to the projection's rows (and, with tp > 1, to the rank's shar
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the unsharded model, named as in a Hugging Face checkpoint, with its shape."""
-    fused = FUSED.get(cfg.architecture)
     module = _module_shapes(cfg)
-    if not fused:
-        return module
-    parts = {part: tensor for tensor, names in fused.items() for part in names}
     out: dict[str, tuple[int, ...]] = {}
-    for name, shape in module.items():
-        tensor = _fused_source(name, parts)
-        if tensor == name:
-            out[name] = shape
-        elif tensor in out:
-            out[tensor] = (out[tensor][0] + shape[0], *shape[1:])
-        else:
-            out[tensor] = shape
+    for name, (tensor, start) in _part_offsets(cfg, module).items():
+        out[tensor] = (start + module[name][0], *module[name][1:])  # a fused tensor: its last part's end
     return out
 
 
@@ -102,12 +92,13 @@ def _fused_source(name: str, parts: dict[str, str]) -> str:
     return f"{LAYER_PREFIX}{layer}.{parts[suffix]}" if suffix in parts else name
 
 
-def _part_offsets(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
-    """Module tensor -> (its checkpoint tensor, the row where it starts there): (itself, 0) unless fused."""
+def _part_offsets(cfg: ModelConfig, module: dict[str, tuple[int, ...]] | None = None) -> dict[str, tuple[str, int]]:
+    """Module tensor -> (its checkpoint tensor, the row where it starts there): (itself, 0) unless fused.
+    `module`: _module_shapes(cfg), where the caller has it already."""
     fused = FUSED.get(cfg.architecture) or {}
     parts = {part: tensor for tensor, names in fused.items() for part in names}
     out, rows = {}, {}
-    for name, shape in _module_shapes(cfg).items():
+    for name, shape in (module or _module_shapes(cfg)).items():
         tensor = _fused_source(name, parts)
         start = rows.get(tensor, 0)
         out[name] = (tensor, start)
@@ -206,7 +197,8 @@ def rank_reads(cfg: ModelConfig, tp: int, rank: int) -> dict[str, list[tuple[str
     """Package constant -> what `rank` reads into it, in order: (checkpoint tensor, (dim, start, stop) or None)
     per source: shard_slice's cut of the tensor itself, or, for a projection fused in the checkpoint (FUSED),
     the rows of the fused tensor that hold the rank's share of that projection."""
-    where, shapes = _part_offsets(cfg), _module_shapes(cfg)
+    shapes = _module_shapes(cfg)
+    where = _part_offsets(cfg, shapes)
 
     def read(part: str) -> tuple[str, tuple[int, int, int] | None]:
         tensor, start = where[part]

@@ -54,6 +54,7 @@ READ = {
                          "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
                          "use_bidirectional_attention"},
 }
+"""Fields each family's config may hold that change the math; Kiln reads every one of them."""
 READ["gemma3_text"] = READ["gemma2"] | {"rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern"}
 READ["phi3"] = _COMMON | {"sliding_window", "partial_rotary_factor", "original_max_position_embeddings"}
 """Phi-3's original_max_position_embeddings only matters to its longrope scaling, which Kiln refuses."""
@@ -61,14 +62,13 @@ GEMMA = ("gemma2", "gemma3_text")
 
 _GEMMA_DEFAULTS = {
     "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "final_logit_softcapping": 30.0,
-               "attn_logit_softcapping": 50.0, "sliding_window": 4096, "pattern": 2, "rope_theta": 10000.0},
+               "attn_logit_softcapping": 50.0, "sliding_window": 4096, "pattern": 2},
     "gemma3_text": {"head_dim": 256, "query_pre_attn_scalar": 256, "final_logit_softcapping": None,
                     "attn_logit_softcapping": None, "sliding_window": 4096, "pattern": 6, "rope_theta": 1000000.0,
                     "rope_local_base_freq": 10000.0},
 }
 """What Gemma2Config and Gemma3TextConfig assume for a field config.json leaves out (a full layer every
 `pattern` layers, the others sliding)."""
-"""Fields each family's config may hold that change the math; Kiln reads every one of them."""
 
 INERT = {
     "transformers_version": "the library that wrote the file",
