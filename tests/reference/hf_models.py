@@ -56,15 +56,18 @@ CASES = {
                                    tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
                      "float32"),
     "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True), "float32"),
-    # llama32-like with both biases: what the tp 2 export test runs end to end (one compile for both points).
+    # llama32-like with both biases (llama32-deep-biases below runs them end to end).
     "llama32-biases": ("llama", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                                      tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0,
                                      attention_bias=True, mlp_bias=True), "float32"),
     "llama-realistic-bf16": ("llama", dict(vocab_size=32000, hidden_size=512, num_attention_heads=4,
                                            num_key_value_heads=2, intermediate_size=1024, num_hidden_layers=4,
                                            initializer_range=0.05), "bfloat16"),
-    "llama-deep": ("llama", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                 num_hidden_layers=24, initializer_range=0.05), "float32"),
+    # Llama 3.2's shape and biases at depth: the export test's one Llama compile shows both points.
+    "llama32-deep-biases": ("llama", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                          num_hidden_layers=24, initializer_range=0.05, tie_word_embeddings=True,
+                                          rope_scaling=LLAMA3_ROPE, rope_theta=500000.0, attention_bias=True,
+                                          mlp_bias=True), "float32"),
     "mistral-window": ("mistral", dict(sliding_window=6), "float32"),
     "qwen2": ("qwen2", {}, "float32"),
     "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1), "float32"),

@@ -19,8 +19,9 @@ PROMPT = [5, 17, 300, 42, 7, 99, 3, 250, 11, 8, 130, 64]
 NEW_TOKENS = 6
 E2E = {
     # case: why it is exported end to end (each feature alone is checked in eager mode too)
-    "llama32-biases": "Llama 3.2 shape (tied embeddings, llama3 rope scaling, head_dim 64) with attention_bias and "
-                      "mlp_bias: row-parallel biases added once after the all-reduce",
+    "llama32-deep-biases": "Llama 3.2 shape (tied embeddings, llama3 rope scaling, head_dim 64) with attention_bias "
+                           "and mlp_bias (row-parallel biases added once after the all-reduce), 24 layers: one "
+                           "scanned layer body over 24 layers' stacked weights",
     "qwen2-window-yarn": "Qwen2: sharded q/k/v biases, a sliding window shorter than the prompt on layer 1, yarn "
                          "(factor 4 over an original context of 16: cos and sin scaled by its attention factor)",
     "mistral-window": "Mistral: a sliding window of 6 over the paged cache",
@@ -34,7 +35,6 @@ E2E = {
     "gemma3": "Gemma 3: Gemma's layers with q/k norms; full layers rotate at 1e6 scaled by 8, sliding ones at 1e4",
     "phi3": "Phi-3: fused qkv_proj and gate_up_proj cut into each rank's q/k/v and gate/up rows, a partial rotary "
             "(48 of 64 dims), a sliding window of 6",
-    "llama-deep": "plain Llama, head_dim 64, 24 layers: one scanned layer body, 24 layers' stacked weights",
     "llama-realistic-bf16": "bfloat16, head_dim 128, 4 layers, vocabulary 32000",
 }
 
@@ -103,15 +103,16 @@ def test_bfloat16_export_stays_within_transformers_own_bfloat16_error(export_and
 
 
 def test_verify_passes_on_a_real_checkpoint_export(kiln, export_and_run, prefect_server):
-    got = export_and_run("llama32-biases")
-    verified = kiln("verify", "ref-llama32-biases", "--store", got["store"], env={"PREFECT_API_URL": prefect_server})
+    got = export_and_run("llama32-deep-biases")
+    verified = kiln("verify", "ref-llama32-deep-biases", "--store", got["store"],
+                    env={"PREFECT_API_URL": prefect_server})
     assert verified.code == 0, verified.err[-3000:]
     assert "verify ok: 2 ranks match the unsharded model" in verified.out
 
 
 def test_a_verify_mismatch_is_final_not_retried(kiln, export_and_run, prefect_server):
     """A forward that differs from eager fails the same way every time: one try, no 30 s retry delay."""
-    got = export_and_run("llama-deep")
+    got = export_and_run("llama32-deep-biases")
     failed = kiln("export", "--model", str(got["path"]), "--tp", "2", "--buckets", "1x8", "--store", got["store"],
                   "--set", "verify_atol=1e-12", "--export-id", "ref-mismatch", env={"PREFECT_API_URL": prefect_server})
     assert failed.code == 1
