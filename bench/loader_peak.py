@@ -4,20 +4,34 @@
 constants with kiln.host.checkpoint.load_rank_weights (stacked constants
 allocated once, each layer's slice copied in) in this fresh process and prints
 {'weight_bytes', 'peak_growth_bytes', 'peak_over_weights'}: the growth of the
-process's peak resident memory (ru_maxrss) over what it was before loading,
-against the bytes of the constants it returned. 1.0 means the loader never held
-more than the weights themselves; 2.0 would be a second copy.
+process's peak resident memory over what it held before loading, against the
+bytes of the constants it returned. 1.0 means the loader never held more than
+the weights themselves; 2.0 would be a second copy.
+
+Pitfall: the peak is the process's own VmHWM (Linux's /proc/self/status),
+reset to its resident memory just before loading, never ru_maxrss: that one
+also counts what the parent held when it forked this process (bench/scale_1b.py
+held its random checkpoint then, so the growth read 0).
 """
 
 from __future__ import annotations
 
 import json
-import resource
 import sys
+from pathlib import Path
 
 
-def _peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+def _status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS, VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"/proc/self/status has no {field} (the loader's peak is measured on Linux only)")
+
+
+def _reset_peak() -> None:
+    """Reset VmHWM to the current resident memory (Linux >= 4.0)."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def measure(checkpoint: str, tp: int, rank: int) -> dict:
@@ -26,9 +40,10 @@ def measure(checkpoint: str, tp: int, rank: int) -> dict:
     from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights
 
     cfg = inspect_checkpoint(checkpoint)
-    before = _peak_bytes()
+    _reset_peak()
+    before = _status_bytes("VmRSS")
     weights = load_rank_weights(checkpoint, cfg, tp, rank)
-    growth = _peak_bytes() - before
+    growth = _status_bytes("VmHWM") - before
     weight_bytes = sum(t.nbytes for t in weights.values())
     return {"weight_bytes": weight_bytes, "peak_growth_bytes": growth,
             "peak_over_weights": round(growth / weight_bytes, 3)}
