@@ -19,17 +19,21 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 """model_type -> the transformers class whose math Kiln reproduces."""
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_tanh")
 """The gated MLP's activation: SwiGLU's silu, or GeGLU's tanh-approximated gelu (Gemma's gelu_pytorch_tanh)."""
+ROUTERS = ("softmax", "sigmoid_groups")
+"""How a mixture of experts picks its experts: the top k of a softmax (Mixtral, Qwen), or DeepSeek-V3's sigmoid
+scores, corrected by a per-expert bias for the choice only, within the best groups of experts."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3) or its
-    mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3), its
+    mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE) or DeepSeek-V3 (latent attention and experts)."""
 
     vocab_size: int
     """Rows of the embedding and of the output head."""
@@ -125,6 +129,33 @@ class ModelConfig:
     rotary_dim: int | None = None
     """The leading dims of each query and key head that rotate, the rest pass through (Phi-3's
     partial_rotary_factor x head_dim); None: all of head_dim."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek): the width of the compressed key/value latent that every head's
+    keys and values are projected from, and that the KV cache holds (with the rotary key) instead of per-head
+    keys and values. 0: ordinary attention."""
+    q_lora_rank: int = 0
+    """Latent attention: the width of the query's low-rank bottleneck (q_a_proj, q_a_layernorm, q_b_proj);
+    0: one q_proj."""
+    qk_rope_head_dim: int = 0
+    """Latent attention: the dims of each query and key head that rotate; they come after the
+    qk_nope_head_dim ones, and every head shares one rotary key (head_dim is their sum)."""
+    v_head_dim: int = 0
+    """Latent attention: the width of one head's values (the output projection reads heads x v_head_dim)."""
+    rope_interleave: bool = False
+    """The rotary embedding turns adjacent pairs (x0, x1), (x2, x3), ... of the rotated dims rather than
+    their two halves (DeepSeek's rope_interleave)."""
+    attn_scale_multiplier: float = 1.0
+    """Attention scores' scale (head_dim ** -0.5) is multiplied by this: DeepSeek folds yarn's
+    mscale(factor, mscale_all_dim) squared into it; 1 for every other model."""
+    router: str = "softmax"
+    """How a mixture of experts picks its experts (ROUTERS)."""
+    num_expert_groups: int = 1
+    """sigmoid_groups: the experts form this many equal groups (n_group)..."""
+    topk_groups: int = 1
+    """sigmoid_groups: ...and a token picks its experts within the best this many (topk_group), each group
+    scored by the sum of its two best corrected scores."""
+    routed_scaling_factor: float = 1.0
+    """The chosen experts' routing weights are multiplied by this (DeepSeek's routed_scaling_factor)."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -132,6 +163,8 @@ class ModelConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise BadInput(f"config.json: {field} must be a positive integer, got {value!r}.")
+        if self.kv_lora_rank:
+            self._check_latent()
         if self.num_heads % self.num_kv_heads:
             raise BadInput(
                 f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -152,7 +185,8 @@ class ModelConfig:
             raise BadInput(f"config.json: rope_type {self.rope_type!r} is not supported; "
                            f"Kiln computes {', '.join(ROPE_TYPES)}.")
         for field in ("rope_theta", "rope_factor", "rms_norm_eps", "rope_low_freq_factor", "rope_high_freq_factor",
-                      "rope_beta_fast", "rope_beta_slow", "rope_attention_factor"):
+                      "rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "attn_scale_multiplier",
+                      "routed_scaling_factor"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise BadInput(f"config.json: {field} must be a positive number, got {value!r}.")
@@ -187,6 +221,22 @@ class ModelConfig:
                     self.shared_expert_intermediate_size, int) or self.shared_expert_intermediate_size < 0:
                 raise BadInput("config.json: shared_expert_intermediate_size must be an integer >= 0, got "
                                f"{self.shared_expert_intermediate_size!r}.")
+            if self.router not in ROUTERS:
+                raise BadInput(f"config.json: router {self.router!r} is not supported; Kiln computes "
+                               f"{', '.join(ROUTERS)}.")
+            for field in ("num_expert_groups", "topk_groups"):
+                value = getattr(self, field)
+                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                    raise BadInput(f"config.json: {field} must be a positive integer, got {value!r}.")
+            if self.num_experts % self.num_expert_groups or self.topk_groups > self.num_expert_groups:
+                raise BadInput(f"config.json: n_group ({self.num_expert_groups}) must divide the "
+                               f"{self.num_experts} experts, and topk_group ({self.topk_groups}) may not exceed it.")
+            if self.router == "sigmoid_groups" and (
+                    self.num_experts // self.num_expert_groups < 2
+                    or self.experts_per_token > self.topk_groups * (self.num_experts // self.num_expert_groups)):
+                raise BadInput(f"config.json: a group of {self.num_experts // self.num_expert_groups} expert(s) "
+                               f"(n_group {self.num_expert_groups}) must hold at least 2, and topk_group "
+                               f"{self.topk_groups} groups at least num_experts_per_tok ({self.experts_per_token}).")
             if self.experts_per_token > self.num_experts:
                 raise BadInput(f"config.json: num_experts_per_tok ({self.experts_per_token}) exceeds the "
                                f"{self.num_experts} experts.")
@@ -195,10 +245,35 @@ class ModelConfig:
                 raise BadInput(f"config.json: the mixture-of-experts layers {list(self.moe_layers)} must be distinct "
                                f"layer indices below {self.num_layers}, in order.")
 
+    def _check_latent(self) -> None:
+        """Latent attention's widths: positive, head_dim their sum, one key/value head per query head."""
+        for field in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise BadInput(f"config.json: {field} must be a positive integer, got {value!r}.")
+        if isinstance(self.q_lora_rank, bool) or not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 0:
+            raise BadInput(f"config.json: q_lora_rank must be a positive integer or null, got {self.q_lora_rank!r}.")
+        if not 0 < self.qk_rope_head_dim < self.head_dim or self.qk_rope_head_dim % 2:
+            raise BadInput(f"config.json: qk_rope_head_dim ({self.qk_rope_head_dim}) must be even and below the "
+                           f"query/key head width qk_nope_head_dim + qk_rope_head_dim ({self.head_dim}).")
+        if self.num_kv_heads != self.num_heads:
+            raise BadInput(f"config.json: num_key_value_heads ({self.num_kv_heads}) must equal num_attention_heads "
+                           f"({self.num_heads}) for latent attention: every head reads the one latent.")
+
+    @property
+    def latent(self) -> bool:
+        """Attention is multi-head latent attention (DeepSeek): the cache holds a latent and a rotary key."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        """Latent attention: the dims of each query and key head that do not rotate (they come first)."""
+        return self.head_dim - self.qk_rope_head_dim
+
     @property
     def rotated_dims(self) -> int:
-        """The dims of a head that the rotary embedding turns (rotary_dim, else head_dim)."""
-        return self.rotary_dim or self.head_dim
+        """The dims of a head that the rotary embedding turns (qk_rope_head_dim, rotary_dim, else head_dim)."""
+        return self.qk_rope_head_dim or self.rotary_dim or self.head_dim
 
     @property
     def dtype_bytes(self) -> int:
@@ -238,17 +313,32 @@ class ModelConfig:
                     f"--tp {tp} does not divide the model's {count} {what}; "
                     f"use a tp that divides heads, KV heads and the MLP: {', '.join(map(str, ok))}.")
 
+    def _latent_attention_params(self, tp: int) -> int:
+        """One layer's latent attention: replicated down-projections and their norms, sharded up-projections."""
+        h, heads = self.hidden_size, self.num_heads // tp
+        bias = self.o_bias  # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        q = (h * self.q_lora_rank + self.q_lora_rank * (1 + bias) + self.q_lora_rank * heads * self.head_dim
+             if self.q_lora_rank else h * heads * self.head_dim)
+        kv = h * latent + latent * bias + self.kv_lora_rank
+        kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * h + h * bias
+
     def _param_counts(self, tp: int) -> int:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = self.hidden_size * (2 * q + 2 * kv) // tp
         attn += ((q + 2 * kv) // tp if self.qkv_bias else 0) + (self.hidden_size if self.o_bias else 0)
+        if self.latent:
+            attn = self._latent_attention_params(tp)
         mlp = 3 * self.hidden_size * self.intermediate_size // tp
         mlp += 2 * self.intermediate_size // tp + self.hidden_size if self.mlp_bias else 0
         norms = (4 if self.sandwich_norms else 2) * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         per_layer = attn + norms
         moe = self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size // tp + self.hidden_size)
-        if self.shared_expert_intermediate_size:
-            moe += 3 * self.hidden_size * self.shared_expert_intermediate_size // tp + self.hidden_size
+        moe += self.num_experts if self.router == "sigmoid_groups" else 0  # the choice's correction bias
+        if self.shared_expert_intermediate_size:  # with Qwen2-MoE's gate (hidden_size); DeepSeek's has none
+            moe += 3 * self.hidden_size * self.shared_expert_intermediate_size // tp
+            moe += self.hidden_size if self.architecture == "qwen2_moe" else 0
         dense = self.num_layers - len(self.moe_layers)
         layers = self.num_layers * per_layer + len(self.moe_layers) * moe + dense * mlp
         heads = 1 if self.tie_word_embeddings else 2

@@ -224,6 +224,9 @@ def test_qwen2_layer_types_that_interleave_are_refused():
                  "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]})
 
 
+LATENT_FIELDS = {"kv_lora_rank": 64, "q_lora_rank": 48, "qk_rope_head_dim": 4, "v_head_dim": 32}
+
+
 def _changed(cfg: ModelConfig, field: dataclasses.Field):
     """A valid value of `field` other than cfg's."""
     value = getattr(cfg, field.name)
@@ -231,7 +234,8 @@ def _changed(cfg: ModelConfig, field: dataclasses.Field):
                "num_heads": 48, "num_kv_heads": 6, "first_sliding_layer": 1, "moe_layers": (0, 1),
                "full_attention_layers": (1,), "activation": "gelu_tanh", "query_pre_attn_scalar": 24.0,
                "attn_softcap": 50.0, "final_softcap": 30.0, "local_rope_theta": 1e4,
-               "shared_expert_intermediate_size": 64, "rotary_dim": 8}
+               "shared_expert_intermediate_size": 64, "rotary_dim": 8, "router": "sigmoid_groups",
+               **LATENT_FIELDS}
     if field.name in special:
         return special[field.name]
     if isinstance(value, bool):
@@ -250,11 +254,14 @@ def test_every_config_field_is_in_the_forward_key():
 
     # A mixture of experts on layer 0, so that every expert field changes what the model computes.
     base = TINY.replace(rope_type="llama3", rope_factor=8.0, num_experts=4, experts_per_token=2,
-                        moe_intermediate_size=96, moe_layers=(0,))
-    seen = {key(base)}
+                        moe_intermediate_size=96, moe_layers=(0,), num_expert_groups=2)
+    # Latent attention's widths only mean something together: each is changed alone on a latent model.
+    latent = base.replace(kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, num_kv_heads=24)
+    seen = {key(base), key(latent)}
     for field in dataclasses.fields(ModelConfig):
-        changed = base.replace(**{field.name: _changed(base, field)})
-        assert changed != base, field.name
+        start = latent if field.name in LATENT_FIELDS else base
+        changed = start.replace(**{field.name: _changed(start, field)})
+        assert changed != start, field.name
         k = key(changed)
         assert k not in seen, f"changing {field.name} alone did not change the forward key"
         seen.add(k)
