@@ -54,13 +54,13 @@ def _spec() -> dict:
 
 def compile_both(out: Path) -> dict:
     """Compile the native and the custom-op package (one after another, in this process)."""
-    import kiln.host.model
+    import kiln.host.model.collectives
     from kiln.host.compiler import _warm, compile_forward
 
     _warm()
     out.mkdir(parents=True, exist_ok=True)
     native = compile_forward(_spec(), str(out / "native.pt2"))
-    kiln.host.model.all_reduce = _custom_all_reduce()  # what _linear_then_reduce calls while tracing
+    kiln.host.model.collectives.all_reduce = _custom_all_reduce()  # what collectives.reduce calls while tracing
     custom = compile_forward(_spec(), str(out / "custom.pt2"))
     info = {"native": native.calls, "custom": custom.calls,
             "compile_s": {"native": native.compile_s, "custom": custom.compile_s}}

@@ -18,6 +18,7 @@ import os
 import traceback
 
 from cli.verify import open_export
+from kiln.core.contract import cache_layout
 from kiln.core.decode import check_request, pick_bucket, prefill_steps
 from kiln.core.errors import KilnError
 from kiln.core.recipe import Bucket, parse_buckets
@@ -82,8 +83,7 @@ def _decode(forwards: dict[Bucket, object], cfg, tp: int, job: dict, torch, dist
     page_tokens, pages_per_seq = job["page_tokens"], job["pages_per_seq"]
     dtype = getattr(torch, cfg.dtype)
     # Sequence 0 owns pages 0..pages_per_seq-1; padding rows of a wider bucket read the same pages, write none.
-    cache = torch.zeros(cfg.num_layers, 2, pages_per_seq + 1, page_tokens, cfg.num_kv_heads // tp, cfg.head_dim,
-                        dtype=dtype)
+    cache = torch.zeros(cache_layout(cfg, tp).shape(cfg.num_layers, pages_per_seq + 1, page_tokens), dtype=dtype)
     pages = torch.arange(pages_per_seq)
     buckets = sorted(forwards)
     sequence = list(job["prompt"])
@@ -97,7 +97,7 @@ def _decode(forwards: dict[Bucket, object], cfg, tp: int, job: dict, torch, dist
         table = pages[None].expand(bucket.batch, -1).contiguous()
         with torch.no_grad():
             logits, new_kv = forwards[bucket](tokens, start_pos, cache, table)
-        for i in range(count):  # write the real tokens' keys and values into their pages
+        for i in range(count):  # write the real tokens' cache entries (keys and values, or latents) into their pages
             pos = start + i
             cache[:, :, pos // page_tokens, pos % page_tokens] = new_kv[:, :, 0, i]
         return logits[0, count - 1].float()

@@ -4,11 +4,16 @@ Every forward of an export is one step of the decoder (kiln.host.model) over a
 paged KV cache:
 
     inputs:  tokens[batch, tokens] int64, start_pos[batch] int64,
-             kv_cache[layers, 2, num_pages, page_tokens, kv_heads/tp, head_dim] <dtype>,
+             kv_cache[layers, entries, num_pages, page_tokens, heads, width] <dtype>,
              block_table[batch, pages_per_seq] int64
-    outputs: logits[batch, tokens, vocab] <dtype>, new_kv[layers, 2, batch, tokens, kv_heads/tp, head_dim] <dtype>
+    outputs: logits[batch, tokens, vocab] <dtype>, new_kv[layers, entries, batch, tokens, heads, width] <dtype>
 
 `num_pages` is the one dynamic dimension (named in the shapes as a string).
+What a cached token holds is the cache layout (`cache_layout`): per-head keys
+and values (entries 2, heads kv_heads/tp, width head_dim), or, for latent
+attention, one entry of the token's latent and rotary key that every head
+reads (entries 1, heads 1, width kv_lora_rank + qk_rope_head_dim, the same on
+every rank).
 
 The decoder layers are compiled once per bucket, not once per layer: each run
 of same-shaped layers (`layer_runs`) is a scan over its weights stacked along
@@ -39,6 +44,8 @@ each source cut to its own rows, at tp 1 too.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kiln.core.config import ModelConfig
 
 PROCESS_GROUP = "0"
@@ -54,17 +61,20 @@ a package of another layout (e.g. the unrolled one, with a constant per layer) i
 LAYER_PREFIX = "model.layers."
 RUN_PREFIX = "model.runs."
 
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "q_b_proj", "kv_b_proj")
 _ROW = ("o_proj", "down_proj", "w2")
 
 EXPERTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
            "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-           "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+           "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+           "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 """model_type -> (the module of a mixture-of-experts layer, its experts' (gate, up, down) projection names), as
-published checkpoints name them: `<module>.gate.weight` is the router, `<module>.experts.<e>.<proj>.weight`
-expert e's projections; Qwen2-MoE's shared expert is `mlp.shared_expert.<proj>.weight`, gated by
-`mlp.shared_expert_gate.weight`."""
-SHARED_EXPERT = ".shared_expert."
+published checkpoints name them: `<module>.gate.weight` is the router (DeepSeek-V3's also holds
+`<module>.gate.e_score_correction_bias`), `<module>.experts.<e>.<proj>.weight` expert e's projections."""
+SHARED_EXPERTS = {"qwen2_moe": ("mlp.shared_expert", "mlp.shared_expert_gate"),
+                  "deepseek_v3": ("mlp.shared_experts", None)}
+"""model_type -> (the module of the shared expert every token runs, its sigmoid gate's module or None): its
+projections are `<module>.{gate,up,down}_proj.weight`, as wide as shared_expert_intermediate_size."""
 
 
 FUSED = {"phi3": {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -73,6 +83,45 @@ FUSED = {"phi3": {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self
 """model_type -> {a layer's fused checkpoint tensor: the projections it holds, its rows in this order}. The
 package keeps one constant per projection, as for every other family: each source of such a constant is the
 fused tensor, cut to the projection's rows (and, with tp > 1, to the rank's share of them)."""
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What the KV cache holds per layer and token: `entries` tensors of [heads, width] each."""
+
+    entries: tuple[str, ...]
+    """What each entry is: ('keys', 'values'), or ('latent_and_rope_key',) for latent attention."""
+    heads: int
+    """Heads per rank in an entry: kv_heads/tp, or 1 (one latent every head reads)."""
+    width: int
+    """Values per head: head_dim, or kv_lora_rank + qk_rope_head_dim (the latent, then the rotated key)."""
+    sharded: bool
+    """Each rank caches its own heads (True), or every rank caches the same whole entry (latent attention)."""
+
+    def shape(self, num_layers: int, num_pages: int | str, page_tokens: int) -> list:
+        """The kv_cache input's shape: [layers, entries, num_pages, page_tokens, heads, width]."""
+        return [num_layers, len(self.entries), num_pages, page_tokens, self.heads, self.width]
+
+    def new_shape(self, num_layers: int, batch: int, tokens: int) -> list:
+        """The new_kv output's shape, the step's own entries: [layers, entries, batch, tokens, heads, width]."""
+        return [num_layers, len(self.entries), batch, tokens, self.heads, self.width]
+
+    def to_dict(self) -> dict:
+        return {"entries": list(self.entries), "heads": self.heads, "width": self.width, "sharded": self.sharded,
+                "dims": ["layers", "entries", DYNAMIC_PAGES, "page_tokens", "heads", "width"]}
+
+
+def cache_layout(cfg: ModelConfig, tp: int) -> CacheLayout:
+    """The KV cache layout of one rank of `cfg` at `tp` (see the module docstring)."""
+    if cfg.latent:
+        return CacheLayout(entries=("latent_and_rope_key",), heads=1, width=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                           sharded=False)
+    return CacheLayout(entries=("keys", "values"), heads=cfg.num_kv_heads // tp, width=cfg.head_dim, sharded=True)
+
+
+def is_shared_expert(name: str) -> bool:
+    """`name` (a checkpoint tensor or a constant's suffix) is a shared expert's projection."""
+    return any(f"{module}." in name for module, _ in SHARED_EXPERTS.values())
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -108,21 +157,12 @@ def _part_offsets(cfg: ModelConfig, module: dict[str, tuple[int, ...]] | None = 
 
 def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the module reads, by its checkpoint-style name (Phi-3's fused projections apart)."""
-    h, q, kv, mlp = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    h, mlp = cfg.hidden_size, cfg.intermediate_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
         out[f"{p}.input_layernorm.weight"] = (h,)
-        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            out[f"{p}.self_attn.{name}.weight"] = (rows, h)
-            if cfg.qkv_bias:
-                out[f"{p}.self_attn.{name}.bias"] = (rows,)
-        if cfg.qk_norm:
-            out[f"{p}.self_attn.q_norm.weight"] = (cfg.head_dim,)
-            out[f"{p}.self_attn.k_norm.weight"] = (cfg.head_dim,)
-        out[f"{p}.self_attn.o_proj.weight"] = (h, q)
-        if cfg.o_bias:
-            out[f"{p}.self_attn.o_proj.bias"] = (h,)
+        out.update(_latent_attention_shapes(cfg, p) if cfg.latent else _attention_shapes(cfg, p))
         out[f"{p}.post_attention_layernorm.weight"] = (h,)
         if cfg.sandwich_norms:
             out[f"{p}.pre_feedforward_layernorm.weight"] = (h,)
@@ -131,14 +171,18 @@ def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             module, (gate, up, down) = EXPERTS[cfg.architecture]
             e_mlp = cfg.moe_intermediate_size
             out[f"{p}.{module}.gate.weight"] = (cfg.num_experts, h)
+            if cfg.router == "sigmoid_groups":
+                out[f"{p}.{module}.gate.e_score_correction_bias"] = (cfg.num_experts,)
             for e in range(cfg.num_experts):
                 for name, shape in ((gate, (e_mlp, h)), (up, (e_mlp, h)), (down, (h, e_mlp))):
                     out[f"{p}.{module}.experts.{e}.{name}.weight"] = shape
             if cfg.shared_expert_intermediate_size:
+                shared, shared_gate = SHARED_EXPERTS[cfg.architecture]
                 s_mlp = cfg.shared_expert_intermediate_size
                 for name, shape in (("gate_proj", (s_mlp, h)), ("up_proj", (s_mlp, h)), ("down_proj", (h, s_mlp))):
-                    out[f"{p}.{module}.shared_expert.{name}.weight"] = shape
-                out[f"{p}.{module}.shared_expert_gate.weight"] = (1, h)
+                    out[f"{p}.{shared}.{name}.weight"] = shape
+                if shared_gate is not None:
+                    out[f"{p}.{shared_gate}.weight"] = (1, h)
             continue
         for name, shape, bias in (("gate_proj", (mlp, h), mlp), ("up_proj", (mlp, h), mlp),
                                   ("down_proj", (h, mlp), h)):
@@ -148,6 +192,46 @@ def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     out["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, h)
+    return out
+
+
+def _attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """Layer `p`'s grouped-query attention tensors."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    out: dict[str, tuple[int, ...]] = {}
+    for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        out[f"{p}.self_attn.{name}.weight"] = (rows, h)
+        if cfg.qkv_bias:
+            out[f"{p}.self_attn.{name}.bias"] = (rows,)
+    if cfg.qk_norm:
+        out[f"{p}.self_attn.q_norm.weight"] = (cfg.head_dim,)
+        out[f"{p}.self_attn.k_norm.weight"] = (cfg.head_dim,)
+    out[f"{p}.self_attn.o_proj.weight"] = (h, q)
+    if cfg.o_bias:
+        out[f"{p}.self_attn.o_proj.bias"] = (h,)
+    return out
+
+
+def _latent_attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """Layer `p`'s latent attention tensors (DeepSeek's attention_bias: q_a, kv_a and o carry biases)."""
+    h, a = cfg.hidden_size, f"{p}.self_attn"
+    out: dict[str, tuple[int, ...]] = {}
+
+    def linear(name: str, rows: int, cols: int, bias: bool = False) -> None:
+        out[f"{a}.{name}.weight"] = (rows, cols)
+        if bias:
+            out[f"{a}.{name}.bias"] = (rows,)
+
+    if cfg.q_lora_rank:
+        linear("q_a_proj", cfg.q_lora_rank, h, cfg.o_bias)
+        out[f"{a}.q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+        linear("q_b_proj", cfg.num_heads * cfg.head_dim, cfg.q_lora_rank)
+    else:
+        linear("q_proj", cfg.num_heads * cfg.head_dim, h)
+    linear("kv_a_proj_with_mqa", cfg.kv_lora_rank + cfg.qk_rope_head_dim, h, cfg.o_bias)
+    out[f"{a}.kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+    linear("kv_b_proj", cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+    linear("o_proj", h, cfg.num_heads * cfg.v_head_dim, cfg.o_bias)
     return out
 
 
@@ -259,10 +343,12 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
         return None
     if parts[-1] == "bias" and parts[-2] in _ROW:
         return None
-    hq, hkv = cfg.num_heads // tp * cfg.head_dim, cfg.num_kv_heads // tp * cfg.head_dim
+    heads = cfg.num_heads // tp
+    hq, hkv = heads * cfg.head_dim, cfg.num_kv_heads // tp * cfg.head_dim
     mlp = (cfg.moe_intermediate_size if is_expert(name) else cfg.shared_expert_intermediate_size
-           if SHARED_EXPERT in name else cfg.intermediate_size)
-    n = {"q_proj": hq, "o_proj": hq, "k_proj": hkv, "v_proj": hkv}.get(parts[-2], mlp // tp)
+           if is_shared_expert(name) else cfg.intermediate_size)
+    n = {"q_proj": hq, "q_b_proj": hq, "o_proj": heads * cfg.v_head_dim if cfg.latent else hq, "k_proj": hkv,
+         "v_proj": hkv, "kv_b_proj": heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)}.get(parts[-2], mlp // tp)
     return (0 if parts[-2] in _COLUMN else 1), rank * n, (rank + 1) * n
 
 
@@ -296,7 +382,8 @@ def weight_layout(cfg: ModelConfig, tp: int) -> dict[str, dict]:
 def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:
     """{'inputs', 'outputs', 'process_group'} of one forward; `inputs` is a spec's static input dims."""
     b, t = inputs["batch"], inputs["tokens"]
-    kv = [cfg.num_layers, 2, DYNAMIC_PAGES, inputs["page_tokens"], cfg.num_kv_heads // tp, cfg.head_dim]
+    layout = cache_layout(cfg, tp)
+    kv = layout.shape(cfg.num_layers, DYNAMIC_PAGES, inputs["page_tokens"])
 
     def arg(name: str, dtype: str, shape: list) -> dict:
         return {"name": name, "dtype": dtype, "shape": shape}
@@ -305,7 +392,8 @@ def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:
         "inputs": [arg("tokens", "int64", [b, t]), arg("start_pos", "int64", [b]), arg("kv_cache", cfg.dtype, kv),
                    arg("block_table", "int64", [b, inputs["pages_per_seq"]])],
         "outputs": [arg("logits", cfg.dtype, [b, t, cfg.vocab_size]),
-                    arg("new_kv", cfg.dtype, [cfg.num_layers, 2, b, t, cfg.num_kv_heads // tp, cfg.head_dim])],
+                    arg("new_kv", cfg.dtype, layout.new_shape(cfg.num_layers, b, t))],
+        "kv_cache": layout.to_dict(),
         "process_group": PROCESS_GROUP if tp > 1 else None,
         "dynamic_dims": {DYNAMIC_PAGES: {"min": 2}},
     }

@@ -15,6 +15,7 @@ from kiln.core.gate import HostReport, Plan, check_kv, decide
 from kiln.core.job import ExportJob
 from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import SETTINGS, Recipe
+from kiln.core.contract import cache_layout
 from kiln.core.sizing import page_bytes, plan_kv, required_mib
 
 
@@ -40,8 +41,9 @@ def measured_worker_mib(recipe, peaks_mib: list[int]) -> int | None:
 
 def page_size(job: ExportJob) -> int:
     cfg = job.model_config
-    return page_bytes(num_layers=cfg.num_layers, kv_heads_per_rank=cfg.num_kv_heads // job.tp,
-                      head_dim=cfg.head_dim, page_tokens=job.recipe.page_tokens, dtype_bytes=cfg.dtype_bytes)
+    layout = cache_layout(cfg, job.tp)
+    return page_bytes(num_layers=cfg.num_layers, kv_heads_per_rank=layout.heads, head_dim=layout.width,
+                      page_tokens=job.recipe.page_tokens, dtype_bytes=cfg.dtype_bytes, entries=len(layout.entries))
 
 
 def planned_workers(job: ExportJob, probes: list[HostProbe]) -> dict[str, int]:

@@ -58,9 +58,10 @@ class KvPlan:
 
 
 def page_bytes(*, num_layers: int, kv_heads_per_rank: int, head_dim: int, page_tokens: int,
-               dtype_bytes: int) -> int:
-    """Bytes of one KV page of one rank: keys and values of every layer."""
-    return 2 * num_layers * kv_heads_per_rank * head_dim * page_tokens * dtype_bytes
+               dtype_bytes: int, entries: int = 2) -> int:
+    """Bytes of one KV page of one rank: every layer's `entries` (keys and values; latent attention's one
+    latent-and-rope-key entry, with 1 head of its width as head_dim)."""
+    return entries * num_layers * kv_heads_per_rank * head_dim * page_tokens * dtype_bytes
 
 
 def plan_kv(recipe: Recipe, *, page_size_bytes: int, weight_bytes_per_rank: int,

@@ -42,6 +42,7 @@ def _check_together(rank: int, tp: int, port: int, job: dict) -> dict:
     import torch.distributed as dist
 
     from kiln.core.config import ModelConfig
+    from kiln.core.contract import cache_layout
     from kiln.core.recipe import parse_buckets
     from kiln.host.loader import eager_outputs, judge, load_forward
     from kiln.host.weights import load_rank_weights
@@ -53,7 +54,7 @@ def _check_together(rank: int, tp: int, port: int, job: dict) -> dict:
     cfg = ModelConfig(**job["config"])
     weights = load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint"))
     full = load_rank_weights(job["checkpoint"], cfg, 1, 0, s3_endpoint=job.get("s3_endpoint")) if rank == 0 else None
-    kvh = cfg.num_kv_heads // tp
+    layout = cache_layout(cfg, tp)
     diffs = {}
     for name, art in sorted(job["artifacts"].items()):
         bucket = parse_buckets(name)[0]
@@ -61,18 +62,31 @@ def _check_together(rank: int, tp: int, port: int, job: dict) -> dict:
         tok, start, cache, table = example_inputs(
             cfg, 1, bucket.batch, bucket.tokens, page_tokens=job["page_tokens"],
             pages_per_seq=job["pages_per_seq"], num_pages=job["pages_per_seq"] * bucket.batch + 5, seed=7)
-        shard = cache[..., rank * kvh:(rank + 1) * kvh, :].contiguous()
+        # Each rank caches its own KV heads, or (latent attention) every rank the same whole latent.
+        heads = layout.heads
+        shard = cache[..., rank * heads:(rank + 1) * heads, :].contiguous() if layout.sharded else cache
         with torch.no_grad():
             logits, new_kv = compiled(tok, start, shard, table)
         parts = [torch.empty_like(new_kv) for _ in range(tp)]
         dist.all_gather(parts, new_kv.contiguous(), group=side)
         if rank == 0:
             eager, exact = eager_outputs(cfg, 1, full, (tok, start, cache, table))
-            diffs[name] = judge((logits, torch.cat(parts, dim=-2)), eager, exact,
-                                atol=job["atol"], half_ratio=job["half_ratio"])
+            every = torch.cat(parts, dim=-2) if layout.sharded else _same(parts)
+            diffs[name] = judge((logits, every), eager, exact, atol=job["atol"], half_ratio=job["half_ratio"])
     dist.barrier(group=side)
     dist.destroy_process_group()
     return diffs
+
+
+def _same(parts: list):
+    """The one cache entry every rank computed alike (latent attention's); IntegrityError when they differ."""
+    import torch
+
+    for rank, part in enumerate(parts[1:], start=1):
+        if not torch.equal(part, parts[0]):
+            raise IntegrityError(f"rank {rank}'s new latent cache entries differ from rank 0's; every rank must "
+                                 "compute the same latent (its projection is replicated).")
+    return parts[0]
 
 
 def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[str, dict], page_tokens: int,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hf_models import CASES, CLASSES, transformers, write_case
 
-from kiln.core.contract import layer_runs
+from kiln.core.contract import cache_layout, layer_runs
 from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights
 from kiln.host.model import ShardedDecoder
 
@@ -45,8 +45,7 @@ def kiln_logits(cfg, weights, tokens):
     model = ShardedDecoder(cfg, 1).to(getattr(torch, cfg.dtype)).eval()
     model.load_state_dict({k: v for k, v in weights.items() if k in model.state_dict()}, strict=True)
     pages = -(-tokens.shape[1] // 16)
-    cache = torch.zeros(cfg.num_layers, 2, pages + 1, 16, cfg.num_kv_heads, cfg.head_dim,
-                        dtype=getattr(torch, cfg.dtype))
+    cache = torch.zeros(cache_layout(cfg, 1).shape(cfg.num_layers, pages + 1, 16), dtype=getattr(torch, cfg.dtype))
     with torch.no_grad():
         logits, _ = model(tokens, torch.tensor([0]), cache, torch.arange(pages)[None])
     return logits.float()

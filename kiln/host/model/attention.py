@@ -1,0 +1,66 @@
+"""Grouped-query attention of one rank over the paged KV cache (Llama, Mistral, Qwen, Gemma, Phi-3).
+
+A rank holds heads/tp query heads and kv_heads/tp key/value heads: q, k and v
+are column-parallel (their rows split over the ranks), o is row-parallel and
+summed over the ranks. The layer's cache entry is [2, pages, page_tokens,
+kv_heads/tp, head_dim]: the keys (rotated) and the values of every cached token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.core.config import ModelConfig
+from kiln.host.model.collectives import linear_then_reduce
+from kiln.host.model.norms import rms_norm, softcap
+from kiln.host.model.rotary import rotate
+from kiln.host.model.step import StepContext, gather_pages
+
+
+def attend(cfg: ModelConfig, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           mask: torch.Tensor) -> torch.Tensor:
+    """Softmax attention [b, heads, t, v_width] of q over keys/values where `mask` [b, 1, t, keys] allows.
+
+    Scaled by query_pre_attn_scalar ** -0.5 when the config gives one (Gemma), else head_dim ** -0.5 times
+    attn_scale_multiplier (DeepSeek's yarn mscale). Soft-capped scores (Gemma 2) are computed as
+    transformers' eager attention does: scores, cap, mask, a float32 softmax cast back, then the values;
+    otherwise torch's fused attention."""
+    if cfg.query_pre_attn_scalar is not None:
+        scale = cfg.query_pre_attn_scalar ** -0.5
+    else:
+        scale = cfg.head_dim ** -0.5 * cfg.attn_scale_multiplier
+    if cfg.attn_softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    scores = softcap(torch.matmul(q, keys.transpose(2, 3)) * scale, cfg.attn_softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+
+
+def grouped_query_attention(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h: torch.Tensor,
+                            kv: torch.Tensor, window: torch.Tensor | None,
+                            ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the attention's output [b, t, hidden] summed over the ranks, this step's cache entry
+    [2, b, t, kv_heads/tp, head_dim]: its rotated keys and its values).
+
+    `p` holds the layer's tensors by checkpoint suffix (`self_attn.q_proj.weight`, ...), `h` the normed
+    input, `kv` the layer's cache, `window` a 0-d window (tokens a query may look back, itself included)
+    or None.
+    """
+    b, t, _ = h.shape
+    heads, kv_heads, hd = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
+    q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(b, t, heads, hd)
+    k = F.linear(h, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias")).view(b, t, kv_heads, hd)
+    v = F.linear(h, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias")).view(b, t, kv_heads, hd)
+    if cfg.qk_norm:  # Qwen3, Gemma 3: every head normalised over head_dim, before the rotary embedding
+        q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps, cfg.norm_unit_offset)
+        k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps, cfg.norm_unit_offset)
+    cos, sin = ctx.rotary(window)
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    group = heads // kv_heads
+    keys = torch.cat((gather_pages(kv[0], ctx.block_table), k), dim=1).repeat_interleave(group, dim=2)
+    values = torch.cat((gather_pages(kv[1], ctx.block_table), v), dim=1).repeat_interleave(group, dim=2)
+    out = attend(cfg, q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), ctx.mask(window))
+    attended = linear_then_reduce(out.transpose(1, 2).reshape(b, t, -1), p["self_attn.o_proj.weight"],
+                                  p.get("self_attn.o_proj.bias"), tp)
+    return attended, torch.stack((k, v))

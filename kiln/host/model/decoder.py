@@ -1,0 +1,166 @@
+"""One tensor-parallel rank of the decoder: embeddings, runs of scanned layers, the final norm and head.
+
+The forward is one inference step over a paged KV cache:
+
+    forward(tokens[B,T], start_pos[B], kv_cache[L,E,P,page_tokens,heads,width], block_table[B,M])
+        -> (logits[B,T,vocab], new_kv[L,E,B,T,heads,width])
+
+P (the page count) is dynamic, so a new KV plan reuses compiled forwards. What a
+cached token holds (E entries of [heads, width]) is the model's cache layout
+(kiln.core.contract.cache_layout): its rotated keys and its values per KV head of
+this rank, or latent attention's latent and rotary key. Sequence b's first
+start_pos[b] tokens of context live in the pages block_table[b]; the step returns
+the new tokens' entries for the caller to write into the cache.
+
+The layers are not unrolled: each run of same-shaped layers (kiln.core.contract.layer_runs)
+is one `torch._higher_order_ops.scan` over its tensors stacked along a leading layer
+dimension, the cache's layer slices and each layer's window, so AOTInductor compiles
+one layer body per run and a bucket's compile time does not grow with depth. The
+step's new cache entries are the scan's stacked outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.core.config import ModelConfig
+from kiln.core.contract import RUN_PREFIX, constant_shapes, is_expert, layer_runs
+from kiln.host.model import deepseek, gemma, llama
+from kiln.host.model.llama import Layer
+from kiln.host.model.norms import RMSNorm, softcap
+from kiln.host.model.step import FULL_ATTENTION, StepContext, step_context
+
+def layer_of(cfg: ModelConfig) -> Layer:
+    """The decoder layer `cfg` computes: DeepSeek's (latent attention), Gemma's (norms around attention and
+    MLP) or Llama's (every other family)."""
+    if cfg.latent:
+        return deepseek.layer
+    return gemma.layer if cfg.sandwich_norms else llama.layer
+
+
+class Holder(nn.Module):
+    """A bare container, so stacked tensors keep their checkpoint suffix as their module path."""
+
+
+def _initial(suffix: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A stacked parameter's initial value, from the global generator as nn.Linear's would be (norms start at
+    one, everything else at random with a 1/sqrt(fan-in) scale): a model built without weights computes
+    something, so comparing two forwards of it shows something. Free on the meta device."""
+    if suffix.endswith("norm.weight"):
+        return torch.ones(shape)
+    return torch.randn(shape) * shape[-1] ** -0.5
+
+
+class LayerRun(nn.Module):
+    """Run `index` of same-shaped decoder layers of one rank, each tensor stacked along a leading layer dimension.
+
+    Its state dict names are the checkpoint suffixes (`self_attn.q_proj.weight`, shape [layers, ...]), so
+    the package constant `model.runs.<index>.<suffix>` stacks the checkpoint tensors `model.layers.<i>.<suffix>`.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: int, index: int):
+        super().__init__()
+        self.start, self.stop = layer_runs(cfg)[index]
+        prefix = f"{RUN_PREFIX}{index}."
+        shapes = constant_shapes(cfg, tp)
+        self.suffixes = [n.removeprefix(prefix) for n in shapes if n.startswith(prefix)]
+        for suffix in self.suffixes:
+            owner = self
+            *path, leaf = suffix.split(".")
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, Holder())
+                owner = getattr(owner, part)
+            owner.register_parameter(leaf, nn.Parameter(_initial(suffix, shapes[prefix + suffix])))
+
+    def stacked(self) -> dict[str, torch.Tensor]:
+        """suffix -> the stacked tensor [layers, ...]; experts' projections, stacked layers x experts along
+        one dimension, viewed as [layers, experts, ...]."""
+        out = {}
+        for suffix in self.suffixes:
+            w = self.get_parameter(suffix)
+            out[suffix] = w.view(self.stop - self.start, -1, *w.shape[1:]) if is_expert(suffix) else w
+        return out
+
+
+class Inner(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.runs = nn.ModuleList(LayerRun(cfg, tp, j) for j in range(len(layer_runs(cfg))))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
+
+
+class ShardedDecoder(nn.Module):
+    """One tensor-parallel rank of the decoder; constant names as kiln.core.contract states them.
+
+    Each run of layers is one `scan` over its stacked tensors, the KV cache's layer slices and each layer's
+    window, so the compiled graph holds one layer body per run whatever the depth. `scan=False` unrolls the
+    same layers in Python (the eager reference and the depth bench's comparison); both compute the same.
+    With tied embeddings there is no lm_head: the output head reads the embedding matrix, so the package
+    asks for one tensor, not two copies.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: int = 1, *, scan: bool = True):
+        super().__init__()
+        cfg.check_tp(tp)
+        self.cfg = cfg
+        self.tp = tp
+        self.scan = scan
+        self.layer = layer_of(cfg)
+        self.model = Inner(cfg, tp)
+        # A Python float (no tensor in the graph): sqrt(hidden) as the model's dtype holds it.
+        self.embed_multiplier = torch.tensor(cfg.hidden_size ** 0.5, dtype=getattr(torch, cfg.dtype),
+                                             device="cpu").item()
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def _windows(self, device) -> torch.Tensor | None:
+        """[layers] int64: each layer's window, FULL_ATTENTION (a value no distance reaches) on full-attention
+        layers; None when no layer has a window. Computed in the graph (a buffer would become a package
+        constant)."""
+        cfg = self.cfg
+        if all(cfg.window_of(i) is None for i in range(cfg.num_layers)):
+            return None
+        layer = torch.arange(cfg.num_layers, device=device)
+        sliding = layer >= cfg.first_sliding_layer
+        for i in cfg.full_attention_layers:
+            sliding = sliding & (layer != i)
+        return torch.where(sliding, cfg.sliding_window, FULL_ATTENTION)
+
+    def forward(self, tokens, start_pos, kv_cache, block_table):
+        windows = self._windows(tokens.device)
+        ctx = step_context(self.cfg, start_pos, tokens.shape[1], kv_cache.shape[3], block_table, kv_cache.dtype,
+                           windowed=windows is not None)
+        x = self.model.embed_tokens(tokens)
+        if self.cfg.embed_scale:  # Gemma: sqrt(hidden), rounded to the dtype first as transformers does
+            x = x * self.embed_multiplier
+        new_entries = []
+        for run in self.model.runs:
+            x, entries = self._run(run, x, kv_cache[run.start:run.stop],
+                                   None if windows is None else windows[run.start:run.stop], ctx)
+            new_entries.append(entries)
+        x = self.model.norm(x)
+        logits = F.linear(x, self.model.embed_tokens.weight) if self.cfg.tie_word_embeddings else self.lm_head(x)
+        return softcap(logits, self.cfg.final_softcap), torch.cat(new_entries)
+
+    def _run(self, run: LayerRun, x, kv, windows, ctx: StepContext):
+        """One run of layers: (x after them, their new cache entries [layers, E, b, t, heads, width])."""
+        cfg, tp, layer = self.cfg, self.tp, self.layer
+        stacked = run.stacked()
+        if not self.scan:
+            entries = []
+            for i in range(run.stop - run.start):
+                x, entry = layer(cfg, tp, {n: w[i] for n, w in stacked.items()}, x, kv[i],
+                                 None if windows is None else windows[i], ctx)
+                entries.append(entry)
+            return x, torch.stack(entries)
+        from torch._higher_order_ops.scan import scan
+
+        def body(carry, step):
+            return layer(cfg, tp, step["weights"], carry, step["kv"], step.get("window"), ctx)
+
+        xs = {"weights": stacked, "kv": kv} if windows is None else {"weights": stacked, "kv": kv, "window": windows}
+        return scan(body, x, xs)

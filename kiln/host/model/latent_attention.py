@@ -1,0 +1,58 @@
+"""Multi-head latent attention of one rank (DeepSeek-V3), as transformers' DeepseekV3Attention computes it.
+
+Every token is compressed to one latent of kv_lora_rank (kv_a_proj_with_mqa,
+then kv_a_layernorm) plus one rotary key of qk_rope_head_dim that all heads
+share; each head's keys (their qk_nope_head_dim part) and values are projected
+back up from the latent (kv_b_proj). So the layer's cache entry is what latent
+attention exists for: [1, pages, page_tokens, 1, kv_lora_rank + qk_rope_head_dim],
+the latent and the rotated key of every cached token, not per-head keys and
+values. The latent is the same on every rank (its projection is replicated);
+the up-projections are split by heads (q_b_proj or q_proj, kv_b_proj:
+column-parallel), o_proj is row-parallel and summed over the ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.core.config import ModelConfig
+from kiln.host.model.attention import attend
+from kiln.host.model.collectives import linear_then_reduce
+from kiln.host.model.norms import rms_norm
+from kiln.host.model.rotary import rotate, rotate_interleaved
+from kiln.host.model.step import StepContext, gather_pages
+
+LATENT_NORM_EPS = 1e-6
+"""q_a_layernorm's and kv_a_layernorm's epsilon: DeepseekV3RMSNorm's default, whatever rms_norm_eps says."""
+
+
+def latent_attention(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h: torch.Tensor, kv: torch.Tensor,
+                     window: torch.Tensor | None, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the attention's output [b, t, hidden] summed over the ranks, this step's cache entry
+    [1, b, t, 1, kv_lora_rank + qk_rope_head_dim]: each new token's normed latent and rotated key)."""
+    b, t, _ = h.shape
+    heads, nope, rope = cfg.num_heads // tp, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    if cfg.q_lora_rank:
+        q = F.linear(h, p["self_attn.q_a_proj.weight"], p.get("self_attn.q_a_proj.bias"))
+        q = F.linear(rms_norm(q, p["self_attn.q_a_layernorm.weight"], LATENT_NORM_EPS), p["self_attn.q_b_proj.weight"])
+    else:
+        q = F.linear(h, p["self_attn.q_proj.weight"])
+    q_nope, q_rot = q.view(b, t, heads, cfg.head_dim).split((nope, rope), dim=-1)
+    compressed = F.linear(h, p["self_attn.kv_a_proj_with_mqa.weight"], p.get("self_attn.kv_a_proj_with_mqa.bias"))
+    latent, k_rot = compressed.split((cfg.kv_lora_rank, rope), dim=-1)
+    latent = rms_norm(latent, p["self_attn.kv_a_layernorm.weight"], LATENT_NORM_EPS)
+    turn = rotate_interleaved if cfg.rope_interleave else rotate
+    cos, sin = ctx.rotary(window)
+    q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot[:, :, None, :], cos, sin)
+    entry = torch.cat((latent[:, :, None, :], k_rot), dim=-1)  # [b, t, 1, latent + rope]
+    every = torch.cat((gather_pages(kv[0], ctx.block_table), entry), dim=1)[:, :, 0]  # [b, ctx + t, latent + rope]
+    n = every.shape[1]
+    up = F.linear(every[..., :cfg.kv_lora_rank], p["self_attn.kv_b_proj.weight"]).view(b, n, heads, nope + cfg.v_head_dim)
+    k_nope, values = up.split((nope, cfg.v_head_dim), dim=-1)
+    keys = torch.cat((k_nope, every[:, :, None, cfg.kv_lora_rank:].expand(b, n, heads, rope)), dim=-1)
+    query = torch.cat((q_nope, q_rot), dim=-1)
+    out = attend(cfg, query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), ctx.mask(window))
+    attended = linear_then_reduce(out.transpose(1, 2).reshape(b, t, heads * cfg.v_head_dim),
+                                  p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"), tp)
+    return attended, entry[None]

@@ -1,0 +1,93 @@
+"""One rank's share of a mixture-of-experts MLP: a router, the chosen experts, a shared expert.
+
+Routers (ModelConfig.router):
+- softmax (Mixtral, Qwen2-MoE, Qwen3-MoE): the softmax over the experts in
+  float32, its top k, renormalised when `norm_topk_prob`;
+- sigmoid_groups (DeepSeek-V3): sigmoid scores in float32; the choice adds each
+  expert's `e_score_correction_bias` and keeps to the best topk_groups of the
+  n_group groups (a group scores the sum of its two best); the weights are the
+  uncorrected scores of the chosen, renormalised when `norm_topk_prob`, times
+  routed_scaling_factor.
+Each expert is a SwiGLU MLP whose intermediate columns are split over the ranks,
+so a rank's weighted sum of its experts' partial down projections is summed once
+over the ranks, together with the shared expert's partial output (Qwen2-MoE's,
+weighted by its replicated sigmoid gate; DeepSeek's shared experts, ungated).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.core.config import ModelConfig
+from kiln.core.contract import EXPERTS, SHARED_EXPERTS
+from kiln.host.model.collectives import reduce
+
+GATHER_BELOW = 3
+"""A step gathers its chosen experts when GATHER_BELOW x its (token, expert) pairs are at most the experts."""
+
+
+def route(cfg: ModelConfig, p: dict[str, torch.Tensor], module: str,
+          x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [n, k] float32, or the model's dtype for Qwen's MoEs, as transformers weighs; chosen
+    experts [n, k]) of the tokens x [n, hidden]."""
+    if cfg.router == "sigmoid_groups":
+        return _route_groups(cfg, p, module, x)
+    probs = torch.softmax(F.linear(x, p[f"{module}.gate.weight"]).to(torch.float32), dim=-1)
+    weights, chosen = torch.topk(probs, cfg.experts_per_token, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if cfg.architecture in ("qwen2_moe", "qwen3_moe"):  # Qwen's MoEs weigh in the model's dtype, Mixtral in float32
+        weights = weights.to(x.dtype)
+    return weights, chosen
+
+
+def _route_groups(cfg: ModelConfig, p: dict[str, torch.Tensor], module: str,
+                  x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's noaux_tc routing, op for op as DeepseekV3TopkRouter computes it."""
+    n, experts, groups = x.shape[0], cfg.num_experts, cfg.num_expert_groups
+    scores = F.linear(x.to(torch.float32), p[f"{module}.gate.weight"].to(torch.float32)).sigmoid()
+    choice = scores + p[f"{module}.gate.e_score_correction_bias"].to(torch.float32)
+    group_scores = choice.view(n, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
+    best = torch.topk(group_scores, k=cfg.topk_groups, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores).scatter(1, best, 1).bool()
+    keep = keep[:, :, None].expand(n, groups, experts // groups).reshape(n, experts)
+    chosen = torch.topk(choice.masked_fill(~keep, float("-inf")), k=cfg.experts_per_token, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, chosen)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, chosen
+
+
+def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    """The layer's MLP output [b, t, hidden], summed over the ranks.
+
+    The compute follows the chosen experts: when a step routes few (token, expert) pairs against the
+    experts (GATHER_BELOW; decode), only the chosen experts' weights are gathered and multiplied; otherwise
+    (prefill) every expert runs over every token, weighted by its routing weight or 0: a gathered expert's
+    weights are read, copied and read again, so for that many pairs reading every expert once costs less.
+    The choice is made per bucket when the graph is traced (its shapes are static).
+    """
+    module, names = EXPERTS[cfg.architecture]
+    gate_w, up_w, down_w = (p[f"{module}.experts.{n}.weight"] for n in names)  # [E, I/tp, H], [E, I/tp, H], [E, H, I/tp]
+    b, t, hidden = h.shape
+    x = h.reshape(b * t, hidden)
+    weights, chosen = route(cfg, p, module, x)
+    n, k = chosen.shape
+    if GATHER_BELOW * n * k <= cfg.num_experts:
+        flat = chosen.reshape(-1)
+        rows = x.repeat_interleave(k, dim=0)[:, None, :]  # [n*k, 1, H]
+        act = F.silu(torch.bmm(rows, gate_w[flat].transpose(1, 2))) * torch.bmm(rows, up_w[flat].transpose(1, 2))
+        out = torch.bmm(act, down_w[flat].transpose(1, 2)).reshape(n, k, hidden)  # [n, k, H]
+        mixed = (out * weights[..., None]).to(h.dtype).sum(dim=1)
+    else:
+        act = F.silu(torch.einsum("nh,eih->nei", x, gate_w)) * torch.einsum("nh,eih->nei", x, up_w)
+        out = torch.einsum("nei,ehi->neh", act, down_w)  # [n, E, H]
+        dense = torch.zeros(n, cfg.num_experts, dtype=weights.dtype, device=x.device).scatter(1, chosen, weights)
+        mixed = (out * dense[..., None]).to(h.dtype).sum(dim=1)
+    if cfg.shared_expert_intermediate_size:  # every token also runs the shared expert(s): this rank's part
+        shared_module, gate = SHARED_EXPERTS[cfg.architecture]
+        shared = F.linear(F.silu(F.linear(x, p[f"{shared_module}.gate_proj.weight"]))
+                          * F.linear(x, p[f"{shared_module}.up_proj.weight"]), p[f"{shared_module}.down_proj.weight"])
+        mixed = mixed + (shared if gate is None else torch.sigmoid(F.linear(x, p[f"{gate}.weight"])) * shared)
+    return reduce(mixed, tp).reshape(b, t, hidden)

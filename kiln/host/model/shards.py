@@ -1,0 +1,72 @@
+"""A rank's package constants from a checkpoint, random weights, and example inputs of one step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kiln.core.config import ModelConfig
+from kiln.core.contract import cache_layout, constant_shapes, parameter_shapes, rank_reads
+
+
+def rank_constants(cfg: ModelConfig, tp: int, rank: int,
+                   read_into: Callable[[str, tuple | None, torch.Tensor], None],
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every package constant of `rank` in `dtype`, each allocated once and filled by
+    `read_into(checkpoint_name, cut, out)`, which writes that tensor (cut to (dim, start, stop) when `cut`
+    is not None) into `out`: a stacked constant's sources go straight into its layer slices, so building
+    the constants never holds a second copy of the rank's weights."""
+    cfg.check_tp(tp)
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} is outside tp {tp}")
+    out = {}
+    reads = rank_reads(cfg, tp, rank)
+    for name, shape in constant_shapes(cfg, tp).items():
+        constant = torch.empty(shape, dtype=dtype)
+        sources = reads[name]
+        for i, (source, cut) in enumerate(sources):
+            read_into(source, cut, constant if sources == [(name, cut)] else constant[i])
+        out[name] = constant
+    return out
+
+
+def shard_state_dict(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """One rank's package constants from a full (unsharded) Hugging Face state dict, in its dtype."""
+    def read_into(name: str, cut: tuple | None, out: torch.Tensor) -> None:
+        tensor = full[name]
+        out.copy_(tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1]))
+
+    return rank_constants(cfg, tp, rank, read_into, full["model.embed_tokens.weight"].dtype)
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the unsharded model with its shape, as a checkpoint must hold it (kiln.core.contract's
+    statement of the layout, which a unit test holds to the module's own state dict)."""
+    return parameter_shapes(cfg)
+
+
+def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random full weights with a sensible scale (for test checkpoints and the tiny model)."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, cfg.dtype)
+    out = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape, dtype=dtype)
+        else:
+            out[name] = (torch.randn(shape, generator=gen) * shape[-1] ** -0.5).to(dtype)
+    return out
+
+
+def example_inputs(cfg: ModelConfig, tp: int, batch: int, tokens: int, *, page_tokens: int,
+                   pages_per_seq: int, num_pages: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Inputs of one rank for a (batch, tokens) bucket; the cache holds random context."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, cfg.dtype)
+    tok = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=gen)
+    max_start = pages_per_seq * page_tokens
+    start = torch.randint(0, max_start + 1, (batch,), generator=gen)
+    cache = torch.randn(cache_layout(cfg, tp).shape(cfg.num_layers, num_pages, page_tokens), generator=gen).to(dtype)
+    table = torch.randint(0, num_pages, (batch, pages_per_seq), generator=gen)
+    return tok, start, cache, table

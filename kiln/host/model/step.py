@@ -1,0 +1,72 @@
+"""What every layer of one step shares: rotary tables, masks and the pages to gather."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.core.config import ModelConfig
+from kiln.host.model import rotary
+
+FULL_ATTENTION = 1 << 62
+"""The window of a full-attention layer among sliding ones: no distance reaches it."""
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """The step's shared tensors (b sequences of t new tokens over ctx cached positions each)."""
+
+    cos: torch.Tensor
+    """[b, t, 1, rotated_dims] in the model's dtype (rotary.tables)."""
+    sin: torch.Tensor
+    local_cos: torch.Tensor | None
+    """Sliding layers' rotary tables when they have a base of their own (Gemma 3's local_rope_theta)."""
+    local_sin: torch.Tensor | None
+    causal: torch.Tensor
+    """[b, t, ctx + t] bool: key j is a valid, earlier-or-same position for query i."""
+    distance: torch.Tensor | None
+    """[b, t, ctx + t]: query position minus key position; None when no layer has a window."""
+    block_table: torch.Tensor
+    """[b, pages_per_seq]: the cache pages of each sequence, in order."""
+
+    def mask(self, window: torch.Tensor | None) -> torch.Tensor:
+        """[b, 1, t, ctx + t]: what a layer of `window` (0-d, or None: no window) lets each query see."""
+        mask = self.causal if window is None else self.causal & (self.distance < window)
+        return mask[:, None]
+
+    def rotary(self, window: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of a layer of `window`: Gemma 3's sliding layers rotate at their own base."""
+        if self.local_cos is None or window is None:
+            return self.cos, self.sin
+        sliding = window < FULL_ATTENTION
+        return torch.where(sliding, self.local_cos, self.cos), torch.where(sliding, self.local_sin, self.sin)
+
+
+def step_context(cfg: ModelConfig, start_pos: torch.Tensor, num_tokens: int, page_tokens: int,
+                 block_table: torch.Tensor, dtype: torch.dtype, windowed: bool) -> StepContext:
+    """The context of one step: query i of sequence b sits at position start_pos[b] + i; cached key j at
+    position j (valid below start_pos[b]); new key i at start_pos[b] + i."""
+    b, device = start_pos.shape[0], start_pos.device
+    ctx_len = block_table.shape[1] * page_tokens
+    positions = start_pos[:, None] + torch.arange(num_tokens, device=device)[None]
+    cos, sin = rotary.tables(cfg, positions, dtype)
+    local_cos = local_sin = None
+    if cfg.local_rope_theta is not None:  # unscaled, at the sliding layers' own base
+        plain = cfg.replace(rope_theta=cfg.local_rope_theta, rope_type="default", rope_attention_factor=1.0)
+        local_cos, local_sin = rotary.tables(plain, positions, dtype)
+    cached = torch.arange(ctx_len, device=device)[None]
+    key_pos = torch.cat((cached.expand(b, ctx_len), positions), dim=1)
+    key_ok = torch.cat((cached < start_pos[:, None], torch.ones(b, num_tokens, dtype=torch.bool, device=device)),
+                       dim=1)
+    distance = positions[:, :, None] - key_pos[:, None, :]  # [b, t, ctx + t]
+    return StepContext(cos=cos, sin=sin, local_cos=local_cos, local_sin=local_sin,
+                       causal=key_ok[:, None, :] & (distance >= 0), distance=distance if windowed else None,
+                       block_table=block_table)
+
+
+def gather_pages(entry: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[b, ctx, heads, width]: one cache entry [pages, page_tokens, heads, width] read through the block
+    table, each sequence's pages in order."""
+    b, pages = block_table.shape
+    return entry[block_table].reshape(b, pages * entry.shape[1], *entry.shape[2:])
