@@ -85,6 +85,15 @@ package keeps one constant per projection, as for every other family: each sourc
 fused tensor, cut to the projection's rows (and, with tp > 1, to the rank's share of them)."""
 
 
+def constant_dtype(cfg: ModelConfig, name: str) -> str:
+    """The dtype the package holds tensor `name` (a constant, a stacked constant's suffix or a checkpoint tensor)
+    in: the model's, but float32 for DeepSeek-V3's router and its correction bias, as transformers keeps them
+    (its _keep_in_fp32_modules_strict): in a bfloat16 model a rounded bias would choose other experts."""
+    if cfg.router == "sigmoid_groups" and name.endswith((".gate.weight", ".gate.e_score_correction_bias")):
+        return "float32"
+    return cfg.dtype
+
+
 @dataclass(frozen=True)
 class CacheLayout:
     """What the KV cache holds per layer and token: `entries` tensors of [heads, width] each."""
@@ -356,7 +365,7 @@ def weight_layout(cfg: ModelConfig, tp: int) -> dict[str, dict]:
     """Package constant name -> {'dtype', 'shape', 'stack', 'sources'}, the same for every rank.
 
     `dtype` is the dtype the package was compiled for (cast the checkpoint's
-    tensors to it); `shape` what one rank binds; `stack` None (a plain
+    tensors to it: the model's, float32 for a few, constant_dtype); `shape` what one rank binds; `stack` None (a plain
     constant: its one source, cut) or the number of sources stacked along a
     new leading dimension, in order; each source is {'tensor' (the checkpoint
     tensor), 'full_shape', 'cut'}, with `cut` None (every rank binds it
@@ -373,7 +382,7 @@ def weight_layout(cfg: ModelConfig, tp: int) -> dict[str, dict]:
                                           "offsets": [r[name][i][1][1] for r in reads]}
         return {"tensor": tensor, "full_shape": list(full[tensor]), "cut": cut}
 
-    return {name: {"dtype": cfg.dtype, "shape": list(shapes[name]),
+    return {name: {"dtype": constant_dtype(cfg, name), "shape": list(shapes[name]),
                    "stack": None if parts == [name] else len(parts),
                    "sources": [source(name, i) for i in range(len(parts))]}
             for name, parts in _constant_parts(cfg).items()}

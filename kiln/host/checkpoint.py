@@ -72,8 +72,14 @@ def read_config(path: Path | str) -> ModelConfig:
 
 
 def _spare(name: str, cfg: ModelConfig) -> bool:
-    """Tensors a checkpoint may hold that the model does not read: a tied head's copy, cached rotary tables."""
-    return (name == "lm_head.weight" and cfg.tie_word_embeddings) or name.endswith("rotary_emb.inv_freq")
+    """Tensors a checkpoint may hold that the model does not read: a tied head's copy, cached rotary tables,
+    DeepSeek-V3's multi-token-prediction module (the layers after num_hidden_layers: published checkpoints
+    hold it for speculative decoding, and one step does not use it)."""
+    if name == "lm_head.weight" and cfg.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"):
+        return True
+    layer = name.removeprefix("model.layers.").split(".", 1)[0]
+    return cfg.architecture == "deepseek_v3" and name.startswith("model.layers.") and layer.isdigit() \
+        and int(layer) >= cfg.num_layers
 
 
 def missing_hint(missing: list[str], present) -> str:

@@ -35,7 +35,7 @@ import torch
 from kiln.core.config import ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.hf_config import from_hf
-from kiln.core.contract import LAYOUT, rank_reads
+from kiln.core.contract import LAYOUT, constant_dtype, rank_reads
 from kiln.host.model import expected_shapes
 
 INDEX = "model.safetensors.index.json"
@@ -278,7 +278,7 @@ class S3Checkpoint:
 
     def _rank_tensors(self, cfg: ModelConfig, tp: int, rank: int) -> dict[tuple, torch.Tensor]:
         """Each (checkpoint tensor, cut) `rank` reads (kiln.core.contract.rank_reads: one per tensor, or one
-        per projection of a fused tensor), cut, in `cfg.dtype`."""
+        per projection of a fused tensor), cut, in the dtype its constant holds (contract.constant_dtype)."""
         have = self.tensors()
         shapes = expected_shapes(cfg)
         reads = list(dict.fromkeys(read for sources in rank_reads(cfg, tp, rank).values() for read in sources))
@@ -290,9 +290,9 @@ class S3Checkpoint:
         for (read, (first, _, pieces)), data in zip(jobs, parts):
             view = memoryview(data)
             chunks.setdefault(read, []).extend(view[a - first:b - first + 1] for a, b in pieces)
-        dtype = getattr(torch, cfg.dtype)
         out = {}
         for name, cut in reads:
+            dtype = getattr(torch, constant_dtype(cfg, name))
             info, shape = have[name], shapes[name]
             local = list(shape) if cut is None else [*shape[:cut[0]], cut[2] - cut[1], *shape[cut[0] + 1:]]
             flat = torch.frombuffer(bytearray(b"".join(chunks.get((name, cut), []))), dtype=_DTYPES[info.dtype]) \

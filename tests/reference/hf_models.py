@@ -2,8 +2,8 @@
 
 The reference is independent of Kiln: transformers' LlamaForCausalLM,
 MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM,
-Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM and Phi3ForCausalLM, built from a
-config dict and saved
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM and
+DeepseekV3ForCausalLM, built from a config dict and saved
 with `save_pretrained` (safetensors). Nothing is downloaded.
 """
 
@@ -20,7 +20,7 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralCon
            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
            "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
            "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
-           "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+           "phi3": ("Phi3Config", "Phi3ForCausalLM"), "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
 
 BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
@@ -30,6 +30,12 @@ drawn wide enough (initializer_range) that greedy decoding does not repeat one t
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
 """A short original context, so the llama3 scaling changes low and medium frequencies at these head dims."""
+
+DEEPSEEK = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=64,
+                qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, moe_intermediate_size=32, n_routed_experts=16,
+                n_group=4, topk_group=2, num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1,
+                routed_scaling_factor=2.5, norm_topk_prob=True)
+"""DeepSeek-V3's shape, small: every size DeepseekV3Config would default to a full-size value is given."""
 
 CASES = {
     # name: (family, config overrides, weight dtype)
@@ -129,7 +135,21 @@ CASES = {
     # Phi-3 at a real shape in bfloat16: head_dim 128, Phi-3's vocabulary of 32064, no window (Phi-3-mini's rope).
     "phi3-bf16": ("phi3", dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
                                vocab_size=32064, intermediate_size=1024, initializer_range=0.05), "bfloat16"),
+    # DeepSeek-V3: latent attention (q through a rank-48 bottleneck, a latent of 64, heads of 64 + 32 rotating dims,
+    # values of 64, interleaved rotary pairs), layer 0 dense, then 16 experts in 4 groups: top 3 within the best
+    # 2 groups by sigmoid scores corrected per expert, scaled by 2.5, plus a shared expert; biases on q_a, kv_a, o.
+    "deepseek-v3": ("deepseek_v3", dict(DEEPSEEK, attention_bias=True), "float32"),
+    # No q bottleneck (q_lora_rank null, as DeepSeek-V2-Lite), yarn with DeepSeek's mscale pair: the attention's
+    # scale grows by mscale(factor, mscale_all_dim) squared; the rotary pairs as halves (rope_interleave false).
+    "deepseek-v3-yarn": ("deepseek_v3", dict(DEEPSEEK, q_lora_rank=None, rope_interleave=False, rope_parameters={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}), "float32"),
+    # At a real shape in bfloat16: heads of 128 + 64 rotating dims, values of 128, a latent of 128, vocabulary 32000.
+    "deepseek-v3-bf16": ("deepseek_v3", dict(DEEPSEEK, hidden_size=256, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                             v_head_dim=128, kv_lora_rank=128, q_lora_rank=96, vocab_size=32000,
+                                             initializer_range=0.05), "bfloat16"),
 }
+"""name -> (family, config overrides, weight dtype)."""
 
 
 def hf_config(family: str, overrides: dict, dtype: str):
@@ -141,13 +161,14 @@ def hf_config(family: str, overrides: dict, dtype: str):
 
 
 def hf_model(family: str, config, seed: int = 0):
-    """A random-init transformers model; biases and norms randomised too, so they matter in every output."""
+    """A random-init transformers model; biases (DeepSeek's routing correction too) and norms randomised,
+    so they matter in every output."""
     import torch
     torch.manual_seed(seed)
     model = getattr(transformers, CLASSES[family][1])(config).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("bias") or "norm" in name and name.endswith("weight"):
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
     return model
 

@@ -38,6 +38,9 @@ FEATURE_OFF = {
     "gemma2": {"attn_softcap": None, "final_softcap": None},
     "gemma3": {"local_rope_theta": None},
     "phi3": {"rotary_dim": None},
+    "deepseek-v3": {"topk_groups": 4},  # every group open: the top 3 of all 16 experts
+    "deepseek-v3-yarn": {"attn_scale_multiplier": 1.0},
+    "deepseek-v3-bf16": {"rope_interleave": False},
 }
 
 
@@ -101,3 +104,16 @@ def test_a_step_of_few_tokens_gathers_its_experts_and_computes_what_every_expert
         among = mixture_of_experts(cfg, 1, layer, h)
     assert float((alone - among[:, :1]).abs().max()) < 1e-5
     assert float(alone.abs().max()) > 1e-2
+
+
+def test_deepseek_routing_correction_matters(hf_root):
+    """DeepSeek-V3's e_score_correction_bias changes which experts are chosen (not their weights): with it
+    zeroed, Kiln's logits move (the reference case perturbs it, as a trained model's is not zero)."""
+    path = write_case("deepseek-v3", hf_root)
+    cfg = inspect_checkpoint(path)
+    weights = load_rank_weights(path, cfg, 1, 0)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
+    bias = [name for name in weights if name.endswith("e_score_correction_bias")]
+    assert bias, "the expert layers' correction bias is a package constant"
+    zeroed = {name: torch.zeros_like(w) if name in bias else w for name, w in weights.items()}
+    assert float((kiln_logits(cfg, zeroed, tokens) - kiln_logits(cfg, weights, tokens)).abs().max()) > 1e-2

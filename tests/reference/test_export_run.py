@@ -35,6 +35,9 @@ E2E = {
     "gemma3": "Gemma 3: Gemma's layers with q/k norms; full layers rotate at 1e6 scaled by 8, sliding ones at 1e4",
     "phi3": "Phi-3: fused qkv_proj and gate_up_proj cut into each rank's q/k/v and gate/up rows, a partial rotary "
             "(48 of 64 dims), a sliding window of 6",
+    "deepseek-v3": "DeepSeek-V3: latent attention (the cache holds each token's latent and rotary key, the same on "
+                   "every rank; q and kv up-projections split by heads), a dense layer then 16 experts chosen by "
+                   "corrected sigmoid scores within the best 2 of 4 groups, scaled, plus a shared expert",
     "llama-realistic-bf16": "bfloat16, head_dim 128, 4 layers, vocabulary 32000",
 }
 
@@ -185,4 +188,23 @@ def test_a_fused_checkpoint_export_runs_with_torch_alone(export_and_run, tmp_pat
     k = manifest["weights"]["model.runs.0.self_attn.k_proj.weight"]
     assert k["sources"][0]["tensor"] == "model.layers.0.self_attn.qkv_proj.weight"
     assert k["sources"][0]["cut"] == {"dim": 0, "length": 64, "offsets": [256, 320]}  # after q's 256 rows
+    torch_alone_is_kiln(manifest_path, root, manifest, tmp_path)
+
+
+def test_a_latent_attention_export_caches_latents(export_and_run, tmp_path):
+    """DeepSeek-V3's export keeps the latent cache: its interface states one entry per token of the latent and
+    the rotary key (kv_lora_rank + qk_rope_head_dim wide, one for every head, not split over the ranks), and
+    torch alone runs it from the manifest as Kiln's loader does."""
+    from pathlib import Path
+
+    got = export_and_run("deepseek-v3")
+    root = Path(got["store"].removeprefix("file://"))
+    manifest_path = root / got["report"]["manifest"]
+    manifest = json.loads(manifest_path.read_text())
+    interface = manifest["forwards"][0]["interface"]
+    assert interface["kv_cache"] == {"entries": ["latent_and_rope_key"], "heads": 1, "width": 64 + 32,
+                                     "sharded": False,
+                                     "dims": ["layers", "entries", "num_pages", "page_tokens", "heads", "width"]}
+    shapes = {a["name"]: a["shape"] for a in interface["inputs"] + interface["outputs"]}
+    assert shapes["kv_cache"] == [3, 1, "num_pages", 16, 1, 96] and shapes["new_kv"] == [3, 1, 1, 8, 1, 96]
     torch_alone_is_kiln(manifest_path, root, manifest, tmp_path)

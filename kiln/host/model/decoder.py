@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.core.config import ModelConfig
-from kiln.core.contract import RUN_PREFIX, constant_shapes, is_expert, layer_runs
+from kiln.core.contract import RUN_PREFIX, constant_dtype, constant_shapes, is_expert, layer_runs
 from kiln.host.model import deepseek, gemma, llama
 from kiln.host.model.llama import Layer
 from kiln.host.model.norms import RMSNorm, softcap
@@ -116,6 +116,15 @@ class ShardedDecoder(nn.Module):
                                              device="cpu").item()
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def _apply(self, fn, recurse=True):
+        """Every cast (`.to(dtype)`, `.half()`, ...) leaves the tensors the contract keeps in float32 so
+        (constant_dtype: DeepSeek-V3's router), as transformers keeps them."""
+        super()._apply(fn, recurse)
+        for name, param in self.named_parameters():
+            if constant_dtype(self.cfg, name) == "float32" and param.dtype != torch.float32:
+                param.data = param.data.to(torch.float32)
+        return self
 
     def _windows(self, device) -> torch.Tensor | None:
         """[layers] int64: each layer's window, FULL_ATTENTION (a value no distance reaches) on full-attention

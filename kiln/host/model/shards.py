@@ -7,13 +7,14 @@ from collections.abc import Callable
 import torch
 
 from kiln.core.config import ModelConfig
-from kiln.core.contract import cache_layout, constant_shapes, parameter_shapes, rank_reads
+from kiln.core.contract import cache_layout, constant_dtype, constant_shapes, parameter_shapes, rank_reads
 
 
 def rank_constants(cfg: ModelConfig, tp: int, rank: int,
                    read_into: Callable[[str, tuple | None, torch.Tensor], None],
                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every package constant of `rank` in `dtype`, each allocated once and filled by
+    """Every package constant of `rank` in `dtype` (float32 where the contract keeps it so, constant_dtype),
+    each allocated once and filled by
     `read_into(checkpoint_name, cut, out)`, which writes that tensor (cut to (dim, start, stop) when `cut`
     is not None) into `out`: a stacked constant's sources go straight into its layer slices, so building
     the constants never holds a second copy of the rank's weights."""
@@ -23,7 +24,8 @@ def rank_constants(cfg: ModelConfig, tp: int, rank: int,
     out = {}
     reads = rank_reads(cfg, tp, rank)
     for name, shape in constant_shapes(cfg, tp).items():
-        constant = torch.empty(shape, dtype=dtype)
+        kept = constant_dtype(cfg, name) == "float32" != cfg.dtype
+        constant = torch.empty(shape, dtype=torch.float32 if kept else dtype)
         sources = reads[name]
         for i, (source, cut) in enumerate(sources):
             read_into(source, cut, constant if sources == [(name, cut)] else constant[i])
