@@ -208,6 +208,7 @@ REFUSED = [
     ({"dtype": "float32", "torch_dtype": "bfloat16"}, "disagree"),
     ({"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, "disagree"),
     ({"attention_bias": "yes"}, "attention_bias='yes'"),
+    ({"rope_scaling": "yarn"}, "rope_scaling='yarn' must be an object"),
 ]
 
 

@@ -44,9 +44,10 @@ def rope_fields(raw: dict, family: str, default_theta: float = 10000.0) -> dict:
     if params is not None and scaling is not None:
         raise BadInput("config.json has both rope_parameters (transformers 5) and rope_scaling (4.x); keep one.")
     where = "rope_parameters" if params is not None else "rope_scaling"
-    rope = dict(params if params is not None else scaling or {})
+    rope = params if params is not None else scaling or {}
     if not isinstance(rope, dict):
         raise BadInput(f"config.json: {where}={rope!r} must be an object or null.")
+    rope = dict(rope)
     if "type" in rope and "rope_type" not in rope:  # the older spelling of rope_type
         rope["rope_type"] = rope.pop("type")
     kind = rope.get("rope_type", "default")
