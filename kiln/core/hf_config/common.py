@@ -8,8 +8,8 @@ hold. The readers here raise BadInput naming the field and its value, so every f
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from kiln.core.config import ARCHITECTURES, ModelConfig
 from kiln.core.errors import BadInput
@@ -66,7 +66,17 @@ SHARED_EXPERT = Feature("a shared expert (shared_expert_intermediate_size)",
                         lambda cfg: bool(cfg.shared_expert_intermediate_size))
 PARTIAL_ROTARY = Feature("a partial rotary (rotary_dim, Phi-3's partial_rotary_factor)",
                          lambda cfg: cfg.rotary_dim is not None)
-FEATURES = (QK_NORM, GEMMA_MATH, LOCAL_ROPE, INTERLEAVED, SLIDING, EXPERTS, SHARED_EXPERT, PARTIAL_ROTARY)
+LATENT = Feature(
+    "latent attention (kv_lora_rank, q_lora_rank, qk_rope_head_dim, v_head_dim, rope_interleave, "
+    "attn_scale_multiplier)",
+    lambda cfg: bool(cfg.kv_lora_rank or cfg.q_lora_rank or cfg.qk_rope_head_dim or cfg.v_head_dim
+                     or cfg.rope_interleave or cfg.attn_scale_multiplier != 1.0))
+GROUPED_ROUTER = Feature(
+    "grouped sigmoid routing (router sigmoid_groups, num_expert_groups, topk_groups, routed_scaling_factor)",
+    lambda cfg: (cfg.router, cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor) != (
+        "softmax", 1, 1, 1.0))
+FEATURES = (QK_NORM, GEMMA_MATH, LOCAL_ROPE, INTERLEAVED, SLIDING, EXPERTS, SHARED_EXPERT, PARTIAL_ROTARY, LATENT,
+            GROUPED_ROUTER)
 """Every Feature; to_hf checks each."""
 
 
@@ -88,6 +98,20 @@ class Family:
     """The Features its configs can hold."""
     required: tuple[str, ...] = REQUIRED
     """Fields its config.json must hold (the family's class has no default Kiln takes for them)."""
+    inert: Mapping[str, str] = field(default_factory=dict)
+    """Fields inert for this family only (beyond INERT), with why."""
+
+
+def refuse_fp8_blocks(raw: dict) -> None:
+    """FP8 weights with a scale per block (DeepSeek-V3's published checkpoints: quant_method fp8,
+    weight_block_size) are bad input saying how to convert them; any other quantization_config is left to the
+    allow-list, which refuses it as unknown."""
+    quant = raw.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "fp8" and "weight_block_size" in quant:
+        raise BadInput(f"config.json: quantization_config={quant!r}: the weights are FP8 with a scale per "
+                       f"{quant['weight_block_size']} block, and Kiln does not dequantize FP8 weights. Convert the "
+                       "checkpoint to bfloat16 first (for DeepSeek-V3, DeepSeek's inference/fp8_cast_bf16.py), drop "
+                       "quantization_config from its config.json, and export that.")
 
 
 def flag(raw: dict, name: str, default: bool = False) -> bool:

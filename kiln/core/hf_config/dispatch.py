@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from kiln.core.config import ARCHITECTURES, ModelConfig
 from kiln.core.errors import BadInput
-from kiln.core.hf_config.common import FEATURES, INERT, Family, shared_hf
+from kiln.core.hf_config.deepseek import DEEPSEEK_V3
+from kiln.core.hf_config.common import FEATURES, INERT, Family, refuse_fp8_blocks, shared_hf
 from kiln.core.hf_config.gemma import GEMMA2, GEMMA3_TEXT
 from kiln.core.hf_config.llama import LLAMA, MISTRAL
 from kiln.core.hf_config.mixtral import MIXTRAL
@@ -19,7 +20,7 @@ from kiln.core.hf_config.qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
 from kiln.core.hf_config.rope import rope_scaling
 
 FAMILIES = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE, GEMMA2, GEMMA3_TEXT,
-                                PHI3)}
+                                PHI3, DEEPSEEK_V3)}
 """model_type -> its Family: every family Kiln reads."""
 
 
@@ -28,7 +29,8 @@ def from_hf(raw: dict) -> ModelConfig:
     if not isinstance(raw, dict):
         raise BadInput("config.json must hold a JSON object.")
     family = _family(raw)
-    unknown = sorted(set(raw) - family.read - set(INERT))
+    refuse_fp8_blocks(raw)
+    unknown = sorted(set(raw) - family.read - set(INERT) - set(family.inert))
     if unknown:
         shown = ", ".join(f"{k}={raw[k]!r}" for k in unknown[:4])
         raise BadInput(f"config.json: {shown}: Kiln does not compute what "
