@@ -143,7 +143,8 @@ def positive_int(raw: dict, name: str, default: int) -> int:
 def aliased(raw: dict, names: tuple[str, ...], default):
     """The value of a field spelled several ways (`names`, each non-null spelling must agree), else `default`."""
     spelled = {k: raw[k] for k in names if raw.get(k) is not None}
-    if len(set(spelled.values())) > 1:
+    values = list(spelled.values())
+    if any(v != values[0] for v in values[1:]):
         raise BadInput(f"config.json: {' and '.join(f'{k}={v!r}' for k, v in spelled.items())} disagree; keep one.")
     return next(iter(spelled.values()), default)
 

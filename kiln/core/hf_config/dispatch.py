@@ -59,10 +59,10 @@ def _family(raw: dict) -> Family:
     archs = raw.get("architectures")
     supported = ", ".join(f"{t} ({ARCHITECTURES[t]})" for t in FAMILIES)
     if model_type is None and isinstance(archs, list) and len(archs) == 1:
-        model_type = {ARCHITECTURES[t]: t for t in FAMILIES}.get(archs[0])
+        model_type = next((t for t in FAMILIES if ARCHITECTURES[t] == archs[0]), None)
     if model_type is None and archs is None:
         raise BadInput(f"config.json names neither model_type nor architectures; Kiln exports {supported}.")
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         what = f"model_type={model_type!r}" if "model_type" in raw else f"architectures={archs!r}"
         raise BadInput(f"config.json: {what} is not supported; Kiln exports {supported}.")
     if archs is not None and archs != [ARCHITECTURES[model_type]]:
