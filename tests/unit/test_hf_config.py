@@ -32,8 +32,12 @@ def test_transformers_4_and_5_spellings_read_the_same():
     assert a == b
     assert (a.dtype, a.rope_type, a.rope_theta, a.rope_factor, a.tie_word_embeddings) == \
         ("bfloat16", "llama3", 500000.0, 32.0, True)
-    # The older `type` key of rope_scaling still means rope_type.
+    # The older `type` key of rope_scaling still means rope_type; transformers 5 writes both when it converted one.
     assert from_hf({**LLAMA, "rope_scaling": {"type": "linear", "factor": 2.0}}).rope_type == "linear"
+    both = {"type": "linear", "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    assert from_hf({**LLAMA, "rope_parameters": both}).rope_type == "linear"
+    with pytest.raises(BadInput, match="rope_parameters.type='yarn' and rope_parameters.rope_type='linear' disagree"):
+        from_hf({**LLAMA, "rope_parameters": {**both, "type": "yarn"}})
 
 
 def test_families():
@@ -372,7 +376,12 @@ def test_deepseek_v3_reads_as_deepseekv3config_computes_it():
     assert (full.vocab_size, full.hidden_size, full.num_layers, full.head_dim, full.q_lora_rank, full.kv_lora_rank,
             full.num_experts, full.experts_per_token, full.moe_layers[0], full.routed_scaling_factor) == \
         (129280, 7168, 61, 192, 1536, 512, 256, 8, 3, 2.5)
-    for c in (cfg, from_hf(DEEPSEEK_V3)):
+    # DeepSeek-V3's published rope (4.x rope_scaling), as transformers 5 saves it again: rope_parameters.
+    yarn = {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1}
+    scaled = transformers.DeepseekV3Config(**sizes, rope_scaling=yarn, max_position_embeddings=2560)
+    assert from_hf(scaled.to_diff_dict()) == from_hf({**DEEPSEEK_V3, "rope_scaling": yarn, "torch_dtype": None})
+    for c in (cfg, from_hf(DEEPSEEK_V3), from_hf(scaled.to_diff_dict())):
         assert from_hf(transformers.DeepseekV3Config(**to_hf(c)).to_diff_dict()) == c
 
 

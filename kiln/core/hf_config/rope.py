@@ -48,8 +48,11 @@ def rope_fields(raw: dict, family: str, default_theta: float = 10000.0) -> dict:
     if not isinstance(rope, dict):
         raise BadInput(f"config.json: {where}={rope!r} must be an object or null.")
     rope = dict(rope)
-    if "type" in rope and "rope_type" not in rope:  # the older spelling of rope_type
-        rope["rope_type"] = rope.pop("type")
+    if "type" in rope:  # the older spelling of rope_type; transformers 5 keeps both when it reads a 4.x file
+        older = rope.pop("type")
+        if rope.setdefault("rope_type", older) != older:
+            raise BadInput(f"config.json: {where}.type={older!r} and {where}.rope_type={rope['rope_type']!r} "
+                           "disagree; keep one.")
     kind = rope.get("rope_type", "default")
     if kind in SEQUENCE_DEPENDENT:
         raise BadInput(f"config.json: {where}.rope_type={kind!r} is not supported: {SEQUENCE_DEPENDENT[kind]}, "
