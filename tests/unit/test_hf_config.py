@@ -32,8 +32,12 @@ def test_transformers_4_and_5_spellings_read_the_same():
     assert a == b
     assert (a.dtype, a.rope_type, a.rope_theta, a.rope_factor, a.tie_word_embeddings) == \
         ("bfloat16", "llama3", 500000.0, 32.0, True)
-    # The older `type` key of rope_scaling still means rope_type.
+    # The older `type` key of rope_scaling still means rope_type; transformers 5 writes both when it converted one.
     assert from_hf({**LLAMA, "rope_scaling": {"type": "linear", "factor": 2.0}}).rope_type == "linear"
+    both = {"type": "linear", "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    assert from_hf({**LLAMA, "rope_parameters": both}).rope_type == "linear"
+    with pytest.raises(BadInput, match="rope_parameters.type='yarn' and rope_parameters.rope_type='linear' disagree"):
+        from_hf({**LLAMA, "rope_parameters": {**both, "type": "yarn"}})
 
 
 def test_families():
@@ -208,6 +212,7 @@ REFUSED = [
     ({"dtype": "float32", "torch_dtype": "bfloat16"}, "disagree"),
     ({"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, "disagree"),
     ({"attention_bias": "yes"}, "attention_bias='yes'"),
+    ({"rope_scaling": "yarn"}, "rope_scaling='yarn' must be an object"),
 ]
 
 
@@ -330,3 +335,122 @@ def test_mixture_of_experts_layers_are_chosen_as_transformers_chooses_them():
 def test_mixture_of_experts_values_outside_what_kiln_computes_are_refused_by_name(change, words):
     with pytest.raises(BadInput, match=re.escape(words)):
         from_hf({**QWEN3_MOE, **change})
+
+
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 256,
+               "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 16, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8, "n_group": 2,
+               "topk_group": 1, "num_experts_per_tok": 2, "kv_lora_rank": 32, "q_lora_rank": 24,
+               "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16, "first_k_dense_replace": 1,
+               "head_dim": 8, "qk_head_dim": 24, "torch_dtype": "bfloat16"}
+"""A small DeepSeek-V3 as published configs spell it (the 4.x remote code's fields come in the tests below)."""
+
+
+def test_deepseek_v3_reads_as_deepseekv3config_computes_it():
+    """Field by field against transformers' own DeepseekV3Config: a small one as save_pretrained writes it
+    (to_diff_dict: to_dict adds id2label, chunk_size_feed_forward, ... that no config.json holds), the
+    defaults of a file that leaves every field out, and to_hf's file read back by DeepseekV3Config."""
+    transformers = pytest.importorskip("transformers")
+    sizes = {k: v for k, v in DEEPSEEK_V3.items() if k not in ("architectures", "model_type", "head_dim",
+                                                                  "qk_head_dim", "torch_dtype")}
+    hf = transformers.DeepseekV3Config(**sizes, n_shared_experts=2, attention_bias=True, routed_scaling_factor=1.5)
+    cfg = from_hf(hf.to_diff_dict())
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) \
+        == (hf.vocab_size, hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads,
+            hf.intermediate_size)
+    assert (cfg.head_dim, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.rotated_dims, cfg.v_head_dim) == \
+        (hf.qk_head_dim, hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim)
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.rope_interleave) == (hf.kv_lora_rank, hf.q_lora_rank, True)
+    assert (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias, cfg.qk_norm) == (False, True, False, False)
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size, cfg.norm_topk_prob) == \
+        (hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, hf.norm_topk_prob)
+    assert cfg.moe_layers == tuple(i for i in range(hf.num_hidden_layers) if i >= hf.first_k_dense_replace)
+    assert cfg.shared_expert_intermediate_size == hf.moe_intermediate_size * hf.n_shared_experts
+    assert (cfg.router, cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor) == \
+        ("sigmoid_groups", hf.n_group, hf.topk_group, hf.routed_scaling_factor)
+    assert (cfg.rope_type, cfg.rope_theta, cfg.attn_scale_multiplier, cfg.rms_norm_eps, cfg.tie_word_embeddings) == \
+        ("default", 10000.0, 1.0, hf.rms_norm_eps, hf.tie_word_embeddings)
+    # A file that leaves every field out reads as DeepseekV3Config() does: DeepSeek-V3's own sizes.
+    full = from_hf({"model_type": "deepseek_v3"})
+    assert full == from_hf(transformers.DeepseekV3Config().to_diff_dict())
+    assert (full.vocab_size, full.hidden_size, full.num_layers, full.head_dim, full.q_lora_rank, full.kv_lora_rank,
+            full.num_experts, full.experts_per_token, full.moe_layers[0], full.routed_scaling_factor) == \
+        (129280, 7168, 61, 192, 1536, 512, 256, 8, 3, 2.5)
+    # DeepSeek-V3's published rope (4.x rope_scaling), as transformers 5 saves it again: rope_parameters.
+    yarn = {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1}
+    scaled = transformers.DeepseekV3Config(**sizes, rope_scaling=yarn, max_position_embeddings=2560)
+    assert from_hf(scaled.to_diff_dict()) == from_hf({**DEEPSEEK_V3, "rope_scaling": yarn, "torch_dtype": None})
+    for c in (cfg, from_hf(DEEPSEEK_V3), from_hf(scaled.to_diff_dict())):
+        assert from_hf(transformers.DeepseekV3Config(**to_hf(c)).to_diff_dict()) == c
+
+
+def test_deepseek_v3_latent_attention_experts_and_yarn():
+    cfg = from_hf(DEEPSEEK_V3)
+    assert (cfg.head_dim, cfg.q_lora_rank, cfg.moe_layers, cfg.shared_expert_intermediate_size, cfg.dtype) == \
+        (24, 24, (1, 2, 3), 16, "bfloat16")
+    assert from_hf({**DEEPSEEK_V3, "q_lora_rank": None}).q_lora_rank == 0  # one q_proj
+    assert from_hf({**DEEPSEEK_V3, "first_k_dense_replace": 3}).moe_layers == (3,)
+    assert from_hf({**DEEPSEEK_V3, "first_k_dense_replace": 0, "moe_layer_freq": 2}).moe_layers == (0, 2)
+    assert from_hf({**DEEPSEEK_V3, "n_shared_experts": None}).shared_expert_intermediate_size == 0
+    assert from_hf({**DEEPSEEK_V3, "n_group": None, "topk_group": None}).num_expert_groups == 1
+    no_kv_heads = {k: v for k, v in DEEPSEEK_V3.items() if k != "num_key_value_heads"}
+    assert from_hf(no_kv_heads).num_kv_heads == 4  # every head reads the latent
+    assert from_hf({**DEEPSEEK_V3, "n_routed_experts": None, "num_local_experts": 8}).num_experts == 8
+    # DeepSeek-V3's published rope: yarn whose mscale_all_dim also scales the scores, by mscale squared.
+    yarn = {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1}
+    scaled = from_hf({**DEEPSEEK_V3, "rope_scaling": yarn, "max_position_embeddings": 2560})
+    assert scaled.attn_scale_multiplier == pytest.approx((0.1 * math.log(40) + 1) ** 2)
+    assert scaled.rope_attention_factor == 1.0  # mscale / mscale_all_dim
+    half = from_hf({**DEEPSEEK_V3, "rope_scaling": {**yarn, "mscale_all_dim": 0.5}})
+    assert half.attn_scale_multiplier == pytest.approx((0.05 * math.log(40) + 1) ** 2)
+    assert from_hf({**DEEPSEEK_V3, "rope_scaling": {**yarn, "mscale_all_dim": 0}}).attn_scale_multiplier == 1.0
+    published = {**DEEPSEEK_V3, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": 1,
+                 "ep_size": 1, "aux_loss_alpha": 0.001, "seq_aux": True, "moe_layer_freq": 1,
+                 "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}}
+    assert from_hf(published) == cfg
+    for c in (cfg, scaled, half, from_hf({**DEEPSEEK_V3, "q_lora_rank": None, "n_shared_experts": 0}),
+              from_hf({**DEEPSEEK_V3, "first_k_dense_replace": 0, "moe_layer_freq": 2})):
+        assert from_hf(to_hf(c)) == c
+
+
+DEEPSEEK_V3_REFUSED = [
+    ({"topk_method": "greedy"}, "topk_method='greedy'"),
+    ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({"quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                              "weight_block_size": [128, 128]}}, "does not dequantize FP8"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+    ({"head_dim": 24}, "head_dim=24"),
+    ({"qk_head_dim": 16}, "qk_head_dim=16"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads (2) must equal num_attention_heads (4)"),
+    ({"n_routed_experts": 8, "num_local_experts": 16}, "disagree"),
+    ({"q_lora_rank": 0}, "q_lora_rank=0"),
+    ({"first_k_dense_replace": None}, "first_k_dense_replace=None"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"mlp_bias": True}, "mlp_bias=True"),
+]
+
+
+@pytest.mark.parametrize("change,words", DEEPSEEK_V3_REFUSED, ids=[w for _, w in DEEPSEEK_V3_REFUSED])
+def test_deepseek_v3_values_outside_what_kiln_computes_are_refused_by_name(change, words):
+    with pytest.raises(BadInput, match="config.json") as err:
+        from_hf({**DEEPSEEK_V3, **change})
+    assert words in str(err.value)
+
+
+def test_to_hf_refuses_what_no_config_of_the_family_has():
+    deepseek = from_hf(DEEPSEEK_V3)
+    for cfg, words in [
+        (from_hf(LLAMA).replace(kv_lora_rank=8, qk_rope_head_dim=8, v_head_dim=16, num_kv_heads=4),
+         "latent attention"),
+        (from_hf(QWEN3_MOE).replace(router="sigmoid_groups"), "grouped sigmoid routing"),
+        (deepseek.replace(kv_lora_rank=0, q_lora_rank=0, qk_rope_head_dim=0, v_head_dim=0, rope_interleave=False),
+         "every deepseek_v3 config has latent attention"),
+        (deepseek.replace(router="softmax"), "sigmoid_groups"),
+        (deepseek.replace(moe_layers=(1, 3)), "first_k_dense_replace"),
+        (deepseek.replace(attn_scale_multiplier=1.5), "yarn"),
+        (deepseek.replace(sliding_window=8), "sliding window"),
+    ]:
+        with pytest.raises(BadInput, match=words):
+            to_hf(cfg)

@@ -1,0 +1,71 @@
+"""The table of families, and the two entry points: config.json -> ModelConfig and back.
+
+Pure: no torch import. from_hf finds the family (model_type, or the one class of `architectures`),
+refuses any field that neither the family reads nor INERT lists, checks that the fields it needs are
+there, and hands the rest to the family's module. to_hf refuses a ModelConfig holding a Feature its family's
+configs cannot hold, then writes the fields every family has and the family's own.
+"""
+
+from __future__ import annotations
+
+from kiln.core.config import ARCHITECTURES, ModelConfig
+from kiln.core.errors import BadInput
+from kiln.core.hf_config.deepseek import DEEPSEEK_V3
+from kiln.core.hf_config.common import FEATURES, INERT, Family, refuse_fp8_blocks, shared_hf
+from kiln.core.hf_config.gemma import GEMMA2, GEMMA3_TEXT
+from kiln.core.hf_config.llama import LLAMA, MISTRAL
+from kiln.core.hf_config.mixtral import MIXTRAL
+from kiln.core.hf_config.phi3 import PHI3
+from kiln.core.hf_config.qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
+from kiln.core.hf_config.rope import rope_scaling
+
+FAMILIES = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE, GEMMA2, GEMMA3_TEXT,
+                                PHI3, DEEPSEEK_V3)}
+"""model_type -> its Family: every family Kiln reads."""
+
+
+def from_hf(raw: dict) -> ModelConfig:
+    """The ModelConfig of a Hugging Face `config.json` dict; BadInput naming any field Kiln does not compute."""
+    if not isinstance(raw, dict):
+        raise BadInput("config.json must hold a JSON object.")
+    family = _family(raw)
+    refuse_fp8_blocks(raw)
+    unknown = sorted(set(raw) - family.read - set(INERT) - set(family.inert))
+    if unknown:
+        shown = ", ".join(f"{k}={raw[k]!r}" for k in unknown[:4])
+        raise BadInput(f"config.json: {shown}: Kiln does not compute what "
+                       f"{'this field changes' if len(unknown) == 1 else 'these fields change'} for a {family.name} "
+                       "model, so it cannot export it faithfully (supported fields are listed in the README's "
+                       "'Supported models').")
+    missing = [k for k in family.required if k not in raw]
+    if missing:
+        raise BadInput(f"config.json lacks {', '.join(missing)}; it must describe a decoder of a supported family.")
+    return family.from_raw(raw)
+
+
+def to_hf(cfg: ModelConfig) -> dict:
+    """The `config.json` (transformers 4.x spelling) of `cfg`; BadInput for a combination no family has."""
+    family = FAMILIES[cfg.architecture]
+    for feature in FEATURES:
+        if feature not in family.features and feature.held_by(cfg):
+            owners = [f.name for f in FAMILIES.values() if feature in f.features]
+            raise BadInput(f"{feature.what}: {', '.join(owners)} configs have it; no {family.name} config does.")
+    return {**shared_hf(cfg, rope_scaling(cfg)), **family.to_hf(cfg)}
+
+
+def _family(raw: dict) -> Family:
+    """The family of a config.json: model_type, else the one class of `architectures`; they must agree."""
+    model_type = raw.get("model_type")
+    archs = raw.get("architectures")
+    supported = ", ".join(f"{t} ({ARCHITECTURES[t]})" for t in FAMILIES)
+    if model_type is None and isinstance(archs, list) and len(archs) == 1:
+        model_type = next((t for t in FAMILIES if ARCHITECTURES[t] == archs[0]), None)
+    if model_type is None and archs is None:
+        raise BadInput(f"config.json names neither model_type nor architectures; Kiln exports {supported}.")
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        what = f"model_type={model_type!r}" if "model_type" in raw else f"architectures={archs!r}"
+        raise BadInput(f"config.json: {what} is not supported; Kiln exports {supported}.")
+    if archs is not None and archs != [ARCHITECTURES[model_type]]:
+        raise BadInput(f"config.json: architectures={archs!r} is not supported for model_type {model_type!r}; "
+                       f"Kiln exports {ARCHITECTURES[model_type]} (a causal LM head over the decoder).")
+    return FAMILIES[model_type]
