@@ -64,3 +64,19 @@ def test_experts_fused_as_3d_tensors_are_refused_saying_how_to_fix_it(kiln_main,
     run = kiln_main("plan", "--model", str(path), "--tp", "2")
     assert run.code == 2, run.err[-2000:]
     assert "experts fused as 3-D tensors" in run.err and "save_pretrained" in run.err, run.err[-2000:]
+
+
+def test_fp8_block_quantized_weights_are_refused_saying_how_to_fix_it(kiln_main, tmp_path):
+    """DeepSeek-V3 is published with FP8 weights in 128x128 blocks (`quantization_config`, a
+    `weight_scale_inv` per weight): Kiln does not dequantize them, and says how to get a checkpoint it reads."""
+    from hf_models import CASES
+
+    family, overrides, _ = CASES["deepseek-v3"]
+    path = tmp_path / "fp8"
+    hf_model(family, hf_config(family, overrides, "float32")).save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    run = kiln_main("plan", "--model", str(path), "--tp", "2")
+    assert run.code == 2 and "quantization_config" in run.err and "bfloat16" in run.err, run.err[-2000:]
