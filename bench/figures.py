@@ -68,6 +68,9 @@ FIGURES: dict[str, tuple[str, str]] = {
                                  "alternating samples)"),
     "moe_step_ratio": ("moe", "decode step of a mixture of experts, top 2 of 32 experts / top 2 of 4 (median s per "
                               "step, alternating): every expert evaluated would give ~8"),
+    "mla_step_ratio": ("mla", "decode step of latent attention over 1024 cached tokens: the latents read as they are "
+                              "(absorbed) / projected up to every head's keys and values first (expanded, "
+                              "transformers' order) (median s per step, alternating)"),
     "s3_rank_bytes_ratio": ("s3_read", "S3 checkpoint at tp 2: most weight bytes one rank read by ranged GETs / "
                                        "that rank's weight bytes (default: a column-cut tensor in one GET)"),
     "s3_read_vs_download_ratio": ("s3_read", "one rank's read of an S3 checkpoint (list, headers, its slices) / "
@@ -93,6 +96,7 @@ TARGETS: dict[str, Target] = {
     "compile_depth_ratio": Target("<=", 1.2),
     "scan_step_ratio": Target("<=", 1.05),
     "moe_step_ratio": Target("<=", 1.5),
+    "mla_step_ratio": Target("<=", 0.25),
     "s3_exact_rank_bytes_ratio": Target("<=", 1.05),
 }
 
@@ -136,9 +140,12 @@ def throughput_mib_s(num_bytes: int, seconds: float) -> float | None:
 
 
 def round_floats(obj, digits: int = 4):
-    """Round every float in a JSON-like structure (results stay readable)."""
+    """Round every float in a JSON-like structure to `digits` decimals (results stay readable); a float below
+    10**-digits keeps `digits` significant figures instead (a max difference of 3e-06 must not read as 0)."""
     if isinstance(obj, float):
-        return round(obj, digits) if math.isfinite(obj) else None
+        if not math.isfinite(obj):
+            return None
+        return round(obj, digits) if abs(obj) >= 10 ** -digits or obj == 0 else float(f"{obj:.{digits}g}")
     if isinstance(obj, dict):
         return {k: round_floats(v, digits) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

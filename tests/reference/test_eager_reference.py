@@ -82,7 +82,7 @@ def test_kiln_computes_what_transformers_computes(case, hf_root):
         assert float((without - got).abs().max()) > 1e-2, f"{case}: the feature does not change these logits"
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe", "qwen2-moe"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe", "qwen2-moe", "deepseek-v3"])
 def test_a_step_of_few_tokens_gathers_its_experts_and_computes_what_every_expert_would(case, hf_root):
     """The two ways a mixture-of-experts layer computes (kiln.host.model.mixture_of_experts): one token alone
     takes the gathered path, the same token among many the every-expert path; same output."""
@@ -117,3 +117,27 @@ def test_deepseek_routing_correction_matters(hf_root):
     assert bias, "the expert layers' correction bias is a package constant"
     zeroed = {name: torch.zeros_like(w) if name in bias else w for name, w in weights.items()}
     assert float((kiln_logits(cfg, zeroed, tokens) - kiln_logits(cfg, weights, tokens)).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-bf16"])
+def test_latent_attention_absorbed_or_expanded_computes_what_transformers_computes(case, hf_root, monkeypatch):
+    """Latent attention's two orders of the same math (kiln.host.model.latent_attention.absorbs): each matches
+    transformers (float32 within 1e-4; bfloat16 within twice transformers' own error). At DeepSeek-V3's own
+    sizes a decode step at a long context takes the absorbed one, a long prefill the expanded one."""
+    import kiln.host.model.latent_attention as mla
+
+    family, _, dtype = CASES[case]
+    path = write_case(case, hf_root)
+    cfg = inspect_checkpoint(path)
+    weights = load_rank_weights(path, cfg, 1, 0)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
+    exact = reference_logits(path, family, "float32", tokens)
+    limit = 1e-4 if dtype == "float32" else 2 * float((reference_logits(path, family, dtype, tokens) - exact)
+                                                      .abs().max())
+    for absorbed in (True, False):
+        monkeypatch.setattr(mla, "absorbs", lambda *args, absorbed=absorbed: absorbed)
+        diff = float((kiln_logits(cfg, weights, tokens) - exact).abs().max())
+        assert diff <= limit, f"{'absorbed' if absorbed else 'expanded'}: {diff:.2e} > {limit:.2e}"
+    monkeypatch.undo()
+    v3 = cfg.replace(kv_lora_rank=512, head_dim=192, qk_rope_head_dim=64, v_head_dim=128)
+    assert mla.absorbs(v3, 128, 1, 4096) and not mla.absorbs(v3, 128, 4096, 4096)

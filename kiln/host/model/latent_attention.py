@@ -9,6 +9,20 @@ the latent and the rotated key of every cached token, not per-head keys and
 values. The latent is the same on every rank (its projection is replicated);
 the up-projections are split by heads (q_b_proj or q_proj, kv_b_proj:
 column-parallel), o_proj is row-parallel and summed over the ranks.
+
+A step computes the attention one of two ways, the same math in another order,
+whichever multiplies less at its shapes (fixed per bucket when the graph is
+traced, `absorbs`):
+- expanded, as transformers does: every cached latent projected up to each
+  head's keys and values (kv_b_proj), then attention over them: its cost
+  grows with the context times kv_lora_rank x heads x (nope + v_head_dim);
+- absorbed: kv_b_proj's key half folded into each head's query (q_nope @ W_uk,
+  a query over the latent) and its value half applied after the attention
+  (attention over the latents themselves, then @ W_uv), so the cached latents
+  are read as they are. For decode at a long context this multiplies a small
+  fraction of the expanded form's work (at DeepSeek-V3's sizes and 4096
+  tokens of context, about 1/100); for a long prefill the expanded form is
+  cheaper.
 """
 
 from __future__ import annotations
@@ -47,12 +61,29 @@ def latent_attention(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h: t
     q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot[:, :, None, :], cos, sin)
     entry = torch.cat((latent[:, :, None, :], k_rot), dim=-1)  # [b, t, 1, latent + rope]
     every = torch.cat((gather_pages(kv[0], ctx.block_table), entry), dim=1)[:, :, 0]  # [b, ctx + t, latent + rope]
-    n = every.shape[1]
-    up = F.linear(every[..., :cfg.kv_lora_rank], p["self_attn.kv_b_proj.weight"]).view(b, n, heads, nope + cfg.v_head_dim)
-    k_nope, values = up.split((nope, cfg.v_head_dim), dim=-1)
-    keys = torch.cat((k_nope, every[:, :, None, cfg.kv_lora_rank:].expand(b, n, heads, rope)), dim=-1)
-    query = torch.cat((q_nope, q_rot), dim=-1)
-    out = attend(cfg, query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), ctx.mask(window))
-    attended = linear_then_reduce(out.transpose(1, 2).reshape(b, t, heads * cfg.v_head_dim),
-                                  p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"), tp)
+    n, r, v = every.shape[1], cfg.kv_lora_rank, cfg.v_head_dim
+    up = p["self_attn.kv_b_proj.weight"]  # [heads * (nope + v), r]
+    mask = ctx.mask(window)
+    if absorbs(cfg, heads, t, n):
+        w_k, w_v = up.view(heads, nope + v, r).split((nope, v), dim=1)  # [heads, nope, r], [heads, v, r]
+        query = torch.cat((torch.einsum("bthn,hnr->bthr", q_nope, w_k), q_rot), dim=-1)  # [b, t, heads, r + rope]
+        keys = every[:, None].expand(b, heads, n, r + rope)
+        over_latents = attend(cfg, query.transpose(1, 2), keys, keys[..., :r], mask)  # [b, heads, t, r]
+        out = torch.einsum("bhtr,hvr->bthv", over_latents, w_v)
+    else:
+        k_nope, values = F.linear(every[..., :r], up).view(b, n, heads, nope + v).split((nope, v), dim=-1)
+        keys = torch.cat((k_nope, every[:, :, None, r:].expand(b, n, heads, rope)), dim=-1)
+        query = torch.cat((q_nope, q_rot), dim=-1)
+        out = attend(cfg, query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask).transpose(1, 2)
+    attended = linear_then_reduce(out.reshape(b, t, heads * v), p["self_attn.o_proj.weight"],
+                                  p.get("self_attn.o_proj.bias"), tp)
     return attended, entry[None]
+
+
+def absorbs(cfg: ModelConfig, heads: int, tokens: int, keys: int) -> bool:
+    """Whether a step of `tokens` new tokens per sequence attending to `keys` positions (context and new)
+    multiplies less absorbed than expanded, for `heads` heads (multiply-adds per sequence and layer)."""
+    r, nope, rope, v = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    expanded = keys * r * heads * (nope + v) + tokens * keys * heads * (nope + rope + v)
+    absorbed = tokens * heads * r * (nope + v) + tokens * keys * heads * (2 * r + rope)
+    return absorbed < expanded
