@@ -191,9 +191,10 @@ def test_a_fused_checkpoint_export_runs_with_torch_alone(export_and_run, tmp_pat
     torch_alone_is_kiln(manifest_path, root, manifest, tmp_path)
 
 
-def test_a_latent_attention_export_caches_latents(export_and_run, tmp_path):
+def test_a_latent_attention_export_caches_latents(export_and_run, kiln, prefect_server, tmp_path):
     """DeepSeek-V3's export keeps the latent cache: its interface states one entry per token of the latent and
-    the rotary key (kv_lora_rank + qk_rope_head_dim wide, one for every head, not split over the ranks), and
+    the rotary key (kv_lora_rank + qk_rope_head_dim wide, one for every head, not split over the ranks);
+    `kiln verify` runs both ranks on one whole cache and finds their latents alike and the unsharded model's;
     torch alone runs it from the manifest as Kiln's loader does."""
     from pathlib import Path
 
@@ -207,4 +208,6 @@ def test_a_latent_attention_export_caches_latents(export_and_run, tmp_path):
                                      "dims": ["layers", "entries", "num_pages", "page_tokens", "heads", "width"]}
     shapes = {a["name"]: a["shape"] for a in interface["inputs"] + interface["outputs"]}
     assert shapes["kv_cache"] == [3, 1, "num_pages", 16, 1, 96] and shapes["new_kv"] == [3, 1, 1, 8, 1, 96]
+    verified = kiln("verify", "ref-deepseek-v3", "--store", got["store"], env={"PREFECT_API_URL": prefect_server})
+    assert verified.code == 0 and "verify ok: 2 ranks match the unsharded model" in verified.out, verified.err[-3000:]
     torch_alone_is_kiln(manifest_path, root, manifest, tmp_path)
