@@ -19,7 +19,7 @@ import traceback
 
 from cli.verify import open_export
 from kiln.core.contract import cache_layout
-from kiln.core.decode import check_request, pick_bucket, prefill_steps
+from kiln.core.decode import check_request, pick_bucket, prefill_steps, refills_cache
 from kiln.core.errors import KilnError
 from kiln.core.recipe import Bucket, parse_buckets
 from kiln.host.verify_ranks import spawn_ranks
@@ -89,21 +89,24 @@ def _decode(forwards: dict[Bucket, object], cfg, tp: int, job: dict, torch, dist
     sequence = list(job["prompt"])
     generated, logits_out = [], []
 
-    def step(start: int, count: int, bucket: Bucket) -> torch.Tensor:
+    def step(start: int, count: int, bucket: Bucket, length: int) -> torch.Tensor:
         tokens = torch.zeros(bucket.batch, bucket.tokens, dtype=torch.int64)
         tokens[0, :count] = torch.tensor(sequence[start:start + count])
         start_pos = torch.zeros(bucket.batch, dtype=torch.int64)
         start_pos[0] = start
         table = pages[None].expand(bucket.batch, -1).contiguous()
+        # A rope that goes by the sequence's length sees what transformers sees in one call: the whole prompt's
+        # length while the prompt is fed, a decoded token's position + 1 after.
+        lengths = [torch.full((bucket.batch,), length, dtype=torch.int64)] if cfg.length_dependent_rope else []
         with torch.no_grad():
-            logits, new_kv = forwards[bucket](tokens, start_pos, cache, table)
+            logits, new_kv = forwards[bucket](tokens, start_pos, cache, table, *lengths)
         for i in range(count):  # write the real tokens' cache entries (keys and values, or latents) into their pages
             pos = start + i
             cache[:, :, pos // page_tokens, pos % page_tokens] = new_kv[:, :, 0, i]
         return logits[0, count - 1].float()
 
     for s in prefill_steps(buckets, len(sequence)):
-        last = step(s.start, s.count, s.bucket)
+        last = step(s.start, s.count, s.bucket, len(job["prompt"]))
     for n in range(job["max_new_tokens"]):
         choice = torch.tensor([int(last.argmax())])
         dist.broadcast(choice, src=0, group=side)  # every rank feeds rank 0's choice
@@ -112,5 +115,9 @@ def _decode(forwards: dict[Bucket, object], cfg, tp: int, job: dict, torch, dist
         if n + 1 == job["max_new_tokens"]:
             break
         sequence.append(int(choice))
-        last = step(len(sequence) - 1, 1, pick_bucket(buckets, 1))
+        if refills_cache(cfg, len(sequence)):  # longrope's switch: every key again, under the long factors
+            for s in prefill_steps(buckets, len(sequence)):
+                last = step(s.start, s.count, s.bucket, len(sequence))
+        else:
+            last = step(len(sequence) - 1, 1, pick_bucket(buckets, 1), len(sequence))
     return generated, logits_out

@@ -87,10 +87,13 @@ def step_inputs(forward: dict, vocab: int) -> list[torch.Tensor]:
     pages_per_seq = spec["block_table"]["shape"][1]
     num_pages = pages_per_seq * batch + 1
     kv_shape = [num_pages if d == "num_pages" else d for d in spec["kv_cache"]["shape"]]
-    return [(torch.arange(batch * tokens) * 7 + 3).remainder(vocab).reshape(batch, tokens),
-            torch.zeros(batch, dtype=torch.int64),
-            torch.zeros(kv_shape, dtype=getattr(torch, spec["kv_cache"]["dtype"])),
-            torch.arange(batch * pages_per_seq).remainder(num_pages).reshape(batch, pages_per_seq)]
+    inputs = [(torch.arange(batch * tokens) * 7 + 3).remainder(vocab).reshape(batch, tokens),
+              torch.zeros(batch, dtype=torch.int64),
+              torch.zeros(kv_shape, dtype=getattr(torch, spec["kv_cache"]["dtype"])),
+              torch.arange(batch * pages_per_seq).remainder(num_pages).reshape(batch, pages_per_seq)]
+    if "seq_lens" in spec:  # a rope that goes by the sequence's length: these prompts are `tokens` long
+        inputs.append(torch.full((batch,), tokens, dtype=torch.int64))
+    return inputs
 
 
 def main() -> None:

@@ -311,8 +311,17 @@ c10::intrusive_ptr<c10d::ProcessGroup> register_gloo_group(const std::string& gr
   return group;
 }
 
+// The tokens per sequence of the forward's bucket.
+int64_t batch_tokens(const json& interface) {
+  for (const auto& in : interface.at("inputs"))
+    if (in.at("name") == "tokens") return in.at("shape")[1];
+  fail("the interface has no tokens input");
+  return 0;
+}
+
 // The forward's inputs per its interface: the ids, start positions, an empty (zero) KV cache of
-// pages_per_seq*batch + 1 pages, and sequence b's pages b*pages_per_seq .. (b+1)*pages_per_seq - 1.
+// pages_per_seq*batch + 1 pages, sequence b's pages b*pages_per_seq .. (b+1)*pages_per_seq - 1, and, for a
+// rope that goes by the sequence's length, each sequence's length: start position + the bucket's tokens.
 std::vector<at::Tensor> make_inputs(const json& interface, const Args& a) {
   std::vector<at::Tensor> inputs;
   int64_t batch = 0, pages_per_seq = 0;
@@ -337,6 +346,8 @@ std::vector<at::Tensor> make_inputs(const json& interface, const Args& a) {
       inputs.push_back(torch::zeros(shape, dtype));
     } else if (name == "block_table") {
       inputs.push_back(torch::arange(shape[0] * shape[1], at::kLong).reshape(shape));
+    } else if (name == "seq_lens") {  // a rope that goes by the sequence's length: the step's whole prompt
+      inputs.push_back(torch::full(shape, a.start_pos + batch_tokens(interface), at::kLong));
     } else {
       fail("the interface has an input '" + name + "' this runner does not know");
     }

@@ -22,7 +22,10 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM"}
 """model_type -> the transformers class whose math Kiln reproduces."""
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
+"""Rope types whose frequencies depend on the sequence's length (transformers: max(position_ids) + 1 of the
+call): a forward of such a model takes each sequence's length as an input (`seq_lens`)."""
 ACTIVATIONS = ("silu", "gelu_tanh")
 """The gated MLP's activation: SwiGLU's silu, or GeGLU's tanh-approximated gelu (Gemma's gelu_pytorch_tanh)."""
 ROUTERS = ("softmax", "sigmoid_groups")
@@ -58,7 +61,9 @@ class ModelConfig:
     architecture: str = "llama"
     """Hugging Face model_type: one of ARCHITECTURES."""
     rope_type: str = "default"
-    """Rotary frequency scaling: default (none), linear (positions / rope_factor) or llama3."""
+    """Rotary frequency scaling (ROPE_TYPES): default (none), linear (positions / rope_factor), llama3, yarn,
+    longrope (short or long per-frequency factors by the sequence's length) or dynamic (NTK: the base grows
+    with the sequence's length past rope_max_position)."""
     rope_factor: float = 1.0
     """linear, llama3 and yarn: the scaling factor."""
     rope_low_freq_factor: float = 1.0
@@ -74,8 +79,15 @@ class ModelConfig:
     rope_truncate: bool = True
     """yarn: the ramp's bounds rounded outward to whole dims (transformers' `truncate`)."""
     rope_attention_factor: float = 1.0
-    """Rotary cos and sin are multiplied by this (yarn's attention factor, from `attention_factor` or
-    `factor`, `mscale` and `mscale_all_dim` as transformers derives it); 1 for the other rope types."""
+    """Rotary cos and sin are multiplied by this (yarn's and longrope's attention factor, given or derived as
+    transformers derives it); 1 for the other rope types."""
+    rope_short_factor: tuple[float, ...] = ()
+    """longrope: each frequency is divided by its factor here while the sequence is at most
+    rope_original_max_position tokens long (one factor per rotated pair)..."""
+    rope_long_factor: tuple[float, ...] = ()
+    """...and by its factor here once it is longer."""
+    rope_max_position: int = 0
+    """dynamic: the length (max_position_embeddings) past which the base grows with the sequence's length."""
     qkv_bias: bool = False
     """q/k/v projections carry a bias (Qwen2; Llama's attention_bias)."""
     o_bias: bool = False
@@ -190,6 +202,7 @@ class ModelConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise BadInput(f"config.json: {field} must be a positive number, got {value!r}.")
+        self._check_length_dependent_rope()
         if self.rope_type == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
             raise BadInput("config.json: rope_scaling high_freq_factor must be greater than low_freq_factor.")
         if self.sliding_window is not None and (
@@ -244,6 +257,32 @@ class ModelConfig:
                     isinstance(i, int) and 0 <= i < self.num_layers for i in self.moe_layers):
                 raise BadInput(f"config.json: the mixture-of-experts layers {list(self.moe_layers)} must be distinct "
                                f"layer indices below {self.num_layers}, in order.")
+
+    def _check_length_dependent_rope(self) -> None:
+        """longrope's two factor lists (one per rotated pair), dynamic's length; nothing of them elsewhere."""
+        for field in ("rope_short_factor", "rope_long_factor"):
+            value = getattr(self, field)
+            object.__setattr__(self, field, tuple(value) if isinstance(value, (list, tuple)) else value)
+            value = getattr(self, field)
+            if self.rope_type != "longrope":
+                if value != ():
+                    raise BadInput(f"config.json: {field} is longrope's; this rope type is {self.rope_type!r}.")
+                continue
+            if not isinstance(value, tuple) or len(value) != self.rotated_dims // 2 or not all(
+                    isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in value):
+                raise BadInput(f"config.json: longrope's {field.removeprefix('rope_')} must list "
+                               f"{self.rotated_dims // 2} positive numbers (one per rotated pair of dims), "
+                               f"got {value!r}.")
+        if (self.rope_type == "dynamic") != (self.rope_max_position != 0) or (
+                isinstance(self.rope_max_position, bool) or not isinstance(self.rope_max_position, int)
+                or self.rope_max_position < 0):
+            raise BadInput("config.json: the dynamic rope needs max_position_embeddings as a positive integer (and "
+                           f"only it reads it), got {self.rope_max_position!r}.")
+
+    @property
+    def length_dependent_rope(self) -> bool:
+        """The rotary frequencies depend on the sequence's length: forwards take `seq_lens`."""
+        return self.rope_type in LENGTH_DEPENDENT_ROPE
 
     def _check_latent(self) -> None:
         """Latent attention's widths: positive, head_dim their sum, one key/value head per query head."""

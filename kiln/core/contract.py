@@ -6,6 +6,7 @@ paged KV cache:
     inputs:  tokens[batch, tokens] int64, start_pos[batch] int64,
              kv_cache[layers, entries, num_pages, page_tokens, heads, width] <dtype>,
              block_table[batch, pages_per_seq] int64
+             [, seq_lens[batch] int64: only when the rope depends on the sequence's length]
     outputs: logits[batch, tokens, vocab] <dtype>, new_kv[layers, entries, batch, tokens, heads, width] <dtype>
 
 `num_pages` is the one dynamic dimension (named in the shapes as a string).
@@ -397,12 +398,19 @@ def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:
     def arg(name: str, dtype: str, shape: list) -> dict:
         return {"name": name, "dtype": dtype, "shape": shape}
 
+    lengths = [arg("seq_lens", "int64", [b])] if cfg.length_dependent_rope else []
+    rope = {}
+    if cfg.rope_type == "longrope":  # kiln.core.decode: seq_lens, and the cache rebuilt at the switch
+        rope = {"rope": {"type": "longrope", "long_after_tokens": cfg.rope_original_max_position,
+                         "refill_cache_at_length": cfg.rope_original_max_position + 1}}
+    elif cfg.rope_type == "dynamic":
+        rope = {"rope": {"type": "dynamic", "grows_after_tokens": cfg.rope_max_position}}
     return {
         "inputs": [arg("tokens", "int64", [b, t]), arg("start_pos", "int64", [b]), arg("kv_cache", cfg.dtype, kv),
-                   arg("block_table", "int64", [b, inputs["pages_per_seq"]])],
+                   arg("block_table", "int64", [b, inputs["pages_per_seq"]]), *lengths],
         "outputs": [arg("logits", cfg.dtype, [b, t, cfg.vocab_size]),
                     arg("new_kv", cfg.dtype, layout.new_shape(cfg.num_layers, b, t))],
-        "kv_cache": layout.to_dict(),
+        "kv_cache": layout.to_dict(), **rope,
         "process_group": PROCESS_GROUP if tp > 1 else None,
         "dynamic_dims": {DYNAMIC_PAGES: {"min": 2}},
     }

@@ -5,12 +5,21 @@ A step processes `n` new tokens of one sequence in a bucket of `tokens >= n`
 causal mask) or, when no bucket is that wide, the prompt is cut into chunks
 of the widest bucket (chunked prefill). Decode steps feed one token each in
 the narrowest bucket.
+
+A model whose rotary frequencies go by the sequence's length takes it as
+`seq_lens`: the prompt's whole length while the prompt is fed, a decoded
+token's position + 1 after (what transformers reads as max(position_ids) + 1
+of each call). Phi-3's longrope switches from its short to its long factors
+once a sequence passes original_max_position_embeddings, and then the keys
+cached under the short ones no longer hold: as transformers' Phi-3 does in
+generate(), the whole sequence is fed again at that length (`refills_cache`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.core.config import ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.recipe import Bucket
 
@@ -41,6 +50,13 @@ def prefill_steps(buckets: list[Bucket], prompt_len: int) -> list[Step]:
         steps.append(Step(start, count, pick_bucket(buckets, count)))
         start += count
     return steps
+
+
+def refills_cache(cfg: ModelConfig, length: int) -> bool:
+    """Whether a sequence that has just grown to `length` tokens must be fed again from its start (its cache
+    rebuilt, `seq_lens` = `length`) rather than by one decode step: a longrope model's first step past its
+    original context (transformers' Phi3ForCausalLM.prepare_inputs_for_generation drops its cache then)."""
+    return cfg.rope_type == "longrope" and length == cfg.rope_original_max_position + 1
 
 
 def check_request(prompt: list[int], max_new_tokens: int, *, vocab_size: int, context_tokens: int) -> None:

@@ -129,7 +129,7 @@ def _compile_forward(spec: dict, out_path: str) -> CompileResult:
                           pages_per_seq=inputs["pages_per_seq"], num_pages=inputs["pages_per_seq"] + 2)
     num_pages = Dim("num_pages", min=2, max=1 << 24)
     with torch.no_grad():
-        program = torch.export.export(model, args, dynamic_shapes=({}, {}, {2: num_pages}, {}))
+        program = torch.export.export(model, args, dynamic_shapes=({}, {}, {2: num_pages}, *[{}] * (len(args) - 3)))
     faults.point("compile", spec, "export")
     tmp = f"{out_path.removesuffix('.pt2')}.tmp-{os.getpid()}.pt2"
     if _TUNING:

@@ -59,18 +59,19 @@ def _check_together(rank: int, tp: int, port: int, job: dict) -> dict:
     for name, art in sorted(job["artifacts"].items()):
         bucket = parse_buckets(name)[0]
         compiled = load_forward(art["path"], weights, art["sha256"])
-        tok, start, cache, table = example_inputs(
+        args = example_inputs(
             cfg, 1, bucket.batch, bucket.tokens, page_tokens=job["page_tokens"],
             pages_per_seq=job["pages_per_seq"], num_pages=job["pages_per_seq"] * bucket.batch + 5, seed=7)
+        cache = args[2]
         # Each rank caches its own KV heads, or (latent attention) every rank the same whole latent.
         heads = layout.heads
         shard = cache[..., rank * heads:(rank + 1) * heads, :].contiguous() if layout.sharded else cache
         with torch.no_grad():
-            logits, new_kv = compiled(tok, start, shard, table)
+            logits, new_kv = compiled(*args[:2], shard, *args[3:])
         parts = [torch.empty_like(new_kv) for _ in range(tp)]
         dist.all_gather(parts, new_kv.contiguous(), group=side)
         if rank == 0:
-            eager, exact = eager_outputs(cfg, 1, full, (tok, start, cache, table))
+            eager, exact = eager_outputs(cfg, 1, full, args)
             every = torch.cat(parts, dim=-2) if layout.sharded else _same(parts)
             diffs[name] = judge((logits, every), eager, exact, atol=job["atol"], half_ratio=job["half_ratio"])
     dist.barrier(group=side)

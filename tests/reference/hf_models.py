@@ -132,6 +132,18 @@ CASES = {
     # (Phi3Config's token ids default to 32000; none here, within this vocabulary.)
     "phi3": ("phi3", dict(hidden_size=256, num_hidden_layers=3, partial_rotary_factor=0.75, sliding_window=6,
                           pad_token_id=None, eos_token_id=None, bos_token_id=None), "float32"),
+    # Phi-3.5 / Phi-4-mini's longrope over an original context of 14 (factor 4: attention factor sqrt(1.5)), the
+    # leading 48 of 64 dims rotating: the end-to-end test's 12-token prompt decodes across the switch from the
+    # short to the long factors.
+    "phi3-longrope": ("phi3", dict(hidden_size=256, num_hidden_layers=3, partial_rotary_factor=0.75,
+                                   max_position_embeddings=56, original_max_position_embeddings=14,
+                                   rope_scaling={"rope_type": "longrope",
+                                                 "short_factor": [1.0 + 0.05 * i for i in range(24)],
+                                                 "long_factor": [1.0 + 0.6 * i for i in range(24)]},
+                                   pad_token_id=None, eos_token_id=None, bos_token_id=None), "float32"),
+    # The dynamic (NTK) rope past max_position_embeddings 16: the base grows with the sequence's length.
+    "llama-dynamic": ("llama", dict(max_position_embeddings=16, rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
+                      "float32"),
     # Phi-3 at a real shape in bfloat16: head_dim 128, Phi-3's vocabulary of 32064, no window (Phi-3-mini's rope).
     "phi3-bf16": ("phi3", dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
                                vocab_size=32064, intermediate_size=1024, initializer_range=0.05), "bfloat16"),

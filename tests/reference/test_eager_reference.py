@@ -38,6 +38,8 @@ FEATURE_OFF = {
     "gemma2": {"attn_softcap": None, "final_softcap": None},
     "gemma3": {"local_rope_theta": None},
     "phi3": {"rotary_dim": None},
+    "phi3-longrope": {"rope_long_factor": tuple(1.0 + 0.05 * i for i in range(24))},  # the short factors throughout
+    "llama-dynamic": {"rope_max_position": 64},  # 20 tokens stay below it: the base never grows
     "deepseek-v3": {"topk_groups": 4},  # every group open: the top 3 of all 16 experts
     "deepseek-v3-yarn": {"attn_scale_multiplier": 1.0},
     "deepseek-v3-bf16": {"rope_interleave": False},
@@ -49,8 +51,9 @@ def kiln_logits(cfg, weights, tokens):
     model.load_state_dict({k: v for k, v in weights.items() if k in model.state_dict()}, strict=True)
     pages = -(-tokens.shape[1] // 16)
     cache = torch.zeros(cache_layout(cfg, 1).shape(cfg.num_layers, pages + 1, 16), dtype=getattr(torch, cfg.dtype))
+    lengths = [torch.tensor([tokens.shape[1]])] if cfg.length_dependent_rope else []  # one call: the whole sequence
     with torch.no_grad():
-        logits, _ = model(tokens, torch.tensor([0]), cache, torch.arange(pages)[None])
+        logits, _ = model(tokens, torch.tensor([0]), cache, torch.arange(pages)[None], *lengths)
     return logits.float()
 
 

@@ -38,6 +38,9 @@ E2E = {
     "deepseek-v3": "DeepSeek-V3: latent attention (the cache holds each token's latent and rotary key, the same on "
                    "every rank; q and kv up-projections split by heads), a dense layer then 16 experts chosen by "
                    "corrected sigmoid scores within the best 2 of 4 groups, scaled, plus a shared expert",
+    "phi3-longrope": "Phi-3.5's longrope: the 12-token prompt is fed with the short factors (its length is 12), "
+                     "the decode steps past the original context of 14 switch to the long ones, as transformers "
+                     "does by each call's length (the forward takes each sequence's length, seq_lens)",
     "llama-realistic-bf16": "bfloat16, head_dim 128, 4 layers, vocabulary 32000",
 }
 

@@ -13,11 +13,12 @@ from hf_models import hf_config, hf_model
 
 REFUSED = {
     # name: (family, config overrides, the words the message must hold)
-    "longrope": ("phi3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 16,
-                                           "long_factor": [4.0] * 16}, "original_max_position_embeddings": 64,
-                          "pad_token_id": None, "eos_token_id": None, "bos_token_id": None},
-                 "its short to its long factors"),
-    "dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
+    # longrope outside Phi-3: transformers' Llama keeps keys cached under the short factors past the switch.
+    "longrope-llama": ("llama", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 16,
+                                                  "long_factor": [4.0] * 16, "original_max_position_embeddings": 64}},
+                       "for Phi-3 only"),
+    "proportional": ("llama", {"rope_scaling": {"rope_type": "proportional", "factor": 2.0}},
+                     "rope_type='proportional'"),
     "gelu": ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
 }
 

@@ -31,6 +31,14 @@ CONFIGS = {
         local_rope_theta=1e4, tie_word_embeddings=True),
     "phi3: fused qkv_proj and gate_up_proj, partial rotary": TINY.replace(
         architecture="phi3", rotary_dim=8, sliding_window=8),
+    "phi3: longrope, which takes seq_lens": TINY.replace(
+        architecture="phi3", rotary_dim=8, rope_type="longrope", rope_short_factor=(1.0,) * 4,
+        rope_long_factor=(2.0,) * 4, rope_original_max_position=4),
+    "deepseek_v3: latent attention, grouped routing, shared experts": TINY.replace(
+        architecture="deepseek_v3", num_heads=4, num_kv_heads=4, head_dim=48, qk_rope_head_dim=16, v_head_dim=32,
+        kv_lora_rank=64, q_lora_rank=32, o_bias=True, num_layers=3, num_experts=8, experts_per_token=2,
+        moe_intermediate_size=64, moe_layers=(1, 2), shared_expert_intermediate_size=64, router="sigmoid_groups",
+        num_expert_groups=4, topk_groups=2, routed_scaling_factor=2.5, rope_interleave=True),
 }
 
 
@@ -123,16 +131,22 @@ def test_a_fused_tensor_is_cut_into_its_projections_rows_then_the_ranks_share():
             "offsets": [mlp + r * mlp // tp for r in range(tp)]}
 
 
-def test_interface_matches_the_inputs_and_outputs_of_a_real_step():
+@pytest.mark.parametrize("name", ["gqa hd64", "phi3: longrope, which takes seq_lens",
+                                  "deepseek_v3: latent attention, grouped routing, shared experts"])
+def test_interface_matches_the_inputs_and_outputs_of_a_real_step(name):
+    """Every input and output the interface names, in order, with its shape and dtype: the KV cache's layout
+    (per-head keys and values, or latent attention's one whole entry), seq_lens where the rope needs it."""
     torch = pytest.importorskip("torch")
     from kiln.host.model import ShardedDecoder, example_inputs, solo_group
 
-    cfg, tp = CONFIGS["gqa hd64"], 2
+    cfg, tp = CONFIGS[name], 2
     inputs = {"batch": 2, "tokens": 4, "page_tokens": 16, "pages_per_seq": 3}
     face = forward_interface(cfg, tp, inputs)
     args = example_inputs(cfg, tp, 2, 4, page_tokens=16, pages_per_seq=3, num_pages=7)
     with solo_group(), torch.no_grad():
         outs = ShardedDecoder(cfg, tp).eval()(*args)
+    assert len(face["inputs"]) == len(args) == (5 if cfg.length_dependent_rope else 4)
+    assert face["kv_cache"]["sharded"] != cfg.latent
     for spec, t in zip(face["inputs"] + face["outputs"], list(args) + list(outs)):
         shape = [7 if d == "num_pages" else d for d in spec["shape"]]
         assert (shape, spec["dtype"]) == (list(t.shape), str(t.dtype).removeprefix("torch.")), spec["name"]

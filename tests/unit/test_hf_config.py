@@ -172,11 +172,38 @@ def test_phi3_reads_as_phi3config():
         assert from_hf(to_hf(c)) == c
 
 
+def test_phi3_longrope_reads_as_phi3config():
+    """Phi-3's longrope (Phi-3.5, Phi-4-mini): the factor lists; Phi3Config's top-level
+    original_max_position_embeddings before the rope's own; its old names su and yarn; the attention factor
+    sqrt(1 + ln(factor) / ln(original)) with factor max_position_embeddings / original unless given."""
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}
+    raw = {**PHI3, "max_position_embeddings": 131072, "rope_scaling": rope}
+    cfg = from_hf(raw)
+    assert (cfg.rope_type, cfg.rope_original_max_position, cfg.length_dependent_rope) == ("longrope", 4096, True)
+    assert cfg.rope_short_factor == (1.0,) * 32 and cfg.rope_long_factor == (2.0,) * 32
+    assert cfg.rope_attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    assert from_hf({**raw, "rope_scaling": {**rope, "original_max_position_embeddings": 64}}) == cfg
+    for old in ("su", "yarn"):
+        assert from_hf({**raw, "rope_scaling": {**rope, "rope_type": old}}) == cfg
+    v5 = {k: v for k, v in raw.items() if k != "rope_scaling"} | {"rope_parameters": {**rope, "rope_theta": 1e4}}
+    assert from_hf(v5) == cfg
+    assert from_hf({**raw, "rope_scaling": {**rope, "attention_factor": 1.5}}).rope_attention_factor == 1.5
+    assert from_hf(to_hf(cfg)) == cfg
+
+
+def test_dynamic_rope_reads_its_threshold():
+    """The dynamic rope's base grows past max_position_embeddings, which it therefore reads."""
+    cfg = from_hf({**LLAMA, "max_position_embeddings": 2048, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_max_position, cfg.length_dependent_rope) == \
+        ("dynamic", 2.0, 2048, True)
+    assert from_hf(to_hf(cfg)) == cfg
+    assert not from_hf({**LLAMA, "max_position_embeddings": 2048}).length_dependent_rope
+
+
 PHI3_REFUSED = [
-    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}},
-     "rope_type='longrope'"),
-    ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}}, "'longrope'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}, "'longrope'"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 32}},
+     "must list 32 positive numbers"),
+    ({"rope_scaling": {"rope_type": "longrope", "long_factor": [2.0] * 32}}, "needs short_factor"),
     ({"partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
      "disagree"),
     ({"partial_rotary_factor": 0.3}, "even number"),
@@ -198,8 +225,10 @@ REFUSED = [
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "needs original_max_position_embeddings"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "ntk": 1}},
      "ntk=1"),
-    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "cannot tell where"),
-    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}}, "long factors"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "needs max_position_embeddings"),
+    ({"max_position_embeddings": 64, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 16,
+                                                      "long_factor": [2.0] * 16}}, "for Phi-3 only"),
+    ({"max_position_embeddings": 64, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "beta": 1}}, "beta=1"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks low_freq_factor"),
     ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "model_type='gemma'"),
@@ -230,6 +259,8 @@ def test_qwen2_layer_types_that_interleave_are_refused():
 
 
 LATENT_FIELDS = {"kv_lora_rank": 64, "q_lora_rank": 48, "qk_rope_head_dim": 4, "v_head_dim": 32}
+LONGROPE = {"rope_type": "longrope", "rope_short_factor": (1.0,) * 8, "rope_long_factor": (2.0,) * 8}
+"""A longrope model's fields (TINY's head_dim 16: 8 rotated pairs); its factors are changed on it."""
 
 
 def _changed(cfg: ModelConfig, field: dataclasses.Field):
@@ -240,6 +271,7 @@ def _changed(cfg: ModelConfig, field: dataclasses.Field):
                "full_attention_layers": (1,), "activation": "gelu_tanh", "query_pre_attn_scalar": 24.0,
                "attn_softcap": 50.0, "final_softcap": 30.0, "local_rope_theta": 1e4,
                "shared_expert_intermediate_size": 64, "rotary_dim": 8, "router": "sigmoid_groups",
+               "rope_short_factor": (1.5,) * 8, "rope_long_factor": (3.0,) * 8,
                **LATENT_FIELDS}
     if field.name in special:
         return special[field.name]
@@ -262,9 +294,12 @@ def test_every_config_field_is_in_the_forward_key():
                         moe_intermediate_size=96, moe_layers=(0,), num_expert_groups=2)
     # Latent attention's widths only mean something together: each is changed alone on a latent model.
     latent = base.replace(kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, num_kv_heads=24)
-    seen = {key(base), key(latent)}
+    longrope = base.replace(**LONGROPE)
+    dynamic = base.replace(rope_type="dynamic", rope_max_position=64)
+    seen = {key(base), key(latent), key(longrope), key(dynamic)}
     for field in dataclasses.fields(ModelConfig):
-        start = latent if field.name in LATENT_FIELDS else base
+        start = latent if field.name in LATENT_FIELDS else longrope if field.name.endswith("_factor") and field.name in LONGROPE else \
+            dynamic if field.name == "rope_max_position" else base
         changed = start.replace(**{field.name: _changed(start, field)})
         assert changed != start, field.name
         k = key(changed)

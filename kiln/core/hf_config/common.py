@@ -28,7 +28,8 @@ INERT = {
     "_name_or_path": "where the file came from",
     "bos_token_id": "a tokenizer id", "eos_token_id": "a tokenizer id", "pad_token_id": "a tokenizer id",
     "use_cache": "a generate() setting", "initializer_range": "how random weights are drawn",
-    "max_position_embeddings": "a documented limit; Kiln's own limit is the recipe's max_context_tokens",
+    "max_position_embeddings": "a documented limit (Kiln's own is the recipe's max_context_tokens); read only by "
+                               "the rope types dynamic (its threshold) and longrope (its default factor)",
     "attention_dropout": "dropout is off at inference", "pretraining_tp": "splits the same matmuls (same math)",
     "output_attentions": "a generate() setting", "output_hidden_states": "a generate() setting",
     "return_dict": "a generate() setting", "tokenizer_class": "a tokenizer setting",

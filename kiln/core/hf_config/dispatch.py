@@ -17,7 +17,7 @@ from kiln.core.hf_config.llama import LLAMA, MISTRAL
 from kiln.core.hf_config.mixtral import MIXTRAL
 from kiln.core.hf_config.phi3 import PHI3
 from kiln.core.hf_config.qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
-from kiln.core.hf_config.rope import rope_scaling
+from kiln.core.hf_config.rope import rope_positions, rope_scaling
 
 FAMILIES = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE, GEMMA2, GEMMA3_TEXT,
                                 PHI3, DEEPSEEK_V3)}
@@ -50,7 +50,7 @@ def to_hf(cfg: ModelConfig) -> dict:
         if feature not in family.features and feature.held_by(cfg):
             owners = [f.name for f in FAMILIES.values() if feature in f.features]
             raise BadInput(f"{feature.what}: {', '.join(owners)} configs have it; no {family.name} config does.")
-    return {**shared_hf(cfg, rope_scaling(cfg)), **family.to_hf(cfg)}
+    return {**shared_hf(cfg, rope_scaling(cfg)), **rope_positions(cfg), **family.to_hf(cfg)}
 
 
 def _family(raw: dict) -> Family:

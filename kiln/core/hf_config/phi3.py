@@ -3,8 +3,8 @@
 Pure: no torch import. Fused qkv_proj and gate_up_proj (the checkpoint's business, not the config's); no
 biases; rms_norm_eps 1e-5 by default; a sliding window on every layer; a partial rotary
 (partial_rotary_factor, top level or, as transformers 5 writes it, in rope_parameters). Phi3Config's
-longrope (and its old names su and yarn) is refused. original_max_position_embeddings only matters to
-longrope, so it is read and has no other effect.
+longrope (also under its old names su and yarn, which Phi3Config renames) takes the top-level
+original_max_position_embeddings (default 4096) before the rope's own, as Phi3Config does.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from kiln.core.config import ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.hf_config.common import COMMON_READ, PARTIAL_ROTARY, SLIDING, Family, shared_fields, silu
-from kiln.core.hf_config.rope import SEQUENCE_DEPENDENT, rope_fields
+from kiln.core.hf_config.rope import rope_fields
 
 
 def _partial_rotary(raw: dict) -> dict:
@@ -29,10 +29,14 @@ def _partial_rotary(raw: dict) -> dict:
         raise BadInput(f"config.json: {' and '.join(f'{k}={v!r}' for k, v in spelled.items())} disagree; keep one.")
     rest = {k: v for k, v in raw.items() if k not in ("rope_parameters", "partial_rotary_factor")}
     rope = params if params is not None else raw.get("rope_scaling")
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
-        raise BadInput(f"config.json: rope type {rope.get('rope_type', rope.get('type'))!r} is Phi3Config's old name "
-                       "for 'longrope', which Kiln does not compute: " + SEQUENCE_DEPENDENT["longrope"] + ".")
-    out = rope_fields(rest if params is None else {**rest, "rope_parameters": params}, "phi3")
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("su", "yarn"):  # Phi3Config's renaming
+        rope = {k: v for k, v in rope.items() if k != "type"} | {"rope_type": "longrope"}
+        rest = rest if params is not None else {**rest, "rope_scaling": rope}
+        params = rope if params is not None else None
+    original = raw.get("original_max_position_embeddings", 4096)
+    rest.setdefault("max_position_embeddings", 4096)  # Phi3Config's defaults, for longrope's factor
+    out = rope_fields(rest if params is None else {**rest, "rope_parameters": params}, "phi3",
+                      original_max_position=original)
     factor = next(iter(spelled.values()), 1.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         raise BadInput(f"config.json: partial_rotary_factor={factor!r} must be a number in (0, 1].")
@@ -53,6 +57,8 @@ def _phi3_to_hf(cfg: ModelConfig) -> dict:
     if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.first_sliding_layer:
         raise BadInput("a phi3 config has no biases, and its sliding window covers every layer.")
     out = {"hidden_act": "silu", "sliding_window": cfg.sliding_window}
+    if cfg.rope_type == "longrope":  # where Phi3Config reads it first
+        out["original_max_position_embeddings"] = cfg.rope_original_max_position
     if cfg.rotary_dim is not None:
         out["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
     return out

@@ -1,8 +1,9 @@
 """The rotary embedding's fields of a config.json, both spellings, and back.
 
 Pure: no torch import. transformers 4.x writes a top-level `rope_theta` and `rope_scaling`; transformers 5
-writes `rope_parameters` (theta inside). Rope types default, linear, llama3 and yarn are read as
-transformers' modeling_rope_utils computes them; dynamic and longrope are refused, saying why.
+writes `rope_parameters` (theta inside). Rope types default, linear, llama3, yarn, longrope and dynamic are
+read as transformers' modeling_rope_utils computes them (the last two go by the sequence's length, which a
+forward of such a model takes as an input).
 """
 
 from __future__ import annotations
@@ -20,22 +21,19 @@ ROPE_KEYS = {
                "original_max_position_embeddings"},
     "yarn": {"rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
              "mscale", "mscale_all_dim", "attention_factor", "truncate"},
+    "longrope": {"rope_type", "rope_theta", "short_factor", "long_factor", "factor", "attention_factor",
+                 "original_max_position_embeddings"},
+    "dynamic": {"rope_type", "rope_theta", "factor"},
 }
 """Rope types Kiln computes, and the keys each may hold."""
-SEQUENCE_DEPENDENT = {
-    "dynamic": "it rescales the frequencies whenever a sequence grows past max_position_embeddings",
-    "longrope": "it switches from its short to its long factors once a sequence passes "
-                "original_max_position_embeddings",
-}
-"""Rope types Kiln refuses, and why: transformers decides them by the current sequence's length, which a
-compiled step cannot tell (it holds padded positions past the sequence's end)."""
 PER_LAYER_TYPE = {"full_attention", "sliding_attention"}
 """The keys of transformers 5's rope_parameters when each layer type has a rope of its own (Gemma 3)."""
 
 
-def rope_fields(raw: dict, family: str, default_theta: float = 10000.0) -> dict:
+def rope_fields(raw: dict, family: str, default_theta: float = 10000.0, original_max_position: int | None = None) -> dict:
     """ModelConfig's rope_* keyword arguments from either spelling; `default_theta` when no rope_theta is given.
-    A rope per layer type is refused (Gemma 3 splits it before it calls this)."""
+    A rope per layer type is refused (Gemma 3 splits it before it calls this). `original_max_position`: a
+    family's own top-level original_max_position_embeddings, which transformers puts before the rope's (Phi-3)."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and params and set(params) <= PER_LAYER_TYPE:
         raise BadInput(f"config.json: rope_parameters per layer type ({', '.join(params)}) are Gemma 3's; "
@@ -54,10 +52,6 @@ def rope_fields(raw: dict, family: str, default_theta: float = 10000.0) -> dict:
             raise BadInput(f"config.json: {where}.type={older!r} and {where}.rope_type={rope['rope_type']!r} "
                            "disagree; keep one.")
     kind = rope.get("rope_type", "default")
-    if kind in SEQUENCE_DEPENDENT:
-        raise BadInput(f"config.json: {where}.rope_type={kind!r} is not supported: {SEQUENCE_DEPENDENT[kind]}, "
-                       "and a compiled step holds padded positions, so it cannot tell where its sequence ends "
-                       f"(Kiln computes rope types {', '.join(ROPE_KEYS)}).")
     if kind not in ROPE_KEYS:
         raise BadInput(f"config.json: {where}.rope_type={kind!r} is not supported; Kiln computes rope types "
                        f"{', '.join(ROPE_KEYS)} (a model with {kind!r} would be computed wrongly).")
@@ -74,6 +68,16 @@ def rope_fields(raw: dict, family: str, default_theta: float = 10000.0) -> dict:
     out = {"rope_type": kind, "rope_theta": float(theta)}
     if kind == "yarn":
         return {**out, **_yarn(rope, raw, where)}
+    if kind == "longrope":
+        if family != "phi3":
+            raise BadInput(f"config.json: {where}.rope_type='longrope' is computed for Phi-3 only: only its "
+                           "transformers class rebuilds the cache when a sequence passes the original context, "
+                           f"and a {family} model would mix keys of both factors.")
+        if original_max_position is not None:
+            rope["original_max_position_embeddings"] = original_max_position
+        return {**out, **_longrope(rope, raw, where)}
+    if kind == "dynamic":
+        return {**out, "rope_factor": number(rope, "factor", 1.0), "rope_max_position": _positions(raw, where)}
     if kind in ("linear", "llama3"):
         if "factor" not in rope:
             raise BadInput(f"config.json: {where} of type {kind!r} lacks factor.")
@@ -85,6 +89,35 @@ def rope_fields(raw: dict, family: str, default_theta: float = 10000.0) -> dict:
                 raise BadInput(f"config.json: {where} of type 'llama3' lacks {key}.")
             out[field] = rope[key] if key.startswith("original") else number(rope, key, 1.0)
     return out
+
+
+def _positions(raw: dict, where: str, key: str = "max_position_embeddings") -> int:
+    value = raw.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise BadInput(f"config.json: {where}'s rope type needs {key} as a positive integer, got {value!r}.")
+    return value
+
+
+def _longrope(rope: dict, raw: dict, where: str) -> dict:
+    """longrope's fields as transformers' _compute_longrope_parameters reads them: the two factor lists, the
+    original context (the rope's, else max_position_embeddings), a null factor as the two contexts' ratio,
+    and the attention factor (cos and sin are multiplied by it), when not given, sqrt(1 + ln(factor) /
+    ln(original context)) above a factor of 1."""
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(rope.get(key), list):
+            raise BadInput(f"config.json: {where} of type 'longrope' needs {key} as a list of numbers, got "
+                           f"{rope.get(key)!r}.")
+    old_len = rope.get("original_max_position_embeddings") or _positions(raw, where)
+    if isinstance(old_len, bool) or not isinstance(old_len, int) or old_len <= 0:
+        raise BadInput(f"config.json: {where}.original_max_position_embeddings={old_len!r} must be a positive integer.")
+    attention = rope.get("attention_factor")
+    if attention is None:  # the factor is only read for it
+        factor = rope.get("factor")
+        factor = _positions(raw, where) / old_len if factor is None else number(rope, "factor", 1.0)
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    return {"rope_short_factor": tuple(rope["short_factor"]), "rope_long_factor": tuple(rope["long_factor"]),
+            "rope_original_max_position": old_len,
+            "rope_attention_factor": number({"attention_factor": attention}, "attention_factor", 1.0)}
 
 
 def get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -128,9 +161,17 @@ def _yarn(rope: dict, raw: dict, where: str) -> dict:
 
 
 def rope_scaling(cfg: ModelConfig) -> dict | None:
-    """The rope_scaling (transformers 4.x spelling) of `cfg`; None for the default rope."""
-    if cfg.rope_attention_factor != 1.0 and cfg.rope_type != "yarn":
-        raise BadInput("a rotary attention factor is yarn's.")
+    """The rope_scaling (transformers 4.x spelling) of `cfg`; None for the default rope. A dynamic rope's
+    threshold is the top-level max_position_embeddings (rope_positions)."""
+    if cfg.rope_attention_factor != 1.0 and cfg.rope_type not in ("yarn", "longrope"):
+        raise BadInput("a rotary attention factor is yarn's and longrope's.")
+    if cfg.rope_type == "longrope":
+        return {"rope_type": "longrope", "short_factor": list(cfg.rope_short_factor),
+                "long_factor": list(cfg.rope_long_factor),
+                "original_max_position_embeddings": cfg.rope_original_max_position,
+                "attention_factor": cfg.rope_attention_factor}
+    if cfg.rope_type == "dynamic":
+        return {"rope_type": "dynamic", "factor": cfg.rope_factor}
     if cfg.rope_type == "linear":
         return {"rope_type": "linear", "factor": cfg.rope_factor}
     if cfg.rope_type == "yarn":
@@ -143,3 +184,8 @@ def rope_scaling(cfg: ModelConfig) -> dict | None:
                 "high_freq_factor": cfg.rope_high_freq_factor,
                 "original_max_position_embeddings": cfg.rope_original_max_position}
     return None
+
+
+def rope_positions(cfg: ModelConfig) -> dict:
+    """The top-level max_position_embeddings a dynamic rope goes by; nothing for the other rope types."""
+    return {"max_position_embeddings": cfg.rope_max_position} if cfg.rope_type == "dynamic" else {}

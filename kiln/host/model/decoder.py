@@ -2,8 +2,13 @@
 
 The forward is one inference step over a paged KV cache:
 
-    forward(tokens[B,T], start_pos[B], kv_cache[L,E,P,page_tokens,heads,width], block_table[B,M])
-        -> (logits[B,T,vocab], new_kv[L,E,B,T,heads,width])
+    forward(tokens[B,T], start_pos[B], kv_cache[L,E,P,page_tokens,heads,width], block_table[B,M]
+            [, seq_lens[B]]) -> (logits[B,T,vocab], new_kv[L,E,B,T,heads,width])
+
+seq_lens is an input only of a model whose rotary frequencies depend on the
+sequence's length (longrope, dynamic): sequence b's length as transformers would
+see it in one call (max(position_ids) + 1), i.e. its whole prompt's length while
+the prompt is fed, and its position + 1 for each token decoded after.
 
 P (the page count) is dynamic, so a new KV plan reuses compiled forwards. What a
 cached token holds (E entries of [heads, width]) is the model's cache layout
@@ -139,10 +144,13 @@ class ShardedDecoder(nn.Module):
             sliding = sliding & (layer != i)
         return torch.where(sliding, cfg.sliding_window, FULL_ATTENTION)
 
-    def forward(self, tokens, start_pos, kv_cache, block_table):
+    def forward(self, tokens, start_pos, kv_cache, block_table, seq_lens=None):
+        if (seq_lens is not None) != self.cfg.length_dependent_rope:
+            raise ValueError(f"seq_lens is an input exactly when the rope depends on the sequence's length "
+                             f"(longrope, dynamic); this model's rope is {self.cfg.rope_type!r}")
         windows = self._windows(tokens.device)
         ctx = step_context(self.cfg, start_pos, tokens.shape[1], kv_cache.shape[3], block_table, kv_cache.dtype,
-                           windowed=windows is not None)
+                           windowed=windows is not None, seq_lens=seq_lens)
         x = self.model.embed_tokens(tokens)
         if self.cfg.embed_scale:  # Gemma: sqrt(hidden), rounded to the dtype first as transformers does
             x = x * self.embed_multiplier

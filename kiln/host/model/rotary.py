@@ -14,10 +14,15 @@ import torch
 from kiln.core.config import ModelConfig
 
 
-def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
-    """Rotary inverse frequencies (float32, rotated_dims / 2): default, linear, llama3 or yarn."""
+def rope_inv_freq(cfg: ModelConfig, device=None, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies (float32): [rotated_dims / 2] for default, linear, llama3 or yarn; [b, 1,
+    rotated_dims / 2] for longrope and dynamic, which depend on each sequence's length `seq_lens` [b]."""
     dim = cfg.rotated_dims  # a partial rotary (Phi-3) or latent attention's rope dims turn only these
     exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(torch.float32) / dim
+    if cfg.length_dependent_rope:
+        if seq_lens is None:
+            raise ValueError(f"a {cfg.rope_type} rope depends on each sequence's length: pass seq_lens")
+        return _length_dependent(cfg, exponent, seq_lens)[:, None, :]
     inv_freq = 1.0 / (cfg.rope_theta ** exponent)
     if cfg.rope_type == "linear":
         inv_freq = inv_freq / cfg.rope_factor
@@ -41,6 +46,36 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     return inv_freq
 
 
+def _length_dependent(cfg: ModelConfig, exponent: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """[b, rotated_dims / 2]: transformers' _compute_longrope_parameters and _compute_dynamic_ntk_parameters,
+    op for op, at each sequence's length (what transformers reads as max(position_ids) + 1 of a call).
+
+    longrope: each frequency divided by its short factor while the sequence is at most
+    rope_original_max_position long, by its long factor after. dynamic: the base times
+    ((factor x length / rope_max_position) - (factor - 1)) ** (dim / (dim - 2)), the length taken at least
+    rope_max_position (so shorter sequences keep the base)."""
+    if cfg.rope_type == "longrope":
+        short, long = (_vector(factors, exponent.device) for factors in (cfg.rope_short_factor, cfg.rope_long_factor))
+        base = cfg.rope_theta ** exponent
+        inv_short, inv_long = 1.0 / (short * base), 1.0 / (long * base)
+        return torch.where((seq_lens > cfg.rope_original_max_position)[:, None], inv_long, inv_short)
+    dim = cfg.rotated_dims
+    length = torch.clamp(seq_lens, min=cfg.rope_max_position)
+    base = cfg.rope_theta * ((cfg.rope_factor * length / cfg.rope_max_position) - (cfg.rope_factor - 1)) ** (
+        dim / (dim - 2))
+    return 1.0 / (base[:, None] ** exponent)
+
+
+def _vector(values: tuple[float, ...], device) -> torch.Tensor:
+    """A float32 vector of `values`, computed in the graph: a `torch.tensor(values)` would become a package
+    constant (Inductor inlines only up to 8 values), which no checkpoint provides."""
+    index = torch.arange(len(values), device=device)
+    out = torch.full((len(values),), values[0], dtype=torch.float32, device=device)
+    for i, value in enumerate(values[1:], start=1):
+        out = torch.where(index == i, value, out)
+    return out
+
+
 def yarn_correction_range(cfg: ModelConfig) -> tuple[float, float]:
     """yarn's ramp between the dims that keep their frequency and the interpolated ones, as transformers
     bounds it (its beta_fast and beta_slow rotations over the original context; whole dims when truncated)."""
@@ -56,10 +91,12 @@ def yarn_correction_range(cfg: ModelConfig) -> tuple[float, float]:
     return low, (high + 0.001 if low == high else high)
 
 
-def tables(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def tables(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype,
+           seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [b, t, 1, rotated_dims] of `positions` [b, t], in `dtype`: each frequency twice (the two
-    halves), times yarn's attention factor before the cast, as transformers does."""
-    freqs = positions[..., None].to(torch.float32) * rope_inv_freq(cfg, positions.device)
+    halves), times the attention factor (yarn's, longrope's) before the cast, as transformers does.
+    `seq_lens` [b]: each sequence's length, for the rope types that depend on it."""
+    freqs = positions[..., None].to(torch.float32) * rope_inv_freq(cfg, positions.device, seq_lens)
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
     cos, sin = emb.cos(), emb.sin()
     if cfg.rope_attention_factor != 1.0:

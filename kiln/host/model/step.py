@@ -44,13 +44,15 @@ class StepContext:
 
 
 def step_context(cfg: ModelConfig, start_pos: torch.Tensor, num_tokens: int, page_tokens: int,
-                 block_table: torch.Tensor, dtype: torch.dtype, windowed: bool) -> StepContext:
+                 block_table: torch.Tensor, dtype: torch.dtype, windowed: bool,
+                 seq_lens: torch.Tensor | None = None) -> StepContext:
     """The context of one step: query i of sequence b sits at position start_pos[b] + i; cached key j at
-    position j (valid below start_pos[b]); new key i at start_pos[b] + i."""
+    position j (valid below start_pos[b]); new key i at start_pos[b] + i. `seq_lens` [b]: each sequence's
+    length, which a longrope or dynamic rope goes by."""
     b, device = start_pos.shape[0], start_pos.device
     ctx_len = block_table.shape[1] * page_tokens
     positions = start_pos[:, None] + torch.arange(num_tokens, device=device)[None]
-    cos, sin = rotary.tables(cfg, positions, dtype)
+    cos, sin = rotary.tables(cfg, positions, dtype, seq_lens)
     local_cos = local_sin = None
     if cfg.local_rope_theta is not None:  # unscaled, at the sliding layers' own base
         plain = cfg.replace(rope_theta=cfg.local_rope_theta, rope_type="default", rope_attention_factor=1.0)
