@@ -31,8 +31,10 @@ def _export_id(tag: str) -> str:
 def test_interrupted_export_resumes_compiling_only_what_is_missing(kiln_run, prefect_server, store_url, tmp_path):
     export_id = _export_id("resume")
     report = tmp_path / "report.json"
+    # One compile worker: try 1 compiles one forward, uploads it and fails; with two, the other forward would
+    # compile alongside it and be thrown away with the failed try (a compile for nothing).
     run = kiln_run("export", "--buckets", "1x8,2x8", "--store", store_url, "--export-id", export_id,
-                   "--set", "flow_retry_delay_s=1", "--report", str(report),
+                   "--set", "flow_retry_delay_s=1", "--set", "max_compile_workers=1", "--report", str(report),
                    env={"KILN_FAULT_AFTER_UPLOADS": "1"})
     assert run.returncode == 0, run.stderr[-4000:]
     r = json.loads(report.read_text())
