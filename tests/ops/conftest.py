@@ -1,11 +1,14 @@
 """Operations tests: a real Prefect server on loopback, `kiln serve` and `kiln export` as users run them.
 
-The server is started once per session with its own PREFECT_HOME in a temp
+The server is started once for tests/ops/ with its own PREFECT_HOME in a temp
 dir and, as infra/compose.yaml runs it, its database in PostgreSQL: a cluster
-the session starts on loopback (tests/pg_cluster.py). A test can ask for the
-single-machine default, SQLite, with
+started on loopback (tests/pg_cluster.py). Both are package fixtures (tests/ops/
+is a package for that): stopped after the last test here, not at the end of the
+session, since an idle Prefect server still costs about 2 % of a core (its
+services poll) for the rest of the run. A test can ask for the single-machine
+default, SQLite, with
 `@pytest.mark.parametrize("prefect_server", ["sqlite"], indirect=True)`; that
-server too starts once per session. Each test gets its own KILN_HOME and its
+server too is a package fixture. Each test gets its own KILN_HOME and its
 own deployment names, so tests do not see each other's stores or runs.
 """
 
@@ -151,7 +154,7 @@ def _stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace_s: fl
         pass
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def postgres():
     """A PostgreSQL cluster for the session (tests/pg_cluster.py); yields its pg_cluster.Cluster."""
     import importlib.util
@@ -171,7 +174,7 @@ def postgres():
     pg_cluster.stop(cluster)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def postgres_prefect_server(postgres, tmp_path_factory) -> Iterator[PrefectServer]:
     """Prefect's server on the session's PostgreSQL, as infra/compose.yaml runs it (checked: its tables are there)."""
     import pg_cluster
@@ -188,13 +191,13 @@ def postgres_prefect_server(postgres, tmp_path_factory) -> Iterator[PrefectServe
     servers.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def sqlite_prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
     """Prefect's server on SQLite in its PREFECT_HOME: the single-machine default."""
     yield from _prefect_server(tmp_path_factory.mktemp("prefect-server-sqlite"), {})
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def prefect_server(request) -> PrefectServer:
     """The session's Prefect server on PostgreSQL, or on SQLite for a test that parametrises it with "sqlite"."""
     database = getattr(request, "param", "postgres")
