@@ -7,8 +7,9 @@ is a package for that): stopped after the last test here, not at the end of the
 session, since an idle Prefect server still costs about 2 % of a core (its
 services poll) for the rest of the run. A test can ask for the single-machine
 default, SQLite, with
-`@pytest.mark.parametrize("prefect_server", ["sqlite"], indirect=True)`; that
-server too is a package fixture. Each test gets its own KILN_HOME and its
+`@pytest.mark.parametrize("prefect_server", ["sqlite"], indirect=True)`: the
+session's own SQLite server (tests/conftest.py), which the suite's exports
+report to as well, not a second one. Each test gets its own KILN_HOME and its
 own deployment names, so tests do not see each other's stores or runs.
 """
 
@@ -43,8 +44,9 @@ def free_port() -> int:
 class PrefectServer:
     url: str
     """The UI's address, e.g. http://127.0.0.1:PORT."""
-    process: subprocess.Popen
-    log: Path
+    process: subprocess.Popen | None
+    """None for a server this package did not start (the session's SQLite one)."""
+    log: Path | None
 
     @property
     def api_url(self) -> str:
@@ -192,9 +194,11 @@ def postgres_prefect_server(postgres, tmp_path_factory) -> Iterator[PrefectServe
 
 
 @pytest.fixture(scope="package")
-def sqlite_prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
-    """Prefect's server on SQLite in its PREFECT_HOME: the single-machine default."""
-    yield from _prefect_server(tmp_path_factory.mktemp("prefect-server-sqlite"), {})
+def sqlite_prefect_server(session_prefect_url) -> PrefectServer:
+    """Prefect's server on SQLite, the single-machine default: the session's (tests/conftest.py), already
+    running on this worker or started here and used by the suite's exports after (a start and an idle
+    server less). It runs `prefect server start` on its own PREFECT_HOME, as `_prefect_server` does."""
+    return PrefectServer(session_prefect_url().removesuffix("/api"), process=None, log=None)
 
 
 @pytest.fixture(scope="package")
