@@ -45,14 +45,18 @@ class DaskCluster:
                 time.sleep(0.5)
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        """The workers first, the scheduler once they are gone: a worker that learns of the scheduler's close
+        before its own SIGTERM closes the other way, and hung for its nanny's 8 s before being killed."""
+        workers, scheduler = self.procs[1:], self.procs[:1]
+        for group in (workers, scheduler):
+            for p in group:
+                if p.poll() is None:
+                    p.terminate()
+            for p in group:
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
 
 
 def cluster_env(kiln_env: dict, prefect_url: str, s3_endpoint: str) -> dict:
