@@ -8,7 +8,8 @@ it. What a worker runs is a group, never split between the two:
 - the tests of one module (its module fixtures are made once);
 - the modules that read one costly session fixture (FIXTURE_FILES: the session's
   tp 2 export, the session's one-layer package), made on one worker only;
-- everything under tests/ops/ (one PostgreSQL cluster and Prefect server).
+- everything under tests/ops/ (one PostgreSQL cluster and Prefect server, package fixtures: a group runs
+  on one worker, one test after another, so they stop when its last test ends).
 
 The groups are handed out longest first (HEAVIEST, then collection order), so
 the last ones to run are short and the two workers end close together.
