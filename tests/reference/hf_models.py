@@ -133,9 +133,9 @@ CASES = {
     "phi3": ("phi3", dict(hidden_size=256, num_hidden_layers=3, partial_rotary_factor=0.75, sliding_window=6,
                           pad_token_id=None, eos_token_id=None, bos_token_id=None), "float32"),
     # Phi-3.5 / Phi-4-mini's longrope over an original context of 14 (factor 4: attention factor sqrt(1.5)), the
-    # leading 48 of 64 dims rotating: the end-to-end test's 12-token prompt decodes across the switch from the
-    # short to the long factors.
-    "phi3-longrope": ("phi3", dict(hidden_size=256, num_hidden_layers=3, partial_rotary_factor=0.75,
+    # leading 48 of 64 dims rotating, phi3's window of 6: the end-to-end test's 12-token prompt decodes across the
+    # switch from the short to the long factors.
+    "phi3-longrope": ("phi3", dict(hidden_size=256, num_hidden_layers=3, partial_rotary_factor=0.75, sliding_window=6,
                                    max_position_embeddings=56, original_max_position_embeddings=14,
                                    rope_scaling={"rope_type": "longrope",
                                                  "short_factor": [1.0 + 0.05 * i for i in range(24)],

@@ -33,14 +33,14 @@ E2E = {
     "gemma2": "Gemma 2: GeGLU, (1 + weight) norms around attention and MLP, scaled embeddings, soft-capped scores "
               "and logits, query_pre_attn_scalar, sliding and full layers interleaved",
     "gemma3": "Gemma 3: Gemma's layers with q/k norms; full layers rotate at 1e6 scaled by 8, sliding ones at 1e4",
-    "phi3": "Phi-3: fused qkv_proj and gate_up_proj cut into each rank's q/k/v and gate/up rows, a partial rotary "
-            "(48 of 64 dims), a sliding window of 6",
     "deepseek-v3": "DeepSeek-V3: latent attention (the cache holds each token's latent and rotary key, the same on "
                    "every rank; q and kv up-projections split by heads), a dense layer then 16 experts chosen by "
                    "corrected sigmoid scores within the best 2 of 4 groups, scaled, plus a shared expert",
-    "phi3-longrope": "Phi-3.5's longrope: the 12-token prompt is fed with the short factors (its length is 12), "
-                     "the decode steps past the original context of 14 switch to the long ones, as transformers "
-                     "does by each call's length (the forward takes each sequence's length, seq_lens)",
+    "phi3-longrope": "Phi-3.5: fused qkv_proj and gate_up_proj cut into each rank's q/k/v and gate/up rows, a "
+                     "partial rotary (48 of 64 dims), a sliding window of 6, and longrope: the 12-token prompt is "
+                     "fed with the short factors (its length is 12), the decode steps past the original context of "
+                     "14 with the long ones, the cache rebuilt at the switch as transformers' Phi-3 does (the "
+                     "forward takes each sequence's length, seq_lens)",
     "llama-realistic-bf16": "bfloat16, head_dim 128, 4 layers, vocabulary 32000",
 }
 
@@ -181,10 +181,11 @@ def test_a_mixture_of_experts_export_runs_with_torch_alone(export_and_run, tmp_p
 
 def test_a_fused_checkpoint_export_runs_with_torch_alone(export_and_run, tmp_path):
     """The consumer contract of fused tensors: Phi-3's q, k and v constants each list qkv_proj, cut to their
-    own rows (a cut at every rank, so a consumer that only cuts at tp > 1 would bind the whole tensor)."""
+    own rows (a cut at every rank, so a consumer that only cuts at tp > 1 would bind the whole tensor); torch
+    alone also passes this longrope model's seq_lens."""
     from pathlib import Path
 
-    got = export_and_run("phi3")
+    got = export_and_run("phi3-longrope")
     root = Path(got["store"].removeprefix("file://"))
     manifest_path = root / got["report"]["manifest"]
     manifest = json.loads(manifest_path.read_text())
