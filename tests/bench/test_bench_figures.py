@@ -83,6 +83,11 @@ def test_round_floats_drops_non_finite():
     assert round_floats({"a": [1.234567, float("inf")], "b": 2}) == {"a": [1.2346, None], "b": 2}
 
 
+def test_round_floats_keeps_a_small_difference():
+    """A max difference of 3.7e-06 between two packages reads as that, not as 0 (bitwise equal)."""
+    assert round_floats([3.6656856e-06, -2.5e-07, 0.0, 0.00012345]) == [3.666e-06, -2.5e-07, 0.0, 0.0001]
+
+
 def test_capture_sizes_of_a_common_serving_engine():
     sizes = capture_sizes()
     assert len(sizes) == 67
