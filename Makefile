@@ -59,8 +59,9 @@ runner: setup
 export: setup
 	$(BIN)/kiln export --model tiny --tp 2 --report report.json
 
-# Two workers, each test group on one of them, the longest groups first (tests/xdist_groups.py).
-XDIST := -n 2
+# Three workers on 2 cores (many tests wait on servers, leases and retries), each test group on one of
+# them, the longest groups first (tests/xdist_groups.py; docs/testing.md says what was measured).
+XDIST := -n 3
 
 test: test-setup
 	$(BIN)/pytest -q -rs --durations=25 $(XDIST)

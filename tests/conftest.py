@@ -412,7 +412,7 @@ def tp2_store_copy(tp2_export, tmp_path) -> dict:
 
 
 # =============================================================================
-# Two workers: which tests run together (tests/xdist_groups.py)
+# Workers: which tests run together (tests/xdist_groups.py)
 # =============================================================================
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

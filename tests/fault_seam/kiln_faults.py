@@ -14,6 +14,13 @@ unless its variable is set:
 - KILN_FAULT_DIE_AFTER_UPLOADS=N: the host's process kills itself (SIGKILL)
   right after its N-th upload: a host lost mid-compile.
 
+- KILN_FAULT_HOLD_COMPILE=<path>: a compile worker waits at stage 'export' (after
+  torch.export, before Inductor) until <path> exists (600 s at most), so its
+  export keeps its compile leases for as long as a test needs.
+- KILN_FAULT_MARK_PROBE=<path>: a host's probe creates <path> first: another
+  export held by KILN_FAULT_HOLD_COMPILE=<path> goes on once this one has
+  looked at the store (and found its forwards missing).
+
 "Once per process" matters: Prefect retries a flow or task in the same
 process, so the retry runs without the fault.
 
@@ -110,6 +117,33 @@ def maybe_kill_compile(spec: dict, stage: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+HOLD_COMPILE_ENV = "KILN_FAULT_HOLD_COMPILE"
+MARK_PROBE_ENV = "KILN_FAULT_MARK_PROBE"
+HOLD_LIMIT_S = 600.0
+
+
+def hold_compile(spec: dict, stage: str) -> None:
+    """At stage 'export', wait until KILN_FAULT_HOLD_COMPILE's file exists."""
+    import time
+
+    path = os.environ.get(HOLD_COMPILE_ENV)
+    if not path or stage != "export":
+        return
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{HOLD_COMPILE_ENV}: {path} did not appear within {HOLD_LIMIT_S:.0f} s")
+        time.sleep(0.2)
+
+
+def mark_probe() -> None:
+    """Create KILN_FAULT_MARK_PROBE's file (and its folder) as the probe starts."""
+    path = os.environ.get(MARK_PROBE_ENV)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).touch()
+
+
 def fired(directory: Path | str, prefix: str = "kill-compile-") -> list[str]:
     """Names of the markers of faults that fired (for tests)."""
     d = Path(directory)
@@ -126,8 +160,10 @@ def install_all() -> None:
         return
     from kiln.host import faults
 
+    faults.install("probe", mark_probe)
     faults.install("probe", probe)
     faults.install("uploaded", die_after_uploads)
     faults.install("uploaded", after_uploads)
     faults.install("compile", maybe_kill_compile)
+    faults.install("compile", hold_compile)
     _installed = True

@@ -70,9 +70,11 @@ def _leases(url: str) -> list[str]:
 def test_two_exports_at_once_compile_each_key_once(kiln, s3_bucket, signing_key_env, tmp_path):
     """Each export talks to its own embedded Prefect API, so only the store's leases keep them apart.
 
-    The second export starts once the first holds a compile lease, so the two overlap: the second
-    must find keys leased, wait for them and reuse them, never compile them again. The leases' TTL
-    (3 s) is far shorter than a compile: only the holder's renewals keep the second from taking over.
+    The second export starts once the first holds a compile lease, and the first's compiles wait (the
+    fault seam's KILN_FAULT_HOLD_COMPILE) until the second has probed the store, so the two overlap
+    however slowly the second starts on a loaded machine: the second must find keys leased, wait for them
+    and reuse them, never compile them again. The leases' TTL (3 s) is far shorter than that wait: only
+    the holder's renewals keep the second from taking over.
     """
     import time
 
@@ -80,8 +82,11 @@ def test_two_exports_at_once_compile_each_key_once(kiln, s3_bucket, signing_key_
     args = ["export", "--model", "tiny", "--tp", "2", "--buckets", "1x8,2x8", "--store", s3_bucket,
             "--set", "lease_ttl_s=3"]
 
+    probed = str(tmp_path / "second-probed")
+    overlap = [{"KILN_FAULT_HOLD_COMPILE": probed}, {"KILN_FAULT_MARK_PROBE": probed}]
+
     def one(i: int):
-        env = {**aws, **signing_key_env, "PREFECT_HOME": str(tmp_path / f"prefect{i}")}
+        env = {**aws, **signing_key_env, "PREFECT_HOME": str(tmp_path / f"prefect{i}"), **overlap[i]}
         return kiln(*args, "--report", str(tmp_path / f"r{i}.json"), env=env, embedded=True)
 
     with cf.ThreadPoolExecutor(2) as pool:  # two CLI processes; the threads only wait for them
