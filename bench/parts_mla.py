@@ -32,6 +32,6 @@ def part_mla(ctx: Context) -> dict:
     return {"figures": {"mla_step_ratio": median(ratios)}, "samples": {"mla_step_ratio": ratios},
             "raw": {"compile_s": compile_s, "step_s": {k: step[k] for k in ORDERS},
                     "max_abs_diff": step["max_abs_diff"], "steps_per_sample": steps},
-            "notes": f"2 layers of latent attention (16 heads of 128 + 64, values of 128, latent 512), one rank's shard "
-                     f"of tp 2, bucket 1x1 over {CONTEXT_TOKENS} cached tokens; absorbed over expanded, alternating, "
+            "notes": f"2 layers of latent attention (16 heads of 128 + 64, values of 128, latent 512), one rank's "
+                     f"shard of tp 2, bucket 1x1 over {CONTEXT_TOKENS} cached tokens; absorbed over expanded, alternating, "
                      "one thread"}

@@ -3,7 +3,8 @@
 On 2 cores one worker leaves a core idle much of the time: a compile, torch's
 import and Inductor are one process each, and many tests wait on servers, leases
 and retries (measured over a serial run: 45 % of the CPU idle). Several workers
-fill it (two left 12 % idle; three took the suite from 35.0 to 31.0 minutes). What a worker runs is a group, never split between the two:
+fill it (two left 12 % idle; three took the suite from 35.0 to 31.0 minutes).
+What a worker runs is a group, never split between workers:
 
 - the tests of one module (its module fixtures are made once);
 - the modules that read one costly session fixture (FIXTURE_FILES: the session's

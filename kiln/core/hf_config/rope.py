@@ -30,7 +30,8 @@ PER_LAYER_TYPE = {"full_attention", "sliding_attention"}
 """The keys of transformers 5's rope_parameters when each layer type has a rope of its own (Gemma 3)."""
 
 
-def rope_fields(raw: dict, family: str, default_theta: float = 10000.0, original_max_position: int | None = None) -> dict:
+def rope_fields(raw: dict, family: str, default_theta: float = 10000.0,
+                original_max_position: int | None = None) -> dict:
     """ModelConfig's rope_* keyword arguments from either spelling; `default_theta` when no rope_theta is given.
     A rope per layer type is refused (Gemma 3 splits it before it calls this). `original_max_position`: a
     family's own top-level original_max_position_embeddings, which transformers puts before the rope's (Phi-3)."""
