@@ -129,8 +129,11 @@ class HostRunner:
         self.host_names = sorted(names)
 
     def _worker_hosts(self) -> list[str]:
+        """The hosts the scheduler's workers name, asked now. Not `Client.scheduler_info()`: it returns the
+        client's cached copy, which the client's own refresh (every 2 s) overwrites with one that lists no
+        worker, so a read between the two saw no host at all and a loaded export took its hosts for lost."""
         names: list[str] = []
-        for info in self._client.scheduler_info(n_workers=-1)["workers"].values():
+        for info in self._client.sync(self._client.scheduler.identity, n_workers=-1)["workers"].values():
             names += [r[len(RESOURCE_PREFIX):] for r in info.get("resources", {}) if r.startswith(RESOURCE_PREFIX)]
         return names
 
