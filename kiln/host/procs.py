@@ -26,8 +26,16 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """Make this process die when its parent does (call first thing in a spawned process)."""
-    parent = os.getppid()
+    """Make this process die when its parent does (call first thing in a spawned process).
+
+    The parent is the process that started this one: for a multiprocessing child, the pid it was started
+    from. Its parent may die before this is called (a worker imports torch first, seconds under load); it
+    has then been adopted, and its new parent would pass for the old one: it exits instead.
+    """
+    import multiprocessing
+
+    started_by = multiprocessing.parent_process()
+    parent = started_by.pid if started_by is not None else os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:

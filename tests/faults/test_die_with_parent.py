@@ -1,0 +1,68 @@
+"""A worker whose parent died while it was still starting (importing torch takes seconds) does not live on.
+
+It was adopted before it armed the kernel's parent-death signal, so the signal would never come; and a
+pool worker holds both ends of its own call queue, so it never reads an end of input either: before
+`die_with_parent` compared with the pid that started it, two compile workers of an export killed early
+sat idle with 480 MiB each until the machine stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+PARENT = """
+import multiprocessing as mp
+import os
+import sys
+import time
+
+
+def child(armed):
+    open(armed + ".started", "w").write("started")
+    time.sleep(3.0)  # still starting when the parent dies, as a worker importing torch is
+    from kiln.host.procs import die_with_parent
+
+    die_with_parent()
+    open(armed, "w").write("armed")
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    worker = mp.get_context("spawn").Process(target=child, args=(sys.argv[1],))
+    worker.start()
+    open(sys.argv[1] + ".pid", "w").write(str(worker.pid))
+    os._exit(0)  # dies at once: no cleanup, as a SIGKILLed export
+"""
+
+
+def test_a_worker_whose_parent_died_before_it_armed_exits(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    armed = tmp_path / "armed"
+    # Its output goes nowhere: the worker inherits it, and would keep a pipe open.
+    parent = subprocess.run([sys.executable, str(script), str(armed)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, timeout=60)
+    assert parent.returncode == 0
+    pid = int((tmp_path / "armed.pid").read_text())
+    try:
+        worker = psutil.Process(pid)
+        deadline = time.monotonic() + 60
+        while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:
+            assert not armed.exists(), "the orphan armed the parent-death signal against its new parent"
+            assert time.monotonic() < deadline, "the orphaned worker still runs 60 s after its parent died"
+            time.sleep(0.2)
+    except psutil.NoSuchProcess:
+        pass  # gone before we looked
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert (tmp_path / "armed.started").exists(), "the worker never ran: this test shows nothing"
+    assert not armed.exists(), "the orphan armed the parent-death signal against its new parent"
