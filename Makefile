@@ -6,11 +6,11 @@ PYTHON ?= python3
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup lock test-setup postgres runner export test test-fast bench bench-quick bench-tuning bench-1b docs clean
+.PHONY: setup lock test-setup postgres runner-deps runner export test test-fast bench bench-quick bench-tuning bench-1b docs clean
 
 setup: $(VENV)/.installed
 
-test-setup: setup $(CHROMIUM) postgres runner
+test-setup: setup $(CHROMIUM) postgres runner-deps
 
 # uv installs the same set as pip in a third of the time (44 s against 130 s from a fresh clone here);
 # it reads no pip configuration, so it is handed pip's find-links (where this machine keeps torch's CPU
@@ -53,11 +53,14 @@ postgres:
 	fi
 
 # The C++ runner (runner/), built against the wheel's libtorch into runner/build/. Debian packages it
-# needs are installed when missing; without apt-get or root it is skipped with a warning (its test skips).
+# needs are installed when missing (runner-deps); without apt-get or root it is skipped with a warning
+# (its test skips). `make test` installs the packages only: tests/runner/ builds the runner with the same
+# cmake steps, inside the run, where its one compile shares the cores with the suite instead of holding
+# one while the other idles (a build before the tests took 45-60 s of the run's wall time).
 RUNNER_DEBS := cmake g++ nlohmann-json3-dev libgloo-dev libssl-dev
 RUNNER_HEADERS := /usr/include/nlohmann/json.hpp /usr/include/gloo/context.h /usr/include/openssl/evp.h
 
-runner: setup
+runner-deps:
 	@if ! command -v cmake >/dev/null 2>&1 || ! command -v c++ >/dev/null 2>&1 || \
 	   ! ls $(RUNNER_HEADERS) >/dev/null 2>&1; then \
 		if command -v apt-get >/dev/null 2>&1; then \
@@ -65,6 +68,8 @@ runner: setup
 			|| echo "warning: could not install $(RUNNER_DEBS); the C++ runner is not built and its test will skip"; \
 		else echo "warning: no apt-get to install $(RUNNER_DEBS); the C++ runner is not built and its test will skip"; fi; \
 	fi
+
+runner: setup runner-deps
 	@if command -v cmake >/dev/null 2>&1 && command -v c++ >/dev/null 2>&1 && ls $(RUNNER_HEADERS) >/dev/null 2>&1; then \
 		cmake -S runner -B runner/build -DCMAKE_BUILD_TYPE=Release \
 			-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null \

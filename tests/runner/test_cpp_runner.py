@@ -37,14 +37,15 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def runner() -> Path:
-    """The built runner (`make runner` builds the same folder; an up-to-date build costs ~1 s)."""
+    """The runner, built as `make runner` builds it (`make test` leaves the build to this fixture; an
+    up-to-date build costs ~1 s)."""
     import torch
 
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     missing += [pkg for pkg, header in HEADERS.items() if not (Path("/usr/include") / header).exists()]
     if missing:
         pytest.skip(f"cannot build the C++ runner without {', '.join(missing)} (make runner installs them via apt)")
-    for step in (["cmake", "-S", str(RUNNER_SRC), "-B", str(RUNNER_BUILD),
+    for step in (["cmake", "-S", str(RUNNER_SRC), "-B", str(RUNNER_BUILD), "-DCMAKE_BUILD_TYPE=Release",
                   f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
                  ["cmake", "--build", str(RUNNER_BUILD), "-j2"]):
         proc = subprocess.run(step, capture_output=True, text=True)
