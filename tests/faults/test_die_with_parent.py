@@ -3,7 +3,7 @@
 It was adopted before it armed the kernel's parent-death signal, so the signal would never come; and a
 pool worker holds both ends of its own call queue, so it never reads an end of input either: before
 `die_with_parent` compared with the pid that started it, two compile workers of an export killed early
-sat idle with 480 MiB each until the machine stopped.
+sat idle with 480 MiB each for the rest of the suite.
 """
 
 from __future__ import annotations

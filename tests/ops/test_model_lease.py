@@ -110,7 +110,7 @@ def test_a_killed_export_frees_the_model_lease(prefect_server, ops_env, tmp_path
         if proc.poll() is None:
             proc.kill()
         left = wait_gone(mark, timeout_s=30)
-    assert not left, f"left behind by the killed export: {left}"  # its compile workers were, while they started
+    assert not left, f"left behind by the killed export: {left}"  # compile workers still starting at the kill were
     # Expiry: at most the lease after the last renewal, then the server's repossessor (every 15 s) frees it.
     assert freed_s <= lease_s + 15 + 5, freed_s
 
