@@ -14,6 +14,7 @@ is I/O, not compilation, so a thread is fine here.
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import signal
 import threading
@@ -32,8 +33,6 @@ def die_with_parent() -> None:
     from. Its parent may die before this is called (a worker imports torch first, seconds under load); it
     has then been adopted, and its new parent would pass for the old one: it exits instead.
     """
-    import multiprocessing
-
     started_by = multiprocessing.parent_process()
     parent = started_by.pid if started_by is not None else os.getppid()
     try:
