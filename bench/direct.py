@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     compiled = {e["key"]: e for e in done["forwards"]}
     phase("compile", t)
     t = time.perf_counter()
-    found, missing = hostwork.stored_forwards(store, sorted(specs))
+    found, missing = hostwork.stored_forwards(store, sorted(specs), {k: e["sha256"] for k, e in compiled.items()})
     stored = outcome.check_outcome(found, missing, specs)
     phase("outcome-check", t)
     forwards = outcome.forward_records(specs, stored, compiled, job.model_config, job.tp)

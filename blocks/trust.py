@@ -168,6 +168,41 @@ def write_signed_manifest(store: Store, export_id: str, manifest: dict, plan: Si
             "signature": sig_key if plan.sign else None, "note": plan.describe()}
 
 
+def export_signer(plan: SigningPlan | None, home: Path, host: str) -> Ed25519PrivateKey | None:
+    """The export's signing key where this runs (a compile host, which vouches for what it compiles
+    before uploading it: kiln.core.vouch); None for an unsigned export. BadInput naming the host when
+    the key cannot be read there, before anything compiles."""
+    if plan is None or not plan.sign:
+        return None
+    try:
+        return signing_key(plan, home)
+    except (BadInput, OSError) as exc:
+        raise BadInput(f"host {host} cannot read the export's signing key ({plan.describe()}): {exc}. Every host "
+                       "that compiles signs what it compiles: give the hosts the key (a Prefect Secret block, "
+                       "--signing-key-block, is read by every host; KILN_SIGNING_KEY must be set in each "
+                       "host's environment).") from None
+
+
+def export_trusted_keys(plan: SigningPlan | None, home: Path) -> dict[str, Ed25519PublicKey]:
+    """fingerprint -> public key whose vouches an export accepts for forwards it reuses: its own signing
+    key and the keys of KILN_VERIFY_KEY. Empty for an unsigned export without KILN_VERIFY_KEY (it then
+    reuses nothing from the store that it did not compile itself)."""
+    keys: dict[str, Ed25519PublicKey] = {}
+    if plan is not None and plan.sign:
+        own = signing_key(plan, home).public_key()
+        keys[signing.fingerprint(own)] = own
+    if os.environ.get(VERIFY_KEY_ENV, "").strip():
+        keys.update({signing.fingerprint(k): k for k in _verify_key_env()})
+    return keys
+
+
+def _verify_key_env() -> list[Ed25519PublicKey]:
+    value = os.environ[VERIFY_KEY_ENV].strip()
+    if "-----BEGIN" not in value and not _looks_like_b64(value) and Path(value).expanduser().is_file():
+        value = Path(value).expanduser().read_text()
+    return _public_keys_from(value, VERIFY_KEY_ENV)
+
+
 def _public_keys_from(text: str | bytes, source: str) -> list[Ed25519PublicKey]:
     return signing.parse_public_keys(text, source=source)
 
@@ -184,10 +219,7 @@ def trusted_keys(*, files: list[str] = (), block: str | None = None, store: Stor
     if block:
         keys += _public_keys_from(_secret_block(block), f"Prefect Secret block {block!r}")
     if os.environ.get(VERIFY_KEY_ENV, "").strip():
-        value = os.environ[VERIFY_KEY_ENV].strip()
-        if "-----BEGIN" not in value and not _looks_like_b64(value) and Path(value).expanduser().is_file():
-            value = Path(value).expanduser().read_text()
-        keys += _public_keys_from(value, VERIFY_KEY_ENV)
+        keys += _verify_key_env()
     if not keys:
         if os.environ.get(SIGNING_KEY_ENV, "").strip():
             keys.append(signing.parse_private_key(os.environ[SIGNING_KEY_ENV], source=SIGNING_KEY_ENV).public_key())

@@ -26,10 +26,12 @@ from tasks.hostwork import store_of
 
 
 def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: dict[str, dict],
-                      reports: list[HostReport], runner: HostRunner) -> tuple[dict[str, dict], set[str], dict]:
-    """Compile what `plan` assigns; returns (key -> compile record of this export, lost host names,
-    host -> {'memory': its lowest available MiB and its compile process tree's peak MiB while compiling,
-    'waited_for_lease': keys it waited for while another export compiled them}). Each compile record
+                      reports: list[HostReport], runner: HostRunner
+                      ) -> tuple[dict[str, dict], dict[str, str], set[str], dict]:
+    """Compile what `plan` assigns; returns (key -> compile record of this export, key -> the sha256 its
+    compiling host's task returned, lost host names, host -> {'memory': its lowest available MiB and its
+    compile process tree's peak MiB while compiling, 'waited_for_lease': keys it waited for while
+    another export compiled them, 'reused': keys another compile stored first}). Each compile record
     must carry the sha256 its host's task returned (IntegrityError otherwise)."""
     log = get_run_logger()
     store = store_of(job)
@@ -50,7 +52,8 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
             runner.cancel(running.pop(name))
         for name, fut in running.items():
             result = fut.result()  # a host's failure fails the phase
-            memory[name] = {"memory": result["memory"], "waited_for_lease": result["waited_for_lease"]}
+            memory[name] = {"memory": result["memory"], "waited_for_lease": result["waited_for_lease"],
+                            "reused": sorted(r["key"] for r in result.get("reused", []))}
             reported.update({f["key"]: f["sha256"] for f in result["forwards"]})
         if not gone:
             break
@@ -68,7 +71,7 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
     # Keys without a record were compiled by another export that held their lease: reused.
     records = phases.compile_records(job, to_compile)
     outcome.check_digests(reported, {k: r["sha256"] for k, r in records.items()}, "the compile record in the store")
-    return records, lost, memory
+    return records, reported, lost, memory
 
 
 def _watch(running: dict, runner: HostRunner, progress: "_Progress") -> set[str]:

@@ -170,12 +170,14 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         probes = _probe(job, hosts, runner, report)
     with phase("tune") as info:
         probes = _tune(job, hosts, runner, report, probes, info)
+    # Nothing is reused on the store's word: a stored forward no trusted key vouched for stops the export here.
+    phases.check_reused(job, sorted({k for p in probes for k in p.store_keys}))
     plan = _gate(job, probes, report, phase)
     specs = {s["key"]: s for p in probes for s in p.specs}
     with phase("compile") as info:
-        compiled = _compile(job, hosts, runner, report, probes, specs, plan, info)
+        compiled, own = _compile(job, hosts, runner, report, probes, specs, plan, info)
     with phase("outcome-check"):
-        report.record_forwards(outcome.forward_records(specs, phases.outcome_check(job, specs), compiled,
+        report.record_forwards(outcome.forward_records(specs, phases.outcome_check(job, specs, own), compiled,
                                                        job.model_config, job.tp), compiled)
     with phase("share-verify"):
         _share_verify(job, hosts, runner, report, probes)
@@ -241,15 +243,17 @@ def _gate(job, probes, report, phase) -> Plan:
     return decision.plan
 
 
-def _compile(job, hosts, runner, report, probes, specs, plan, info: dict) -> dict:
-    """Compile what the plan assigns; hosts lost midway leave `hosts` (the rest goes on without them)."""
-    compiled, lost, during = run_compile_phase(job, hosts, plan, specs, decisions.host_reports(job, probes), runner)
+def _compile(job, hosts, runner, report, probes, specs, plan, info: dict) -> tuple[dict, dict[str, str]]:
+    """Compile what the plan assigns; hosts lost midway leave `hosts` (the rest goes on without them).
+    Returns (key -> this export's compile record, key -> the sha256 its compiling host returned)."""
+    compiled, own, lost, during = run_compile_phase(job, hosts, plan, specs, decisions.host_reports(job, probes),
+                                                    runner)
     report.record_compile(during, lost, job.assume_available)
     info["status"] = "ok" if plan.decision == "compile" else "skipped"
     if lost:
         info["lost_hosts"] = sorted(lost)
         hosts[:] = [h for h in hosts if h.name not in lost]
-    return compiled
+    return compiled, own
 
 
 def _share_verify(job, hosts, runner, report, probes) -> None:

@@ -13,11 +13,13 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from kiln.core import layout, tuning_plan
-from kiln.core.errors import DiskError, IntegrityError, MemoryShort
+from kiln.core.errors import DiskError, IntegrityError, MemoryShort, StoreConflict, StoreError
 from kiln.core.job import ExportJob, HostSpec
-from kiln.core.layout import artifact_key, compile_log_key, inspection_key, worker_memory_key, worker_memory_prefix
+from kiln.core.layout import (artifact_key, compile_log_key, inspection_key, vouch_key, worker_memory_key,
+                              worker_memory_prefix)
 from kiln.core.probe_result import HostProbe
 from kiln.core.sizing import check_peak_mib
+from kiln.core.vouch import make_vouch
 from kiln.host import cache, faults, probe, tuner
 from kiln.host.compiler import CompilePool, CompileResult, model_code_fingerprint
 from kiln.host.inductor_options import FORWARD_DEVICE, compiler_options
@@ -101,9 +103,10 @@ def break_leases(job: ExportJob, keys: list[str], hosts: set[str]) -> int:
 def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int) -> dict:
     """Compile `specs` in a pool of `workers` spawned processes; upload each the moment it is done.
 
-    Returns {'forwards': one entry per key this host compiled, 'memory': the host's
-    lowest available MiB and this process tree's peak MiB (the pool included) while compiling,
-    'waited_for_lease': the keys it found leased by another export and waited for}.
+    Returns {'forwards': one entry per key this host compiled and stored, 'reused': {'key', 'sha256',
+    'discarded'} of each key it compiled but found stored by another compile when it uploaded, 'memory':
+    the host's lowest available MiB and this process tree's peak MiB (the pool included) while
+    compiling, 'waited_for_lease': the keys it found leased by another export and waited for}.
 
     Each key is compiled under a lease, taken when its compile is submitted
     to a worker and renewed while it compiles: a key another export is
@@ -118,22 +121,32 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     """
     import torch
 
+    from blocks.trust import export_signer
+    from kiln.core.home import kiln_home
+
+    signer = export_signer(job.signing, kiln_home(), host.name)  # before any compile: a host without the key stops
     store = store_of(job)
     entries = tuner.load_for_compile(store, specs, torch.__version__)
     leases = Leases(store, f"{job.export_id}:{host.name}", job.recipe.lease_ttl_s)
     uploaded: list[dict] = []
+    reused: list[dict] = []
 
     def upload(result: CompileResult) -> None:
-        created = store.put_file(artifact_key(result.key), result.path, result.sha256)
-        entry = {"key": result.key, "sha256": result.sha256, "size_bytes": result.size_bytes,
-                 "compile_s": round(result.compile_s, 3), "compiled_by": host.name, "created": created,
-                 "autotune": result.autotune, "attempts": result.attempts, "compile_peak_mib": result.peak_mib}
-        store.put_json(compile_log_key(job.export_id, result.key), entry, overwrite=True)
-        store.put_json(inspection_key(result.key), {"sha256": result.sha256, **result.calls}, overwrite=True)
         spec = by_key[result.key]
         store.put_json(worker_memory_key(spec, result.key), {"compile_peak_mib": result.peak_mib,
                                                              "bucket": spec["bucket"]}, overwrite=True)
+        stored = publish(store, job, host.name, result, signer)
         leases.release(result.key)
+        if stored != result.sha256:  # another compile of the key was stored first: reuse it (if vouched)
+            log.warning("forward %s was stored by another compile (sha256 %s) while this host compiled it; "
+                        "that one is used", result.key, stored)
+            reused.append({"key": result.key, "sha256": stored, "discarded": result.sha256})
+            return
+        entry = {"key": result.key, "sha256": result.sha256, "size_bytes": result.size_bytes,
+                 "compile_s": round(result.compile_s, 3), "compiled_by": host.name, "created": True,
+                 "autotune": result.autotune, "attempts": result.attempts, "compile_peak_mib": result.peak_mib}
+        store.put_json(compile_log_key(job.export_id, result.key), entry, overwrite=True)
+        store.put_json(inspection_key(result.key), {"sha256": result.sha256, **result.calls}, overwrite=True)
         uploaded.append(entry)
         if entries and result.autotune and result.autotune["benchmarked"]:
             log.warning("forward %s benchmarked %d GEMM candidate(s) while compiling although tuning results "
@@ -147,9 +160,33 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     with PeakSampler(interval_s=0.2) as sampler, \
             CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
         waited = compile_leased(pool, leases, store, [job_of(s) for s in specs], upload)
-    return {"forwards": uploaded, "memory": {"min_available_mib": sampler.min_available_mib,
-                                             "peak_tree_mib": sampler.peak_mib},
+    return {"forwards": uploaded, "reused": reused,
+            "memory": {"min_available_mib": sampler.min_available_mib, "peak_tree_mib": sampler.peak_mib},
             "waited_for_lease": sorted(waited)}
+
+
+def publish(store, job: ExportJob, host_name: str, result: CompileResult, signer) -> str:
+    """Vouch for a compiled forward (signed export), then upload it create-once; the sha256 stored under
+    its key. That is `result.sha256`, or the digest of another compile of the key stored first (.pt2
+    bytes differ between compiles): a second compile is reuse, never an error; whether the other bytes
+    may be loaded is the reader's check of their vouch (kiln.core.vouch).
+
+    The vouch goes first, so a package this export stored is never without one, even if the host
+    dies right after the upload.
+    """
+    if signer is not None:
+        doc = make_vouch(result.key, result.sha256, export_id=job.export_id, compiled_by=host_name, signer=signer)
+        try:
+            store.put_json(vouch_key(result.key, result.sha256), doc)
+        except StoreConflict:  # identical bytes vouched for before (by this key or another): ours is as good
+            store.put_json(vouch_key(result.key, result.sha256), doc, overwrite=True)
+    try:
+        store.put_file(artifact_key(result.key), result.path, result.sha256)
+    except StoreConflict as exc:
+        if not exc.existing:
+            raise
+        return exc.existing
+    return result.sha256
 
 
 def measured_peaks(store, specs: list) -> list[int]:
@@ -165,12 +202,51 @@ def measured_peaks(store, specs: list) -> list[int]:
     return peaks
 
 
-def stored_forwards(store, keys: list[str]) -> tuple[dict[str, dict], list[str]]:
+def trusted_digests(store, keys: list[str], trusted: dict, own: dict[str, str]) -> dict[str, str]:
+    """key -> the sha256 of its stored forward that may be loaded; IntegrityError (kiln.core.vouch) naming
+    the stored forwards nobody trusted vouched for. Keys not in the store are left out.
+
+    A stored digest is trusted when the vouch for it verifies with one of `trusted` (fingerprint ->
+    public key), or when it is this export's own compile (`own`: key -> the digest its compiling host's
+    task returned, not the store's word).
+    """
+    from kiln.core.vouch import check_vouch, unvouched_error
+
+    out, recorded, unvouched = {}, {}, []
+    for key in keys:
+        info = store.stat(artifact_key(key))
+        if info is None:
+            continue
+        recorded[key] = info.sha256
+        if info.sha256 and own.get(key) == info.sha256:
+            out[key] = info.sha256
+            continue
+        try:
+            doc = store.get_json(vouch_key(key, info.sha256)) if info.sha256 else None
+        except (ObjectMissing, IntegrityError, ValueError):
+            doc = None
+        except StoreError as exc:  # unreadable for good (e.g. a file written behind the store's back): no vouch
+            if exc.transient:
+                raise
+            doc = None
+        if info.sha256 and check_vouch(doc, key, info.sha256, trusted):
+            out[key] = info.sha256
+        else:
+            unvouched.append(key)
+    if unvouched:
+        raise unvouched_error(unvouched, recorded, trusted, {k: artifact_key(k) for k in unvouched})
+    return out
+
+
+def stored_forwards(store, keys: list[str], digests: dict[str, str]) -> tuple[dict[str, dict], list[str]]:
     """(key -> {'sha256', 'size_bytes', 'calls'} of each stored forward, the keys not in the store).
 
-    'calls' is the inspection record of the stored bytes (kiln.core.package_check.package_calls), written
-    by the host that compiled it; a package without one that matches its sha256 (its compiler died
-    between the two uploads, or an older Kiln made it) is downloaded, checked and inspected here.
+    `digests`: key -> the trusted sha256 of its forward (`trusted_digests`); a key the store holds
+    with other bytes than those raises IntegrityError, and a stored key without a trusted digest
+    counts as missing. 'calls' is the inspection record of those bytes
+    (kiln.core.package_check.package_calls), written by the host that compiled them; a package
+    without one (its compiler died between the two uploads, or an older Kiln made it) is downloaded,
+    checked against the trusted digest and inspected here.
     """
     import tempfile
 
@@ -179,21 +255,26 @@ def stored_forwards(store, keys: list[str]) -> tuple[dict[str, dict], list[str]]
     found, missing = {}, []
     for key in keys:
         info = store.stat(artifact_key(key))
-        if info is None or not info.sha256:
+        if info is None or key not in digests:
             missing.append(key)
             continue
+        sha256 = digests[key]
+        if info.sha256 != sha256:
+            raise IntegrityError(f"forward {key}: the store now records sha256 {info.sha256} for "
+                                 f"{artifact_key(key)}, not the trusted {sha256}; it was changed behind this "
+                                 "export. Delete the object and export again.")
         try:
             record = store.get_json(inspection_key(key))
         except (ObjectMissing, IntegrityError):
             record = None
-        if not isinstance(record, dict) or record.get("sha256") != info.sha256:
+        if not isinstance(record, dict) or record.get("sha256") != sha256:
             with tempfile.TemporaryDirectory(prefix="kiln-inspect-") as tmp:
                 path = Path(tmp) / f"{key}.pt2"
-                store.get_file(artifact_key(key), path, info.sha256)
+                store.get_file(artifact_key(key), path, sha256)
                 check_package(path)
-                record = {"sha256": info.sha256, **package_calls(path).to_dict()}
+                record = {"sha256": sha256, **package_calls(path).to_dict()}
             store.put_json(inspection_key(key), record, overwrite=True)
-        found[key] = {"sha256": info.sha256, "size_bytes": info.size_bytes,
+        found[key] = {"sha256": sha256, "size_bytes": info.size_bytes,
                       "calls": {k: record[k] for k in ("python_free", "ops", "why")}}
     return found, missing
 

@@ -70,11 +70,27 @@ def compile_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int
     return hostwork.compile_on_host(job, host, specs, workers)
 
 
+def _trusted(job: ExportJob, keys: list[str], own: dict[str, str]) -> dict[str, str]:
+    from blocks.trust import export_trusted_keys
+    from kiln.core.home import kiln_home
+
+    return hostwork.trusted_digests(hostwork.store_of(job), keys, export_trusted_keys(job.signing, kiln_home()), own)
+
+
+@task(name="check-reused", **_IO)
+def check_reused(job: ExportJob, keys: list[str]) -> dict[str, str]:
+    """Before the gate: key -> trusted sha256 of each stored forward among `keys`; IntegrityError naming
+    those no trusted key vouched for (kiln.core.vouch), so nothing compiles or loads."""
+    return _trusted(job, keys, {})
+
+
 @task(name="outcome-check", **_IO)
-def outcome_check(job: ExportJob, forwards: dict[str, dict]) -> dict[str, dict]:
-    """Every key of the export must be in the store with a sha256, and its package Python-free
+def outcome_check(job: ExportJob, forwards: dict[str, dict], own: dict[str, str]) -> dict[str, dict]:
+    """Every key of the export must be in the store with a trusted sha256 (vouched for, or `own`: the
+    digest this export's compiling host returned), and its package Python-free
     (kiln.core.outcome.check_outcome); returns key -> {'sha256', 'size_bytes', 'calls'}."""
-    found, missing = hostwork.stored_forwards(hostwork.store_of(job), sorted(forwards))
+    digests = _trusted(job, sorted(forwards), own)
+    found, missing = hostwork.stored_forwards(hostwork.store_of(job), sorted(forwards), digests)
     return outcome.check_outcome(found, missing, forwards)
 
 

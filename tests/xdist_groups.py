@@ -29,7 +29,7 @@ import pytest
 FIXTURE_FILES = {
     "tp2_export": ("tests/integration/test_export.py", "tests/integration/test_first_run.py",
                    "tests/integration/test_torch_only.py", "tests/runner/test_cpp_runner.py",
-                   "tests/trust/test_python_free.py"),
+                   "tests/trust/test_python_free.py", "tests/trust/test_reuse_tamper.py"),
     "small_forward": ("tests/faults/test_s3_proxy.py", "tests/trust/test_loader_weights.py",
                       "tests/trust/test_runtime_checks.py"),
 }

@@ -56,6 +56,15 @@ class IntegrityError(KilnError):
     exit_code = 1
 
 
+class StoreConflict(IntegrityError):
+    """A create-once write found other bytes under its key; `existing` is the sha256 the store records for
+    them (None when unrecorded). An instance attribute, so it survives pickling."""
+
+    def __init__(self, message: str, *, existing: str | None = None):
+        super().__init__(message)
+        self.existing = existing
+
+
 class VerifyMismatch(KilnError):
     """A compiled forward differs from the eager model by more than the recipe allows."""
 

@@ -6,6 +6,7 @@ the round trip):
 
     forwards/<key>.pt2                       a compiled forward (AOTInductor package, no weights)
     inspections/<key>.json                   what that package calls (kiln.core.package_check)
+    vouches/<key>/<sha256>.json              a signed word that those bytes are Kiln's (kiln.core.vouch)
     memory/<graph digest>/<key>.json         a compile worker's measured peak, per (graph, target, compiler)
     tuning/<result id>.json                  one GEMM shape's kernel-tuning result
     leases/<key>/<generation:08d>.json       a compile lease on a forward key
@@ -22,6 +23,7 @@ from kiln.core.forward_keys import digest
 
 FORWARDS = "forwards/"
 INSPECTIONS = "inspections/"
+VOUCHES = "vouches/"
 MEMORY = "memory/"
 TUNING = "tuning/"
 LEASES = "leases/"
@@ -41,6 +43,11 @@ def forward_keys_in(object_keys) -> set[str]:
 def inspection_key(key: str) -> str:
     """Where the record of what a forward's package calls lives, with the sha256 of the bytes inspected."""
     return f"{INSPECTIONS}{key}.json"
+
+
+def vouch_key(key: str, sha256: str) -> str:
+    """Where the vouch for forward `key`'s package with `sha256` lives (kiln.core.vouch)."""
+    return f"{VOUCHES}{key}/{sha256}.json"
 
 
 def graph_digest(spec: dict) -> str:
@@ -99,6 +106,7 @@ _NAME = r"[A-Za-z0-9._-]+"
 _PATTERNS = [
     ("forward", re.compile(rf"{FORWARDS}(?P<key>{_NAME})\.pt2")),
     ("inspection", re.compile(rf"{INSPECTIONS}(?P<key>{_NAME})\.json")),
+    ("vouch", re.compile(rf"{VOUCHES}(?P<key>{_NAME})/(?P<sha256>[0-9a-f]{{64}})\.json")),
     ("worker_memory", re.compile(rf"{MEMORY}(?P<graph>[0-9a-f]+)/(?P<key>{_NAME})\.json")),
     ("tuning", re.compile(rf"{TUNING}(?P<result_id>[0-9a-f]+)\.json")),
     ("lease", re.compile(rf"{LEASES}(?P<key>{_NAME})/(?P<generation>\d{{8,}})\.json")),

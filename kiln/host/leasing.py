@@ -93,10 +93,13 @@ def compile_leased(pool: CompilePool, leases: Leases, store, jobs: list[tuple[di
     def submit(spec: dict) -> bool:
         if store.exists(artifact_key(spec["key"])):
             return False
-        if leases.acquire(spec["key"]):
-            return True
-        waited.add(spec["key"])
-        return False
+        if not leases.acquire(spec["key"]):
+            waited.add(spec["key"])
+            return False
+        if store.exists(artifact_key(spec["key"])):  # stored between the first look and the lease: reuse it
+            leases.release(spec["key"])
+            return False
+        return True
 
     waiting = list(jobs)
     try:

@@ -1,7 +1,9 @@
 """Load compiled forwards safely and check them against eager.
 
-A compiled package is native code. The loader only ever opens a file whose
-sha256 matches the manifest and whose zip members pass kiln.core.package_check (no
+A compiled package is native code. The loader copies the file into a private
+directory while hashing it and only ever opens that copy, so the bytes loaded
+are the bytes hashed (nobody can swap the file between the check and the
+load); it opens the copy only when its sha256 matches the manifest and whose zip members pass kiln.core.package_check (no
 absolute or '..' paths, no symlinks, bounded sizes, a PT2 layout) before
 AOTInductor extracts it, checks the rank's weights against the dtype and shape
 of every constant the package records (naming the tensor that does not fit),
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from kiln.core.errors import IntegrityError, KilnError, UnloadablePackage
@@ -32,20 +35,37 @@ def sha256_of(path: Path | str) -> str:
 
 
 def load_forward(path: Path | str, weights: dict, sha256: str):
-    """Verify (sha256, then package members), load and bind weights; return the callable forward."""
-    got = sha256_of(path)
-    if got != sha256:
-        raise IntegrityError(f"{path}: sha256 {got[:12]}… does not match the manifest's {sha256[:12]}…; "
-                             "refusing to load it. Delete the local copy and re-run to fetch it again.")
-    check_package(path)  # before AOTInductor extracts anything
+    """Verify (sha256, then package members), load and bind weights; return the callable forward.
+
+    What is verified and loaded is a private copy made while hashing (mode 0600 in a 0700 directory,
+    removed once AOTInductor has extracted it), never `path` itself.
+    """
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
     import torch
 
-    compiled = torch._inductor.aoti_load_package(str(path))
+    with tempfile.TemporaryDirectory(prefix="kiln-load-") as private:
+        copy = Path(private) / Path(path).name
+        got = _copy_hashing(path, copy)
+        if got != sha256:
+            raise IntegrityError(f"{path}: sha256 {got[:12]}… does not match the manifest's {sha256[:12]}…; "
+                                 "refusing to load it. Delete the local copy and re-run to fetch it again.")
+        check_package(copy)  # before AOTInductor extracts anything
+        compiled = torch._inductor.aoti_load_package(str(copy))
     check_weights(Path(path).name, compiled, weights)
     names = set(compiled.get_constant_fqns())
     compiled.load_constants({n: _compact(t) for n, t in weights.items() if n in names}, check_full_update=True)
     return compiled
+
+
+def _copy_hashing(src: Path | str, dest: Path) -> str:
+    """Copy `src` to the new file `dest` (0600) and return the sha256 of the bytes written."""
+    h = hashlib.sha256()
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with open(src, "rb") as f, os.fdopen(fd, "wb") as out:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+            out.write(chunk)
+    return h.hexdigest()
 
 
 def check_weights(package: str, compiled, weights: dict) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from kiln.core.errors import IntegrityError
+from kiln.core.errors import IntegrityError, StoreConflict
 
 
 class ObjectMissing(KeyError):
@@ -74,12 +74,13 @@ def check_digest(key: str, actual: str, expected: str | None) -> None:
         )
 
 
-def conflict(key: str, existing: str | None, new: str) -> IntegrityError:
+def conflict(key: str, existing: str | None, new: str) -> StoreConflict:
     """The error for a create-once write that found different content under `key`."""
-    return IntegrityError(
+    return StoreConflict(
         f"store key {key!r} already holds an object with sha256 {existing}, not {new}; "
         "objects are written once: a different artifact under the same key means the key "
-        "misses an input (or the store holds a stale object: delete it)"
+        "misses an input (or the store holds a stale object: delete it)",
+        existing=existing,
     )
 
 

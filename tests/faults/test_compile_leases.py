@@ -122,3 +122,22 @@ def test_pool_skips_what_on_submit_refuses_and_ticks_while_compiling(tmp_path):
 
 # The same race between two real exports (a TTL shorter than a compile, the holder renewing) is
 # tests/integration/test_faults_cluster.py::test_two_exports_at_once_compile_each_key_once.
+
+
+def test_a_key_stored_while_its_lease_was_taken_is_reused_not_compiled(tmp_path):
+    """The other export uploads between this one's look at the store and its lease (its lease released
+    with the upload): the key is checked again under the lease, not compiled a second time."""
+    store = open_store(f"file://{tmp_path / 'store'}")
+
+    class UploadedMeanwhile(Leases):
+        def acquire(self, key: str) -> bool:
+            store.put_bytes(artifact_key(key), b"the other export's package")
+            return super().acquire(key)
+
+    leases = UploadedMeanwhile(store, "export-b:host", 30.0)
+    jobs = [({"key": "k1", "bucket": "1x8", "log": str(tmp_path / "starts.log"), "sleep_s": 0.1},
+             str(tmp_path / "k1.pt2"))]
+    with CompilePool(1, compile_fn=stand_in, initializer=None) as pool:
+        assert compile_leased(pool, leases, store, jobs, lambda r: None, poll_s=0.1) == set()
+    assert not (tmp_path / "starts.log").exists()  # never compiled
+    assert not store.list("leases/") and not leases.held

@@ -68,7 +68,10 @@ def _leases(url: str) -> list[str]:
 
 
 def test_two_exports_at_once_compile_each_key_once(kiln, s3_bucket, signing_key_env, tmp_path):
-    """Each export talks to its own embedded Prefect API, so only the store's leases keep them apart.
+    """Two checkpoints of one architecture (the bundled tiny model, and tiny's shape with other weights)
+    exported at once into one store: their model leases differ, their forward keys are the same (weights
+    are in no key), and both finish. Each export talks to its own embedded Prefect API, so only the
+    store's leases keep them apart.
 
     The second export starts once the first holds a compile lease, and the first's compiles wait (the
     fault seam's KILN_FAULT_HOLD_COMPILE) until the second has probed the store, so the two overlap
@@ -79,15 +82,18 @@ def test_two_exports_at_once_compile_each_key_once(kiln, s3_bucket, signing_key_
     import time
 
     aws = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
-    args = ["export", "--model", "tiny", "--tp", "2", "--buckets", "1x8,2x8", "--store", s3_bucket,
-            "--set", "lease_ttl_s=3"]
+    other = tmp_path / "tiny-other-weights"
+    assert kiln("checkpoint", str(other), "--seed", "7").code == 0
+    models = ["tiny", str(other)]
+    args = ["--tp", "2", "--buckets", "1x8,2x8", "--store", s3_bucket, "--set", "lease_ttl_s=3"]
 
     probed = str(tmp_path / "second-probed")
     overlap = [{"KILN_FAULT_HOLD_COMPILE": probed}, {"KILN_FAULT_MARK_PROBE": probed}]
 
     def one(i: int):
         env = {**aws, **signing_key_env, "PREFECT_HOME": str(tmp_path / f"prefect{i}"), **overlap[i]}
-        return kiln(*args, "--report", str(tmp_path / f"r{i}.json"), env=env, embedded=True)
+        return kiln("export", "--model", models[i], *args, "--report", str(tmp_path / f"r{i}.json"), env=env,
+                    embedded=True)
 
     with cf.ThreadPoolExecutor(2) as pool:  # two CLI processes; the threads only wait for them
         first = pool.submit(one, 0)

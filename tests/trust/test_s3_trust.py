@@ -138,6 +138,31 @@ def test_a_replaced_artifact_with_a_consistent_store_digest_is_still_refused(kil
     refused(v, f["object"], f["sha256"])  # the signed manifest's digest wins over the store's
 
 
+def test_an_export_reusing_a_replaced_forward_stops_before_loading_it(kiln, world):
+    """The store's metadata agrees with the replaced bytes; only a vouch could make them trusted, and nobody
+    with the key vouched for them: the next export stops before anything compiles or loads."""
+    f = world["report"]["forwards"][0]
+    good, meta = get_raw(world, f["object"])
+    evil = good[::-1]
+    evil_sha = hashlib.sha256(evil).hexdigest()
+    report = world["dir"] / "tampered.json"
+    try:
+        put_raw(world, f["object"], evil, {"sha256": evil_sha})
+        run = kiln("export", "--tp", "2", "--buckets", "1x8", "--store", world["store"], "--signing-key-block",
+                   world["block"], "--report", str(report), env=world["env"])
+    finally:
+        put_raw(world, f["object"], good, meta)
+    assert run.code == 1 and f["key"] in run.err and evil_sha in run.err, run.err[-3000:]
+    assert "no key this export trusts vouched" in run.err
+    r = json.loads(report.read_text())
+    assert r["status"] == "failed" and not r["forwards"] and not r["manifest"]
+    listed = world["s3"].list_objects_v2(Bucket=world["bucket"], Prefix="kiln/exports/")["Contents"]
+    for o in listed:
+        if o["Key"].endswith("/manifest.json"):
+            m = json.loads(world["s3"].get_object(Bucket=world["bucket"], Key=o["Key"])["Body"].read())
+            assert evil_sha not in {x["sha256"] for x in m["forwards"]}
+
+
 def test_a_manifest_changed_in_the_store_fails_its_signature(kiln_main, world):
     r = world["report"]
     good, meta = get_raw(world, r["manifest"])
@@ -202,8 +227,9 @@ def test_an_s3_export_without_a_key_is_refused_before_any_work(kiln_main, world)
 
 def test_an_unsigned_export_says_so_and_verify_needs_allow_unsigned(kiln, kiln_main, world):
     report = world["dir"] / "unsigned.json"
+    # An unsigned export reuses a stored forward only when a key it trusts vouched for it (KILN_VERIFY_KEY).
     run = kiln("export", "--tp", "2", "--buckets", "1x8", "--store", world["store"], "--unsigned",
-               "--report", str(report), env=world["env"])
+               "--report", str(report), env={**world["env"], "KILN_VERIFY_KEY": str(world["pub"])})
     assert run.code == 0, run.err[-3000:]
     r = json.loads(report.read_text())
     assert r["signing"]["signed"] is False and r["signing"]["signature"] is None

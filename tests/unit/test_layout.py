@@ -16,6 +16,7 @@ SPEC = {"graph": {"layers": 2}, "target": "cpu-x86_64", "compiler": {}}
 BUILT = [
     (layout.artifact_key(KEY), {"kind": "forward", "key": KEY}),
     (layout.inspection_key(KEY), {"kind": "inspection", "key": KEY}),
+    (layout.vouch_key(KEY, "ab" * 32), {"kind": "vouch", "key": KEY, "sha256": "ab" * 32}),
     (layout.worker_memory_key(SPEC, KEY), {"kind": "worker_memory", "graph": layout.graph_digest(SPEC), "key": KEY}),
     (layout.tuning_key("ab" * 16), {"kind": "tuning", "result_id": "ab" * 16}),
     (layout.lease_key(KEY, 7), {"kind": "lease", "key": KEY, "generation": 7}),
@@ -52,7 +53,7 @@ def test_listings_and_generations():
 
 def test_no_other_module_spells_a_store_path():
     root = Path(__file__).resolve().parents[2]
-    literal = re.compile(r"""["'](?:forwards|inspections|memory|tuning|leases|exports)/""")
+    literal = re.compile(r"""["'](?:forwards|inspections|vouches|memory|tuning|leases|exports)/""")
     found = []
     for top in ("kiln", "flows", "tasks", "blocks", "cli", "bench"):
         for path in (root / top).rglob("*.py"):
