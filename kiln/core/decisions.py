@@ -63,8 +63,9 @@ def cold(probes: list[HostProbe]) -> list[HostProbe]:
 
 def plan_kv_for(job: ExportJob, probes: list[HostProbe]) -> dict:
     """The KV plan of these probes, reserving the compile workers the gate would start if every forward
-    were missing (`cold`): a warm export plans the same pages as a cold one of the same inputs, so the
-    manifest's page count does not depend on what earlier exports left in the store or the caches."""
+    were missing (`cold`): a warm export plans the same pages as a cold one of the same inputs, whichever
+    forwards earlier exports left in the store or the caches. (A measured worker peak is an input: once
+    the store holds one for this graph and target, the workers are counted at it, as the gate counts them.)"""
     return kv_plan(job, host_reports(job, probes), planned_workers(job, cold(probes)))
 
 
