@@ -68,8 +68,7 @@ def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> tuple[Report, 
     ledger("start")
     start = probe_start = time.perf_counter()
     probes = [hostwork.probe_host(job, h) for h in hosts]
-    for p in probes:
-        report.host(p.name, target=p.target)["cache"] = p.cache
+    report.record_probes(probes)
     try:
         check_probed_caches(probes, job.recipe.artifact_mib_estimate)
     except BadInput as bad:  # a cache that is unwritable or too full: the flow's probe would stop the same way

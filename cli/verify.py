@@ -13,8 +13,6 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-import psutil
-
 from blocks.trust import read_verified_manifest, trusted_keys
 from kiln.core.config import ModelConfig
 from kiln.core.errors import BadInput, MemoryShort, VerifyMismatch
@@ -27,6 +25,7 @@ from kiln.core.recipe import Recipe
 from kiln.core.sizing import verify_peak_mib
 from kiln.host import weights
 from kiln.host.checkpoint import tiny_checkpoint
+from kiln.host.probe import host_memory
 from kiln.host.verify_ranks import verify_all_ranks
 from kiln.store import Store, open_store, validate_key
 
@@ -112,7 +111,7 @@ def verify_export(store_url: str | None, export_id: str, **options) -> dict:
                                 full_bytes=cfg.weight_bytes_per_rank(1), tp=manifest["tp"],
                                 num_forwards=len(artifacts), half=cfg.dtype != "float32",
                                 process_base_mib=recipe.process_base_mib)
-    available = psutil.virtual_memory().available // 2**20
+    available = host_memory()["host_available_mib"]
     if predicted > available:
         raise MemoryShort(f"kiln verify runs all {manifest['tp']} ranks and the unsharded model on this machine: "
                           f"about {predicted} MiB, but {available} MiB are available. Free memory, or verify on "

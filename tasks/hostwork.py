@@ -55,6 +55,7 @@ def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
     import torch
 
     snap = probe.memory_snapshot()
+    cpus, cpus_source = probe.cpus_and_source()
     target = probe.target_fingerprint()
     store = store_of(job)
     backends = tuning_plan.gemm_backends(job.recipe.tuning, FORWARD_DEVICE)
@@ -63,7 +64,7 @@ def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
                       compiler=compiler_options(backends), tuning=tuned)
     stored = layout.forward_keys_in(store.list(layout.FORWARDS))
     return HostProbe(
-        name=host.name, ranks=tuple(host.ranks), memory=snap, num_cpus=probe.num_cpus(),
+        name=host.name, ranks=tuple(host.ranks), memory=snap, num_cpus=cpus, cpus_source=cpus_source,
         unified=probe.unified_memory() if job.recipe.unified_memory is None else job.recipe.unified_memory,
         target=target, specs=tuple(s.to_dict() for s in specs),
         local_keys=tuple(sorted(s.key for s in specs if local_path(host, s.key).exists())),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kiln.core.errors import GateRefused, HostsLost
 from kiln.core.gate import HostReport, Plan, check_kv, decide
@@ -30,7 +30,8 @@ def host_reports(job: ExportJob, probes: list[HostProbe]) -> list[HostReport]:
             available_assumed=assumed is not None, unified=p.unified,
             device_free_mib=p.device_free_mib, local_keys=frozenset(p.local_keys),
             measured_worker_mib=measured_worker_mib(job.recipe, list(p.worker_peaks_mib)),
-            measured_peak_mib=max(p.worker_peaks_mib) if p.worker_peaks_mib else None))
+            measured_peak_mib=max(p.worker_peaks_mib) if p.worker_peaks_mib else None,
+            available_source=p.memory_source, cpus_source=p.cpus_source))
     return out
 
 
@@ -55,19 +56,32 @@ def planned_workers(job: ExportJob, probes: list[HostProbe]) -> dict[str, int]:
     return {name: hp.workers for name, hp in plan.hosts.items()}
 
 
+def cold(probes: list[HostProbe]) -> list[HostProbe]:
+    """The same probes with no forward in any host's cache or in the store: a first export of these inputs."""
+    return [replace(p, local_keys=(), store_keys=()) for p in probes]
+
+
 def plan_kv_for(job: ExportJob, probes: list[HostProbe]) -> dict:
-    """The KV plan of these probes, reserving the compile workers the gate will start."""
-    return kv_plan(job, host_reports(job, probes), planned_workers(job, probes))
+    """The KV plan of these probes, reserving the compile workers the gate would start if every forward
+    were missing (`cold`): a warm export plans the same pages as a cold one of the same inputs, whichever
+    forwards earlier exports left in the store or the caches. (A measured worker peak is an input: once
+    the store holds one for this graph and target, the workers are counted at it, as the gate counts them.)"""
+    return kv_plan(job, host_reports(job, probes), planned_workers(job, cold(probes)))
 
 
 def kv_plan(job: ExportJob, reports: list[HostReport], workers: dict[str, int]) -> dict:
-    """Pages per rank after weights, activation reserve and (on unified memory) the compile workers that
-    will run (`workers`: host -> count, from planned_workers)."""
+    """Pages per rank after weights, activation reserve and, where the KV cache draws from host memory,
+    the headroom floor and `workers` compile workers (host -> count; plan_kv_for passes a cold export's).
+
+    The floor is reserved on every such host, compiling or not: it is memory the host keeps free whatever
+    else runs. On a discrete GPU the KV cache draws from device memory, which neither the floor nor the
+    compile workers' host memory touch."""
     rows = []
     for h in reports:
-        n = workers.get(h.name, 0)
-        pool_mib = required_mib(job.recipe, n, h.unified, h.measured_worker_mib) if n and h.unified else 0
-        memory_mib = h.available_mib if h.unified or h.device_free_mib is None else h.device_free_mib
+        on_host = h.unified or h.device_free_mib is None
+        memory_mib = h.available_mib if on_host else h.device_free_mib
+        pool_mib = required_mib(job.recipe, workers.get(h.name, 0), h.unified, h.measured_worker_mib) \
+            if on_host else 0
         rows.append((list(h.ranks), memory_mib, pool_mib))
     plan = plan_kv(job.recipe, page_size_bytes=page_size(job),
                    weight_bytes_per_rank=job.model_config.weight_bytes_per_rank(job.tp), hosts=rows).to_dict()
@@ -123,7 +137,7 @@ class Decision:
 
 
 def decide_export(job: ExportJob, probes: list[HostProbe]) -> Decision:
-    """The KV plan (reserving the compile workers the gate will start), then the gate on it, which also
+    """The KV plan (reserving the compile workers a cold export would start), then the gate on it, which also
     refuses a KV plan that cannot hold the largest bucket."""
     start = time.perf_counter()
     kv = plan_kv_for(job, probes)
@@ -148,7 +162,19 @@ def describe(plan: Plan, reports: list[HostReport]) -> str:
                     f"{len(h.download):>9} {h.predicted_s:>9.0f}s")
     if any(r.available_assumed for r in reports):
         rows.append("* assumed (--assume-available)")
+    rows += limit_lines(reports)
     return "\n".join(rows)
+
+
+def limit_lines(reports: list[HostReport]) -> list[str]:
+    """One line per figure a cgroup limited (the node's own figures say nothing): which file set it."""
+    rows = []
+    for r in sorted(reports, key=lambda r: r.name):
+        if r.available_source != "host" and not r.available_assumed:
+            rows.append(f"{r.name}: available memory limited by {r.available_source}")
+        if r.cpus_source != "host":
+            rows.append(f"{r.name}: {r.num_cpus} CPUs, limited by {r.cpus_source}")
+    return rows
 
 
 MAX_REPLANS = 3

@@ -23,7 +23,8 @@ class HostReport:
     name: str
     ranks: tuple[int, ...]
     available_mib: int
-    """Host memory available now (psutil), or the user's assumed figure."""
+    """Host memory available now (psutil, or the process's cgroup where it allows less), or the user's
+    assumed figure."""
     num_cpus: int
     target: str
     """Compile target fingerprint: hosts of one target can compile for each other."""
@@ -38,6 +39,10 @@ class HostReport:
     """A compile worker's measured peak for this graph and target, margin included (None: not measured)."""
     measured_peak_mib: int | None = None
     """That measured peak itself, before the margin (None: not measured)."""
+    available_source: str = "host"
+    """What set available_mib when probed: 'host' (the node's figure) or the cgroup file that limits it."""
+    cpus_source: str = "host"
+    """What set num_cpus: 'host' (the process's affinity) or the cgroup file whose quota limits it."""
 
 
 @dataclass
@@ -189,12 +194,18 @@ def worker_words(recipe: Recipe, measured_worker_mib: int | None, measured_peak_
     return f"a worker counted at {mib} MiB{why}{device}"
 
 
+def _limited(source: str) -> str:
+    """'limited by <the cgroup file>' for a figure a cgroup set; '' for the node's own ('host')."""
+    return "" if source == "host" else f"limited by {source}"
+
+
 def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[str, HostReport],
              recipe: Recipe, page_size_bytes: int | None, kv_pages_per_rank: int | None) -> str:
     lines = []
     for h in sorted(short, key=lambda h: h.name):
         p = plans[h.name]
-        assumed = " (assumed)" if h.available_assumed else ""
+        limit = _limited(h.available_source)
+        assumed = " (assumed)" if h.available_assumed else f" ({limit})" if limit else ""
         gap = p.required_one_mib - h.available_mib
         measured = f" (headroom {recipe.floor_mib()} MiB + {p.worker_words})"
         if gap > 0:
@@ -204,7 +215,8 @@ def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[
             lines.append(f"{h.name} has {h.device_free_mib} MiB free on its device but one compile worker "
                          f"needs {recipe.worker_device_mib} MiB there")
         else:
-            lines.append(f"{h.name} can run no compile worker ({h.num_cpus} CPUs)")
+            cpus = f"{h.num_cpus} CPUs" + (f", {_limited(h.cpus_source)}" if h.cpus_source != "host" else "")
+            lines.append(f"{h.name} can run no compile worker ({cpus})")
     fixes = []
     floors = [floor_admitting_one(recipe, available_mib=h.available_mib, unified=h.unified,
                                   measured_host_mib=h.measured_worker_mib) for h in short]

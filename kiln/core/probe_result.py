@@ -17,8 +17,10 @@ class HostProbe:
     ranks: tuple[int, ...]
     """The tensor-parallel ranks this host runs."""
     memory: dict
-    """The memory reading (kiln.host.probe.memory_snapshot): host_available_mib, device_free_mib, ..."""
+    """The memory reading (kiln.host.probe.memory_snapshot): host_available_mib, memory_source (the limit
+    that set it: 'host', or a cgroup file), device_free_mib, ..."""
     num_cpus: int
+    """CPUs this process may use (kiln.host.probe.cpus_and_source): affinity, or a tighter cgroup quota."""
     unified: bool
     """Whether device memory is the host's pool (probed, or the recipe's unified_memory)."""
     target: str
@@ -33,10 +35,16 @@ class HostProbe:
     """The host cache's status (kiln.host.cache.cache_status): path, error, free_mib."""
     worker_peaks_mib: tuple[int, ...] = ()
     """Compile worker peaks measured before for this graph and target (from the store)."""
+    cpus_source: str = "host"
+    """What set num_cpus: 'host' (the process's affinity), or the cgroup file whose quota allows fewer."""
 
     @property
     def host_available_mib(self) -> int:
         return self.memory["host_available_mib"]
+
+    @property
+    def memory_source(self) -> str:
+        return self.memory.get("memory_source", "host")
 
     @property
     def device_free_mib(self) -> int | None:

@@ -100,9 +100,12 @@ class Report:
         return "\n".join(lines)
 
     def record_probes(self, probes) -> None:
-        """Each probed host's compile target and cache status (probes: kiln.core.probe_result.HostProbe)."""
+        """Each probed host's compile target, cache status and what set its memory and CPU figures ('host', or
+        the cgroup file whose limit allows less) (probes: kiln.core.probe_result.HostProbe)."""
         for p in probes:
-            self.host(p.name, target=p.target)["cache"] = p.cache
+            entry = self.host(p.name, target=p.target)
+            entry["cache"] = p.cache
+            entry["limits"] = {"memory": p.memory_source, "cpus": p.cpus_source}
 
     def record_plan(self, plan) -> None:
         """The gate's plan (kiln.core.gate.Plan): its decision, assignments, estimate and each host's figures."""
@@ -176,6 +179,14 @@ class Report:
                 if "assumed_available_mib" in m:
                     avail = f"{avail} (assumed {m['assumed_available_mib']})"
                 out.append(f"| {name} | {m['phase']} | {avail} | {m['device_free_mib'] or '-'} |")
+        limited = []
+        for name in sorted(self.hosts):
+            limits = self.hosts[name].get("limits") or {}
+            for what, source in (("host available", limits.get("memory")), ("CPUs", limits.get("cpus"))):
+                if source not in (None, "host"):
+                    limited.append(f"- {name}: {what} limited by {source}")
+        if limited:
+            out += [""] + limited
         for label, key in (("Memory ledger picture", self.ledger_picture), ("Manifest", self.manifest)):
             if key:
                 text, url = links.get(key, (self.store_url(key), None))

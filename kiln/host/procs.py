@@ -22,6 +22,8 @@ import time
 
 import psutil
 
+from kiln.host.probe import host_memory_bytes
+
 MIB = 2**20
 _PR_SET_PDEATHSIG = 1
 
@@ -66,7 +68,8 @@ def tree_rss_bytes(proc: psutil.Process) -> int:
 class PeakSampler:
     """Largest resident memory of this process and its children while the `with` block runs (`peak_mib`).
 
-    Also tracks the host's smallest available memory over the same time (`min_available_mib`).
+    Also tracks the host's smallest available memory over the same time (`min_available_mib`; the
+    cgroup's where it allows less than the node, as the probe counts it).
     """
 
     def __init__(self, interval_s: float = 0.05, pid: int | None = None):
@@ -79,7 +82,7 @@ class PeakSampler:
 
     def _sample(self) -> None:
         self.peak_bytes = max(self.peak_bytes, tree_rss_bytes(self._proc))
-        available = psutil.virtual_memory().available
+        available = host_memory_bytes()[0]
         if self.min_available_bytes is None or available < self.min_available_bytes:
             self.min_available_bytes = available
 

@@ -1,10 +1,13 @@
 """Memory the gate can trust: measured worker peaks, a KV plan that reserves only the workers that run,
 and a refusal when the KV cache could not hold the largest bucket. Pure: no server, no torch."""
 
+from dataclasses import replace
+
 import pytest
 
 from kiln.core.config import TINY
-from kiln.core.decisions import describe, host_reports, measured_worker_mib, plan_kv_for, run_gate
+from kiln.core.decisions import (describe, host_reports, measured_worker_mib, plan_kv_for, planned_workers,
+                                 run_gate)
 from kiln.core.errors import GateRefused
 from kiln.core.gate import HostReport, decide
 from kiln.core.job import ExportJob
@@ -55,6 +58,31 @@ def test_kv_plan_reserves_only_the_workers_the_gate_starts():
     weights = TINY.weight_bytes_per_rank(2)
     left = (9000 + 512 - 2000 - 2 * 256) * 2**20 - 2 * weights  # floor + one worker reserved, not eight
     assert kv["per_rank_pages"] == {"0": min(left // 2 // page, 4096), "1": min(left // 2 // page, 4096)}
+
+
+def test_a_warm_export_plans_the_same_pages_as_a_cold_one():
+    # Same hosts and inputs; cold: nothing compiled yet; warm: every forward in the store and host "a"'s
+    # cache, so the gate starts no worker. The KV plan keeps the floor and the cold export's workers anyway.
+    j = job(buckets=(Bucket(1, 16), Bucket(2, 16)), headroom_floor_mib=1000, recipe_headroom_mib=500,
+            worker_host_mib=700, kv_max_pages=10**9)
+    keys = ["k1", "k2"]
+    cold = [probe("a", (0,), 6000, keys), probe("b", (1,), 6000, keys)]
+    warm = [replace(p, store_keys=tuple(keys), local_keys=tuple(keys) if p.name == "a" else ()) for p in cold]
+    assert planned_workers(j, warm) == {"a": 0, "b": 0}
+    assert plan_kv_for(j, warm) == plan_kv_for(j, cold)
+    kv = plan_kv_for(j, warm)
+    assert kv["pool_workers"] == {"a": 1, "b": 1}  # two forwards over two hosts: one worker each when cold
+    left = (6000 - 1000 - 700 - 256) * 2**20 - TINY.weight_bytes_per_rank(2)
+    assert kv["per_rank_pages"] == {"0": left // kv["page_bytes"], "1": left // kv["page_bytes"]}
+
+
+def test_the_floor_is_kept_on_a_host_that_compiles_nothing():
+    j = job(buckets=(Bucket(1, 16),), headroom_floor_mib=3000, recipe_headroom_mib=500, worker_host_mib=100_000,
+            kv_max_pages=10**9)
+    kv = plan_kv_for(j, [probe("h", (0, 1), 8000, ["k1"])])  # no worker fits: the gate would refuse
+    assert kv["pool_workers"] == {"h": 0}
+    left = (8000 - 3000 - 2 * 256) * 2**20 - 2 * TINY.weight_bytes_per_rank(2)
+    assert kv["per_rank_pages"]["0"] == left // 2 // kv["page_bytes"]
 
 
 def test_a_kv_cache_that_cannot_hold_the_largest_bucket_is_refused():
