@@ -22,7 +22,7 @@ from kiln.core.sizing import check_peak_mib
 from kiln.core.vouch import make_vouch
 from kiln.host import cache, faults, probe, tuner
 from kiln.host.compiler import CompilePool, CompileResult, model_code_fingerprint
-from kiln.host.inductor_options import FORWARD_DEVICE, compiler_options
+from kiln.host.inductor_options import FORWARD_DEVICE, compiler_options, inductor_env
 from kiln.host.leasing import Leases, compile_leased
 from kiln.host.procs import PeakSampler, die_with_parent
 from kiln.store import ObjectMissing, open_store
@@ -61,7 +61,7 @@ def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
     backends = tuning_plan.gemm_backends(job.recipe.tuning, FORWARD_DEVICE)
     tuned = None if backends is None else tuner.lookup(store, job, target, torch.__version__, backends)
     specs = job.specs(target=target, torch_version=torch.__version__, code=model_code_fingerprint(),
-                      compiler=compiler_options(backends), tuning=tuned)
+                      compiler=compiler_options(backends), tuning=tuned, inductor_env=inductor_env())
     stored = layout.forward_keys_in(store.list(layout.FORWARDS))
     return HostProbe(
         name=host.name, ranks=tuple(host.ranks), memory=snap, num_cpus=cpus, cpus_source=cpus_source,

@@ -1,11 +1,16 @@
 """Forward keys: what determines a compiled forward's code, hashed.
 
-A key hashes the graph fingerprint, the package layout (kiln.core.contract.LAYOUT:
-how the constants are stacked, so a package of another layout is never loaded
-as this one), the input specs, the compiler options, the torch version, the target and, when kernel tuning is on, the digest of the
-tuned kernel choices the forward compiles with. Not the weights (they are loaded at run time)
-and not the KV page count (a dynamic dimension), so every rank of an export
-shares one artifact per bucket and a new KV plan reuses every forward.
+A key hashes the graph (model config, tp, the fingerprint of the code that
+shapes the package: kiln.host.key_sources, and the TORCHINDUCTOR_* settings
+the compile workers inherit: kiln.host.inductor_options.inductor_env), the
+package layout (kiln.core.contract.LAYOUT: how the constants are stacked, so a
+package of another layout is never loaded as this one), the input specs, the
+compiler options, the torch version, the target and, when kernel tuning is on,
+the digest of the tuned kernel choices the forward compiles with. Not the
+weights (they are loaded at run time), not the KV page count (a dynamic
+dimension) and not the code that only schedules compiles, so every rank of an
+export shares one artifact per bucket, a new KV plan reuses every forward and
+an edit to the compile pool or to a message compiles nothing again.
 Pure: no torch import.
 """
 
@@ -38,7 +43,8 @@ class ForwardSpec:
     bucket: Bucket
     target: str
     graph: dict
-    """Model config (as config.json), tp and the model code's fingerprint."""
+    """Model config (as config.json), tp, the code fingerprint (kiln.host.key_sources) and, from a probe,
+    'inductor_env': the TORCHINDUCTOR_* settings the compile workers inherit."""
     inputs: dict
     """Static input dims of the forward; the page count is dynamic and absent."""
     compiler: dict

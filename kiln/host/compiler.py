@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -28,14 +27,12 @@ from typing import Callable
 
 from kiln.core.errors import DiskError, KilnError
 from kiln.core.package_check import package_calls
-from kiln.host import faults
+from kiln.host import export_call, faults
 from kiln.host.cache import DISK_ERRNOS
-from kiln.host.inductor_options import FORWARD_DEVICE
+from kiln.host.export_call import CONSTANTS_METADATA  # noqa: F401  (callers import it from here)
+from kiln.host.inductor_options import inductor_env
 from kiln.host.key_sources import model_code_fingerprint  # noqa: F401  (callers import it from here)
 
-# Inductor options that go into every forward (and therefore into its key).
-CONSTANTS_METADATA = "kiln.constants"
-"""Package metadata key: JSON {name: [dtype, shape, 'weight' | 'buffer']} of the module's tensors compiled for."""
 
 @dataclass(frozen=True)
 class CompileResult:
@@ -107,29 +104,13 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
 
 
 def _compile_forward(spec: dict, out_path: str) -> CompileResult:
-    import torch
-    from torch.export import Dim
-
     from kiln.core import tuning_plan
-    from kiln.core.config import ModelConfig
     from kiln.host import tuner
-    from kiln.host.model import ShardedDecoder, example_inputs
 
     start = time.perf_counter()
+    _check_inductor_env(spec)
     _remove_stale_tmp(out_path)
-    cfg = ModelConfig(**spec["graph"]["config"])
-    tp = spec["graph"]["tp"]
-    inputs = spec["inputs"]
-    # Built on the meta device, then given storage that is never touched: the worker's memory depends on
-    # the graph, not on the weights (the package holds none of them anyway).
-    with torch.device("meta"):
-        model = ShardedDecoder(cfg, tp).to(getattr(torch, cfg.dtype)).eval()
-    model = model.to_empty(device=FORWARD_DEVICE)
-    args = example_inputs(cfg, tp, inputs["batch"], inputs["tokens"], page_tokens=inputs["page_tokens"],
-                          pages_per_seq=inputs["pages_per_seq"], num_pages=inputs["pages_per_seq"] + 2)
-    num_pages = Dim("num_pages", min=2, max=1 << 24)
-    with torch.no_grad():
-        program = torch.export.export(model, args, dynamic_shapes=({}, {}, {2: num_pages}, *[{}] * (len(args) - 3)))
+    program = export_call.export_forward(spec)
     faults.point("compile", spec, "export")
     tmp = f"{out_path.removesuffix('.pt2')}.tmp-{os.getpid()}.pt2"
     if _TUNING:
@@ -137,13 +118,7 @@ def _compile_forward(spec: dict, out_path: str) -> CompileResult:
     selections, benchmarked = _SELECTIONS, tuner.benchmark_count()
     try:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        # The package records the dtype and shape of each constant it expects, so a loader can refuse
-        # weights that do not fit (load_constants would take them and compute garbage).
-        constants = {name: [str(t.dtype).removeprefix("torch."), list(t.shape), kind]
-                     for kind, tensors in (("buffer", program.constants), ("weight", program.state_dict))
-                     for name, t in tensors.items() if isinstance(t, torch.Tensor)}
-        configs = {**spec["compiler"], "aot_inductor.metadata": {CONSTANTS_METADATA: json.dumps(constants)}}
-        torch._inductor.aoti_compile_and_package(program, package_path=tmp, inductor_configs=configs)
+        export_call.compile_package(program, tmp, spec["compiler"])
         faults.point("compile", spec, "written")
         digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, out_path)
@@ -169,6 +144,22 @@ def _compile_forward(spec: dict, out_path: str) -> CompileResult:
     return CompileResult(key=spec["key"], path=out_path, sha256=digest, size_bytes=os.path.getsize(out_path),
                          compile_s=time.perf_counter() - start, pid=os.getpid(), autotune=autotune,
                          calls=package_calls(out_path).to_dict())
+
+
+def _check_inductor_env(spec: dict) -> None:
+    """Refuse to compile a forward whose key was made for other TORCHINDUCTOR_* settings than this worker's.
+
+    Another host of the target may compile a key: its environment, which its workers inherit, must be the
+    one the key hashes (kiln.host.inductor_options.inductor_env), or the package would not be what the key
+    names. A spec without 'inductor_env' was made for none.
+    """
+    keyed, here = spec["graph"].get("inductor_env", {}), inductor_env()
+    if here != keyed:
+        differ = sorted(k for k in {*keyed, *here} if keyed.get(k) != here.get(k))
+        raise KilnError(f"forward {spec['key']} ({spec.get('bucket', '?')}) was keyed for the Inductor "
+                        f"environment {keyed}, but this compile worker runs with {here} (differing: "
+                        f"{', '.join(differ)}); set the same TORCHINDUCTOR_* variables on every host of target "
+                        f"{spec.get('target', '?')} (or none) and export again.")
 
 
 def _nearly_full(directory: Path, threshold_bytes: int = 1 << 20) -> int | None:

@@ -1,0 +1,64 @@
+"""The export call: how a forward spec becomes a program, and a program a package.
+
+Purpose: what lies between a forward's spec and its package besides the model
+code itself: the model built in the config's dtype with storage that is never
+read, its example inputs, the dynamic page dimension and its bounds,
+torch.export, the constants metadata and the Inductor call with the spec's
+options.
+
+Contracts: runs in a compile worker (imports torch), under the collectives'
+group (kiln.host.model.solo_group). This module is a key source
+(kiln.host.key_sources), hashed whole: the pool, retries, file handling and
+error messages stay in kiln.host.compiler, so editing them keeps every key.
+"""
+
+from __future__ import annotations
+
+import json
+
+from kiln.host.inductor_options import FORWARD_DEVICE
+
+CONSTANTS_METADATA = "kiln.constants"
+"""Package metadata key: JSON {name: [dtype, shape, 'weight' | 'buffer']} of the module's tensors compiled for."""
+
+MAX_PAGES = 1 << 24
+"""Upper bound of the dynamic KV page count a package accepts."""
+
+
+def export_forward(spec: dict):
+    """The torch.export program of one bucket's forward (an ExportedProgram)."""
+    import torch
+    from torch.export import Dim
+
+    from kiln.core.config import ModelConfig
+    from kiln.host.model import ShardedDecoder, example_inputs
+
+    cfg = ModelConfig(**spec["graph"]["config"])
+    tp = spec["graph"]["tp"]
+    inputs = spec["inputs"]
+    # Built on the meta device, then given storage that is never touched: the worker's memory depends on
+    # the graph, not on the weights (the package holds none of them anyway).
+    with torch.device("meta"):
+        model = ShardedDecoder(cfg, tp).to(getattr(torch, cfg.dtype)).eval()
+    model = model.to_empty(device=FORWARD_DEVICE)
+    args = example_inputs(cfg, tp, inputs["batch"], inputs["tokens"], page_tokens=inputs["page_tokens"],
+                          pages_per_seq=inputs["pages_per_seq"], num_pages=inputs["pages_per_seq"] + 2)
+    num_pages = Dim("num_pages", min=2, max=MAX_PAGES)
+    with torch.no_grad():
+        return torch.export.export(model, args, dynamic_shapes=({}, {}, {2: num_pages}, *[{}] * (len(args) - 3)))
+
+
+def compile_package(program, package_path: str, options: dict) -> None:
+    """AOTInductor-compile `program` with the Inductor `options` into `package_path`.
+
+    The package records the dtype and shape of each constant it expects, so a
+    loader can refuse weights that do not fit (load_constants would take them
+    and compute garbage).
+    """
+    import torch
+
+    constants = {name: [str(t.dtype).removeprefix("torch."), list(t.shape), kind]
+                 for kind, tensors in (("buffer", program.constants), ("weight", program.state_dict))
+                 for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    configs = {**options, "aot_inductor.metadata": {CONSTANTS_METADATA: json.dumps(constants)}}
+    torch._inductor.aoti_compile_and_package(program, package_path=package_path, inductor_configs=configs)
