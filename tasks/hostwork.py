@@ -87,7 +87,7 @@ def break_leases(job: ExportJob, keys: list[str], hosts: set[str]) -> int:
     owners = {f"{job.export_id}:{h}" for h in hosts}
     broken = 0
     for key in keys:
-        for obj in store.list(layout.lease_prefix(key)):
+        for obj in layout.lease_generations(key, store.list(layout.lease_prefix(key))).values():
             try:
                 doc = store.get_json(obj)
             except (IntegrityError, ObjectMissing):
@@ -146,7 +146,8 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     by_key = {s["key"]: s for s in specs}
     with PeakSampler(interval_s=0.2) as sampler, \
             CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
-        waited = compile_leased(pool, leases, store, [job_of(s) for s in specs], upload)
+        waited = compile_leased(pool, leases, store, [job_of(s) for s in specs], upload,
+                                wait_s=job.recipe.lease_wait_s)
     return {"forwards": uploaded, "memory": {"min_available_mib": sampler.min_available_mib,
                                              "peak_tree_mib": sampler.peak_mib},
             "waited_for_lease": sorted(waited)}

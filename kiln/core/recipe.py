@@ -134,6 +134,10 @@ class Recipe:
         "renews it every third of that while the key compiles); a lease past expiry, or whose process on "
         "this host died, is taken over.",
         unit="s", gt=0, compiling_only=True, title="Compile lease lifetime (s)", group="compile")
+    lease_wait_s: float = setting(
+        10800.0, "Seconds an export waits for forwards another export is compiling (holds the leases of) while "
+        "none of them gets stored; then it fails naming them and their holder.",
+        unit="s", ge=60, compiling_only=True, title="Wait for another export's compiles (s)", group="compile")
     flow_retries: int = setting(
         2, "Times a failed export is tried again, with a fresh probe; only failures that can heal are "
         "retried (docs/operations.md), never bad input, gate refusals (unless retry_refusals), integrity "

@@ -122,3 +122,39 @@ def test_pool_skips_what_on_submit_refuses_and_ticks_while_compiling(tmp_path):
 
 # The same race between two real exports (a TTL shorter than a compile, the holder renewing) is
 # tests/integration/test_faults_cluster.py::test_two_exports_at_once_compile_each_key_once.
+
+
+def test_on_an_error_the_workers_stop_before_the_leases_are_released(tmp_path):
+    """An upload fails while another key still compiles: its lease is released only once its worker is dead."""
+    import psutil
+
+    store = open_store(f"file://{tmp_path / 'store'}")
+    jobs = [({"key": k, "bucket": "1x8", "log": str(tmp_path / "starts.log"), "sleep_s": s}, str(tmp_path / f"{k}.pt2"))
+            for k, s in (("k1", 0.5), ("k2", 60.0))]
+    pids: list[int] = []
+    alive_at_release: dict[str, list[int]] = {}
+
+    class Watched(Leases):
+        def release(self, key: str) -> None:
+            alive_at_release[key] = [p for p in pids if psutil.pid_exists(p)
+                                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            super().release(key)
+
+    leases = Watched(store, "export-a:host", 60.0)
+
+    def upload(result: CompileResult) -> None:
+        pids.extend(pool.worker_pids())
+        raise RuntimeError("the store refused the upload")
+
+    start = time.monotonic()
+    with CompilePool(2, compile_fn=stand_in, initializer=None) as pool:
+        try:
+            compile_leased(pool, leases, store, jobs, upload, poll_s=0.1)
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("the upload's error was not raised")
+    assert time.monotonic() - start < 40, "the error waited for the other compile to finish"
+    assert len(pids) == 2 and set(alive_at_release) == {"k1", "k2"}
+    assert alive_at_release == {"k1": [], "k2": []}, "a lease was released while a worker still compiled"
+    assert not store.list("leases/")
