@@ -59,13 +59,12 @@ def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
     tuned = None if backends is None else tuner.lookup(store, job, target, torch.__version__, backends)
     specs = job.specs(target=target, torch_version=torch.__version__, code=model_code_fingerprint(),
                       compiler=compiler_options(backends), tuning=tuned)
-    stored = layout.forward_keys_in(store.list(layout.FORWARDS))
     return HostProbe(
         name=host.name, ranks=tuple(host.ranks), memory=snap, num_cpus=probe.num_cpus(),
         unified=probe.unified_memory() if job.recipe.unified_memory is None else job.recipe.unified_memory,
         target=target, specs=tuple(s.to_dict() for s in specs),
         local_keys=tuple(sorted(s.key for s in specs if local_path(host, s.key).exists())),
-        store_keys=tuple(sorted(s.key for s in specs if s.key in stored)),
+        store_keys=tuple(sorted(s.key for s in specs if store.exists(artifact_key(s.key)))),  # no listing
         cache=cache.cache_status(cache_dir(host)),
         worker_peaks_mib=tuple(measured_peaks(store, specs)))
 
