@@ -154,6 +154,11 @@ class Recipe:
         "model at a time) before the Prefect server frees it; a running export renews it every three quarters "
         "of that. A waiting export takes a dead holder's slot over at once when it can tell the holder is gone "
         "(docs/operations.md). At least 60 (Prefect's shortest lease).", unit="s", ge=60, le=3600, title="Model lease lifetime (s)", group="advanced")
+    artifact_link_s: float = setting(
+        43200.0, "Seconds the presigned URLs of an S3 store's objects (the manifest, the memory picture) in the "
+        "run's Prefect artifacts stay valid; anyone who can read the Prefect UI can open them until then. A "
+        "local store's links are paths and never expire.",
+        unit="s", ge=60, le=7 * 86400, title="Artifact link lifetime (s)", group="store")
     artifact_mib_estimate: int = setting(
         16, "Disk one compiled forward takes in a host's cache; a host needs this times the forwards it lacks "
         "free.", unit="MiB", ge=0, title="Disk per forward (MiB)", group="store")

@@ -91,7 +91,7 @@ class LocalStore(Store):
     def url(self) -> str:
         return self.root.as_uri()
 
-    def link(self, key: str, expires_s: int = 7 * 86400) -> tuple[str, str | None]:
+    def link(self, key: str, expires_s: int = 12 * 3600) -> tuple[str, str | None]:
         """The object's path on this machine; no URL (a browser may not open file:// from a web page)."""
         return str(self.root / validate_key(key)), None
 
