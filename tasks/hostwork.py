@@ -262,6 +262,15 @@ def _mtime_iso(path) -> str:
     return when.isoformat(timespec="seconds")
 
 
+def remember_check(path: Path, check: dict) -> None:
+    """Keep a passed check in the host's cache; a write that fails only costs running it again next time."""
+    try:
+        cache.write_record(path, check)
+    except OSError as exc:
+        log.warning("could not remember a passed check in %s (%s): the next export will run it again",
+                    path, exc.strerror or exc)
+
+
 def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[str, dict]:
     """Load each forward with each of this host's rank weights and compare with eager.
 
@@ -310,6 +319,6 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
             for f in fs:
                 check = found[f"rank{rank}/{f['bucket']}"]
                 if check["diff"] <= check["limit"]:
-                    cache.write_record(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json",
-                                       {**check, "verified_at": _mtime_iso(None)})
+                    remember_check(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json",
+                                   {**check, "verified_at": _mtime_iso(None)})
     return {"checks": diffs, "memory": memory}
