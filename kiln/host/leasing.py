@@ -166,7 +166,10 @@ def compile_leased(pool: CompilePool, leases: Leases, store, jobs: list[tuple[di
     except BaseException:
         pool.stop()  # a worker still compiling a key must not outlive its lease
         for key in list(leases.held):
-            leases.release(key)
+            try:
+                leases.release(key)
+            except Exception as exc:  # the error that brought us here is the one to report
+                log.warning("could not release the compile lease of %s (it expires after lease_ttl_s): %s", key, exc)
         raise
     return waited
 
