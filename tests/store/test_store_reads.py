@@ -67,7 +67,8 @@ def test_probe_asks_for_its_own_forwards_without_listing_them_all(tmp_path, monk
     from tasks import hostwork
 
     job = ExportJob(export_id="e1", model_name="tiny", checkpoint=str(tmp_path / "none"),
-                    config=dataclasses.asdict(TINY), tp=1, recipe=Recipe(buckets=parse_buckets("1x8,2x8"), tuning="off"),
+                    config=dataclasses.asdict(TINY), tp=1,
+                    recipe=Recipe(buckets=parse_buckets("1x8,2x8"), tuning="off"),
                     store_url=f"file://{tmp_path / 'store'}")
     raw = open_store(job.store_url)
     raw.put_bytes(artifact_key("other-model-forward"), b"x")
