@@ -150,20 +150,41 @@ def signing_key(plan: SigningPlan, home: Path) -> Ed25519PrivateKey:
     return key
 
 
+def export_id_taken(store: Store, export_id: str) -> BadInput:
+    return BadInput(f"export id {export_id!r} is taken: {store.url}/{manifest_key(export_id)} exists (an export "
+                    "finished under it, and a signed export is never overwritten); choose another --export-id "
+                    "(the run form's export_id), or leave it empty for a fresh one.")
+
+
+def check_export_id_free(store: Store, export_id: str) -> None:
+    """BadInput (before any work) when the store holds a manifest under `export_id` already."""
+    if store.exists(manifest_key(export_id)):
+        raise export_id_taken(store, export_id)
+
+
 def write_signed_manifest(store: Store, export_id: str, manifest: dict, plan: SigningPlan | None,
                           home: Path) -> dict:
-    """Write the signature (or remove a stale one), then the manifest (last); return the report's entry."""
+    """Write the manifest, then its signature, each create-once; return the report's entry.
+
+    A different manifest stored under `export_id` already is refused (BadInput), never replaced; the same
+    one again (a retried write) is no change, its Ed25519 signature neither. A reader that comes between
+    the two writes finds a manifest that claims a signature it lacks, and refuses it.
+    """
     if plan is None:
         raise KilnError("the export has no signing plan; refusing to write an unsigned manifest silently.")
     entry = manifest.get("signing", {})
     if entry.get("signed") != plan.sign or entry.get("key_fingerprint") != plan.fingerprint:
         raise KilnError("the manifest's signing entry does not match the export's signing plan.")
+    signature = signing.sign_manifest(manifest, signing_key(plan, home)) if plan.sign else None  # before any write
     sig_key = signature_key(export_id)
-    if plan.sign:
-        store.put_json(sig_key, signing.sign_manifest(manifest, signing_key(plan, home)), overwrite=True)
-    else:
-        store.delete(sig_key)
-    store.put_json(manifest_key(export_id), manifest, overwrite=True)
+    if not store.exists(manifest_key(export_id)):
+        store.delete(sig_key)  # a signature without its manifest is stale (a write that died midway)
+    try:
+        store.put_json(manifest_key(export_id), manifest)
+    except IntegrityError:
+        raise export_id_taken(store, export_id) from None
+    if signature is not None:
+        store.put_json(sig_key, signature)
     return {"signed": plan.sign, "key_fingerprint": plan.fingerprint, "source": plan.source,
             "signature": sig_key if plan.sign else None, "note": plan.describe()}
 

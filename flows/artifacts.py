@@ -33,7 +33,6 @@ from kiln.core.report import Report
 from tasks.hostwork import store_of
 
 KINDS = ("summary", "forwards", "memory", "manifest")
-LINK_EXPIRY_S = 7 * 86400
 
 
 def artifact_key(export_id: str, kind: str) -> str:
@@ -87,9 +86,10 @@ def publish(report: Report, job: ExportJob, *, max_tries: int, picture: bytes | 
     """
     try:
         store = store_of(job)
-        links = {k: store.link(k, LINK_EXPIRY_S) for k in (report.ledger_picture, report.manifest) if k}
-        expiry = (f" Links are presigned URLs, valid {LINK_EXPIRY_S // 86400} days."
-                  if any(url for _, url in links.values()) else "")
+        expires_s = int(job.recipe.artifact_link_s)
+        links = {k: store.link(k, expires_s) for k in (report.ledger_picture, report.manifest) if k}
+        expiry = (f" Links are presigned URLs, valid {_duration(expires_s)} from publishing (recipe setting "
+                  "artifact_link_s)." if any(url for _, url in links.values()) else "")
         tries = f"final, try {report.attempt}" if final else f"try {report.attempt} of {max_tries}"
         _put("summary", report, report.markdown(links, changed) + (f"\n\n{expiry.strip()}" if expiry else ""),
              f"Kiln export summary ({tries})")
@@ -107,3 +107,10 @@ def publish(report: Report, job: ExportJob, *, max_tries: int, picture: bytes | 
             _put("manifest", report, body, f"The export's manifest ({tries})")
     except Exception as exc:  # artifacts are a convenience; never fail an export over them
         get_run_logger().warning("could not publish Prefect artifacts: %s", exc)
+
+
+def _duration(seconds: int) -> str:
+    """'12 hours', '90 minutes', '1 hour': how long a link stays valid, in words."""
+    if seconds % 3600 == 0:
+        return f"{seconds // 3600} hour{'s' if seconds != 3600 else ''}"
+    return f"{round(seconds / 60)} minutes"

@@ -87,10 +87,18 @@ def _watch(running: dict, runner: HostRunner, progress: "_Progress") -> set[str]
 
 class _Progress:
     """The live line and the Prefect progress artifact: forwards done over every host, and per host
-    (in the artifact's description)."""
+    (in the artifact's description).
 
-    def __init__(self, job: ExportJob, store, keys: list[str]):
+    Each reading asks the store about this export's keys not yet seen stored, at most `per_reading` of
+    them (in turn; the final reading asks about all): one HEAD per key, never a listing of every
+    model's forwards.
+    """
+
+    def __init__(self, job: ExportJob, store, keys: list[str], per_reading: int = 16):
         self.store, self.keys, self.shown = store, set(keys), -1
+        self.stored: set[str] = set()
+        self.per_reading = per_reading
+        self._pending = sorted(keys)
         self.by_host: dict[str, set[str]] = {}
         self.artifact = artifacts.progress(job.export_id, f"Forwards compiled over all hosts for {job.export_id}") \
             if keys else None
@@ -102,13 +110,22 @@ class _Progress:
         for name, keys in assignment.items():
             self.by_host.setdefault(name, set()).update(keys)
 
+    def _read(self, final: bool) -> None:
+        """Ask about the next pending keys; those not stored yet go to the back of the line."""
+        ask = self._pending if final else self._pending[:self.per_reading]
+        for key in ask:
+            try:  # a reading for the progress line, not a phase: a failed one waits for the next
+                if self.store.exists(layout.artifact_key(key)):
+                    self.stored.add(key)
+            except Exception:
+                break
+        self._pending = self._pending[len(ask):] + [k for k in ask if k not in self.stored]
+
     def show(self, final: bool = False) -> None:
         if not self.keys:
             return
-        try:  # a reading for the progress line, not a phase: a failed listing waits for the next one
-            stored = layout.forward_keys_in(self.store.list(layout.FORWARDS))
-        except Exception:
-            return
+        self._read(final)
+        stored = self.stored
         done = len(self.keys & stored)
         if done != self.shown:
             self.shown = done

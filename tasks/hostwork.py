@@ -62,13 +62,12 @@ def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
     tuned = None if backends is None else tuner.lookup(store, job, target, torch.__version__, backends)
     specs = job.specs(target=target, torch_version=torch.__version__, code=model_code_fingerprint(),
                       compiler=compiler_options(backends), tuning=tuned, inductor_env=inductor_env())
-    stored = layout.forward_keys_in(store.list(layout.FORWARDS))
     return HostProbe(
         name=host.name, ranks=tuple(host.ranks), memory=snap, num_cpus=cpus, cpus_source=cpus_source,
         unified=probe.unified_memory() if job.recipe.unified_memory is None else job.recipe.unified_memory,
         target=target, specs=tuple(s.to_dict() for s in specs),
         local_keys=tuple(sorted(s.key for s in specs if local_path(host, s.key).exists())),
-        store_keys=tuple(sorted(s.key for s in specs if s.key in stored)),
+        store_keys=tuple(sorted(s.key for s in specs if store.exists(artifact_key(s.key)))),  # no listing
         cache=cache.cache_status(cache_dir(host)),
         worker_peaks_mib=tuple(measured_peaks(store, specs)))
 
@@ -90,7 +89,7 @@ def break_leases(job: ExportJob, keys: list[str], hosts: set[str]) -> int:
     owners = {f"{job.export_id}:{h}" for h in hosts}
     broken = 0
     for key in keys:
-        for obj in store.list(layout.lease_prefix(key)):
+        for obj in layout.lease_generations(key, store.list(layout.lease_prefix(key))).values():
             try:
                 doc = store.get_json(obj)
             except (IntegrityError, ObjectMissing):
@@ -160,7 +159,8 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     by_key = {s["key"]: s for s in specs}
     with PeakSampler(interval_s=0.2) as sampler, \
             CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
-        waited = compile_leased(pool, leases, store, [job_of(s) for s in specs], upload)
+        waited = compile_leased(pool, leases, store, [job_of(s) for s in specs], upload,
+                                wait_s=job.recipe.lease_wait_s)
     return {"forwards": uploaded, "reused": reused,
             "memory": {"min_available_mib": sampler.min_available_mib, "peak_tree_mib": sampler.peak_mib},
             "waited_for_lease": sorted(waited)}
@@ -344,6 +344,15 @@ def _mtime_iso(path) -> str:
     return when.isoformat(timespec="seconds")
 
 
+def remember_check(path: Path, check: dict) -> None:
+    """Keep a passed check in the host's cache; a write that fails only costs running it again next time."""
+    try:
+        cache.write_record(path, check)
+    except OSError as exc:
+        log.warning("could not remember a passed check in %s (%s): the next export will run it again",
+                    path, exc.strerror or exc)
+
+
 def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[str, dict]:
     """Load each forward with each of this host's rank weights and compare with eager.
 
@@ -392,6 +401,6 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
             for f in fs:
                 check = found[f"rank{rank}/{f['bucket']}"]
                 if check["diff"] <= check["limit"]:
-                    cache.write_record(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json",
-                                       {**check, "verified_at": _mtime_iso(None)})
+                    remember_check(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json",
+                                   {**check, "verified_at": _mtime_iso(None)})
     return {"checks": diffs, "memory": memory}

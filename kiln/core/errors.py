@@ -108,6 +108,6 @@ class ForwardsMissing(KilnError):
 
 
 class DiskError(KilnError):
-    """A host's local disk (its cache directory) cannot take what Kiln writes there."""
+    """A local disk (a host's cache directory, a local store's directory) cannot take what Kiln writes there."""
 
     exit_code = 1

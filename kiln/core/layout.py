@@ -85,6 +85,19 @@ def generation_of(object_key: str) -> int:
     return parsed["generation"]
 
 
+def lease_generations(key: str, object_keys) -> dict[int, str]:
+    """generation -> object key of each lease of `key` among `object_keys` (a listing of `lease_prefix(key)`).
+
+    Anything else under the prefix (an object Kiln did not write there) is no lease and is ignored.
+    """
+    out = {}
+    for obj in object_keys:
+        parsed = parse(obj)
+        if parsed and parsed["kind"] == "lease" and parsed["key"] == key:
+            out[parsed["generation"]] = obj
+    return out
+
+
 def manifest_key(export_id: str) -> str:
     return f"{EXPORTS}{export_id}/manifest.json"
 

@@ -134,6 +134,10 @@ class Recipe:
         "renews it every third of that while the key compiles); a lease past expiry, or whose process on "
         "this host died, is taken over.",
         unit="s", gt=0, compiling_only=True, title="Compile lease lifetime (s)", group="compile")
+    lease_wait_s: float = setting(
+        10800.0, "Seconds an export waits for forwards another export is compiling (holds the leases of) while "
+        "none of them gets stored; then it fails naming them and their holder.",
+        unit="s", ge=60, compiling_only=True, title="Wait for another export's compiles (s)", group="compile")
     flow_retries: int = setting(
         2, "Times a failed export is tried again, with a fresh probe; only failures that can heal are "
         "retried (docs/operations.md), never bad input, gate refusals (unless retry_refusals), integrity "
@@ -150,6 +154,11 @@ class Recipe:
         "model at a time) before the Prefect server frees it; a running export renews it every three quarters "
         "of that. A waiting export takes a dead holder's slot over at once when it can tell the holder is gone "
         "(docs/operations.md). At least 60 (Prefect's shortest lease).", unit="s", ge=60, le=3600, title="Model lease lifetime (s)", group="advanced")
+    artifact_link_s: float = setting(
+        43200.0, "Seconds the presigned URLs of an S3 store's objects (the manifest, the memory picture) in the "
+        "run's Prefect artifacts stay valid; anyone who can read the Prefect UI can open them until then. A "
+        "local store's links are paths and never expire.",
+        unit="s", ge=60, le=7 * 86400, title="Artifact link lifetime (s)", group="store")
     artifact_mib_estimate: int = setting(
         16, "Disk one compiled forward takes in a host's cache; a host needs this times the forwards it lacks "
         "free.", unit="MiB", ge=0, title="Disk per forward (MiB)", group="store")

@@ -288,6 +288,19 @@ class CompilePool:
         for ex in self._slots:
             ex.shutdown(wait=True, cancel_futures=True)
 
+    def stop(self) -> None:
+        """Kill every worker now, with its compiler children, dropping what they compile; then close."""
+        import psutil
+
+        for pid in self.worker_pids():
+            try:
+                worker = psutil.Process(pid)
+                for proc in [*worker.children(recursive=True), worker]:
+                    proc.kill()
+            except psutil.Error:
+                pass  # gone already
+        self.close()
+
     def __enter__(self) -> "CompilePool":
         return self
 

@@ -1,10 +1,13 @@
 """The processes Kiln starts: they die with their parent, and their memory peak is measured.
 
 Every process Kiln spawns (compile workers, rank checks, verify and run
-ranks) calls `die_with_parent()` first: on Linux the kernel sends it SIGKILL
-when the process that started it goes away, however that one ended (exit,
-exception, SIGKILL), so no worker outlives its export holding the memory the
-next export's gate measures. Elsewhere a watchdog thread polls the parent.
+ranks) calls `die_with_parent()` first: a watcher thread in it polls its
+parent's pid every `PARENT_POLL_S`, and when the process that started it has
+gone, however that one ended (exit, exception, SIGKILL), it kills its own
+children and exits, so no worker outlives its export holding the memory the
+next export's gate measures. Not the kernel's PR_SET_PDEATHSIG: that fires
+when the *thread* that started the process ends, and Kiln starts workers from
+Prefect task threads, which end long before the process does.
 
 `PeakSampler` samples the resident memory of a process and its children
 (the compiler's g++ processes included) on a thread while work runs; sampling
@@ -13,7 +16,6 @@ is I/O, not compilation, so a thread is fine here.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
 import signal
@@ -25,7 +27,8 @@ import psutil
 from kiln.host.probe import host_memory_bytes
 
 MIB = 2**20
-_PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 0.5
+"""How often a spawned process looks whether the process that started it is still there."""
 
 
 def die_with_parent() -> None:
@@ -33,24 +36,27 @@ def die_with_parent() -> None:
 
     The parent is the process that started this one: for a multiprocessing child, the pid it was started
     from. Its parent may die before this is called (a worker imports torch first, seconds under load); it
-    has then been adopted, and its new parent would pass for the old one: it exits instead.
+    has then been adopted, and its new parent would pass for the old one: it exits at once instead.
     """
     started_by = multiprocessing.parent_process()
     parent = started_by.pid if started_by is not None else os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl")
-    except (OSError, AttributeError):
-        threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="kiln-parent-watch").start()
-        return
-    if os.getppid() != parent:  # the parent died before the signal was armed
+    if os.getppid() != parent:  # the parent died before the watch began
         os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="kiln-parent-watch").start()
 
 
 def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:
-        time.sleep(1.0)
+        time.sleep(PARENT_POLL_S)
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        children = []
+    for child in children:  # what this process started would be orphaned in turn
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
     os._exit(1)
 
 

@@ -138,7 +138,7 @@ class Store(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove `key`; a missing key is not an error."""
 
-    def link(self, key: str, expires_s: int = 7 * 86400) -> tuple[str, str | None]:
+    def link(self, key: str, expires_s: int = 12 * 3600) -> tuple[str, str | None]:
         """(where `key` is, for a person; a URL a browser opens, or None): the store's own address here.
         An S3 store gives a presigned URL valid `expires_s`; a local store a path and no URL."""
         return f"{self.url.rstrip('/')}/{key}", None

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from kiln.core.errors import BadInput, IntegrityError, StoreError
+from kiln.core.errors import BadInput, DiskError, IntegrityError, StoreError
 from kiln.core.key_rules import (
     CHUNK_BYTES,
     normalized_key,
@@ -42,6 +42,7 @@ from kiln.core.key_rules import (
     validate_prefix,
     validate_sha256,
 )
+from kiln.host.cache import DISK_ERRNOS
 from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, write_verified
 
 _INTERNAL = ".kiln"
@@ -91,7 +92,7 @@ class LocalStore(Store):
     def url(self) -> str:
         return self.root.as_uri()
 
-    def link(self, key: str, expires_s: int = 7 * 86400) -> tuple[str, str | None]:
+    def link(self, key: str, expires_s: int = 12 * 3600) -> tuple[str, str | None]:
         """The object's path on this machine; no URL (a browser may not open file:// from a web page)."""
         return str(self.root / validate_key(key)), None
 
@@ -156,8 +157,23 @@ class LocalStore(Store):
 
     # -- writing -----------------------------------------------------------
 
-    def _stage(self, chunks: Iterable[bytes]) -> tuple[Path, str]:
-        """Write chunks to a new fsynced blob; return (blob path, sha256)."""
+    def _stage(self, chunks: Iterable[bytes], key: str) -> tuple[Path, str]:
+        """Write chunks to a new fsynced blob; return (blob path, sha256).
+
+        A disk that cannot take the blob (full, read-only, over quota: kiln.host.cache.DISK_ERRNOS) raises
+        DiskError naming the store's directory and what to do, not a raw OSError.
+        """
+        try:
+            return self._stage_blob(chunks)
+        except OSError as exc:
+            where = exc.filename or self._tmp
+            if exc.errno not in DISK_ERRNOS or not str(where).startswith(str(self.root)):
+                raise  # not the store's disk (the file being uploaded, say)
+            raise DiskError(f"local store {self.url} cannot take {key!r}: {exc.strerror} ({where}); free space on "
+                            f"the disk that holds {self.root}, or point --store at a writable directory with "
+                            "room.") from None
+
+    def _stage_blob(self, chunks: Iterable[bytes]) -> tuple[Path, str]:
         self._tmp.mkdir(parents=True, exist_ok=True)
         self._blobs.mkdir(parents=True, exist_ok=True)
         name = uuid.uuid4().hex
@@ -252,7 +268,7 @@ class LocalStore(Store):
         # Skip the copy when the object is already there (the common re-export case).
         if (done := self._existing(key, sha256)) is not None:
             return done
-        blob, actual = self._stage(_read_chunks(path))
+        blob, actual = self._stage(_read_chunks(path), key)
         if actual != sha256:
             blob.unlink(missing_ok=True)
             raise IntegrityError(
@@ -264,13 +280,13 @@ class LocalStore(Store):
     def put_bytes(self, key: str, data: bytes) -> bool:
         if (done := self._existing(key, sha256_bytes(data))) is not None:
             return done
-        blob, sha = self._stage([data])
+        blob, sha = self._stage([data], key)
         return self._publish_once(key, blob, sha)
 
     def _replace_bytes(self, key: str, data: bytes) -> None:
         link = self._link_path(key)
         self._check_spelling(key)
-        blob, _ = self._stage([data])
+        blob, _ = self._stage([data], key)
         try:
             self._make_parent(key, link)
             old = self._resolve(key, link)

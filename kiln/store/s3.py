@@ -187,7 +187,7 @@ class S3Store(Store):
 
     # -- helpers -------------------------------------------------------------
 
-    def link(self, key: str, expires_s: int = 7 * 86400) -> tuple[str, str | None]:
+    def link(self, key: str, expires_s: int = 12 * 3600) -> tuple[str, str | None]:
         """s3://BUCKET/KEY and a presigned GET URL valid `expires_s` (signed locally, no request)."""
         full = self._full(key)
         url = self._client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": full},

@@ -141,3 +141,39 @@ def test_a_key_stored_while_its_lease_was_taken_is_reused_not_compiled(tmp_path)
         assert compile_leased(pool, leases, store, jobs, lambda r: None, poll_s=0.1) == set()
     assert not (tmp_path / "starts.log").exists()  # never compiled
     assert not store.list("leases/") and not leases.held
+
+
+def test_on_an_error_the_workers_stop_before_the_leases_are_released(tmp_path):
+    """An upload fails while another key still compiles: its lease is released only once its worker is dead."""
+    import psutil
+
+    store = open_store(f"file://{tmp_path / 'store'}")
+    jobs = [({"key": k, "bucket": "1x8", "log": str(tmp_path / "starts.log"), "sleep_s": s}, str(tmp_path / f"{k}.pt2"))
+            for k, s in (("k1", 0.5), ("k2", 60.0))]
+    pids: list[int] = []
+    alive_at_release: dict[str, list[int]] = {}
+
+    class Watched(Leases):
+        def release(self, key: str) -> None:
+            alive_at_release[key] = [p for p in pids if psutil.pid_exists(p)
+                                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            super().release(key)
+
+    leases = Watched(store, "export-a:host", 60.0)
+
+    def upload(result: CompileResult) -> None:
+        pids.extend(pool.worker_pids())
+        raise RuntimeError("the store refused the upload")
+
+    start = time.monotonic()
+    with CompilePool(2, compile_fn=stand_in, initializer=None) as pool:
+        try:
+            compile_leased(pool, leases, store, jobs, upload, poll_s=0.1)
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("the upload's error was not raised")
+    assert time.monotonic() - start < 40, "the error waited for the other compile to finish"
+    assert len(pids) == 2 and set(alive_at_release) == {"k1", "k2"}
+    assert alive_at_release == {"k1": [], "k2": []}, "a lease was released while a worker still compiled"
+    assert not store.list("leases/")

@@ -168,7 +168,9 @@ def test_missing_signature_is_refused_unless_unsigned_was_allowed(store, home, d
 
 
 def test_unsigned_export_is_marked_and_needs_allow_unsigned(store, home, dev_plan):
-    trust.write_signed_manifest(store, "e1", manifest(plan=dev_plan), dev_plan, home)
+    # A signature without its manifest (a write that died between the two) is stale.
+    store.put_json("exports/e1/manifest.sig", signing.sign_manifest(manifest(plan=dev_plan),
+                                                                    trust.signing_key(dev_plan, home)))
     off = SigningPlan("off")
     entry = trust.write_signed_manifest(store, "e1", manifest(plan=off), off, home)
     assert entry["signed"] is False and entry["signature"] is None
@@ -218,3 +220,34 @@ def test_signing_env_key_is_trusted_by_default(monkeypatch, tmp_path):
 def test_unreadable_verify_key_file_is_bad_input(store, home):
     with pytest.raises(BadInput, match="cannot read --verify-key"):
         trust.trusted_keys(files=[os.devnull + "/nope"], store=store, home=home)
+
+
+def test_an_export_id_in_use_is_refused_and_its_signed_export_left_intact(store, home, dev_plan):
+    trust.write_signed_manifest(store, "e1", manifest(plan=dev_plan), dev_plan, home)
+    before = {k: store.get_bytes(k) for k in store.list()}
+    with pytest.raises(BadInput, match=r"export id 'e1' is taken.*another --export-id"):
+        trust.check_export_id_free(store, "e1")
+    other = manifest(plan=SigningPlan("off"))
+    with pytest.raises(BadInput, match=r"export id 'e1' is taken.*another --export-id"):
+        trust.write_signed_manifest(store, "e1", other, SigningPlan("off"), home)
+    assert {k: store.get_bytes(k) for k in store.list()} == before
+    assert read(store, home)[0] == manifest(plan=dev_plan)
+    trust.check_export_id_free(store, "e2")  # a free id passes
+
+
+def test_the_same_manifest_written_again_is_no_change(store, home, dev_plan):
+    """A retried manifest task writes the same bytes: create-once takes them, the signature too (Ed25519)."""
+    m = manifest(plan=dev_plan)
+    trust.write_signed_manifest(store, "e1", m, dev_plan, home)
+    store.delete("exports/e1/manifest.sig")  # the first try died between the manifest and its signature
+    trust.write_signed_manifest(store, "e1", m, dev_plan, home)
+    assert "signature ok" in read(store, home)[1]
+
+
+def test_the_manifest_is_written_before_its_signature_each_once(store, home, dev_plan):
+    writes = []
+    put_bytes, replace = store.put_bytes, store._replace_bytes
+    store.put_bytes = lambda key, data: writes.append(("create", key)) or put_bytes(key, data)
+    store._replace_bytes = lambda key, data: writes.append(("replace", key)) or replace(key, data)
+    trust.write_signed_manifest(store, "e1", manifest(plan=dev_plan), dev_plan, home)
+    assert writes == [("create", "exports/e1/manifest.json"), ("create", "exports/e1/manifest.sig")]

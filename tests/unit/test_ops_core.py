@@ -235,3 +235,29 @@ def test_the_verify_verdict_names_the_worst_forward():
               "4x8 rank 0": {"diff": 1e-5, "limit": 1e-3}}
     with pytest.raises(VerifyMismatch, match=r"2x8 rank 1 on h differs from eager by 5.00e-03 .*bfloat16"):
         check_verified(checks, "h", "bfloat16")
+
+
+def test_artifact_links_expire_after_the_recipes_hours_not_days(monkeypatch):
+    """Presigned URLs go into artifacts everyone with UI access reads: hours by default, a recipe setting."""
+    from types import SimpleNamespace
+
+    from flows import artifacts
+
+    assert Recipe().artifact_link_s <= 24 * 3600
+    asked, put = [], {}
+
+    class S3Like:
+        def link(self, key, expires_s):
+            asked.append(expires_s)
+            return f"s3://b/{key}", f"https://s3.example/{key}?X-Amz-Expires={expires_s}"
+
+    monkeypatch.setattr(artifacts, "store_of", lambda job: S3Like())
+    monkeypatch.setattr(artifacts, "_put", lambda kind, report, data, description: put.setdefault(kind, data))
+    r = Report("e1", model="tiny", tp=2, store="s3://b/")
+    r.manifest = "exports/e1/manifest.json"
+    job = SimpleNamespace(recipe=Recipe(artifact_link_s=3 * 3600))
+    artifacts.publish(r, job, max_tries=1, final=True)
+    assert asked == [3 * 3600]
+    assert "valid 3 hours" in put["summary"] and "artifact_link_s" in put["summary"]
+    with pytest.raises(Exception):
+        Recipe(artifact_link_s=8 * 86400)  # longer than S3 signs for
