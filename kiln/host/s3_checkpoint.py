@@ -179,14 +179,16 @@ class S3Checkpoint:
         except ValueError as exc:
             raise BadInput(f"{self._name('config.json')} is not a valid config ({exc}).") from None
 
-    def _files(self) -> list[str]:
-        if INDEX in self.objects:
-            files = sorted(set(index_weight_map(self._get(INDEX), self._name(INDEX)).values()))
-            absent = [f for f in files if f not in self.objects]
-            if absent:
-                raise BadInput(f"{self._name(absent[0])} is listed in the checkpoint index but does not exist.")
-            return files
-        return sorted(n for n in self.objects if n.endswith(".safetensors"))
+    def _index(self) -> dict[str, str] | None:
+        """The index's weight_map (tensor name -> object name), checked by kiln.core.safetensors_header and
+        every object it names listed; None when there is no index."""
+        if INDEX not in self.objects:
+            return None
+        placed = index_weight_map(self._get(INDEX), self._name(INDEX))
+        absent = sorted(set(placed.values()) - set(self.objects))
+        if absent:
+            raise BadInput(f"{self._name(absent[0])} is listed in the checkpoint index but does not exist.")
+        return placed
 
     def _header(self, file: str) -> dict[str, TensorInfo]:
         """The object's tensors, its header read with two ranged GETs and checked by
@@ -199,11 +201,21 @@ class S3Checkpoint:
                 for name, t in header.items()}
 
     def tensors(self) -> dict[str, TensorInfo]:
-        """Every tensor's place, from the headers (read once, concurrently)."""
+        """Every tensor's place, from the headers (read once, concurrently): with an index, the tensors it
+        places in each object (as kiln.host.checkpoint reads a directory)."""
         if self._tensors is None:
+            placed = self._index()
+            files = sorted(set(placed.values()) if placed is not None else
+                           (n for n in self.objects if n.endswith(".safetensors")))
             with ThreadPoolExecutor(self.max_concurrency) as pool:
-                headers = list(pool.map(self._header, self._files()))
-            self._tensors = {name: info for h in headers for name, info in h.items()}
+                headers = list(pool.map(self._header, files))
+            have = {name: info for h in headers for name, info in h.items()
+                    if placed is None or placed.get(name) == info.file}
+            for name, file in (placed or {}).items():
+                if name not in have:
+                    raise BadInput(f"{self._name(INDEX)}: weight_map places tensor {name!r} in {file}, whose header "
+                                   "does not hold it; fix the index or upload the checkpoint again.")
+            self._tensors = have
         return self._tensors
 
     def inspect(self) -> ModelConfig:

@@ -152,6 +152,16 @@ def test_bad_input_names_the_object(s3_ckpt):
     with pytest.raises(BadInput, match=r"escaping/model.safetensors.index.json: weight_map entry .* -> "
                                        r"'../tiny/model-00001-of-00002.safetensors' is not a file name inside"):
         opened("escaping").inspect()
+    index = json.loads((s3_ckpt["folder"] / "model.safetensors.index.json").read_text())
+    moved = sorted(index["weight_map"])[0]
+    shards = sorted(set(index["weight_map"].values()))
+    index["weight_map"][moved] = next(f for f in shards if f != index["weight_map"][moved])
+    _put(s3_ckpt, "misplaced/config.json", config)
+    _put(s3_ckpt, "misplaced/model.safetensors.index.json", json.dumps(index).encode())
+    for f in shards:
+        _put(s3_ckpt, f"misplaced/{f}", (s3_ckpt["folder"] / f).read_bytes())
+    with pytest.raises(BadInput, match=rf"misplaced/model.safetensors.index.json: weight_map places tensor '{moved}'"):
+        opened("misplaced").inspect()
     shard = (s3_ckpt["folder"] / "model-00001-of-00002.safetensors").read_bytes()
     length = int.from_bytes(shard[:8], "little")
     header = json.loads(shard[8:8 + length])

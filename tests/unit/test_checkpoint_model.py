@@ -163,9 +163,15 @@ def test_loading_a_ranks_weights_checks_the_files_it_reads(tmp_path):
             shard.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + length:])
         return path, shard
 
+    def misplace(weight_map: dict) -> None:
+        """The first tensor placed in the other shard."""
+        name = next(iter(weight_map))
+        weight_map[name] = next(f for f in sorted(set(weight_map.values())) if f != weight_map[name])
+
     assert load_rank_weights(tampered("clean")[0], SMALL, 2, 1)
     cases = [({"edit_index": lambda m: m.update({next(iter(m)): "../x.safetensors"})}, "'../x.safetensors'"),
              ({"edit_index": lambda m: m.update({next(iter(m)): None})}, "-> None"),
+             ({"edit_index": misplace}, "whose header does not hold it"),
              ({"edit_header": lambda t: t.update(dtype="F8_E4M3")}, "dtype F8_E4M3"),
              ({"edit_header": lambda t: t.update(dtype="U4")}, "dtype 'U4'"),
              ({"edit_header": lambda t: t.update(shape=[t["shape"][0] + 1, *t["shape"][1:]])}, "data_offsets"),
