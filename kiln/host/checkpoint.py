@@ -1,9 +1,11 @@
 """Hugging Face-layout checkpoints: `config.json` plus `*.safetensors` shards.
 
 `inspect_checkpoint` reads only headers (cheap: run before any expensive work)
-and refuses missing files, corrupt headers, truncated files and shapes that do
-not match config.json. `load_rank_weights` reads one rank's slices without
-materialising the whole model. `write_checkpoint` writes the same layout,
+and refuses missing files, an index naming files outside the directory,
+corrupt headers (kiln.core.safetensors_header), truncated files and shapes
+that do not match config.json. `load_rank_weights` makes the same checks on
+the files it reads, then reads one rank's slices without materialising the
+whole model. `write_checkpoint` writes the same layout,
 sharded with an index file when asked.
 """
 
@@ -14,46 +16,42 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kiln.core.config import TINY, ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.hf_config import from_hf, to_hf
+from kiln.core.safetensors_header import TensorEntry, index_weight_map
 from kiln.host.model import expected_shapes, random_state_dict, rank_constants
 from kiln.host.safetensors_io import SafetensorsFile
 
 INDEX = "model.safetensors.index.json"
 
 
-def _weight_map(path: Path) -> dict[str, Path]:
-    """tensor name -> shard file, from the index when there is one."""
+def _headers(path: Path) -> dict[str, tuple[Path, TensorEntry]]:
+    """tensor name -> (its file, its header entry): the files the index names (kiln.core.safetensors_header
+    checks the index), else every *.safetensors; each file's header read and checked. BadInput naming the
+    file and the field when any of it is wrong, or when the index places a tensor in a file that lacks it."""
     index = path / INDEX
     if index.exists():
-        try:
-            raw = json.loads(index.read_text())
-            mapping = raw["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise BadInput(f"{index} is not a valid safetensors index ({exc}); re-save the checkpoint.") from None
-        return {name: path / file for name, file in mapping.items()}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise BadInput(f"{path} has no *.safetensors files; a checkpoint needs config.json and its weights.")
-    out: dict[str, Path] = {}
+        placed = {name: path / file for name, file in index_weight_map(index.read_bytes(), str(index)).items()}
+        files = sorted(set(placed.values()))
+    else:
+        placed = None
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise BadInput(f"{path} has no *.safetensors files; a checkpoint needs config.json and its weights.")
+    out: dict[str, tuple[Path, TensorEntry]] = {}
     for file in files:
-        for name in _open(file).keys():
-            out[name] = file
+        with SafetensorsFile(file) as f:
+            out.update({name: (file, entry) for name, entry in f.tensors.items()
+                        if placed is None or placed.get(name) == file})
+    if placed is not None:
+        for name, file in placed.items():
+            if name not in out:
+                raise BadInput(f"{index}: weight_map places tensor {name!r} in {file.name}, whose header does not "
+                               "hold it; fix the index or re-download the checkpoint.")
     return out
-
-
-def _open(file: Path):
-    if not file.exists():
-        raise BadInput(f"{file} is listed in the checkpoint index but does not exist; re-download it.")
-    try:
-        return safe_open(str(file), framework="pt")
-    except Exception as exc:  # safetensors raises its own error types for every header fault
-        raise BadInput(f"{file} is not a readable safetensors file ({exc}); it is corrupt or truncated: "
-                       "re-download or re-save it.") from None
 
 
 def read_config(path: Path | str) -> ModelConfig:
@@ -95,47 +93,54 @@ def missing_hint(missing: list[str], present) -> str:
     return ""
 
 
-def inspect_checkpoint(path: Path | str) -> ModelConfig:
-    """Check config, headers, file sizes and shapes without loading weights; return the config.
-
-    Every tensor config.json implies must be there with its shape, and every
-    tensor there must be one the model reads: a bias the config does not
-    declare would otherwise be dropped silently.
-    """
-    path = Path(path)
-    cfg = read_config(path)
+def check_tensors(where: str, cfg: ModelConfig, have: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """BadInput unless the checkpoint at `where` holds every tensor config.json implies with its shape, and no
+    tensor the model does not read (a bias the config does not declare would otherwise be dropped silently).
+    `have`: tensor name -> (its file as the message names it, its shape)."""
     want = expected_shapes(cfg)
-    mapping = _weight_map(path)
-    missing = sorted(set(want) - set(mapping))
+    missing = sorted(set(want) - set(have))
     if missing:
-        raise BadInput(f"{path} lacks {len(missing)} tensor(s) that config.json implies, e.g. {missing[0]}"
-                       f"{missing_hint(missing, mapping)}; the checkpoint does not match its config.")
-    unused = sorted(n for n in set(mapping) - set(want) if not _spare(n, cfg))
+        raise BadInput(f"{where} lacks {len(missing)} tensor(s) that config.json implies, e.g. {missing[0]}"
+                       f"{missing_hint(missing, have)}; the checkpoint does not match its config.")
+    unused = sorted(n for n in set(have) - set(want) if not _spare(n, cfg))
     if unused:
-        raise BadInput(f"{path} holds {len(unused)} tensor(s) that config.json does not account for, e.g. "
+        raise BadInput(f"{where} holds {len(unused)} tensor(s) that config.json does not account for, e.g. "
                        f"{unused[0]}; Kiln would ignore them and compute something else. Fix config.json "
                        "(e.g. attention_bias / mlp_bias) or remove them.")
-    handles = {}
     for name, shape in want.items():
-        file = mapping[name]
-        if file not in handles:
-            handles[file] = _open(file)
-        got = tuple(handles[file].get_slice(name).get_shape())
-        if got != shape:
-            raise BadInput(f"{file.name}: tensor {name} has shape {list(got)} but config.json implies "
+        file, got = have[name]
+        if tuple(got) != shape:
+            raise BadInput(f"{file}: tensor {name} has shape {list(got)} but config.json implies "
                            f"{list(shape)}; the checkpoint does not match its config.")
+
+
+def _checked(path: Path, cfg: ModelConfig) -> dict[str, tuple[Path, TensorEntry]]:
+    """The checkpoint's tensors (`_headers`) after `check_tensors` against `cfg`."""
+    have = _headers(path)
+    check_tensors(str(path), cfg, {name: (str(file), entry.shape) for name, (file, entry) in have.items()})
+    return have
+
+
+def inspect_checkpoint(path: Path | str) -> ModelConfig:
+    """Check config, index, headers and shapes without loading weights (BadInput naming the file and the
+    field); return the config."""
+    path = Path(path)
+    cfg = read_config(path)
+    _checked(path, cfg)
     return cfg
 
 
 def load_rank_weights(path: Path | str, cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """One rank's package constants (kiln.core.contract), in `cfg.dtype` (the dtype compiled for). Each
-    constant is allocated once and its slices read straight from the files into it (kiln.host.safetensors_io):
-    the rank's weights are never held twice, and the checkpoint is not memory-mapped into this process."""
-    mapping = _weight_map(Path(path))
+    """One rank's package constants (kiln.core.contract), in `cfg.dtype` (the dtype compiled for). The
+    files this process reads get inspect_checkpoint's checks first (a host's copy is not the one the flow
+    inspected). Each constant is allocated once and its slices read straight from the files into it
+    (kiln.host.safetensors_io): the rank's weights are never held twice, and the checkpoint is not
+    memory-mapped into this process."""
+    have = _checked(Path(path), cfg)
     files: dict[Path, SafetensorsFile] = {}
 
     def read_into(name: str, cut: tuple | None, out: torch.Tensor) -> None:
-        file = mapping[name]
+        file = have[name][0]
         if file not in files:
             files[file] = SafetensorsFile(file)
         files[file].read_into(name, cut, out)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,13 +35,11 @@ from kiln.core.config import ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.hf_config import from_hf
 from kiln.core.contract import LAYOUT, constant_dtype, rank_reads
+from kiln.core.safetensors_header import DTYPES, header_length, index_weight_map, parse_header
 from kiln.host.model import expected_shapes
+from kiln.host.safetensors_io import torch_dtype
 
 INDEX = "model.safetensors.index.json"
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 
 
 @dataclass(frozen=True)
@@ -71,8 +68,7 @@ def row_ranges(info: TensorInfo, cut: tuple[int, int, int] | None) -> list[tuple
     if cut is None:
         return [(info.start_byte, info.end_byte - 1)] if info.end_byte > info.start_byte else []
     dim, lo, hi = cut
-    item = torch.empty((), dtype=_DTYPES[info.dtype]).element_size()
-    inner = item
+    inner = DTYPES[info.dtype].itemsize_bytes
     for d in info.shape[dim + 1:]:
         inner *= d
     outer = 1
@@ -183,67 +179,56 @@ class S3Checkpoint:
         except ValueError as exc:
             raise BadInput(f"{self._name('config.json')} is not a valid config ({exc}).") from None
 
-    def _files(self) -> list[str]:
-        if INDEX in self.objects:
-            try:
-                files = sorted(set(json.loads(self._get(INDEX))["weight_map"].values()))
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise BadInput(f"{self._name(INDEX)} is not a valid safetensors index ({exc}).") from None
-            absent = [f for f in files if f not in self.objects]
-            if absent:
-                raise BadInput(f"{self._name(absent[0])} is listed in the checkpoint index but does not exist.")
-            return files
-        return sorted(n for n in self.objects if n.endswith(".safetensors"))
+    def _index(self) -> dict[str, str] | None:
+        """The index's weight_map (tensor name -> object name), checked by kiln.core.safetensors_header and
+        every object it names listed; None when there is no index."""
+        if INDEX not in self.objects:
+            return None
+        placed = index_weight_map(self._get(INDEX), self._name(INDEX))
+        absent = sorted(set(placed.values()) - set(self.objects))
+        if absent:
+            raise BadInput(f"{self._name(absent[0])} is listed in the checkpoint index but does not exist.")
+        return placed
 
     def _header(self, file: str) -> dict[str, TensorInfo]:
-        size = self.objects[file][0]
-        if size < 8:
-            raise BadInput(f"{self._name(file)} is {size} bytes: not a safetensors file (truncated?).")
-        (length,) = struct.unpack("<Q", self._get(file, 0, 7))
-        if length > min(size - 8, _MAX_HEADER_BYTES):
-            raise BadInput(f"{self._name(file)}: its header claims {length} bytes, more than the object holds; "
-                           "it is corrupt or truncated: upload it again.")
-        try:
-            header = json.loads(self._get(file, 8, 8 + length - 1))
-            base = 8 + length
-            out = {name: TensorInfo(file, h["dtype"], tuple(h["shape"]), base + h["data_offsets"][0],
-                                    base + h["data_offsets"][1])
-                   for name, h in header.items() if name != "__metadata__"}
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
-            raise BadInput(f"{self._name(file)} has no valid safetensors header ({exc}); upload it again.") from None
-        for name, t in out.items():
-            if t.dtype not in _DTYPES or t.end_byte > size:
-                raise BadInput(f"{self._name(file)}: tensor {name} ({t.dtype}, bytes up to {t.end_byte}) does not "
-                               f"fit the object's {size} bytes or has an unknown dtype; upload it again.")
-        return out
+        """The object's tensors, its header read with two ranged GETs and checked by
+        kiln.core.safetensors_header (BadInput naming the object and the field)."""
+        size, where = self.objects[file][0], self._name(file)
+        length = header_length(self._get(file, 0, 7) if size >= 8 else b"", size, where)
+        header = parse_header(self._get(file, 8, 7 + length) if length else b"", size, where)
+        base = 8 + length
+        return {name: TensorInfo(file, t.dtype, t.shape, base + t.begin_byte, base + t.end_byte)
+                for name, t in header.items()}
 
     def tensors(self) -> dict[str, TensorInfo]:
-        """Every tensor's place, from the headers (read once, concurrently)."""
+        """Every tensor's place, from the headers (read once, concurrently): with an index, the tensors it
+        places in each object (as kiln.host.checkpoint reads a directory)."""
         if self._tensors is None:
+            placed = self._index()
+            files = sorted(set(placed.values()) if placed is not None else
+                           (n for n in self.objects if n.endswith(".safetensors")))
             with ThreadPoolExecutor(self.max_concurrency) as pool:
-                headers = list(pool.map(self._header, self._files()))
-            self._tensors = {name: info for h in headers for name, info in h.items()}
+                headers = list(pool.map(self._header, files))
+            have = {name: info for h in headers for name, info in h.items()
+                    if placed is None or placed.get(name) == info.file}
+            for name, file in (placed or {}).items():
+                if name not in have:
+                    raise BadInput(f"{self._name(INDEX)}: weight_map places tensor {name!r} in {file}, whose header "
+                                   "does not hold it; fix the index or upload the checkpoint again.")
+            self._tensors = have
         return self._tensors
 
     def inspect(self) -> ModelConfig:
         """Config and headers only (no weights): every tensor config.json implies there with its shape,
         and none it does not account for (kiln.host.checkpoint's checks); returns the config."""
-        from kiln.host.checkpoint import _spare, missing_hint
         cfg = self.read_config()
-        want, have = expected_shapes(cfg), self.tensors()
-        missing = sorted(set(want) - set(have))
-        if missing:
-            raise BadInput(f"{self.url}/ lacks {len(missing)} tensor(s) that config.json implies, e.g. {missing[0]}"
-                           f"{missing_hint(missing, have)}; the checkpoint does not match its config.")
-        unused = sorted(n for n in set(have) - set(want) if not _spare(n, cfg))
-        if unused:
-            raise BadInput(f"{self.url}/ holds {len(unused)} tensor(s) that config.json does not account for, "
-                           f"e.g. {unused[0]}; fix config.json (e.g. attention_bias / mlp_bias) or remove them.")
-        for name, shape in want.items():
-            if have[name].shape != shape:
-                raise BadInput(f"{self._name(have[name].file)}: tensor {name} has shape {list(have[name].shape)} "
-                               f"but config.json implies {list(shape)}; the checkpoint does not match its config.")
+        self._check(cfg)
         return cfg
+
+    def _check(self, cfg: ModelConfig) -> None:
+        """kiln.host.checkpoint.check_tensors over the headers: every tensor `cfg` implies, with its shape."""
+        from kiln.host.checkpoint import check_tensors
+        check_tensors(f"{self.url}/", cfg, {name: (self._name(t.file), t.shape) for name, t in self.tensors().items()})
 
     def identity(self) -> dict:
         """What a manifest records: the address and every object's name, size and ETag."""
@@ -265,6 +250,7 @@ class S3Checkpoint:
         cached = self._cache_file(cfg, tp, rank)
         if cached is not None and cached.exists():
             return load_file(str(cached))
+        self._check(cfg)  # this host's reads, checked here: the flow's inspection ran elsewhere
         parts = self._rank_tensors(cfg, tp, rank)
         # Each tensor, already cut for the rank, is copied into its (stacked) constant and dropped at once.
         out = rank_constants(cfg, tp, rank, lambda name, cut, into: into.copy_(parts.pop((name, cut))),
@@ -295,8 +281,9 @@ class S3Checkpoint:
             dtype = getattr(torch, constant_dtype(cfg, name))
             info, shape = have[name], shapes[name]
             local = list(shape) if cut is None else [*shape[:cut[0]], cut[2] - cut[1], *shape[cut[0] + 1:]]
-            flat = torch.frombuffer(bytearray(b"".join(chunks.get((name, cut), []))), dtype=_DTYPES[info.dtype]) \
-                if all(local) else torch.empty(0, dtype=_DTYPES[info.dtype])
+            stored = torch_dtype(info.dtype)
+            flat = torch.frombuffer(bytearray(b"".join(chunks.get((name, cut), []))), dtype=stored) \
+                if all(local) else torch.empty(0, dtype=stored)
             out[(name, cut)] = flat.reshape(local).to(dtype).contiguous()
         return out
 

@@ -106,3 +106,75 @@ def test_unreachable_prefect_server_is_bad_input(kiln_main):
     # Port 1 on loopback: privileged, nothing listens there.
     run = kiln_main("export", "--tp", "2", env={"PREFECT_API_URL": "http://127.0.0.1:1/api"})
     assert run.code == 2 and "cannot reach the Prefect server" in run.err
+
+
+def _rewrite_header(shard: Path, edit) -> None:
+    """Rewrite `shard`'s JSON header as `edit(header)` returns it (the data section kept as it was)."""
+    data = shard.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.dumps(edit(json.loads(data[8:8 + length]))).encode()
+    shard.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + length:])
+
+
+def _first_tensor(header: dict) -> str:
+    return sorted(n for n in header if n != "__metadata__")[0]
+
+
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "ABSOLUTE", 7],
+                         ids=["dotdot", "absolute", "non-string"])
+def test_an_index_entry_outside_the_checkpoint_or_not_a_string_is_refused(kiln_main, tmp_path, ckpt, entry):
+    """The index's file names are untrusted: one that leaves the directory (to a readable safetensors file,
+    so only the name is wrong) or is not a string is refused, naming the index and the entry."""
+    index = ckpt / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    name, shard = sorted(raw["weight_map"].items())[0]
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes((ckpt / shard).read_bytes())
+    raw["weight_map"][name] = str(outside) if entry == "ABSOLUTE" else entry
+    index.write_text(json.dumps(raw))
+    run, store = export(kiln_main, tmp_path, "--model", str(ckpt))
+    _check_refused(run, store, str(index), repr(name), "not a file name inside the checkpoint directory")
+
+
+def test_a_huge_header_length_is_refused_before_it_is_read(kiln_main, tmp_path, ckpt):
+    shard = sorted(ckpt.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[:8] = (1 << 62).to_bytes(8, "little")
+    shard.write_bytes(bytes(data))
+    run, store = export(kiln_main, tmp_path, "--model", str(ckpt))
+    _check_refused(run, store, shard.name, f"its header claims {1 << 62} bytes")
+
+
+@pytest.mark.parametrize("case", ["offsets", "fp8", "unknown-dtype"])
+def test_a_header_entry_that_does_not_fit_its_bytes_or_dtype_is_refused(kiln_main, tmp_path, ckpt, case):
+    """data_offsets that do not span shape x dtype, an FP8 dtype (refused by name: Kiln does not dequantize)
+    and a dtype safetensors does not define: each names the file, the tensor and the field."""
+    shard = sorted(ckpt.glob("*.safetensors"))[0]
+    names = []
+
+    def edit(header: dict) -> dict:
+        name = _first_tensor(header)
+        names.append(name)
+        if case == "offsets":
+            begin, end = header[name]["data_offsets"]
+            header[name]["data_offsets"] = [begin, end - 2]
+        else:
+            header[name]["dtype"] = "F8_E4M3" if case == "fp8" else "Q4_K"
+        return header
+
+    _rewrite_header(shard, edit)
+    field = {"offsets": "data_offsets", "fp8": "dtype F8_E4M3", "unknown-dtype": "dtype 'Q4_K'"}[case]
+    run, store = export(kiln_main, tmp_path, "--model", str(ckpt))
+    _check_refused(run, store, shard.name, repr(names[0]), field)
+
+
+def test_plan_refuses_an_index_entry_outside_the_checkpoint(kiln_main, tmp_path, ckpt):
+    """`kiln plan` inspects the checkpoint as export does: the same refusal, exit 2."""
+    index = ckpt / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    name = sorted(raw["weight_map"])[0]
+    raw["weight_map"][name] = "../../x.safetensors"
+    index.write_text(json.dumps(raw))
+    run = kiln_main("plan", "--model", str(ckpt))
+    assert run.code == 2 and "Traceback" not in run.err, run.err
+    assert str(index) in run.err and "'../../x.safetensors'" in run.err, run.err

@@ -4,6 +4,7 @@ size, and bad input naming the object."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -142,6 +143,37 @@ def test_bad_input_names_the_object(s3_ckpt):
          (s3_ckpt["folder"] / "model-00001-of-00002.safetensors").read_bytes())
     with pytest.raises(BadInput, match=r"indexed/model-00002-of-00002.safetensors is listed in the checkpoint index"):
         opened("indexed").inspect()
+    index = json.loads((s3_ckpt["folder"] / "model.safetensors.index.json").read_text())
+    index["weight_map"][sorted(index["weight_map"])[0]] = "../tiny/model-00001-of-00002.safetensors"
+    _put(s3_ckpt, "escaping/config.json", config)
+    _put(s3_ckpt, "escaping/model.safetensors.index.json", json.dumps(index).encode())
+    for f in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        _put(s3_ckpt, f"escaping/{f}", (s3_ckpt["folder"] / f).read_bytes())
+    with pytest.raises(BadInput, match=r"escaping/model.safetensors.index.json: weight_map entry .* -> "
+                                       r"'../tiny/model-00001-of-00002.safetensors' is not a file name inside"):
+        opened("escaping").inspect()
+    index = json.loads((s3_ckpt["folder"] / "model.safetensors.index.json").read_text())
+    moved = sorted(index["weight_map"])[0]
+    shards = sorted(set(index["weight_map"].values()))
+    index["weight_map"][moved] = next(f for f in shards if f != index["weight_map"][moved])
+    _put(s3_ckpt, "misplaced/config.json", config)
+    _put(s3_ckpt, "misplaced/model.safetensors.index.json", json.dumps(index).encode())
+    for f in shards:
+        _put(s3_ckpt, f"misplaced/{f}", (s3_ckpt["folder"] / f).read_bytes())
+    with pytest.raises(BadInput, match=rf"misplaced/model.safetensors.index.json: weight_map places tensor '{moved}'"):
+        opened("misplaced").inspect()
+    shard = (s3_ckpt["folder"] / "model-00001-of-00002.safetensors").read_bytes()
+    length = int.from_bytes(shard[:8], "little")
+    header = json.loads(shard[8:8 + length])
+    name = sorted(n for n in header if n != "__metadata__")[0]
+    header[name]["data_offsets"][1] -= 4
+    raw = json.dumps(header).encode()
+    _put(s3_ckpt, "offsets/config.json", config)
+    _put(s3_ckpt, "offsets/model.safetensors", len(raw).to_bytes(8, "little") + raw + shard[8 + length:])
+    ck = opened("offsets")
+    for check in (ck.inspect, lambda: ck.load_rank_weights(TINY, 2, 0)):  # a host loading checks it too
+        with pytest.raises(BadInput, match=rf"offsets/model.safetensors: tensor '{name}' has data_offsets"):
+            check()
     _put(s3_ckpt, "badconfig/config.json", b"{not json")
     _put(s3_ckpt, "badconfig/model.safetensors", b"")
     with pytest.raises(BadInput, match=r"badconfig/config.json is not a valid config"):

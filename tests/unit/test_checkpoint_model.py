@@ -1,5 +1,7 @@
 """Checkpoint I/O and the sharded model, in eager mode (no compilation)."""
 
+import re
+
 import torch
 import torch.nn.functional as F
 
@@ -133,3 +135,51 @@ def test_direct_reader_cuts_and_converts_as_slicing_does(tmp_path, monkeypatch):
     with pytest.raises(BadInput, match="truncated"):
         safetensors_io.SafetensorsFile(tmp_path / "b.safetensors").read_into("w", None, torch.empty(37, 24,
                                                                                                      dtype=torch.bfloat16))
+
+
+def test_loading_a_ranks_weights_checks_the_files_it_reads(tmp_path):
+    """A host reads its own copy of the checkpoint, which the flow never inspected: load_rank_weights makes
+    inspect_checkpoint's checks (index, headers, shapes) on it, BadInput naming the file and the field."""
+    import json
+
+    import pytest
+
+    from kiln.core.errors import BadInput
+
+    def tampered(name: str, edit_index=None, edit_header=None):
+        path = random_checkpoint(tmp_path / name, SMALL, seed=1, num_shards=2)
+        index = path / "model.safetensors.index.json"
+        if edit_index:
+            raw = json.loads(index.read_text())
+            edit_index(raw["weight_map"])
+            index.write_text(json.dumps(raw))
+        shard = sorted(path.glob("*.safetensors"))[0]
+        if edit_header:
+            data = shard.read_bytes()
+            length = int.from_bytes(data[:8], "little")
+            header = json.loads(data[8:8 + length])
+            edit_header(header[sorted(n for n in header if n != "__metadata__")[0]])
+            raw = json.dumps(header).encode()
+            shard.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + length:])
+        return path, shard
+
+    def misplace(weight_map: dict) -> None:
+        """The first tensor placed in the other shard."""
+        name = next(iter(weight_map))
+        weight_map[name] = next(f for f in sorted(set(weight_map.values())) if f != weight_map[name])
+
+    assert load_rank_weights(tampered("clean")[0], SMALL, 2, 1)
+    cases = [({"edit_index": lambda m: m.update({next(iter(m)): "../x.safetensors"})}, "'../x.safetensors'"),
+             ({"edit_index": lambda m: m.update({next(iter(m)): None})}, "-> None"),
+             ({"edit_index": misplace}, "whose header does not hold it"),
+             ({"edit_header": lambda t: t.update(dtype="F8_E4M3")}, "dtype F8_E4M3"),
+             ({"edit_header": lambda t: t.update(dtype="U4")}, "dtype 'U4'"),
+             ({"edit_header": lambda t: t.update(shape=[t["shape"][0] + 1, *t["shape"][1:]])}, "data_offsets"),
+             ({"edit_header": lambda t: t.update(shape=t["shape"][::-1] if len(t["shape"]) == 2
+                                                 and t["shape"][0] != t["shape"][1] else [1, 0])},
+              "config.json implies")]
+    for i, (edit, needle) in enumerate(cases):
+        path, shard = tampered(f"bad{i}", **edit)
+        with pytest.raises(BadInput, match=re.escape(needle)) as err:
+            load_rank_weights(path, SMALL, 2, 1)
+        assert path.name in str(err.value), str(err.value)
