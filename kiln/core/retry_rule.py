@@ -25,7 +25,7 @@ One level per failure, each with its budget (attempts never multiply):
 1. A request to S3 (the store, an S3 checkpoint): botocore's retries, standard
    mode, `kiln.store.s3.REQUEST_RETRIES` (8 tries, random backoff doubling up
    to 20 s), plus Kiln's own re-GET of a body that breaks off
-   (`read_attempts`, 5). What the store raises after that (a StoreError,
+   (`READ_ATTEMPTS`, 5). What the store raises after that (a StoreError,
    transient or not, or a botocore error) has spent its budget:
    `retried_per_request` is true and no task or flow retries it again.
 2. Other transient I/O inside an I/O task (an EIO on a cache or file store, a
