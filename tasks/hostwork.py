@@ -227,6 +227,7 @@ def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict])
     from kiln.host.weights import load_rank_weights
     from kiln.host.model import solo_group
 
+    faults.point("check", rank)
     cfg = job.model_config
     diffs: dict[str, dict] = {}
     # One rank alone: its collectives sum over itself, in the compiled forward and in eager alike.
