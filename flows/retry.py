@@ -6,7 +6,9 @@ is tried again from the run's own policy (`empirical_policy.retries` against
 `run_count`), so `resumable` sets that policy from the run's recipe when each
 try starts and sets it to 0 when a try fails with an error that would fail the
 same way again (kiln.core.retry_rule.worth_retrying: only what can heal is retried): a gate refusal among them,
-unless the recipe's `retry_refusals` says the deployment waits for memory.
+unless the recipe's `retry_refusals` says the deployment waits for memory. A transient error that a lower
+level retried already (a store error after the store's per-request retries, an error an I/O task retried) is
+not retried here a second time: each failure is retried at one level (kiln.core.retry_rule's docstring).
 
 Contracts: the decorator's `retries`/`retry_delay_seconds` are only the
 defaults until the first try reads the recipe. A try that fails before the
@@ -32,7 +34,7 @@ from prefect.context import FlowRunContext
 from flows.params import ExportParams, build_recipe, default_export_id
 from kiln.core.errors import GateRefused
 from kiln.core.recipe import Recipe, where_to_set
-from kiln.core.retry_rule import worth_retrying
+from kiln.core.retry_rule import transient, worth_retrying
 
 
 def _set_policy(flow_run_id, *, retries: int, delay_s: float | None = None) -> None:
@@ -71,6 +73,9 @@ def resumable(params: ExportParams) -> Iterator[tuple[ExportParams, Recipe]]:
             if isinstance(exc, GateRefused):
                 log.error("not retried: a refusal is final (to wait for memory instead, %s)",
                           where_to_set("retry_refusals", True))
+            elif transient(exc):
+                log.error("not retried: %s was retried where it happened, within its budget (%s)",
+                          type(exc).__name__, exc)
             else:
                 log.error("not retried: %s fails the same way every time (%s)", type(exc).__name__, exc)
         raise

@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from kiln.core import layout, tuning_plan
-from kiln.core.errors import DiskError, IntegrityError, MemoryShort, StoreConflict, StoreError
+from kiln.core.errors import CheckCrashed, DiskError, IntegrityError, MemoryShort, StoreConflict, StoreError
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.layout import (artifact_key, compile_log_key, inspection_key, vouch_key, worker_memory_key,
                               worker_memory_prefix)
@@ -308,6 +309,7 @@ def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict])
     from kiln.host.weights import load_rank_weights
     from kiln.host.model import solo_group
 
+    faults.point("check", rank)
     cfg = job.model_config
     diffs: dict[str, dict] = {}
     # One rank alone: its collectives sum over itself, in the compiled forward and in eager alike.
@@ -365,6 +367,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     down, and AOTInductor crashes when one process loads a package twice.
     A check passed before on this host for the same artifact bytes, rank and
     checkpoint content is remembered in the host's cache and not run again.
+    A check whose process dies raises CheckCrashed, which is never retried.
     """
     from kiln.host.loader import limit_of
     from kiln.host.weights import fingerprint
@@ -394,7 +397,13 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), max_tasks_per_child=1,
                              initializer=die_with_parent) as ex:
         for rank, fs in todo.items():
-            result = ex.submit(_check_rank, job, host, rank, fs).result()
+            try:
+                result = ex.submit(_check_rank, job, host, rank, fs).result()
+            except BrokenProcessPool:
+                raise CheckCrashed(
+                    f"host {host.name}: the check of rank {rank} died (its process crashed loading or running a "
+                    f"forward of bucket(s) {', '.join(f['bucket'] for f in fs)}, or was killed); a crash is final, "
+                    "not retried") from None
             found = result["checks"]
             memory["peak_mib"] = max(memory["peak_mib"], result["peak_mib"])
             diffs.update(found)

@@ -4,12 +4,17 @@ Purpose: each task is one phase (or one host's share of it). Contracts: the
 per-host tasks run on the host they name; reductions (KV plan, gate, outcome
 check, manifest) take every host's result. Anti-patterns: decisions in here;
 they belong to kiln.core.gate, kiln.core.sizing and kiln.core.manifest. Pitfalls: retries
-only on I/O (store transfers), and only for errors that can heal
-(kiln.core.retry_rule); anything else (bad input, a refusal, an integrity
-failure, a bug) is never retried.
+only on I/O, and only for errors that can heal and that no lower level retried
+(kiln.core.retry_rule.retry_in_task): a store error has spent the store's
+per-request retries and is not retried here; anything else that is not
+transient (bad input, a refusal, an integrity failure, a crash, a bug) is
+never retried. What escapes an I/O task is marked as retried here, so the
+flow does not retry it a third time.
 """
 
 from __future__ import annotations
+
+import functools
 
 from prefect import task
 
@@ -17,21 +22,21 @@ from kiln.core import decisions, outcome
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.layout import artifact_key, manifest_key
 from kiln.core.probe_result import HostProbe
-from kiln.core.retry_rule import transient
+from kiln.core.retry_rule import mark_retried_in_task, retry_in_task
 from kiln.host import faults, tuner
 from tasks import hostwork
 
 IO_RETRY_DELAYS_S = [2, 5, 10]
-"""Backoff of the I/O tasks (store and network): three tries more, 17 s in all."""
+"""Backoff of the I/O tasks: three tries more, 17 s in all, for transient errors no lower level retried."""
 
 
 def transient_only(task, task_run, state) -> bool:
-    """retry_condition_fn: retry only what can heal (kiln.core.retry_rule.transient); a bug or a
-    deterministic error fails at its first try."""
+    """retry_condition_fn: retry only what can heal and was not retried per request already
+    (kiln.core.retry_rule.retry_in_task); a bug or a deterministic error fails at its first try."""
     try:
         state.result()
     except Exception as exc:
-        return transient(exc)
+        return retry_in_task(exc)
     return False
 
 
@@ -40,7 +45,22 @@ _IO = dict(retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S
 """Every I/O task's retries: transient errors only, with IO_RETRY_DELAYS_S backoff."""
 
 
-@task(name="probe", **_IO)
+def io_task(name: str):
+    """@task(name=name, **_IO) around a function whose exceptions are marked as retried at the task level
+    (kiln.core.retry_rule.mark_retried_in_task) before they leave it."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def marked(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                mark_retried_in_task(exc)
+                raise
+        return task(name=name, **_IO)(marked)
+    return decorate
+
+
+@io_task("probe")
 def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
     faults.point("probe")
     return hostwork.probe_host(job, host)
@@ -77,14 +97,14 @@ def _trusted(job: ExportJob, keys: list[str], own: dict[str, str]) -> dict[str, 
     return hostwork.trusted_digests(hostwork.store_of(job), keys, export_trusted_keys(job.signing, kiln_home()), own)
 
 
-@task(name="check-reused", **_IO)
+@io_task("check-reused")
 def check_reused(job: ExportJob, keys: list[str]) -> dict[str, str]:
     """Before the gate: key -> trusted sha256 of each stored forward among `keys`; IntegrityError naming
     those no trusted key vouched for (kiln.core.vouch), so nothing compiles or loads."""
     return _trusted(job, keys, {})
 
 
-@task(name="outcome-check", **_IO)
+@io_task("outcome-check")
 def outcome_check(job: ExportJob, forwards: dict[str, dict], own: dict[str, str]) -> dict[str, dict]:
     """Every key of the export must be in the store with a trusted sha256 (vouched for, or `own`: the
     digest this export's compiling host returned), and its package Python-free
@@ -94,7 +114,7 @@ def outcome_check(job: ExportJob, forwards: dict[str, dict], own: dict[str, str]
     return outcome.check_outcome(found, missing, forwards)
 
 
-@task(name="share", **_IO)
+@io_task("share")
 def share_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
     return hostwork.fetch_missing(job, host, forwards)
 
@@ -106,7 +126,7 @@ def verify_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
     return result
 
 
-@task(name="manifest", **_IO)
+@io_task("manifest")
 def write_manifest(job: ExportJob, manifest: dict) -> dict:
     """Sign (the key is loaded here, never passed in) and write the manifest last; the report's signing entry."""
     from blocks.trust import write_signed_manifest
@@ -121,14 +141,14 @@ def write_manifest(job: ExportJob, manifest: dict) -> dict:
 # --- plain calls for bookkeeping (records, the picture), which the flow reads or writes once. ----------
 
 
-@task(name="missing-forwards", **_IO)
+@io_task("missing-forwards")
 def missing_forwards(job: ExportJob, keys: list[str]) -> list[str]:
     """The keys whose forward is not in the store (after hosts were lost mid-compile)."""
     store = hostwork.store_of(job)
     return sorted(k for k in keys if not store.exists(artifact_key(k)))
 
 
-@task(name="break-leases", **_IO)
+@io_task("break-leases")
 def break_leases(job: ExportJob, keys: list[str], hosts: set[str]) -> int:
     """Drop the compile leases lost `hosts` of this export held on `keys` (tasks.hostwork.break_leases)."""
     return hostwork.break_leases(job, keys, hosts)

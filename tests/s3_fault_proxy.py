@@ -17,6 +17,9 @@ passes untouched, so any client that retries finishes. Modes:
   response stream (inside headers or body), then the client is reset.
 - 'truncate_request': the client's bytes pass until a cut offset, then both
   sides are reset: the server sees a partial request body.
+- '503': the proxy itself answers the connection's first request with 503
+  SlowDown (S3's "later", no body for a HEAD) and closes it: the server never
+  sees the request. Not in CYCLE; `arm(cycle=("503",))` makes a burst of them.
 
 `fired` counts the faults that actually happened (a cut beyond the bytes the
 connection carried did not fire). `access_keys` holds every AWS access key id
@@ -37,6 +40,16 @@ from collections import Counter
 CYCLE = ("truncate", "slow", "reset_after", "truncate", "reset_before", "truncate_request", "truncate", "pass")
 _CHUNK = 16 * 1024
 _CREDENTIAL = re.compile(rb"Credential=([A-Za-z0-9]{4,128})/")
+_SLOW_DOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code>"
+              b"<Message>Please reduce your request rate.</Message></Error>")
+
+
+def _answer_503(request: bytes) -> bytes:
+    """An S3 503 SlowDown answer to `request` (headers only for a HEAD), closing the connection."""
+    body = b"" if request.startswith(b"HEAD ") else _SLOW_DOWN
+    return (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nx-amz-request-id: kiln-fault-proxy\r\n"
+            b"Connection: close\r\nContent-Length: " + str(len(_SLOW_DOWN if body else b"")).encode() +
+            b"\r\n\r\n" + body)
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:
@@ -135,6 +148,18 @@ class FaultProxy:
 
     async def _handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         mode, cut = self._next_mode()
+        if mode == "503":
+            try:
+                request = await creader.read(_CHUNK)
+                self.access_keys.update(m.decode() for m in _CREDENTIAL.findall(request))
+                cwriter.write(_answer_503(request))
+                await cwriter.drain()
+                self.fired[mode] += 1
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                cwriter.close()
+            return
         try:
             ureader, uwriter = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         except OSError:

@@ -77,6 +77,13 @@ class UnloadablePackage(KilnError):
     exit_code = 1
 
 
+class CheckCrashed(KilnError):
+    """A rank check's process died (a package that crashes when loaded or run, or a kill): final, never
+    retried (kiln.core.retry_rule: a crash fails the same way again)."""
+
+    exit_code = 1
+
+
 class NotPythonFree(KilnError):
     """A compiled forward calls an op that only a Python process registering it can run."""
 
@@ -84,13 +91,14 @@ class NotPythonFree(KilnError):
 
 
 class StoreError(KilnError):
-    """The store failed in a way that its own retries did not fix.
+    """The store (or an S3 checkpoint) failed in a way that its own per-request retries did not fix.
 
-    `transient`: the failure may heal (the store was unreachable, timed out or
-    throttled: see kiln.core.retry_rule.transient); false for an answer that
-    will not change (access denied, a directory where a key should be). An
-    instance attribute, so it survives pickling (Dask, Prefect results), which
-    `__cause__` does not.
+    `transient`: the failure may heal later (the store timed out, closed the
+    connection or was throttled: see kiln.core.retry_rule.transient); false for
+    an answer that will not change (access denied, a directory where a key
+    should be). Either way its retries are spent: no task or flow retries it
+    again (kiln.core.retry_rule.retried_per_request). An instance attribute, so
+    it survives pickling (Dask, Prefect results), which `__cause__` does not.
     """
 
     exit_code = 1

@@ -119,7 +119,8 @@ class Recipe:
     compile_s_estimate: float = setting(
         30.0, "Predicted seconds to compile one forward when nothing was measured yet.", unit="s", gt=0,
         compiling_only=True, title="Compile time estimate per forward (s)", group="compile")
-    max_compile_attempts: int = setting(2, "Times one forward is tried when its compile worker dies.", gt=0,
+    max_compile_attempts: int = setting(2, "Times one forward is tried when its compile worker dies; after that "
+                                        "the export fails (a flow retry does not compile it again).", gt=0,
                                         compiling_only=True, title="Tries per forward", group="compile")
     verify_atol: float = setting(
         1e-3, "Largest difference allowed between a compiled forward and eager, as max |compiled - eager| / "
@@ -139,9 +140,10 @@ class Recipe:
         "none of them gets stored; then it fails naming them and their holder.",
         unit="s", ge=60, compiling_only=True, title="Wait for another export's compiles (s)", group="compile")
     flow_retries: int = setting(
-        2, "Times a failed export is tried again, with a fresh probe; only failures that can heal are "
-        "retried (docs/operations.md), never bad input, gate refusals (unless retry_refusals), integrity "
-        "or verification failures or bugs.", ge=0, le=10, title="Retries of a failed export", group="advanced")
+        2, "Times a failed export is tried again, with a fresh probe; only failures that can heal and that no "
+        "lower level retried already are retried (docs/operations.md), never bad input, gate refusals (unless "
+        "retry_refusals), integrity or verification failures, crashes or bugs.", ge=0, le=10,
+        title="Retries of a failed export", group="advanced")
     flow_retry_delay_s: float = setting(30.0, "Seconds between a failed try of the export and the next one.",
                                         unit="s", ge=0, le=86400, title="Delay between retries (s)",
                                         group="advanced")

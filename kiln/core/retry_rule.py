@@ -1,9 +1,13 @@
-"""Which failures are retried: only those that can heal. Everything else is final.
+"""Which failures are retried, and at which level: only those that can heal, each at one level.
 
-Purpose: one rule for the I/O tasks' retries (`transient`, tasks/phases.py's
-`transient_only`) and for the export flow's retries (`worth_retrying`,
-flows/retry.py). An error not named here, a bug's TypeError or KeyError
-among them, fails at its first try and is shown at once.
+Purpose: one rule for the store's per-request retries (`transient`, which the
+S3 store and checkpoint reader use to classify what botocore gave up on), the
+I/O tasks' retries (`retry_in_task`, tasks/phases.py's `transient_only`) and
+the export flow's retries (`worth_retrying`, flows/retry.py). An error not
+named here, a bug's TypeError or KeyError among them, fails at its first try
+and is shown at once. So do a refusal, bad input, a verify mismatch and a
+crash (a process that died: BrokenProcessPool, a compile worker killed on
+every attempt): they are never retried.
 
 What can heal when the same call is tried again (`transient`):
 - network: ConnectionError (reset, refused, broken pipe), TimeoutError, and the
@@ -13,16 +17,33 @@ What can heal when the same call is tried again (`transient`):
   botocore ClientError's response;
 - I/O OSErrors whose errno says the device or peer hiccuped (`TRANSIENT_ERRNOS`;
   a full or read-only disk is not among them: kiln.host.cache.DISK_ERRNOS);
-- a lost Dask worker (KilledWorker, CommClosedError) and a killed worker
-  process (BrokenProcessPool);
+- a lost Dask worker (KilledWorker, CommClosedError);
 - a Kiln error whose instance says so (StoreError(transient=True): the store
   layer classifies the botocore error it wraps).
 
-What heals only when the whole export runs again (`worth_retrying`, besides
-the transient errors): hosts lost mid-compile (HostsLost), forwards missing
-after the compile phase (ForwardsMissing), a forward that killed its compile
-worker every attempt (kiln.host.compiler.CompileFailed: memory may be free
-on the next try), and a gate refusal when the recipe waits for memory.
+One level per failure, each with its budget (attempts never multiply):
+1. A request to S3 (the store, an S3 checkpoint): botocore's retries, standard
+   mode, `kiln.store.s3.REQUEST_RETRIES` (8 tries, random backoff doubling up
+   to 20 s), plus Kiln's own re-GET of a body that breaks off
+   (`READ_ATTEMPTS`, 5). What the store raises after that (a StoreError,
+   transient or not, or a botocore error) has spent its budget:
+   `retried_per_request` is true and no task or flow retries it again.
+2. Other transient I/O inside an I/O task (an EIO on a cache or file store, a
+   reset connection that no client retried): the task's retries
+   (tasks.phases.IO_RETRY_DELAYS_S: 3 more tries). The task marks what escapes
+   it (`mark_retried_in_task`), so the flow does not retry it again.
+3. The export flow (`flow_retries`, default 2 more tries): what only a new try
+   heals (hosts lost mid-compile, forwards missing after the compile phase, a
+   gate refusal when the recipe waits for memory), and transient errors that
+   no level below retried (raised outside the I/O tasks and outside the store).
+
+A crash is final at every level. A compile worker killed mid-compile has its
+own level, inside the compile pool (the forward is compiled again on a fresh
+worker, `max_compile_attempts` times in all: an OOM kill may not recur once
+the other workers finished); the CompileFailed raised after that is final, not
+re-run by the flow, which would multiply that budget by the flow's tries, each
+a compile that may take the host's memory down again. A rank check whose
+process died (a package that segfaults when loaded) is final at once.
 
 Pure: no prefect, boto3, distributed or torch import.
 """
@@ -30,9 +51,8 @@ Pure: no prefect, boto3, distributed or torch import.
 from __future__ import annotations
 
 import errno
-from concurrent.futures.process import BrokenProcessPool
 
-from kiln.core.errors import ForwardsMissing, GateRefused, HostsLost, KilnError
+from kiln.core.errors import ForwardsMissing, GateRefused, HostsLost, KilnError, StoreError
 
 TRANSIENT_ERRNOS = frozenset({
     errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
@@ -55,14 +75,15 @@ RETRY_LATER_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", 
                                "RequestTimeout", "InternalError", "ServiceUnavailable", "503", "500"})
 """S3 error codes that mean "try again later" (botocore ClientError's Error.Code)."""
 
-RERUN_HEALS = {"kiln.host.compiler": ("CompileFailed",)}
-"""Kiln errors outside kiln.core that a re-run of the export may heal, by module and class name."""
+RETRIED_PER_REQUEST = ("botocore",)
+"""Packages whose errors come out of a client that retried the request itself (botocore: REQUEST_RETRIES)."""
+
+_RETRIED_IN_TASK = "kiln_retried_in_task"
 
 
-def _named(exc: BaseException, table: dict[str, tuple[str, ...]], *, whole_module: bool = False) -> bool:
+def _named(exc: BaseException, table: dict[str, tuple[str, ...]]) -> bool:
     for cls in type(exc).__mro__:
-        module = cls.__module__ if whole_module else cls.__module__.split(".")[0]
-        if cls.__name__ in table.get(module, ()):
+        if cls.__name__ in table.get(cls.__module__.split(".")[0], ()):
             return True
     return False
 
@@ -79,25 +100,52 @@ def _retry_later_answer(exc: BaseException) -> bool:
 
 def transient(exc: BaseException) -> bool:
     """Whether trying the same call again may succeed (see the module docstring). False for anything not
-    named there: a bug's TypeError or KeyError, a Kiln error not marked transient, a BaseException."""
+    named there: a bug's TypeError or KeyError, a crashed process (BrokenProcessPool), a Kiln error not
+    marked transient, a BaseException."""
     if isinstance(exc, KilnError):
         return getattr(exc, "transient", False) is True
     if not isinstance(exc, Exception):
         return False
-    if isinstance(exc, (ConnectionError, TimeoutError, BrokenProcessPool)):
+    if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
     if _named(exc, TRANSIENT_CLASSES) or _retry_later_answer(exc):
         return True
     return isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS
 
 
+def retried_per_request(exc: BaseException) -> bool:
+    """Whether `exc` comes out of a call that already spent its per-request retries: any StoreError (the
+    store raises one only after botocore's retries and its own re-reads) and any botocore error."""
+    return isinstance(exc, StoreError) or any(cls.__module__.split(".")[0] in RETRIED_PER_REQUEST
+                                              for cls in type(exc).__mro__)
+
+
+def mark_retried_in_task(exc: BaseException) -> None:
+    """Record on `exc` that an I/O task with retries raised it (an instance attribute: it survives pickling)."""
+    try:
+        setattr(exc, _RETRIED_IN_TASK, True)
+    except AttributeError:  # an exception type without a __dict__: the flow may retry it once more
+        pass
+
+
+def retried_in_task(exc: BaseException) -> bool:
+    """Whether an I/O task raised `exc` (mark_retried_in_task): the task's retries were its level."""
+    return getattr(exc, _RETRIED_IN_TASK, False) is True
+
+
+def retry_in_task(exc: BaseException) -> bool:
+    """Whether an I/O task tries again after `exc`: transient, and not already retried per request."""
+    return transient(exc) and not retried_per_request(exc)
+
+
 def worth_retrying(exc: BaseException, *, retry_refusals: bool = False) -> bool:
-    """Whether trying the whole export again may succeed: a transient error, lost hosts, forwards missing
-    after compilation, a compile worker killed on every attempt; a gate refusal only with
-    `retry_refusals` (the recipe setting: the deployment waits for memory). Everything else is final:
-    bad input, integrity failures, verification mismatches, a full disk, a bug."""
+    """Whether trying the whole export again may succeed: lost hosts, forwards missing after compilation,
+    a gate refusal only with `retry_refusals` (the recipe setting: the deployment waits for memory), and
+    a transient error that no level below retried (not a store or botocore error, not raised by an I/O
+    task). Everything else is final: bad input, integrity failures, verification mismatches, a crash
+    (a worker or check process that died, CompileFailed), a full disk, a bug."""
     if isinstance(exc, GateRefused):
         return retry_refusals
-    if isinstance(exc, (HostsLost, ForwardsMissing)) or _named(exc, RERUN_HEALS, whole_module=True):
+    if isinstance(exc, (HostsLost, ForwardsMissing)):
         return True
-    return transient(exc)
+    return transient(exc) and not retried_per_request(exc) and not retried_in_task(exc)

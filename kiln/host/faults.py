@@ -10,6 +10,7 @@ Points and their arguments:
 - "uploaded" (num_uploaded,): after each forward a host uploaded in the compile phase.
 - "compile" (spec, stage): in a compile worker; stage 'export' (after torch.export,
   before Inductor) or 'written' (the package written, not yet published to the cache).
+- "check" (rank,): in a rank check's own process, before it loads anything.
 
 Contracts: `install` is called by whoever wants faults in this process (the
 test suite's seam, tests/fault_seam/, installs itself in every Python process
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-POINTS = ("probe", "uploaded", "compile")
+POINTS = ("probe", "uploaded", "compile", "check")
 _hooks: dict[str, list[Callable]] = {}
 
 

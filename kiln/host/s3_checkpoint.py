@@ -15,9 +15,14 @@ directory holding the same files: one rank's shard of every parameter, in
 every object's name, size and ETag (plus tp, rank and dtype), so a second load
 of the same checkpoint reads no weights again; a replaced object has a new
 ETag, hence a new key. `identity()` is what a manifest records. Bad input
-(a missing config.json, a prefix with no safetensors, an object that cannot
-be read, a corrupt header, shapes config.json does not imply) is BadInput
-naming the object. Compile workers need none of this: they compile weightless.
+(a missing config.json, a prefix with no safetensors, an object that is
+missing, refused or replaced, a corrupt header, shapes config.json does not
+imply) is BadInput naming the object. A blip is not bad input: each request
+is retried by botocore (kiln.store.s3.REQUEST_RETRIES) and a body that breaks
+off is fetched again (kiln.store.s3.READ_ATTEMPTS); what outlasts that (5xx,
+throttling, read timeouts, closed connections) is StoreError(transient=True)
+and is not retried again by a task or the flow (kiln.core.retry_rule).
+Compile workers need none of this: they compile weightless.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +38,7 @@ from pathlib import Path
 import torch
 
 from kiln.core.config import ModelConfig
-from kiln.core.errors import BadInput
+from kiln.core.errors import BadInput, StoreError
 from kiln.core.hf_config import from_hf
 from kiln.core.contract import LAYOUT, constant_dtype, rank_reads
 from kiln.core.safetensors_header import DTYPES, header_length, index_weight_map, parse_header
@@ -150,21 +156,34 @@ class S3Checkpoint:
                 for obj in page.get("Contents", []):
                     out[obj["Key"][len(self.prefix):]] = (obj["Size"], obj["ETag"].strip('"'))
         except (ClientError, BotoCoreError) as exc:
-            raise BadInput(f"cannot list {self.url}/ ({exc}); check the bucket, the prefix and the credentials.") \
+            raise read_failure(exc, f"list {self.url}/", "check the bucket, the prefix and the credentials.") \
                 from None
         return out
 
     def _get(self, name: str, first: int | None = None, last: int | None = None) -> bytes:
-        """The object's bytes [first, last] (inclusive), or all of it; If-Match the listed ETag."""
+        """The object's bytes [first, last] (inclusive), or all of it; If-Match the listed ETag. A body that
+        breaks off is fetched again, READ_ATTEMPTS GETs in all."""
         from botocore.exceptions import BotoCoreError, ClientError
+        from urllib3.exceptions import HTTPError as Urllib3Error
+
+        from kiln.store.s3 import BODY_ERRORS, READ_ATTEMPTS
         args = {"IfMatch": f'"{self.objects[name][1]}"'} if name in self.objects else {}
         if first is not None:
             args["Range"] = f"bytes={first}-{last}"
-        try:
-            data = self._client.get_object(Bucket=self.bucket, Key=self.prefix + name, **args)["Body"].read()
-        except (ClientError, BotoCoreError) as exc:
-            raise BadInput(f"cannot read {self._name(name)} ({exc}); check it exists, is readable with these "
-                           "credentials and was not replaced during the export.") from None
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:
+                body = self._client.get_object(Bucket=self.bucket, Key=self.prefix + name, **args)["Body"]
+                try:
+                    data = body.read()
+                    break
+                except BODY_ERRORS:
+                    body.close()
+                    if attempt == READ_ATTEMPTS:
+                        raise
+            except (ClientError, BotoCoreError, Urllib3Error) as exc:
+                raise read_failure(exc, f"read {self._name(name)}", "check it exists, is readable with these "
+                                   "credentials and was not replaced during the export.") from None
+            time.sleep(min(0.1 * 2**attempt, 2.0))
         if first is not None and len(data) != last - first + 1:
             raise BadInput(f"{self._name(name)}: asked for bytes {first}-{last}, got {len(data)} bytes; the object "
                            "is shorter than its safetensors header says (truncated) or the server ignores Range.")
@@ -288,10 +307,23 @@ class S3Checkpoint:
         return out
 
 
+def read_failure(exc: Exception, what: str, fix: str) -> BadInput | StoreError:
+    """What a failed request of the checkpoint raises, after botocore's retries and the body re-reads:
+    StoreError(transient=True) for a blip (kiln.store.s3_errors.blip: 5xx, throttling, a read timeout, a
+    closed connection), else BadInput saying `what` failed and `fix`."""
+    from kiln.store.s3_errors import blip
+    if blip(exc):
+        return StoreError(f"cannot {what} ({exc}) on any try: the S3 endpoint is busy or failing; nothing to fix "
+                          "here, try again later.", transient=True)
+    return BadInput(f"cannot {what} ({exc}); {fix}")
+
+
 def _client(endpoint_url: str | None, max_concurrency: int):
     import boto3
     from botocore.config import Config
+
+    from kiln.store.s3 import REQUEST_RETRIES
     return boto3.session.Session().client(
         "s3", endpoint_url=endpoint_url, config=Config(
-            retries={"mode": "standard", "max_attempts": 8}, s3={"addressing_style": "path"},
+            retries=dict(REQUEST_RETRIES), s3={"addressing_style": "path"},
             max_pool_connections=max(10, max_concurrency)))

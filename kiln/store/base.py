@@ -94,7 +94,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def check(self) -> None:
-        """Verify the store is usable; raise BadInput naming where and why (never secrets)."""
+        """Verify the store is usable; raise BadInput naming where and why (never secrets) for what the user
+        must fix, StoreError(transient=True) for a blip that outlasted the store's retries."""
 
     @abc.abstractmethod
     def put_file(self, key: str, path: str | Path, sha256: str) -> bool:

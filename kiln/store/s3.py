@@ -38,6 +38,14 @@ requests, but not a response body that breaks off while it is read
 partial body is never kept (a short read is an error, not a smaller
 object). A multipart completion whose answer was lost is recognised by the
 object it created.
+
+Retries are per request and only here (kiln.core.retry_rule): botocore's
+standard mode with `max_attempts` tries (REQUEST_RETRIES: 8, a random backoff
+doubling up to 20 s, within botocore's retry quota), plus the body re-reads
+above (READ_ATTEMPTS: 5). A StoreError raised after that has spent the budget: `transient` says
+whether it may heal later, and no task or flow retries it again. `check`
+tries twice with short timeouts, so a wrong endpoint fails in seconds, except
+that an answer meaning "later" (5xx, throttling) gets the full budget.
 """
 
 from __future__ import annotations
@@ -72,15 +80,19 @@ from kiln.core.key_rules import (
 )
 from kiln.core.retry_rule import transient
 from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, replaced_on_success
-from kiln.store.s3_errors import MISSING_KEY, error_code, explain_check_error, lost_race
+from kiln.store.s3_errors import MISSING_KEY, blip, error_code, explain_check_error, lost_race
 from kiln.store.s3_parts import byte_ranges, fetch_in_order, upload_in_parts, write_at
 
 MIB = 1024 * 1024
+REQUEST_RETRIES = {"mode": "standard", "max_attempts": 8}
+"""botocore's retries of one S3 request (the store's and an S3 checkpoint's): the only level that retries it."""
 CHECKSUM_MODES = ("when_required", "when_supported")
 _MIN_PART_BYTES = 5 * MIB  # S3's minimum size of every part but the last
 _CONFLICT_ATTEMPTS = 8  # 409s and create/delete races: back off and try again
-# A response body that breaks off while it is read; botocore does not retry these.
-_BODY_ERRORS = (ResponseStreamingError, IncompleteReadError, ReadTimeoutError, ConnectionClosedError, Urllib3Error)
+READ_ATTEMPTS = 5
+"""GETs of one object or range whose body breaks off while it is read, before the read fails."""
+BODY_ERRORS = (ResponseStreamingError, IncompleteReadError, ReadTimeoutError, ConnectionClosedError, Urllib3Error)
+"""A response body that breaks off while it is read; botocore does not retry these (READ_ATTEMPTS does)."""
 
 
 class S3Store(Store):
@@ -111,8 +123,8 @@ class S3Store(Store):
         secret_key: str | None = None,
         session_token: str | None = None,
         checksum_mode: str = "when_required",
-        max_attempts: int = 8,
-        read_attempts: int = 5,
+        max_attempts: int = REQUEST_RETRIES["max_attempts"],
+        read_attempts: int = READ_ATTEMPTS,
         multipart_threshold_bytes: int = 8 * MIB,
         part_size_bytes: int = 8 * MIB,
         max_concurrency: int = 10,
@@ -141,7 +153,7 @@ class S3Store(Store):
         self.multipart_threshold_bytes = multipart_threshold_bytes
         self.part_size_bytes = part_size_bytes
         self._config = Config(
-            retries={"mode": "standard", "max_attempts": max_attempts},
+            retries={**REQUEST_RETRIES, "max_attempts": max_attempts},
             request_checksum_calculation=checksum_mode,
             response_checksum_validation=checksum_mode,
             s3={"addressing_style": "path"},
@@ -179,7 +191,13 @@ class S3Store(Store):
         try:
             client = self._make_client(quick)
             endpoint = client.meta.endpoint_url
-            client.head_bucket(Bucket=bucket)
+            try:
+                client.head_bucket(Bucket=bucket)
+            except ClientError as e:
+                if not blip(e):
+                    raise
+                # It answered "later" (5xx, throttling): the endpoint is right and busy; the store's own budget.
+                self._client.head_bucket(Bucket=bucket)
         except Exception as e:
             if (explained := explain_check_error(e, bucket, endpoint)) is not None:
                 raise explained from None
@@ -206,7 +224,7 @@ class S3Store(Store):
             if error_code(e) in MISSING_KEY:
                 raise ObjectMissing(key) from None
             raise StoreError(f"S3 {action} of {key!r} in {self.url} failed: {e}", transient=transient(e)) from e
-        except BotoCoreError as e:
+        except (BotoCoreError, Urllib3Error) as e:  # urllib3's: a body that broke off on its last re-read
             raise StoreError(f"S3 {action} of {key!r} in {self.url} failed: {e}", transient=transient(e)) from e
 
     def _create_once(self, key: str, sha256: str, write: Callable[[], Any]) -> bool:
@@ -319,7 +337,7 @@ class S3Store(Store):
                 resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key), **get_args)
                 try:
                     return resp, resp["Body"].read()
-                except _BODY_ERRORS:
+                except BODY_ERRORS:
                     resp["Body"].close()
                     if attempt == self.read_attempts:
                         raise

@@ -1,7 +1,13 @@
-"""Classification of botocore errors for S3Store: lost create-once races and check() failures.
+"""Classification of botocore errors for S3: lost create-once races, check() failures, checkpoint reads.
 
-Messages name the endpoint and bucket and never credentials: botocore's own
-error strings are not echoed for credential failures.
+What a user must fix is BadInput: no credentials or refused ones, no such
+bucket, the wrong region, an endpoint nothing can connect to or that is not S3,
+a malformed URL. A blip that outlasted botocore's per-request retries (a read
+timeout, a connection closed mid-answer, throttling, a 5xx answer) is
+StoreError(transient=True): nothing to fix, it may heal later, and no task or
+flow retries it again (kiln.core.retry_rule: one level per failure). Messages
+name the endpoint and bucket and never credentials: botocore's own error
+strings are not echoed for credential failures.
 """
 
 from __future__ import annotations
@@ -9,15 +15,14 @@ from __future__ import annotations
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
-    ConnectionClosedError,
     ConnectTimeoutError,
     EndpointConnectionError,
     NoCredentialsError,
     PartialCredentialsError,
-    ReadTimeoutError,
 )
 
-from kiln.core.errors import BadInput
+from kiln.core.errors import BadInput, StoreError
+from kiln.core.retry_rule import transient
 
 MISSING_KEY = ("404", "NoSuchKey", "NotFound")
 _NO_BUCKET = ("404", "NoSuchBucket", "NotFound")
@@ -26,7 +31,8 @@ _BAD_CREDENTIALS = (
     "InvalidClientTokenId", "InvalidToken", "ExpiredToken", "UnrecognizedClientException",
 )  # fmt: skip
 _WRONG_REGION = ("301", "PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException")
-_UNREACHABLE = (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError, ConnectionClosedError)
+_CANNOT_CONNECT = (EndpointConnectionError, ConnectTimeoutError)
+"""Nothing accepted a connection at the endpoint (after botocore's retries): most likely the wrong endpoint."""
 
 
 def error_code(e: ClientError) -> str:
@@ -44,14 +50,21 @@ def lost_race(e: ClientError) -> str | None:
     return None
 
 
-def explain_check_error(e: Exception, bucket: str, endpoint: str) -> BadInput | None:
-    """The BadInput that `S3Store.check` raises for `e` from head_bucket, or None if `e` is not botocore's."""
+def blip(e: BaseException) -> bool:
+    """Whether `e`, from a botocore call that spent its retries, is a blip rather than something to fix: a
+    transient error (kiln.core.retry_rule.transient) other than an endpoint nothing can connect to."""
+    return transient(e) and not isinstance(e, _CANNOT_CONNECT)
+
+
+def explain_check_error(e: Exception, bucket: str, endpoint: str) -> BadInput | StoreError | None:
+    """What `S3Store.check` raises for `e` from head_bucket: BadInput for what the user must fix,
+    StoreError(transient=True) for a blip (see the module docstring); None if `e` is not botocore's."""
     if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
         return BadInput(
             f"no complete AWS credentials for bucket {bucket!r} at {endpoint}; "
             "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
         )
-    if isinstance(e, _UNREACHABLE):
+    if isinstance(e, _CANNOT_CONNECT):
         return BadInput(
             f"cannot reach S3 endpoint {endpoint} (bucket {bucket!r}); "
             "check --s3-endpoint / AWS_ENDPOINT_URL and that the server is up"
@@ -75,7 +88,13 @@ def explain_check_error(e: Exception, bucket: str, endpoint: str) -> BadInput | 
         if code in _WRONG_REGION:
             region = headers.get("x-amz-bucket-region") or "another region"
             return BadInput(f"bucket {bucket!r} at {endpoint} is in region {region}; set AWS_REGION to it")
+        if blip(e):
+            return StoreError(f"S3 endpoint {endpoint} answered {code or 'an error'} for bucket {bucket!r} on "
+                              "every try (busy or failing); nothing to fix here: try again later", transient=True)
         return BadInput(f"S3 endpoint {endpoint} answered {code or 'an error'} for bucket {bucket!r}")
+    if blip(e):  # reached, then a read timeout or a closed connection on every try
+        return StoreError(f"S3 endpoint {endpoint} (bucket {bucket!r}) failed mid-request on every try ({e}); "
+                          "nothing to fix here: try again later", transient=True)
     if isinstance(e, (BotoCoreError, ValueError)):  # e.g. a malformed endpoint URL
         return BadInput(f"cannot use S3 endpoint {endpoint} (bucket {bucket!r}): {e}")
     return None

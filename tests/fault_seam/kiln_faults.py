@@ -13,6 +13,8 @@ unless its variable is set:
   transient store error before touching anything.
 - KILN_FAULT_DIE_AFTER_UPLOADS=N: the host's process kills itself (SIGKILL)
   right after its N-th upload: a host lost mid-compile.
+- KILN_FAULT_CRASH_CHECK=1: a rank check's process kills itself (SIGKILL) before
+  it loads anything, as a package that segfaults when loaded takes it down.
 
 - KILN_FAULT_HOLD_COMPILE=<path>: a compile worker waits at stage 'export' (after
   torch.export, before Inductor) until <path> exists (600 s at most), so its
@@ -71,6 +73,12 @@ def die_after_uploads(num_uploaded: int) -> None:
     limit = _limit("KILN_FAULT_DIE_AFTER_UPLOADS")
     if limit and num_uploaded >= limit:
         os.kill(os.getpid(), signal.SIGKILL)
+def crash_check(rank: int) -> None:
+    """At point 'check': SIGKILL this rank check's process when KILN_FAULT_CRASH_CHECK is set."""
+    if _limit("KILN_FAULT_CRASH_CHECK"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 KILL_COMPILE_ENV = "KILN_FAULT_KILL_COMPILE"
 FAULT_DIR_ENV = "KILN_FAULT_DIR"
 STAGES = ("export", "written")
@@ -166,4 +174,5 @@ def install_all() -> None:
     faults.install("uploaded", after_uploads)
     faults.install("compile", maybe_kill_compile)
     faults.install("compile", hold_compile)
+    faults.install("check", crash_check)
     _installed = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import pickle
 import uuid
+from concurrent.futures.process import BrokenProcessPool
 from types import SimpleNamespace
 
 import cloudpickle
@@ -16,7 +17,9 @@ from flows.export import export
 from flows.model_lease import lease_name
 from flows.params import ExportParams
 from flows.serve import deployment_parameters
-from kiln.core.errors import BadInput, GateRefused, HostsLost, IntegrityError
+from kiln.core.errors import BadInput, CheckCrashed, GateRefused, HostsLost, IntegrityError, StoreError
+from kiln.core.retry_rule import mark_retried_in_task
+from kiln.host.compiler import CompileFailed
 from kiln.core.recipe import SETTINGS
 
 
@@ -130,6 +133,23 @@ def test_a_transient_failure_keeps_the_recipes_retries(monkeypatch, error):
     with pytest.raises(type(error)):
         t.run(ExportParams(), fail_with=error)
     assert t.policies == [{"retries": 2, "delay_s": 30}]
+
+
+def _retried_by_an_io_task() -> ConnectionResetError:
+    exc = ConnectionResetError(104, "Connection reset by peer")
+    mark_retried_in_task(exc)  # as tasks.phases.io_task marks what escapes its retries
+    return exc
+
+
+@pytest.mark.parametrize("error", [StoreError("S3 get failed: SlowDown", transient=True), _retried_by_an_io_task(),
+                                   BrokenProcessPool("a rank check's process died"), CheckCrashed("rank 1 died"),
+                                   CompileFailed("killed its compile worker 2 times")], ids=type)
+def test_a_crash_or_what_a_lower_level_retried_is_not_retried_by_the_flow(monkeypatch, error):
+    # One level per failure (kiln.core.retry_rule): botocore's tries x the task's x the flow's no longer multiply.
+    t = _Try(monkeypatch)
+    with pytest.raises(type(error)):
+        t.run(ExportParams(), fail_with=error)
+    assert t.retries_left() == 0
 
 
 def test_a_gate_refusal_is_retried_when_the_recipe_waits_for_memory(monkeypatch):

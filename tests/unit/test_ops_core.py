@@ -115,11 +115,17 @@ def test_parameter_validation_errors_are_not_worth_retrying():
     assert not worth_retrying(info.value)
 
 
-@pytest.mark.parametrize("exc", [ConnectionError("reset"), StoreError("down", transient=True), HostsLost("gone"),
-                                 ForwardsMissing("forwards missing after compile"), CompileFailed("killed"),
+@pytest.mark.parametrize("exc", [ConnectionError("reset"), HostsLost("gone"),
+                                 ForwardsMissing("forwards missing after compile"),
                                  OSError(5, "Input/output error"), TimeoutError()])
 def test_transient_errors_are_worth_retrying(exc):
     assert worth_retrying(exc)
+
+
+@pytest.mark.parametrize("exc", [StoreError("down", transient=True), CompileFailed("killed")])
+def test_what_its_own_level_retried_is_not_worth_retrying(exc):
+    # The store's per-request retries, the compile pool's max_compile_attempts: spent before the flow sees it.
+    assert not worth_retrying(exc)
 
 
 # --- the memory ledger picture ----------------------------------------------------------------------------
