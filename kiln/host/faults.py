@@ -10,6 +10,9 @@ Points and their arguments:
 - "uploaded" (num_uploaded,): after each forward a host uploaded in the compile phase.
 - "compile" (spec, stage): in a compile worker; stage 'export' (after torch.export,
   before Inductor) or 'written' (the package written, not yet published to the cache).
+- "rank" (rank, doing): in a rank process of `kiln verify` or `kiln run`, as it starts
+  something (`doing`: 'joining the gloo group', 'running forward 4x32', ...;
+  kiln.host.verify_ranks.RankLink.doing).
 
 Contracts: `install` is called by whoever wants faults in this process (the
 test suite's seam, tests/fault_seam/, installs itself in every Python process
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-POINTS = ("probe", "uploaded", "compile")
+POINTS = ("probe", "uploaded", "compile", "rank")
 _hooks: dict[str, list[Callable]] = {}
 
 
