@@ -22,7 +22,7 @@ from kiln.core.contract import cache_layout
 from kiln.core.decode import check_request, pick_bucket, prefill_steps, refills_cache
 from kiln.core.errors import KilnError
 from kiln.core.recipe import Bucket, parse_buckets
-from kiln.host.verify_ranks import spawn_ranks
+from kiln.host.verify_ranks import RankLink, spawn_ranks
 
 
 def run_export(store_url: str | None, export_id: str, *, prompt: list[int], max_new_tokens: int,
@@ -47,7 +47,7 @@ def run_export(store_url: str | None, export_id: str, *, prompt: list[int], max_
     return out
 
 
-def _rank_main(rank: int, tp: int, port: int, job: dict, queue) -> None:
+def _rank_main(rank: int, tp: int, port: int, job: dict, link: RankLink) -> None:
     from kiln.host.procs import die_with_parent
 
     die_with_parent()
@@ -62,24 +62,30 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, queue) -> None:
         from kiln.host.model import host_group
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+        link.doing("joining the gloo group")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
         cfg = ModelConfig(**job["config"])
+        link.doing("loading weights")
         weights = load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint"))
+        link.doing("loading the forwards")
         forwards = {parse_buckets(name)[0]: load_forward(art["path"], weights, art["sha256"])
                     for name, art in sorted(job["artifacts"].items())}
         side = host_group()
-        generated, logits = _decode(forwards, cfg, tp, job, torch, dist, side)
+        generated, logits = _decode(forwards, cfg, tp, job, torch, dist, side, link)
+        link.doing("leaving the gloo group")
         dist.barrier(group=side)
         dist.destroy_process_group()
-        queue.put((rank, "ok", {"generated": generated, "logits": logits} if rank == 0 else None))
+        link.report("ok", {"generated": generated, "logits": logits} if rank == 0 else None)
     except KilnError as exc:
-        queue.put((rank, "refused", str(exc)))
+        link.report("refused", str(exc))
     except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
+        link.report("error", traceback.format_exc())
 
 
-def _decode(forwards: dict[Bucket, object], cfg, tp: int, job: dict, torch, dist, side) -> tuple[list[int], list]:
-    """The decode loop of one rank: prefill in chunks, then one step per token; the cache is this rank's."""
+def _decode(forwards: dict[Bucket, object], cfg, tp: int, job: dict, torch, dist, side,
+            link: RankLink) -> tuple[list[int], list]:
+    """The decode loop of one rank: prefill in chunks, then one step per token; the cache is this rank's.
+    Each step says its forward and position on `link` (kiln.host.verify_ranks.RankLink)."""
     page_tokens, pages_per_seq = job["page_tokens"], job["pages_per_seq"]
     dtype = getattr(torch, cfg.dtype)
     # Sequence 0 owns pages 0..pages_per_seq-1; padding rows of a wider bucket read the same pages, write none.
@@ -98,6 +104,7 @@ def _decode(forwards: dict[Bucket, object], cfg, tp: int, job: dict, torch, dist
         # A rope that goes by the sequence's length sees what transformers sees in one call: the whole prompt's
         # length while the prompt is fed, a decoded token's position + 1 after.
         lengths = [torch.full((bucket.batch,), length, dtype=torch.int64)] if cfg.length_dependent_rope else []
+        link.doing(f"running forward {bucket} on positions {start}..{start + count - 1}")
         with torch.no_grad():
             logits, new_kv = forwards[bucket](tokens, start_pos, cache, table, *lengths)
         for i in range(count):  # write the real tokens' cache entries (keys and values, or latents) into their pages

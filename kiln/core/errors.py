@@ -119,3 +119,16 @@ class DiskError(KilnError):
     """A local disk (a host's cache directory, a local store's directory) cannot take what Kiln writes there."""
 
     exit_code = 1
+
+
+class RankDied(KilnError):
+    """A rank process of `kiln verify` or `kiln run` ended without a result (a crash, the OOM killer);
+    the message names the rank, its exit code or signal and what it was doing (kiln.core.rank_exit)."""
+
+    exit_code = 1
+
+
+class RanksTimedOut(KilnError):
+    """The ranks of `kiln verify` or `kiln run` were all alive but had not finished in time; they were stopped."""
+
+    exit_code = 1

@@ -11,6 +11,9 @@ Points and their arguments:
 - "compile" (spec, stage): in a compile worker; stage 'export' (after torch.export,
   before Inductor) or 'written' (the package written, not yet published to the cache).
 - "check" (rank,): in a rank check's own process, before it loads anything.
+- "rank" (rank, doing): in a rank process of `kiln verify` or `kiln run`, as it starts
+  something (`doing`: 'joining the gloo group', 'running forward 4x32', ...;
+  kiln.host.verify_ranks.RankLink.doing).
 
 Contracts: `install` is called by whoever wants faults in this process (the
 test suite's seam, tests/fault_seam/, installs itself in every Python process
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-POINTS = ("probe", "uploaded", "compile", "check")
+POINTS = ("probe", "uploaded", "compile", "check", "rank")
 _hooks: dict[str, list[Callable]] = {}
 
 

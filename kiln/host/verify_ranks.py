@@ -4,6 +4,11 @@ Spawns `tp` processes (never threads), each loading the same weightless
 package with its own weight shard; the custom all-reduce inside the package
 sums across them. Rank 0 compares the combined logits and the gathered new
 KV entries with the unsharded eager model.
+
+`spawn_ranks` (also `kiln run`'s) watches the ranks as well as their
+results: a rank that dies without a word (a segfault, the OOM killer) ends
+the wait within a second, named with its signal and what it last said it
+was doing, and the others, which would wait on it in gloo, are stopped.
 """
 
 from __future__ import annotations
@@ -11,9 +16,20 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import time
 import traceback
+from queue import Empty
 
-from kiln.core.errors import IntegrityError, KilnError
+from kiln.core.errors import IntegrityError, KilnError, RankDied, RanksTimedOut
+from kiln.core.rank_exit import rank_died_message, ranks_timed_out_message
+from kiln.host import faults
+
+DOING_BYTES = 200
+"""Room for what a rank says it is doing (RankLink.doing), in bytes; longer text is cut."""
+POLL_S = 0.5
+"""How often spawn_ranks looks at the ranks' exit codes while no result comes."""
+DEATH_GRACE_S = 2.0
+"""How long a rank's error waits for another rank's death to show: a peer's gloo error follows a death."""
 
 
 def _free_port() -> int:
@@ -22,22 +38,46 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, tp: int, port: int, job: dict, queue) -> None:
+class RankLink:
+    """A rank's line to spawn_ranks: its result on the queue all ranks share, and what it is doing now in
+    shared memory of its own, which the parent reads even after the rank died without a word."""
+
+    def __init__(self, rank: int, queue, doing):
+        self.rank = rank
+        self._queue = queue
+        self._doing = doing
+
+    def doing(self, what: str) -> None:
+        """Say what this rank starts now ('running forward 4x32'); then fault point 'rank' (rank, what)."""
+        self._doing.value = what.encode()[:DOING_BYTES - 1]
+        faults.point("rank", self.rank, what)
+
+    def report(self, status: str, payload) -> None:
+        """Post this rank's result: status 'ok' (payload: the result), 'refused' (a KilnError's message) or
+        'error' (a traceback)."""
+        self._queue.put((self.rank, status, payload))
+
+
+def _said(doing) -> str:
+    return doing.value.decode(errors="replace")
+
+
+def _rank_main(rank: int, tp: int, port: int, job: dict, link: RankLink) -> None:
     from kiln.host.procs import PeakSampler, die_with_parent
 
     die_with_parent()
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"  # a wrong shape raises instead of crashing or lying
     try:
         with PeakSampler(interval_s=0.1) as sampler:
-            diffs = _check_together(rank, tp, port, job)
-        queue.put((rank, "ok", {"diffs": diffs, "peak_mib": sampler.peak_mib}))
+            diffs = _check_together(rank, tp, port, job, link)
+        link.report("ok", {"diffs": diffs, "peak_mib": sampler.peak_mib})
     except KilnError as exc:  # e.g. a refused artifact: its message says it all
-        queue.put((rank, "refused", str(exc)))
+        link.report("refused", str(exc))
     except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
+        link.report("error", traceback.format_exc())
 
 
-def _check_together(rank: int, tp: int, port: int, job: dict) -> dict:
+def _check_together(rank: int, tp: int, port: int, job: dict, link: RankLink) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -49,15 +89,21 @@ def _check_together(rank: int, tp: int, port: int, job: dict) -> dict:
     from kiln.host.model import example_inputs, host_group
 
     torch.set_num_threads(1)
+    link.doing("joining the gloo group")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     side = host_group()
     cfg = ModelConfig(**job["config"])
+    link.doing("loading weights")
     weights = load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint"))
-    full = load_rank_weights(job["checkpoint"], cfg, 1, 0, s3_endpoint=job.get("s3_endpoint")) if rank == 0 else None
+    full = None
+    if rank == 0:
+        link.doing("loading the unsharded model's weights")
+        full = load_rank_weights(job["checkpoint"], cfg, 1, 0, s3_endpoint=job.get("s3_endpoint"))
     layout = cache_layout(cfg, tp)
     diffs = {}
     for name, art in sorted(job["artifacts"].items()):
         bucket = parse_buckets(name)[0]
+        link.doing(f"loading forward {name}")
         compiled = load_forward(art["path"], weights, art["sha256"])
         args = example_inputs(
             cfg, 1, bucket.batch, bucket.tokens, page_tokens=job["page_tokens"],
@@ -66,14 +112,17 @@ def _check_together(rank: int, tp: int, port: int, job: dict) -> dict:
         # Each rank caches its own KV heads, or (latent attention) every rank the same whole latent.
         heads = layout.heads
         shard = cache[..., rank * heads:(rank + 1) * heads, :].contiguous() if layout.sharded else cache
+        link.doing(f"running forward {name}")
         with torch.no_grad():
             logits, new_kv = compiled(*args[:2], shard, *args[3:])
         parts = [torch.empty_like(new_kv) for _ in range(tp)]
         dist.all_gather(parts, new_kv.contiguous(), group=side)
         if rank == 0:
+            link.doing(f"running the unsharded eager model for {name}")
             eager, exact = eager_outputs(cfg, 1, full, args)
             every = torch.cat(parts, dim=-2) if layout.sharded else _same(parts)
             diffs[name] = judge((logits, every), eager, exact, atol=job["atol"], half_ratio=job["half_ratio"])
+    link.doing("leaving the gloo group")
     dist.barrier(group=side)
     dist.destroy_process_group()
     return diffs
@@ -104,31 +153,79 @@ def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[
     return results[0]["diffs"], sum(r["peak_mib"] for r in results.values())
 
 
-def spawn_ranks(target, tp: int, job: dict, *, timeout_s: float = 600) -> dict[int, object]:
-    """Run `target(rank, tp, port, job, queue)` in `tp` spawned processes under one gloo group.
+def spawn_ranks(target, tp: int, job: dict, *, timeout_s: float = 600,
+                poll_s: float = POLL_S) -> dict[int, object]:
+    """Run `target(rank, tp, port, job, link)` in `tp` spawned processes under one gloo group.
 
-    Each rank puts (rank, 'ok' | 'refused' | 'error', payload) on the queue;
-    returns rank -> payload, or raises: IntegrityError for a refusal (its
-    message says it all), RuntimeError with the rank's traceback otherwise.
+    Each rank says what it starts with `link.doing(...)` and posts its result with `link.report(...)`
+    (RankLink). Returns rank -> payload of every rank's 'ok', or raises, having stopped every rank still
+    running (none is left waiting in gloo): IntegrityError for a refusal (its message says it all);
+    RankDied when a rank ended without a result (noticed within `poll_s`, twice that for exit code 0),
+    or when a rank's error came with another rank's death (the error, a peer's death seen from gloo,
+    waits DEATH_GRACE_S for one); RanksTimedOut after `timeout_s` without every result; RuntimeError
+    with the rank's traceback for any other error.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    doing = [ctx.RawArray("c", DOING_BYTES) for _ in range(tp)]
     port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, tp, port, job, queue), daemon=False) for r in range(tp)]
+    procs = [ctx.Process(target=target, args=(r, tp, port, job, RankLink(r, queue, doing[r])), daemon=False)
+             for r in range(tp)]
     for p in procs:
         p.start()
-    results = {}
+    results, silent_dead, finished = {}, set(), False
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(tp):
-            rank, status, payload = queue.get(timeout=timeout_s)
+        while len(results) < tp:
+            try:
+                rank, status, payload = queue.get(timeout=poll_s)
+            except Empty:
+                status = None
+            if status is None:
+                # A rank gone without a result is dead; one that exited 0 only if it is still silent on the
+                # next look: its last words, posted just before a normal exit, may have been on their way.
+                gone = {r: p.exitcode for r, p in enumerate(procs) if r not in results and p.exitcode is not None}
+                for r in sorted(gone):
+                    if gone[r] != 0 or r in silent_dead:
+                        raise RankDied(rank_died_message(r, gone[r], _said(doing[r]), world_size=tp))
+                silent_dead = set(gone)
+                if time.monotonic() > deadline:
+                    raise RanksTimedOut(ranks_timed_out_message(
+                        timeout_s, {r: _said(doing[r]) for r in range(tp) if r not in results}))
+                continue
+            if status == "ok":
+                results[rank] = payload
+                continue
             if status == "refused":
                 raise IntegrityError(f"rank {rank}: {payload}")
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+            _raise_if_crashed(procs, skip={rank, *results}, doing=doing, grace_s=DEATH_GRACE_S)
+            raise RuntimeError(f"rank {rank} failed:\n{payload}")
+        finished = True
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        _stop(procs, gently=finished)
     return results
+
+
+def _raise_if_crashed(procs: list, *, skip: set[int], doing: list, grace_s: float) -> None:
+    """RankDied for the first rank not in `skip` that ends with a non-zero exit code within `grace_s`."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        for r, p in enumerate(procs):
+            if r not in skip and p.exitcode not in (None, 0):
+                raise RankDied(rank_died_message(r, p.exitcode, _said(doing[r]), world_size=len(procs)))
+        if all(p.exitcode is not None for r, p in enumerate(procs) if r not in skip) or time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
+
+
+def _stop(procs: list, *, gently: bool) -> None:
+    """Reap the ranks: after success each has 30 s to exit; after a failure the live ones are stopped now
+    (SIGTERM, then SIGKILL after 5 s): a rank left waiting on a dead peer in gloo would never return."""
+    for p in procs:
+        if not gently and p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=30 if gently else 5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)

@@ -23,6 +23,12 @@ unless its variable is set:
   export held by KILN_FAULT_HOLD_COMPILE=<path> goes on once this one has
   looked at the store (and found its forwards missing).
 
+- KILN_FAULT_KILL_RANK=<rank>:<match>: a rank process of `kiln verify` or `kiln run`
+  whose rank is <rank> SIGKILLs itself as it starts something whose description
+  contains <match> ('running forward 1x16'; 'forward' for its first forward): a rank
+  segfaulted or OOM-killed, which posts nothing. With KILN_FAULT_DIR set, it first writes
+  the time it dies (time.time()) to kill-rank-<rank> there.
+
 "Once per process" matters: Prefect retries a flow or task in the same
 process, so the retry runs without the fault.
 
@@ -125,6 +131,27 @@ def maybe_kill_compile(spec: dict, stage: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+KILL_RANK_ENV = "KILN_FAULT_KILL_RANK"
+
+
+def maybe_kill_rank(rank: int, doing: str) -> None:
+    """SIGKILL this rank process if KILN_FAULT_KILL_RANK names its rank and a part of `doing`."""
+    value = os.environ.get(KILL_RANK_ENV)
+    if not value:
+        return
+    want, _, match = value.partition(":")
+    if not want.isdigit() or not match:
+        raise ValueError(f"{KILL_RANK_ENV}={value!r}: expected RANK:MATCH")
+    if int(want) == rank and match in doing:
+        import time
+
+        directory = os.environ.get(FAULT_DIR_ENV)
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            (Path(directory) / f"kill-rank-{rank}").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 HOLD_COMPILE_ENV = "KILN_FAULT_HOLD_COMPILE"
 MARK_PROBE_ENV = "KILN_FAULT_MARK_PROBE"
 HOLD_LIMIT_S = 600.0
@@ -175,4 +202,5 @@ def install_all() -> None:
     faults.install("compile", maybe_kill_compile)
     faults.install("compile", hold_compile)
     faults.install("check", crash_check)
+    faults.install("rank", maybe_kill_rank)
     _installed = True

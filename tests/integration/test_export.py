@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,19 @@ def test_verify_refuses_a_tampered_artifact(kiln, exported, tp2_store_copy):
     assert v.code == 1
     assert r["forwards"][0]["object"] in v.err or r["forwards"][0]["key"] in v.err
     assert "Traceback" not in v.err and "verify ok" not in v.out
+
+
+def test_verify_names_a_rank_that_died_and_ends_at_once(kiln, exported, tmp_path):
+    # Rank 1 SIGKILLs itself as it starts its first forward (tests/fault_seam/): a segfault or the OOM killer.
+    r = exported["cold_report"]
+    v = kiln("verify", "--store", exported["store"], r["export_id"], timeout=600,
+             env={"KILN_FAULT_KILL_RANK": "1:running forward", "KILN_FAULT_DIR": str(tmp_path)})
+    ended = time.time()
+    assert v.code == 1, v.err[-3000:]
+    assert "kiln: rank 1 died with signal SIGKILL (-9) while running forward 1x16; the other rank was stopped." \
+        in v.err, v.err[-3000:]
+    assert "Traceback" not in v.err and "verify ok" not in v.out
+    assert ended - float((tmp_path / "kill-rank-1").read_text()) < 30, "kiln verify went on waiting on a dead rank"
 
 
 def test_verify_refuses_a_manifest_changed_after_signing(kiln_main, exported, tp2_store_copy):
