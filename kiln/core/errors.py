@@ -6,6 +6,8 @@ An expected error carries a message of one or two plain sentences: what is
 wrong and how to fix it. The CLI prints it to stderr without a traceback.
 """
 
+import errno
+
 
 class KilnError(Exception):
     """Base of every expected error; `exit_code` is what `kiln` exits with."""
@@ -119,6 +121,11 @@ class DiskError(KilnError):
     """A local disk (a host's cache directory, a local store's directory) cannot take what Kiln writes there."""
 
     exit_code = 1
+
+
+DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENOTDIR, errno.EEXIST)
+"""OSError numbers that mean "this disk or directory cannot take the write", not a transient hiccup
+(a DiskError when Kiln is the writer)."""
 
 
 class RankDied(KilnError):

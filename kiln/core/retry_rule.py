@@ -16,7 +16,7 @@ What can heal when the same call is tried again (`transient`):
 - S3 answers that mean "later": throttling (SlowDown, ...) and 5xx, from a
   botocore ClientError's response;
 - I/O OSErrors whose errno says the device or peer hiccuped (`TRANSIENT_ERRNOS`;
-  a full or read-only disk is not among them: kiln.host.cache.DISK_ERRNOS);
+  a full or read-only disk is not among them: kiln.core.errors.DISK_ERRNOS);
 - a lost Dask worker (KilledWorker, CommClosedError);
 - a Kiln error whose instance says so (StoreError(transient=True): the store
   layer classifies the botocore error it wraps).

@@ -18,12 +18,10 @@ import shutil
 import uuid
 from pathlib import Path
 
-from kiln.core.errors import BadInput
+from kiln.core.errors import DISK_ERRNOS, BadInput
 
 CACHE_DIR_ENV = "KILN_CACHE_DIR"
 MIB = 2**20
-DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENOTDIR, errno.EEXIST)
-"""OSError numbers that mean "this disk or directory cannot take the write", not a transient hiccup."""
 
 
 def cache_root(host_name: str, configured: str = "") -> Path:

@@ -28,7 +28,7 @@ from typing import Callable
 from kiln.core.errors import DiskError, KilnError
 from kiln.core.package_check import package_calls
 from kiln.host import export_call, faults
-from kiln.host.cache import DISK_ERRNOS
+from kiln.core.errors import DISK_ERRNOS
 from kiln.host.export_call import CONSTANTS_METADATA  # noqa: F401  (callers import it from here)
 from kiln.host.inductor_options import inductor_env
 from kiln.host.key_sources import model_code_fingerprint  # noqa: F401  (callers import it from here)

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from kiln.core.errors import BadInput, DiskError, IntegrityError, StoreError
+from kiln.core.errors import DISK_ERRNOS, BadInput, DiskError, IntegrityError, StoreError
 from kiln.core.key_rules import (
     CHUNK_BYTES,
     normalized_key,
@@ -42,7 +42,6 @@ from kiln.core.key_rules import (
     validate_prefix,
     validate_sha256,
 )
-from kiln.host.cache import DISK_ERRNOS
 from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, write_verified
 
 _INTERNAL = ".kiln"
@@ -160,7 +159,7 @@ class LocalStore(Store):
     def _stage(self, chunks: Iterable[bytes], key: str) -> tuple[Path, str]:
         """Write chunks to a new fsynced blob; return (blob path, sha256).
 
-        A disk that cannot take the blob (full, read-only, over quota: kiln.host.cache.DISK_ERRNOS) raises
+        A disk that cannot take the blob (full, read-only, over quota: kiln.core.errors.DISK_ERRNOS) raises
         DiskError naming the store's directory and what to do, not a raw OSError.
         """
         try:
