@@ -10,7 +10,6 @@ statuses of every host into one BadInput naming each bad host and its path.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
