@@ -58,9 +58,9 @@ def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
     """
     import torch
 
-    snap = probe.memory_snapshot()
-    cpus, cpus_source = probe.cpus_and_source()
     reading = probe.gpu_reading()
+    snap = probe.memory_snapshot(reading)
+    cpus, cpus_source = probe.cpus_and_source()
     num_gpus = probe.usable_gpus(reading)
     device = host_device(job.recipe.device, num_gpus) if num_gpus else "cpu"
     target_of_host = probe.detect_target(device, reading)
@@ -400,7 +400,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     if not todo:
         return {"checks": diffs, "memory": memory}
     memory["predicted_mib"] = check_memory(job, max(len(fs) for fs in todo.values()),
-                                           probe.memory_snapshot()["host_available_mib"], f"host {host.name}")
+                                           probe.host_memory()["host_available_mib"], f"host {host.name}")
     memory["peak_mib"] = 0
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), max_tasks_per_child=1,
                              initializer=die_with_parent) as ex:

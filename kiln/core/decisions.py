@@ -17,7 +17,7 @@ from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import SETTINGS, Recipe
 from kiln.core.contract import cache_layout
 from kiln.core.sizing import device_required_mib, page_bytes, plan_kv, required_mib
-from kiln.core.target import resolve_device
+from kiln.core.target import device_of, resolve_device
 
 
 def host_reports(job: ExportJob, probes: list[HostProbe]) -> list[HostReport]:
@@ -121,12 +121,16 @@ def run_gate(job: ExportJob, probes: list[HostProbe], kv: dict | None = None) ->
 
 def settings_without_effect(recipe: Recipe, plan: Plan) -> list[str]:
     """One warning per setting changed from its default that cannot have mattered: a setting that
-    matters only when compiling (declared `compiling_only`) in an export with nothing to compile."""
-    if plan.decision != "nothing_to_do":
-        return []
+    matters only when compiling (declared `compiling_only`) in an export with nothing to compile, and
+    worker_device_mib in a CPU export (its compile workers take no device memory)."""
     changed = recipe.changed()
-    return [f"{s.name}={s.show(changed[s.name])} had no effect: every forward was already in the store, so "
-            "nothing was compiled" for s in SETTINGS if s.compiling_only and s.name in changed]
+    if plan.decision == "nothing_to_do":
+        return [f"{s.name}={s.show(changed[s.name])} had no effect: every forward was already in the store, "
+                "so nothing was compiled" for s in SETTINGS if s.compiling_only and s.name in changed]
+    if "worker_device_mib" in changed and not any(device_of(h.target) == "cuda" for h in plan.hosts.values()):
+        return [f"worker_device_mib={changed['worker_device_mib']} had no effect: this is a CPU export, whose "
+                "compile workers take no device memory"]
+    return []
 
 
 @dataclass(frozen=True)

@@ -86,14 +86,15 @@ def host_memory(root: str = "/") -> dict:
     return {"host_available_mib": available // MIB, "host_total_mib": total // MIB, "memory_source": source}
 
 
-def memory_snapshot() -> dict:
+def memory_snapshot(reading: gpus.GpuReading | None = None) -> dict:
     """host_memory's figures and the device keys: device_free_mib and device_total_mib (None without a GPU
     or on unified memory), and where a GPU is visible gpu_count, gpu_name and device_unified
-    (kiln.core.gpus.GpuReading.memory). Read through NVML or a child process (gpu_reading): this process
-    never holds a CUDA context. allocated_mib / reserved_mib (this process's CUDA allocator) stay None."""
+    (kiln.core.gpus.GpuReading.memory). Read through NVML or a child process (gpu_reading; or `reading`, one
+    just taken): this process never holds a CUDA context. allocated_mib / reserved_mib (this process's CUDA
+    allocator) stay None."""
     snap = {**host_memory(), "device_free_mib": None, "device_total_mib": None,
             "allocated_mib": None, "reserved_mib": None}
-    snap.update(gpu_reading().memory())
+    snap.update((gpu_reading() if reading is None else reading).memory())
     return snap
 
 

@@ -106,3 +106,16 @@ def test_kv_plan_of_a_cpu_export_on_a_gpu_host_draws_from_host_memory():
     left_device = (10_000 - 2000 - 2 * 256) * 2**20 - 2 * weights  # the worker's CUDA context is on the device
     assert cpu_plan["per_rank_pages"]["0"] == left_host // 2 // page
     assert gpu_plan["per_rank_pages"]["0"] == left_device // 2 // page
+
+
+def test_worker_device_mib_set_for_a_cpu_export_is_named():
+    from kiln.core.decisions import settings_without_effect
+
+    recipe = Recipe(worker_device_mib=4096)
+    cpu = decide([HostReport("h", (0,), available_mib=60_000, num_cpus=8, target="cpu-x86_64-avx2-0")], recipe,
+                 {"cpu-x86_64-avx2-0": ["k"]}, set())
+    [warning] = settings_without_effect(recipe, cpu)
+    assert warning.startswith("worker_device_mib=4096 had no effect: this is a CPU export")
+    cuda = decide([HostReport("h", (0,), available_mib=60_000, num_cpus=8, target="cuda-sm_90-x", unified=False,
+                              device_free_mib=80_000, device="cuda")], recipe, {"cuda-sm_90-x": ["k"]}, set())
+    assert settings_without_effect(recipe, cuda) == []

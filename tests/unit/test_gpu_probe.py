@@ -161,3 +161,18 @@ def test_cuda_target_refused_without_a_gpu_or_a_cuda_torch(monkeypatch):
         probe.detect_target("cuda", h200)
     assert probe.usable_gpus(h200) == 0
     assert probe.detect_target("cpu", h200).fingerprint == probe.target_fingerprint("cpu")
+
+
+def test_the_ledger_records_device_figures_only_where_there_is_a_gpu():
+    from kiln.core.report import Report
+
+    report = Report("e", model="m", tp=1, store="file:///s")
+    host = {"host_available_mib": 9000, "device_free_mib": None, "allocated_mib": None, "reserved_mib": None}
+    report.memory("cpu-host", "probe", host)
+    reading = gpus.interpret([gpus.GpuAnswer("NVIDIA H200", (9, 0), (140000 * MIB, 143771 * MIB))], "nvml")
+    report.memory("gpu-host", "probe", {**host, **reading.memory()})
+    assert set(report.hosts["cpu-host"]["memory"][0]) == {"phase", "host_available_mib", "device_free_mib",
+                                                          "allocated_mib", "reserved_mib"}
+    entry = report.hosts["gpu-host"]["memory"][0]
+    assert (entry["device_free_mib"], entry["device_total_mib"], entry["gpu_count"], entry["device_unified"]) == \
+        (140000, 143771, 1, False)

@@ -161,7 +161,8 @@ def _probe_keys(monkeypatch, tmp_path) -> list[str]:
     from kiln.core.target import cpu_target_of
 
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(__version__="2.13.0"))
-    monkeypatch.setattr(hostwork.probe, "memory_snapshot", lambda: {"host_total_mib": 1024, "host_available_mib": 512})
+    monkeypatch.setattr(hostwork.probe, "memory_snapshot",
+                        lambda reading=None: {"host_total_mib": 1024, "host_available_mib": 512})
     monkeypatch.setattr(hostwork.probe, "gpu_reading", lambda: GpuReading((), "none"))
     monkeypatch.setattr(hostwork.probe, "detect_target", lambda device, reading=None: cpu_target_of(
         machine="x86_64", cpu="cpu-test", torch_version="2.13.0"))
