@@ -17,10 +17,15 @@ and is not hashed elsewhere is in it:
   forward's wrapper is built for a pinned baseline (CUDA_WRAPPER_MARCH:
   x86-64-v3, armv8.2-a) so GPU hosts with different CPUs share packages; the
   wrapper only launches kernels, so the baseline costs no GPU time. Where torch
-  has no `cpp.march` (before 2.13), the wrapper is native and the fingerprint
+  has no `cpp.march` (older releases: 2.13 has it, 2.11 not), the wrapper is native and the fingerprint
   carries the host's CPU target instead, keeping CPUs apart:
   'cuda-sm_90-cu13.0-triton3.6.0-x86-64-v3' or
   'cuda-sm_90-cu12.8-triton3.3.1-cpu-x86_64-avx512-1a2b3c4d'.
+  The pinned -march covers the wrapper. A CPU kernel inside a CUDA graph (an
+  op on a CPU tensor) would also be vectorised for the host's ISA (Inductor's
+  `pick_vec_isa`, AVX512 or AMX), which no -march pins: a CUDA forward must
+  keep every tensor on the device for the fingerprint to hold (to be confirmed
+  on a GPU: no CPU kernel in a CUDA package).
 
 The torch version is part of a target but not of its fingerprint: every key
 that hashes the fingerprint (forwards, tuning results) hashes torch's version
