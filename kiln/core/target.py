@@ -17,8 +17,9 @@ and is not hashed elsewhere is in it:
   forward's wrapper is built for a pinned baseline (CUDA_WRAPPER_MARCH:
   x86-64-v3, armv8.2-a) so GPU hosts with different CPUs share packages; the
   wrapper only launches kernels, so the baseline costs no GPU time. Where torch
-  has no `cpp.march` (older releases: 2.13 has it, 2.11 not), the wrapper is native and the fingerprint
-  carries the host's CPU target instead, keeping CPUs apart:
+  has no `cpp.march` (2.13 has it; it came with pytorch#184297, May 2026, so
+  older releases may not: kiln.host.probe.has_cpp_march asks), the wrapper is
+  native and the fingerprint carries the host's CPU target instead:
   'cuda-sm_90-cu13.0-triton3.6.0-x86-64-v3' or
   'cuda-sm_90-cu12.8-triton3.3.1-cpu-x86_64-avx512-1a2b3c4d'.
   The pinned -march covers the wrapper. A CPU kernel inside a CUDA graph (an
