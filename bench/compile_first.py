@@ -56,10 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     compiled: dict[str, int] = {}
     t_compile = time.perf_counter()
     for host, probe, report in zip(hosts, probes, reports):
+        cuda = report.device == "cuda"
         workers = min(worker_capacity(job.recipe, available_mib=report.available_mib, unified=report.unified,
-                                      num_cpus=report.num_cpus), len(probe.specs))
+                                      num_cpus=report.num_cpus, cuda=cuda, device_free_mib=report.device_free_mib),
+                      len(probe.specs))
         if workers == 0:
-            need = required_mib(job.recipe, 1, report.unified)
+            need = required_mib(job.recipe, 1, report.unified, cuda=cuda)
             errors[host.name] = (f"MemoryError: {report.available_mib} MiB available, one compile worker "
                                  f"needs {need} MiB")
             continue

@@ -26,15 +26,17 @@ def scale_layout(*, num_hosts: int = 64, ranks_per_host: int = 8, compile_s: flo
                  num_cpus: int = 20, policy: str = "borrow") -> dict:
     """Everything `kiln.core.gate.decide` needs for the paper layout, plus a description of it."""
     buckets = tuple(Bucket(s, 1) for s in capture_sizes())
-    recipe = recipe_from_text(INCIDENT_SETTINGS, Recipe(buckets=buckets)).replace(policy=policy,
-                                                                                   compile_s_estimate=compile_s)
-    target = "cuda-sm121-cuda13.0"
+    # The incident's own hosts (GB10, a CUDA export on unified memory): 2048 MiB per worker plus its CUDA context.
+    recipe = recipe_from_text(INCIDENT_SETTINGS, Recipe(buckets=buckets)).replace(
+        policy=policy, compile_s_estimate=compile_s, worker_host_mib=2048, worker_device_mib=2048)
+    target = "cuda-sm_121-cu13.0-triton3.6.0-armv8.2-a"
     keys = [f"fwd-{b.batch:03d}x{b.tokens}" for b in buckets]
     hosts = []
     for i in range(num_hosts):
         available_mib = 10240 + (i * 2741) % 10240  # deterministic spread: 10240 .. 20479 MiB
         hosts.append(HostReport(name=f"host-{i:02d}", ranks=tuple(range(i * ranks_per_host, (i + 1) * ranks_per_host)),
-                                available_mib=available_mib, num_cpus=num_cpus, target=target, unified=True))
+                                available_mib=available_mib, num_cpus=num_cpus, target=target, unified=True,
+                                device="cuda"))
     return {"hosts": hosts, "recipe": recipe, "needed": {target: keys}, "store_keys": frozenset(),
             "compile_s": {k: compile_s for k in keys}, "num_ranks": num_hosts * ranks_per_host,
             "num_buckets": len(buckets)}

@@ -30,6 +30,7 @@ from kiln.core.gate import Plan
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.manifest import export_manifest
 from kiln.core.probe_result import HostProbe
+from kiln.core.target import resolve_device
 from kiln.core.recipe import Recipe
 from kiln.core.report import Report
 from kiln.host import probe
@@ -195,6 +196,14 @@ def _on_hosts(runner: HostRunner, hosts: list[HostSpec], task, **parameters) -> 
 
 def _probe(job, hosts, runner, report) -> list[HostProbe]:
     probes = _on_hosts(runner, hosts, phases.probe_host, job=job)
+    # The export's device: BadInput naming each rank host without a GPU for device=cuda, before anything
+    # compiles. auto with some rank host lacking a GPU means cpu everywhere: probe those that chose cuda again.
+    device = resolve_device(job.recipe.device, {p.name: p.num_gpus for p in probes if p.ranks})
+    again = [h for h, p in zip(hosts, probes) if p.ranks and p.device != device]
+    if again:
+        redone = _on_hosts(runner, again, phases.probe_host, job=job.replace(recipe=job.recipe.replace(device=device)))
+        by_name = {p.name: p for p in redone}
+        probes = [by_name.get(p.name, p) for p in probes]
     report.record_probes(probes)
     check_probed_caches(probes, job.recipe.artifact_mib_estimate)  # unwritable or full: stop before compiling
     return probes

@@ -20,6 +20,7 @@ from kiln.core.layout import (artifact_key, compile_log_key, inspection_key, vou
                               worker_memory_prefix)
 from kiln.core.probe_result import HostProbe
 from kiln.core.sizing import check_peak_mib
+from kiln.core.target import host_device
 from kiln.core.vouch import make_vouch
 from kiln.host import cache, faults, probe, tuner
 from kiln.host.compiler import CompilePool, CompileResult, model_code_fingerprint
@@ -48,25 +49,32 @@ def local_path(host: HostSpec, key: str) -> Path:
 
 
 def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
-    """Memory, CPUs, target, this host's forward specs and which of them are local or stored.
+    """Memory, CPUs, GPUs, target, this host's forward specs and which of them are local or stored.
 
-    With tuning on, each spec carries the stored tuning results of its GEMMs
-    (verified) and its key their digest.
+    The target is for the recipe's device as this host alone sees it (auto: cuda where it has a GPU; cuda
+    on a host without one probes as cpu, and kiln.core.decisions.check_devices refuses the export naming
+    every such host). With tuning on, each spec carries the stored tuning results of its GEMMs (verified)
+    and its key their digest.
     """
     import torch
 
-    snap = probe.memory_snapshot()
+    reading = probe.gpu_reading()
+    snap = probe.memory_snapshot(reading)
     cpus, cpus_source = probe.cpus_and_source()
-    target = probe.target_fingerprint()
+    num_gpus = probe.usable_gpus(reading)
+    device = host_device(job.recipe.device, num_gpus) if num_gpus else "cpu"
+    target_of_host = probe.detect_target(device, reading)
+    target = target_of_host.fingerprint
     store = store_of(job)
     backends = tuning_plan.gemm_backends(job.recipe.tuning, FORWARD_DEVICE)
     tuned = None if backends is None else tuner.lookup(store, job, target, torch.__version__, backends)
     specs = job.specs(target=target, torch_version=torch.__version__, code=model_code_fingerprint(),
-                      compiler=compiler_options(backends), tuning=tuned, inductor_env=inductor_env())
+                      compiler={**compiler_options(backends), **target_of_host.inductor_options}, tuning=tuned,
+                      inductor_env=inductor_env())
     return HostProbe(
         name=host.name, ranks=tuple(host.ranks), memory=snap, num_cpus=cpus, cpus_source=cpus_source,
-        unified=probe.unified_memory() if job.recipe.unified_memory is None else job.recipe.unified_memory,
-        target=target, specs=tuple(s.to_dict() for s in specs),
+        unified=reading.unified if job.recipe.unified_memory is None else job.recipe.unified_memory,
+        target=target, device=device, num_gpus=num_gpus, specs=tuple(s.to_dict() for s in specs),
         local_keys=tuple(sorted(s.key for s in specs if local_path(host, s.key).exists())),
         store_keys=tuple(sorted(s.key for s in specs if store.exists(artifact_key(s.key)))),  # no listing
         cache=cache.cache_status(cache_dir(host)),
@@ -392,7 +400,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     if not todo:
         return {"checks": diffs, "memory": memory}
     memory["predicted_mib"] = check_memory(job, max(len(fs) for fs in todo.values()),
-                                           probe.memory_snapshot()["host_available_mib"], f"host {host.name}")
+                                           probe.host_memory()["host_available_mib"], f"host {host.name}")
     memory["peak_mib"] = 0
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), max_tasks_per_child=1,
                              initializer=die_with_parent) as ex:

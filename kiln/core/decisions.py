@@ -10,13 +10,14 @@ import math
 import time
 from dataclasses import dataclass, replace
 
-from kiln.core.errors import GateRefused, HostsLost
+from kiln.core.errors import BadInput, GateRefused, HostsLost
 from kiln.core.gate import HostReport, Plan, check_kv, decide
 from kiln.core.job import ExportJob
 from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import SETTINGS, Recipe
 from kiln.core.contract import cache_layout
-from kiln.core.sizing import page_bytes, plan_kv, required_mib
+from kiln.core.sizing import device_required_mib, page_bytes, plan_kv, required_mib
+from kiln.core.target import device_of, resolve_device
 
 
 def host_reports(job: ExportJob, probes: list[HostProbe]) -> list[HostReport]:
@@ -28,7 +29,7 @@ def host_reports(job: ExportJob, probes: list[HostProbe]) -> list[HostReport]:
             name=p.name, ranks=tuple(p.ranks), num_cpus=p.num_cpus, target=p.target,
             available_mib=assumed if assumed is not None else p.host_available_mib,
             available_assumed=assumed is not None, unified=p.unified,
-            device_free_mib=p.device_free_mib, local_keys=frozenset(p.local_keys),
+            device_free_mib=p.device_free_mib, device=p.device, local_keys=frozenset(p.local_keys),
             measured_worker_mib=measured_worker_mib(job.recipe, list(p.worker_peaks_mib)),
             measured_peak_mib=max(p.worker_peaks_mib) if p.worker_peaks_mib else None,
             available_source=p.memory_source, cpus_source=p.cpus_source))
@@ -75,13 +76,16 @@ def kv_plan(job: ExportJob, reports: list[HostReport], workers: dict[str, int]) 
 
     The floor is reserved on every such host, compiling or not: it is memory the host keeps free whatever
     else runs. On a discrete GPU the KV cache draws from device memory, which neither the floor nor the
-    compile workers' host memory touch."""
+    compile workers' host memory touch; there the compile workers of a CUDA export reserve their device
+    memory. A CPU export's KV cache draws from host memory, on a GPU host too."""
     rows = []
     for h in reports:
-        on_host = h.unified or h.device_free_mib is None
+        cuda = h.device == "cuda"
+        on_host = h.unified or not cuda or h.device_free_mib is None
         memory_mib = h.available_mib if on_host else h.device_free_mib
-        pool_mib = required_mib(job.recipe, workers.get(h.name, 0), h.unified, h.measured_worker_mib) \
-            if on_host else 0
+        n = workers.get(h.name, 0)
+        pool_mib = required_mib(job.recipe, n, h.unified, h.measured_worker_mib, cuda=cuda) if on_host \
+            else device_required_mib(job.recipe, n, h.unified, cuda=cuda)
         rows.append((list(h.ranks), memory_mib, pool_mib))
     plan = plan_kv(job.recipe, page_size_bytes=page_size(job),
                    weight_bytes_per_rank=job.model_config.weight_bytes_per_rank(job.tp), hosts=rows).to_dict()
@@ -117,12 +121,16 @@ def run_gate(job: ExportJob, probes: list[HostProbe], kv: dict | None = None) ->
 
 def settings_without_effect(recipe: Recipe, plan: Plan) -> list[str]:
     """One warning per setting changed from its default that cannot have mattered: a setting that
-    matters only when compiling (declared `compiling_only`) in an export with nothing to compile."""
-    if plan.decision != "nothing_to_do":
-        return []
+    matters only when compiling (declared `compiling_only`) in an export with nothing to compile, and
+    worker_device_mib in a CPU export (its compile workers take no device memory)."""
     changed = recipe.changed()
-    return [f"{s.name}={s.show(changed[s.name])} had no effect: every forward was already in the store, so "
-            "nothing was compiled" for s in SETTINGS if s.compiling_only and s.name in changed]
+    if plan.decision == "nothing_to_do":
+        return [f"{s.name}={s.show(changed[s.name])} had no effect: every forward was already in the store, "
+                "so nothing was compiled" for s in SETTINGS if s.compiling_only and s.name in changed]
+    if "worker_device_mib" in changed and not any(device_of(h.target) == "cuda" for h in plan.hosts.values()):
+        return [f"worker_device_mib={changed['worker_device_mib']} had no effect: this is a CPU export, whose "
+                "compile workers take no device memory"]
+    return []
 
 
 @dataclass(frozen=True)
@@ -136,9 +144,24 @@ class Decision:
     gate_s: float
 
 
+def check_devices(job: ExportJob, probes: list[HostProbe]) -> str:
+    """The export's device ('cpu' or 'cuda', kiln.core.target.resolve_device over the rank hosts' GPUs);
+    BadInput naming every rank host without a GPU when the recipe says cuda, or when the hosts probed for
+    different devices (an auto export whose hosts must be probed again for the device returned)."""
+    ranked = [p for p in probes if p.ranks]
+    device = resolve_device(job.recipe.device, {p.name: p.num_gpus for p in ranked})
+    off = sorted(p.name for p in ranked if p.device != device)
+    if off:
+        raise BadInput(f"the export's device is {device} but {', '.join(off)} probed for another device; "
+                       f"probe them again with device={device}.")
+    return device
+
+
 def decide_export(job: ExportJob, probes: list[HostProbe]) -> Decision:
-    """The KV plan (reserving the compile workers a cold export would start), then the gate on it, which also
-    refuses a KV plan that cannot hold the largest bucket."""
+    """The device check (check_devices: BadInput before anything else), then the KV plan (reserving the
+    compile workers a cold export would start), then the gate on it, which also refuses a KV plan that cannot
+    hold the largest bucket."""
+    check_devices(job, probes)
     start = time.perf_counter()
     kv = plan_kv_for(job, probes)
     kv_s, start = time.perf_counter() - start, time.perf_counter()

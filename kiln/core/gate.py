@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kiln.core.errors import GateRefused
 from kiln.core.recipe import Recipe, where_to_set
-from kiln.core.sizing import floor_admitting_one, required_mib, worker_capacity
+from kiln.core.sizing import device_required_mib, floor_admitting_one, required_mib, worker_capacity
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,11 @@ class HostReport:
     target: str
     """Compile target fingerprint: hosts of one target can compile for each other."""
     unified: bool = True
+    """Whether the host's device memory is its own pool (GB10, CPU-only hosts)."""
     device_free_mib: int | None = None
+    """Free memory of the GPU compile workers use, probed (None without a GPU, or on unified memory)."""
+    device: str = "cpu"
+    """'cpu' or 'cuda': the device of the host's target. Only a CUDA export's workers take device memory."""
     local_keys: frozenset[str] = frozenset()
     """Forward keys the host's local cache already holds."""
     available_assumed: bool = False
@@ -107,12 +111,14 @@ def decide(hosts: list[HostReport], recipe: Recipe, needed: dict[str, list[str]]
     compile_s = compile_s or {}
     plans = {h.name: HostPlan(
         name=h.name, target=h.target, available_mib=h.available_mib,
-        required_one_mib=required_mib(recipe, 1, h.unified, h.measured_worker_mib),
+        required_one_mib=required_mib(recipe, 1, h.unified, h.measured_worker_mib, cuda=h.device == "cuda"),
         worker_mib=recipe.worker_host_source(h.measured_worker_mib)[0],
         worker_mib_source=recipe.worker_host_source(h.measured_worker_mib)[1],
-        worker_words=worker_words(recipe, h.measured_worker_mib, h.measured_peak_mib),
+        worker_words=worker_words(recipe, h.measured_worker_mib, h.measured_peak_mib, cuda=h.device == "cuda",
+                                  unified=h.unified),
         capacity=worker_capacity(recipe, available_mib=h.available_mib, unified=h.unified, num_cpus=h.num_cpus,
-                                 device_free_mib=h.device_free_mib, measured_host_mib=h.measured_worker_mib))
+                                 cuda=h.device == "cuda", device_free_mib=h.device_free_mib,
+                                 measured_host_mib=h.measured_worker_mib))
         for h in sorted(hosts, key=lambda h: h.name)}
     by_name = {h.name: h for h in hosts}
 
@@ -135,7 +141,9 @@ def decide(hosts: list[HostReport], recipe: Recipe, needed: dict[str, list[str]]
     if short:
         figures = {h.name: {"available_mib": h.available_mib, "required_one_mib": plans[h.name].required_one_mib,
                             "short_mib": max(0, plans[h.name].required_one_mib - h.available_mib),
-                            "worker_words": plans[h.name].worker_words} for h in short}
+                            "worker_words": plans[h.name].worker_words,
+                            "device_free_mib": h.device_free_mib,
+                            "device_short_mib": _device_gap_mib(h, recipe)} for h in short}
         raise GateRefused(_refusal(short, plans, by_name, recipe, page_size_bytes, kv_pages_per_rank), figures)
 
     for target, missing in missing_by_target.items():
@@ -178,9 +186,11 @@ def _assign(keys: list[str], compilers: list[HostPlan], by_name: dict[str, HostR
         p.workers = len(used[p.name])
 
 
-def worker_words(recipe: Recipe, measured_worker_mib: int | None, measured_peak_mib: int | None) -> str:
+def worker_words(recipe: Recipe, measured_worker_mib: int | None, measured_peak_mib: int | None, *,
+                 cuda: bool = False, unified: bool = True) -> str:
     """What one compile worker is counted at, and why: a set figure, a measured peak times the margin, or
-    the estimate before any measurement."""
+    the estimate before any measurement; for a CUDA export also its device memory, out of the same pool
+    (unified memory) or out of the device's (discrete GPU)."""
     mib, source = recipe.worker_host_source(measured_worker_mib)
     if source == "measured" and measured_peak_mib:
         why = f": its measured peak {measured_peak_mib} MiB x margin {recipe.worker_mib_margin:g}"
@@ -190,13 +200,23 @@ def worker_words(recipe: Recipe, measured_worker_mib: int | None, measured_peak_
         why = ", as set in the recipe"
     else:
         why = ", the estimate before anything was measured"
-    device = f", + {recipe.worker_device_mib} MiB device memory" if recipe.worker_device_mib else ""
+    device = ""
+    if cuda and recipe.worker_device_mib:
+        device = (f", + {recipe.worker_device_mib} MiB device memory" if unified
+                  else f"; and {recipe.worker_device_mib} MiB of device memory on its GPU")
     return f"a worker counted at {mib} MiB{why}{device}"
 
 
 def _limited(source: str) -> str:
     """'limited by <the cgroup file>' for a figure a cgroup set; '' for the node's own ('host')."""
     return "" if source == "host" else f"limited by {source}"
+
+
+def _device_gap_mib(h: HostReport, recipe: Recipe) -> int:
+    """MiB of device memory a discrete GPU lacks for one compile worker of a CUDA export (0: not short, or
+    not a CUDA export on a discrete GPU with a known free figure)."""
+    need = device_required_mib(recipe, 1, h.unified, cuda=h.device == "cuda")
+    return max(0, need - h.device_free_mib) if need and h.device_free_mib is not None else 0
 
 
 def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[str, HostReport],
@@ -211,15 +231,16 @@ def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[
         if gap > 0:
             lines.append(f"{h.name} has {h.available_mib} MiB available{assumed} but one compile worker "
                          f"needs {p.required_one_mib} MiB{measured}: {gap} MiB short")
-        elif h.device_free_mib is not None and not h.unified:
-            lines.append(f"{h.name} has {h.device_free_mib} MiB free on its device but one compile worker "
-                         f"needs {recipe.worker_device_mib} MiB there")
+        elif _device_gap_mib(h, recipe) > 0:
+            lines.append(f"{h.name} has {h.device_free_mib} MiB of device memory free on its GPU but one "
+                         f"compile worker of a CUDA export needs {recipe.worker_device_mib} MiB of device memory "
+                         f"there: {_device_gap_mib(h, recipe)} MiB short")
         else:
             cpus = f"{h.num_cpus} CPUs" + (f", {_limited(h.cpus_source)}" if h.cpus_source != "host" else "")
             lines.append(f"{h.name} can run no compile worker ({cpus})")
     fixes = []
     floors = [floor_admitting_one(recipe, available_mib=h.available_mib, unified=h.unified,
-                                  measured_host_mib=h.measured_worker_mib) for h in short]
+                                  cuda=h.device == "cuda", measured_host_mib=h.measured_worker_mib) for h in short]
     if all(f is not None for f in floors) and any(plans[h.name].required_one_mib > h.available_mib for h in short):
         fixes.append(f"{where_to_set('headroom_floor_mib', min(floors))}: that admits one worker on every "
                      "short host")
@@ -239,6 +260,8 @@ def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[
                 if kv_pages_per_rank is None or pages <= kv_pages_per_rank:
                     text += f" ({pages} fewer KV pages per rank)"
             frees.append(text)
+        elif _device_gap_mib(h, recipe) > 0:
+            frees.append(f"{_device_gap_mib(h, recipe)} MiB of device memory on {h.name}'s GPU")
     if frees:
         fixes.append("free " + ", ".join(frees))
     if not lenders:

@@ -18,13 +18,13 @@ class HostProbe:
     """The tensor-parallel ranks this host runs."""
     memory: dict
     """The memory reading (kiln.host.probe.memory_snapshot): host_available_mib, memory_source (the limit
-    that set it: 'host', or a cgroup file), device_free_mib, ..."""
+    that set it: 'host', or a cgroup file), device_free_mib, and with a GPU gpu_count, device_unified, ..."""
     num_cpus: int
     """CPUs this process may use (kiln.host.probe.cpus_and_source): affinity, or a tighter cgroup quota."""
     unified: bool
     """Whether device memory is the host's pool (probed, or the recipe's unified_memory)."""
     target: str
-    """The compile target fingerprint (kiln.host.probe.target_fingerprint): hosts of one target share forwards."""
+    """The compile target fingerprint (kiln.core.target.Target.fingerprint): hosts of one target share forwards."""
     specs: tuple[dict, ...]
     """The forwards this host needs (ForwardSpec.to_dict), one per bucket."""
     local_keys: tuple[str, ...]
@@ -37,6 +37,11 @@ class HostProbe:
     """Compile worker peaks measured before for this graph and target (from the store)."""
     cpus_source: str = "host"
     """What set num_cpus: 'host' (the process's affinity), or the cgroup file whose quota allows fewer."""
+    num_gpus: int = 0
+    """GPUs this host can compile for (kiln.host.probe.usable_gpus: visible through NVML or torch, with a
+    CUDA build of torch); the recipe's device auto and cuda look at it."""
+    device: str = "cpu"
+    """'cpu' or 'cuda': the device `target` and `specs` are for (kiln.core.target)."""
 
     @property
     def host_available_mib(self) -> int:

@@ -19,6 +19,7 @@ from typing import Literal
 
 from kiln.core.errors import BadInput
 from kiln.core.settings import Setting, form_model, from_form, parse_assignments, setting, settings_of
+from kiln.core.target import Device
 
 Policy = Literal["borrow", "fail"]
 TuningMode = Literal["off", "cached", "full"]
@@ -70,6 +71,10 @@ class Recipe:
         "borrow", "What the gate does when a host can run no compile worker: lend its forwards to a host that "
         "can (borrow) or refuse the export (fail).", compiling_only=True,
         title="When a host cannot compile", group="memory")
+    device: Device = setting(
+        "auto", "Where the forwards run: cpu (any host; a GPU host's CPU too), cuda (compiled on and for each "
+        "rank host's GPU; refused by name where a rank's host has none), or auto (cuda where every rank's host "
+        "has a GPU, else cpu).", title="Device", group="compile")
     tuning: TuningMode = setting(
         "cached", "Kernel tuning: off; cached measures only the GEMM shapes the store lacks; full measures all "
         "again and replaces them. CPU forwards have nothing to tune.", title="Kernel tuning", group="compile")
@@ -100,9 +105,10 @@ class Recipe:
         "(used to predict the checks' memory).", unit="MiB", gt=0, title="Memory of a bare process (MiB)",
         group="checks")
     worker_device_mib: int = setting(
-        0, "Device memory one compile worker takes (its CUDA context); about 2048 on GPU hosts, 0 on CPU-only "
-        "hosts.", unit="MiB", ge=0, compiling_only=True, title="Device memory per compile worker (MiB)",
-        group="memory")
+        2048, "Device memory one compile worker of a CUDA export takes (its CUDA context and what it makes real "
+        "on the device): from the device's free memory on a discrete GPU, from the host's pool on unified memory "
+        "(GB10). CPU exports reserve none.", unit="MiB", ge=0, compiling_only=True,
+        title="Device memory per compile worker (MiB)", group="memory")
     activation_reserve_mib: int = setting(
         256, "Memory each rank keeps for activations when serving; not given to the KV cache.", unit="MiB", ge=0,
         title="Activation reserve per rank (MiB)", group="layout")
@@ -188,13 +194,14 @@ class Recipe:
     def pages_per_seq(self) -> int:
         return self.max_context_tokens // self.page_tokens
 
-    def worker_mib(self, unified: bool, measured_host_mib: int | None = None) -> int:
-        """Memory one compile worker takes out of the pool that host sizing looks at.
+    def worker_mib(self, unified: bool, measured_host_mib: int | None = None, *, cuda: bool) -> int:
+        """Host memory one compile worker takes: its host figure, plus its device memory where that is the
+        host's pool (a CUDA export on unified memory). A CPU export's worker touches no device.
 
         `measured_host_mib` (a worker's measured peak, margin included) applies unless
         worker_host_mib is set.
         """
-        return self.worker_host_source(measured_host_mib)[0] + (self.worker_device_mib if unified else 0)
+        return self.worker_host_source(measured_host_mib)[0] + (self.worker_device_mib if cuda and unified else 0)
 
     def worker_host_source(self, measured_host_mib: int | None) -> tuple[int, str]:
         """(host MiB of one worker, where it comes from: 'recipe', 'measured' or 'estimate')."""

@@ -62,10 +62,13 @@ class Report:
         return entry
 
     def memory(self, host: str, phase: str, snapshot: dict, *, assumed_available_mib: int | None = None) -> None:
-        """One memory-ledger entry: the host's figures at a phase boundary."""
+        """One memory-ledger entry: the host's figures at a phase boundary (kiln.host.probe.memory_snapshot);
+        where the host has a GPU also gpu_count, device_total_mib and device_unified."""
         entry = {"phase": phase, "host_available_mib": snapshot.get("host_available_mib"),
                  "device_free_mib": snapshot.get("device_free_mib"),
                  "allocated_mib": snapshot.get("allocated_mib"), "reserved_mib": snapshot.get("reserved_mib")}
+        if snapshot.get("gpu_count"):
+            entry.update({k: snapshot.get(k) for k in ("gpu_count", "device_total_mib", "device_unified")})
         if assumed_available_mib is not None:
             entry["assumed_available_mib"] = assumed_available_mib
         self.host(host)["memory"].append(entry)

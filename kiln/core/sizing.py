@@ -1,11 +1,17 @@
 """Compile-worker sizing and KV-cache planning: pure arithmetic over MiB.
 
-    required(n) = max(headroom_floor, recipe_headroom) + n * (worker_host + worker_device)
-    workers     = largest n with required(n) <= available, capped by CPUs and by work
+    required(n) = max(headroom_floor, recipe_headroom) + n * worker_pool
+    workers     = largest n with required(n) <= available, capped by CPUs, by work and, on a discrete GPU,
+                  by n * worker_device <= device free
 
-On unified memory (GB10, CPU-only hosts) worker_device comes out of the same
-pool as worker_host; on a discrete GPU it comes out of device memory and is
-checked against the device's free memory separately.
+    worker_pool = worker_host + worker_device   a CUDA export on unified memory (GB10): one pool
+                = worker_host                   a CUDA export on a discrete GPU, and every CPU export
+
+A CUDA compile worker holds a CUDA context and what Inductor makes real on the
+device (worker_device_mib). On unified memory that comes out of the same pool
+as the worker's host memory (the incident's formula); on a discrete GPU it
+comes out of the device's free memory, checked separately. A CPU export's
+workers touch no device and reserve no device memory, on any host.
 """
 
 from __future__ import annotations
@@ -15,27 +21,37 @@ from dataclasses import dataclass
 from kiln.core.recipe import Recipe
 
 
-def required_mib(recipe: Recipe, num_workers: int, unified: bool, measured_host_mib: int | None = None) -> int:
-    """Host memory needed to run `num_workers` compile workers (`measured_host_mib`: see Recipe.worker_mib)."""
-    return recipe.floor_mib() + num_workers * recipe.worker_mib(unified, measured_host_mib)
+def required_mib(recipe: Recipe, num_workers: int, unified: bool, measured_host_mib: int | None = None, *,
+                 cuda: bool) -> int:
+    """Host memory needed to run `num_workers` compile workers (`measured_host_mib`: see Recipe.worker_mib;
+    `cuda`: the export's target is a GPU)."""
+    return recipe.floor_mib() + num_workers * recipe.worker_mib(unified, measured_host_mib, cuda=cuda)
 
 
-def worker_capacity(recipe: Recipe, *, available_mib: int, unified: bool, num_cpus: int,
+def device_required_mib(recipe: Recipe, num_workers: int, unified: bool, *, cuda: bool) -> int:
+    """Device memory `num_workers` compile workers need out of a discrete GPU's free memory (0 for a CPU
+    export, and on unified memory, where required_mib counts it)."""
+    return num_workers * recipe.worker_device_mib if cuda and not unified else 0
+
+
+def worker_capacity(recipe: Recipe, *, available_mib: int, unified: bool, num_cpus: int, cuda: bool,
                     device_free_mib: int | None = None, measured_host_mib: int | None = None) -> int:
-    """How many compile workers a host can run by memory, CPUs and max_compile_workers (not yet capped by work)."""
-    by_host = max(0, (available_mib - recipe.floor_mib()) // recipe.worker_mib(unified, measured_host_mib))
+    """How many compile workers a host can run by memory (host, and device on a discrete GPU), CPUs and
+    max_compile_workers (not yet capped by work). A discrete GPU whose free memory is unknown is not a limit."""
+    by_host = max(0, (available_mib - recipe.floor_mib()) // recipe.worker_mib(unified, measured_host_mib,
+                                                                               cuda=cuda))
     limits = [by_host, max(0, num_cpus)]
-    if not unified and recipe.worker_device_mib > 0 and device_free_mib is not None:
+    if device_required_mib(recipe, 1, unified, cuda=cuda) > 0 and device_free_mib is not None:
         limits.append(max(0, device_free_mib // recipe.worker_device_mib))
     if recipe.max_compile_workers:
         limits.append(recipe.max_compile_workers)
     return min(limits)
 
 
-def floor_admitting_one(recipe: Recipe, *, available_mib: int, unified: bool,
+def floor_admitting_one(recipe: Recipe, *, available_mib: int, unified: bool, cuda: bool,
                         measured_host_mib: int | None = None) -> int | None:
     """The largest headroom floor with which one worker fits, or None if lowering the floor cannot help."""
-    floor = available_mib - recipe.worker_mib(unified, measured_host_mib)
+    floor = available_mib - recipe.worker_mib(unified, measured_host_mib, cuda=cuda)
     if floor < recipe.recipe_headroom_mib or floor <= 0:
         return None
     return floor

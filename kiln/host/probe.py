@@ -1,19 +1,28 @@
-"""What a host says about itself: memory, CPUs and compile target.
+"""What a host says about itself: memory, CPUs, GPUs and compile target.
 
 Runs on the host it describes. Imports torch lazily so the pure core and the
-CLI's input checks stay fast.
+CLI's input checks stay fast. Never creates a CUDA context in its process: GPUs
+are read through NVML or a short-lived child process (gpu_reading).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import json
 import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
 
 from kiln.core import cgroup_limits as cg
+from kiln.core import gpus
+from kiln.core.cpu_target import cpu_target
+from kiln.core.errors import BadInput
+from kiln.core.target import Target, cpu_target_of, cuda_target_of
 
 MIB = 2**20
 
@@ -77,16 +86,15 @@ def host_memory(root: str = "/") -> dict:
     return {"host_available_mib": available // MIB, "host_total_mib": total // MIB, "memory_source": source}
 
 
-def memory_snapshot() -> dict:
-    """host_memory's figures and, with CUDA, device free/total and allocator MiB."""
+def memory_snapshot(reading: gpus.GpuReading | None = None) -> dict:
+    """host_memory's figures and the device keys: device_free_mib and device_total_mib (None without a GPU
+    or on unified memory), and where a GPU is visible gpu_count, gpu_name and device_unified
+    (kiln.core.gpus.GpuReading.memory). Read through NVML or a child process (gpu_reading; or `reading`, one
+    just taken): this process never holds a CUDA context. allocated_mib / reserved_mib (this process's CUDA
+    allocator) stay None."""
     snap = {**host_memory(), "device_free_mib": None, "device_total_mib": None,
             "allocated_mib": None, "reserved_mib": None}
-    import torch
-    if torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info()
-        snap.update(device_free_mib=free // MIB, device_total_mib=total // MIB,
-                    allocated_mib=torch.cuda.memory_allocated() // MIB,
-                    reserved_mib=torch.cuda.memory_reserved() // MIB)
+    snap.update((gpu_reading() if reading is None else reading).memory())
     return snap
 
 
@@ -105,29 +113,161 @@ def num_cpus() -> int:
 
 
 def unified_memory() -> bool:
-    """True on CPU-only hosts; on CUDA hosts, true for integrated GPUs (GB10, Jetson)."""
+    """True on CPU-only hosts; on GPU hosts, true where the first GPU shares the host's memory (GB10, Jetson)."""
+    return gpu_reading().unified
+
+
+CHILD_QUERY = """
+import json, torch
+rows = []
+if torch.cuda.is_available():
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        rows.append({"name": p.name, "capability": [p.major, p.minor], "memory_bytes": [free, total],
+                     "integrated": bool(getattr(p, "is_integrated", False))})
+print(json.dumps(rows))
+"""
+"""What the child process asks torch when NVML is not at hand; it exits, and its CUDA context with it."""
+
+CHILD_TIMEOUT_S = 120.0
+"""Longest a child process's GPU query may take (importing torch and starting CUDA take seconds)."""
+
+
+def nvidia_driver_present() -> bool:
+    """Whether an NVIDIA driver is loaded here: without one there is no GPU to ask a child process about."""
+    return Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
+
+
+def _nvml():
+    """The pynvml module (nvidia-ml-py), or None where it is not installed."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    return pynvml
+
+
+def nvml_answers(nvml) -> list[gpus.GpuAnswer] | None:
+    """One GpuAnswer per GPU CUDA_VISIBLE_DEVICES leaves visible, asked of the `nvml` module (pynvml); None
+    when CUDA_VISIBLE_DEVICES names GPUs by UUID (NVML's numbering cannot say which). NVML holds no CUDA
+    context. Raises pynvml's NVMLError where NVML cannot answer (no driver)."""
+    nvml.nvmlInit()
+    try:
+        indices = gpus.visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES"), int(nvml.nvmlDeviceGetCount()))
+        if indices is None:
+            return None
+        out = []
+        for i in indices:
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            name = nvml.nvmlDeviceGetName(handle)
+            major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+            try:
+                info = nvml.nvmlDeviceGetMemoryInfo(handle)
+                memory = (int(info.free), int(info.total))
+            except nvml.NVMLError as exc:
+                if getattr(exc, "value", None) != getattr(nvml, "NVML_ERROR_NOT_SUPPORTED", 3):
+                    raise
+                memory = None  # unified memory (GB10): the device has no memory of its own to report
+            out.append(gpus.GpuAnswer(name=name.decode() if isinstance(name, bytes) else str(name),
+                                      capability=(int(major), int(minor)), memory_bytes=memory))
+        return out
+    finally:
+        nvml.nvmlShutdown()
+
+
+def child_answers() -> list[gpus.GpuAnswer]:
+    """The visible GPUs as torch sees them, asked in a short-lived child process (CHILD_QUERY)."""
+    done = subprocess.run([sys.executable, "-c", CHILD_QUERY], capture_output=True, text=True,
+                          timeout=CHILD_TIMEOUT_S, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"exit {done.returncode}: {done.stderr.strip()[-500:]}")
+    return gpus.answers_from_child(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def gpu_reading() -> gpus.GpuReading:
+    """This host's visible GPUs, without a CUDA context in this process: NVML where nvidia-ml-py is
+    installed, else (where an NVIDIA driver is loaded) a child process running torch.cuda queries, else none.
+    A reading that fails says why in `.error` and counts no GPU."""
+    error = None
+    nvml = _nvml()
+    if nvml is not None:
+        try:
+            answers = nvml_answers(nvml)
+            if answers is not None:
+                return gpus.interpret(answers, "nvml")
+        except Exception as exc:  # pynvml.NVMLError and kin: fall back to asking torch
+            error = f"NVML: {exc}"
+    if not nvidia_driver_present():
+        return gpus.GpuReading((), "none", error)
+    try:
+        return gpus.interpret(child_answers(), "torch child process")
+    except (OSError, ValueError, KeyError, IndexError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        return gpus.GpuReading((), "none", "; ".join(filter(None, [error, f"torch child process: {exc}"])))
+
+
+def cpu_fingerprint() -> str:
+    """This host's CPU target (kiln.core.cpu_target): Inductor compiles CPU code with -march=native, so two
+    CPUs share artifacts only when their ISA level and instruction-set flags agree (kernel bug, mitigation
+    and virtualisation flags do not count)."""
     import torch
-    if not torch.cuda.is_available():
-        return True
-    return bool(getattr(torch.cuda.get_device_properties(0), "is_integrated", False))
 
-
-def target_fingerprint() -> str:
-    """What compiled code depends on besides torch: GPU arch + CUDA, or CPU ISA and flags.
-
-    Inductor compiles CPU code with -march=native, so two CPUs share artifacts
-    only when their ISA level and instruction-set flags agree (kiln.core.cpu_target;
-    kernel bug, mitigation and virtualisation flags do not count).
-    """
-    import torch
-
-    from kiln.core.cpu_target import cpu_target
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability(0)
-        return f"cuda-sm{major}{minor}-cuda{torch.version.cuda}"
     try:
         with open("/proc/cpuinfo") as f:
             cpuinfo = f.read()
     except OSError:
         cpuinfo = ""
     return cpu_target(platform.machine(), torch.backends.cpu.get_cpu_capability(), cpuinfo)
+
+
+def has_cpp_march() -> bool:
+    """Whether this torch's Inductor has `cpp.march` (the C++ wrapper's -march can be pinned)."""
+    from torch._inductor import config
+
+    return hasattr(config.cpp, "march")
+
+
+def _installed_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def usable_gpus(reading: gpus.GpuReading) -> int:
+    """GPUs this host can compile for: those `reading` found, where this torch is a CUDA build (0 otherwise)."""
+    if not reading.count:
+        return 0
+    import torch
+
+    return reading.count if torch.version.cuda else 0
+
+
+def detect_target(device: str, reading: gpus.GpuReading | None = None) -> Target:
+    """This host's compile target for `device` ('cpu' or 'cuda'; kiln.core.target). For cuda: the first
+    visible GPU's arch (from `reading`, default gpu_reading()), torch's CUDA and Triton's version, and the
+    wrapper's pinned -march where torch has cpp.march. Creates no CUDA context. BadInput for cuda on a
+    host without a visible GPU or with a CPU build of torch."""
+    import torch
+
+    machine = platform.machine()
+    if device == "cpu":
+        return cpu_target_of(machine=machine, cpu=cpu_fingerprint(), torch_version=torch.__version__)
+    if device != "cuda":
+        raise BadInput(f"a host compiles for device 'cpu' or 'cuda', not {device!r}.")
+    reading = gpu_reading() if reading is None else reading
+    if not reading.count:
+        why = f" ({reading.error})" if reading.error else ""
+        raise BadInput(f"device=cuda but this host has no visible GPU{why}; export for the CPU with --set "
+                       "device=cpu, or run this rank on a GPU host.")
+    if not torch.version.cuda:
+        raise BadInput(f"device=cuda but this host's torch {torch.__version__} is a CPU build; install a CUDA "
+                       "build of torch, or export for the CPU with --set device=cpu.")
+    return cuda_target_of(machine=machine, cpu=cpu_fingerprint(), torch_version=torch.__version__,
+                          capability=reading.gpus[0].capability, cuda_version=torch.version.cuda,
+                          triton_version=_installed_version("triton"), has_cpp_march=has_cpp_march())
+
+
+def target_fingerprint(device: str = "cpu") -> str:
+    """detect_target(device).fingerprint: what compiled code for `device` depends on besides torch's version."""
+    return detect_target(device).fingerprint

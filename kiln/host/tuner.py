@@ -38,6 +38,7 @@ from kiln.core import tuning_plan
 from kiln.core.errors import IntegrityError, KilnError
 from kiln.core.job import ExportJob
 from kiln.core.tuning_plan import GemmShape
+from kiln.core.target import device_of
 from kiln.host import probe
 from kiln.host.inductor_options import FORWARD_DEVICE, compiler_options
 from kiln.host.procs import die_with_parent
@@ -173,7 +174,7 @@ def tune_target(job: ExportJob, target: str, *, backends: str | None = None) -> 
         return {**out, "backends": None, "reason": tuning_plan.untuned_reason(mode, FORWARD_DEVICE)}
     import torch
 
-    here = probe.target_fingerprint()
+    here = probe.target_fingerprint(device_of(target))
     if here != target:
         raise KilnError(f"tuning for target {target} must run on a host of that target; this host is {here}.")
     version = torch.__version__
@@ -240,8 +241,9 @@ def _autotune(raw_shapes: list[dict], target: str, torch_version: str, backends:
     from torch._inductor import select_algorithm
     from torch._inductor.codecache import CacheBase
 
-    if torch.__version__ != torch_version or probe.target_fingerprint() != target:
-        raise KilnError(f"this tuning process runs torch {torch.__version__} on {probe.target_fingerprint()}, "
+    here = probe.target_fingerprint(device_of(target))
+    if torch.__version__ != torch_version or here != target:
+        raise KilnError(f"this tuning process runs torch {torch.__version__} on {here}, "
                         f"not torch {torch_version} on {target}.")
     if not str(CacheBase.get_local_cache_path()).startswith(scratch):
         raise KilnError("Inductor's autotune cache is not in the tuning scratch directory; refusing to measure.")

@@ -17,7 +17,9 @@ def host(name, available, ranks=(0,), cpus=8, target="t", **kw):
 
 
 def incident_hosts():
-    return [host("host-0", 30000, (0,)), host("host-1", 12038, (1,)), host("host-2", 11939, (2,))]
+    """The incident's GB10 hosts: a CUDA export on unified memory, the CUDA context out of the host's pool."""
+    return [host("host-0", 30000, (0,), device="cuda"), host("host-1", 12038, (1,), device="cuda"),
+            host("host-2", 11939, (2,), device="cuda")]
 
 
 def test_incident_fail_policy_names_each_short_host():
@@ -136,10 +138,14 @@ def test_uneven_measured_seconds_balance_finish_times():
 
 def test_discrete_gpu_short_on_device_memory():
     recipe = Recipe(worker_device_mib=2048, policy="fail")
-    gpu = host("gpu", 100_000, unified=False, device_free_mib=1000)
+    gpu = host("gpu", 100_000, unified=False, device_free_mib=1000, device="cuda")
     with pytest.raises(GateRefused) as err:
         decide([gpu], recipe, {"t": ["k"]}, set())
-    assert "1000 MiB free on its device" in str(err.value)
+    msg = str(err.value)
+    assert ("gpu has 1000 MiB of device memory free on its GPU but one compile worker of a CUDA export needs "
+            "2048 MiB of device memory there: 1048 MiB short") in msg
+    assert "free 1048 MiB of device memory on gpu's GPU" in msg
+    assert err.value.short_hosts["gpu"]["device_short_mib"] == 1048
 
 
 def test_duplicate_host_names_refused():

@@ -11,29 +11,29 @@ from kiln.core.sizing import floor_admitting_one, page_bytes, plan_kv, required_
 
 def test_incident_one_worker_needs_12288():
     r = Recipe(headroom_floor_mib=8192, recipe_headroom_mib=1024, worker_host_mib=2048, worker_device_mib=2048)
-    assert required_mib(r, 1, unified=True) == 12288
-    assert worker_capacity(r, available_mib=12038, unified=True, num_cpus=20) == 0
-    assert worker_capacity(r, available_mib=12288, unified=True, num_cpus=20) == 1
+    assert required_mib(r, 1, unified=True, cuda=True) == 12288
+    assert worker_capacity(r, available_mib=12038, unified=True, num_cpus=20, cuda=True) == 0
+    assert worker_capacity(r, available_mib=12288, unified=True, num_cpus=20, cuda=True) == 1
     r6 = Recipe(headroom_floor_mib=6144, recipe_headroom_mib=1024, worker_host_mib=2048, worker_device_mib=2048)
-    assert required_mib(r6, 1, unified=True) == 10240
-    assert floor_admitting_one(r, available_mib=12038, unified=True) == 7942
+    assert required_mib(r6, 1, unified=True, cuda=True) == 10240
+    assert floor_admitting_one(r, available_mib=12038, unified=True, cuda=True) == 7942
 
 
 def test_discrete_gpu_takes_worker_device_from_device_memory():
     r = Recipe(worker_device_mib=2048)
-    assert required_mib(r, 1, unified=False) == 2048 + 1024
-    assert worker_capacity(r, available_mib=100_000, unified=False, num_cpus=64, device_free_mib=4096) == 2
+    assert required_mib(r, 1, unified=False, cuda=True) == 2048 + 1024
+    assert worker_capacity(r, available_mib=100_000, unified=False, num_cpus=64, cuda=True, device_free_mib=4096) == 2
 
 
 def test_recipe_headroom_wins_when_larger_than_floor():
     r = Recipe(headroom_floor_mib=512, recipe_headroom_mib=4096)
-    assert required_mib(r, 2, unified=True) == 4096 + 2 * 1024
-    assert floor_admitting_one(r, available_mib=4500, unified=True) is None
+    assert required_mib(r, 2, unified=True, cuda=False) == 4096 + 2 * 1024
+    assert floor_admitting_one(r, available_mib=4500, unified=True, cuda=False) is None
 
 
 def test_defaults_fit_this_kind_of_machine():
     # A CPU compile worker peaks near 0.8 GiB: the default must admit >= 1 worker on 8 GiB.
-    assert worker_capacity(Recipe(), available_mib=8192, unified=True, num_cpus=2) == 2
+    assert worker_capacity(Recipe(), available_mib=8192, unified=True, num_cpus=2, cuda=False) == 2
 
 
 @pytest.mark.parametrize("spec", ["", "1x", "x16", "0x16", "1x-4", "1*16", "a,b", "1x16,,2x4"])

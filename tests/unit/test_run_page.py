@@ -41,8 +41,13 @@ def test_one_worker_figure_says_where_it_comes_from():
     r = Recipe()
     assert worker_words(r, 885, 770) == "a worker counted at 885 MiB: its measured peak 770 MiB x margin 1.15"
     assert worker_words(r, None, None) == "a worker counted at 1024 MiB, the estimate before anything was measured"
-    assert worker_words(r.replace(worker_host_mib=2048, worker_device_mib=2048), 885, 770) == \
+    set_ = r.replace(worker_host_mib=2048, worker_device_mib=2048)
+    assert worker_words(set_, 885, 770, cuda=True, unified=True) == \
         "a worker counted at 2048 MiB, as set in the recipe, + 2048 MiB device memory"
+    assert worker_words(set_, 885, 770, cuda=True, unified=False) == \
+        "a worker counted at 2048 MiB, as set in the recipe; and 2048 MiB of device memory on its GPU"
+    # A CPU export's worker touches no device, whatever worker_device_mib says.
+    assert worker_words(set_, 885, 770, cuda=False) == "a worker counted at 2048 MiB, as set in the recipe"
 
 
 def test_changed_settings_and_the_manifest_in_words():
