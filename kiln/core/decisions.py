@@ -116,13 +116,18 @@ def run_gate(job: ExportJob, probes: list[HostProbe], kv: dict | None = None) ->
 
 
 def settings_without_effect(recipe: Recipe, plan: Plan) -> list[str]:
-    """One warning per setting changed from its default that cannot have mattered: a setting that
-    matters only when compiling (declared `compiling_only`) in an export with nothing to compile."""
+    """The settings changed from their defaults that cannot have mattered, named as the run form names them,
+    with why (at most one warning): a setting that matters only when compiling (declared `compiling_only`)
+    in an export with nothing to compile."""
     if plan.decision != "nothing_to_do":
         return []
     changed = recipe.changed()
-    return [f"{s.name}={s.show(changed[s.name])} had no effect: every forward was already in the store, so "
-            "nothing was compiled" for s in SETTINGS if s.compiling_only and s.name in changed]
+    unused = [f"Recipe > '{s.title}' ({s.show(changed[s.name])})" for s in SETTINGS
+              if s.compiling_only and s.name in changed]
+    if not unused:
+        return []
+    return ["nothing to compile (every forward was already in the store), so the gate's and the compiler's "
+            f"settings were not needed; these did nothing in this run: {', '.join(unused)}"]
 
 
 @dataclass(frozen=True)

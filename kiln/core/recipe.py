@@ -71,8 +71,8 @@ class Recipe:
         "can (borrow) or refuse the export (fail).", compiling_only=True,
         title="When a host cannot compile", group="memory")
     tuning: TuningMode = setting(
-        "cached", "Kernel tuning: off; cached measures only the GEMM shapes the store lacks; full measures all "
-        "again and replaces them. CPU forwards have nothing to tune.", title="Kernel tuning", group="compile")
+        "cached", "How the GEMM kernels are tuned: off (not at all); cached measures only the shapes the store "
+        "lacks; full measures all again and replaces them. CPU forwards have nothing to tune.", title="Kernel tuning", group="compile")
     headroom_floor_mib: int = setting(
         2048, "Memory a host keeps free whatever else runs; compile workers start only above it.", unit="MiB", gt=0,
         title="Headroom floor (MiB)", group="memory")

@@ -18,7 +18,7 @@ def fwd(bucket: str, compiled_by: str | None = None, compile_s: float | None = N
             "compiled_by": compiled_by, "compile_s": compile_s}
 
 
-def test_forwards_are_counted_and_shown_by_origin_with_mib_and_the_whole_sha256():
+def test_forwards_are_counted_and_shown_by_origin_with_mib_and_a_short_sha256():
     forwards = [fwd("1x8", "host-0", 12.34), fwd("2x8", "host-1", 3.0), fwd("4x8")]
     assert run_page.forward_counts(forwards) == \
         "3 forwards: 1 compiled by host-0, 1 compiled by host-1, 1 reused from the store"
@@ -26,7 +26,9 @@ def test_forwards_are_counted_and_shown_by_origin_with_mib_and_the_whole_sha256(
     assert list(rows[0]) == list(run_page.FORWARD_COLUMNS)
     assert [r["origin"] for r in rows] == ["compiled by host-0 (12.3 s)", "compiled by host-1 (3.0 s)",
                                            "reused from the store"]
-    assert rows[0]["size_mib"] == "1.5 MiB" and rows[0]["sha256"] == SHA
+    # The header says the unit, the cells the number; hashes short enough for a 1400 px page.
+    assert rows[0]["size (MiB)"] == "1.5" and rows[0]["sha256"] == SHA[:12] + "…"
+    assert list(rows[0])[-2:] == ["key", "sha256"]
 
 
 def test_checks_give_ranks_the_worst_difference_its_limit_and_what_was_remembered():
@@ -87,3 +89,30 @@ def test_an_expected_error_is_said_once_in_the_log():
     assert sum("MiB short" in r for r in records) == 1 and "MiB short" in records[1], records
     assert records[0] == "Task run failed with exception: GateRefused (the flow run's log says why)"
     assert records[2] == "Finished in state Failed('Flow run encountered an exception: GateRefused: (said above)')"
+
+
+def test_a_weights_layout_entry_is_said_in_words_each_source_on_its_line():
+    entry = {"dtype": "float32", "shape": [32, 64], "stack": None, "sources": [
+        {"tensor": "layers.0.q.weight", "full_shape": [64, 64], "cut": {"dim": 0, "length": 32, "offsets": [0, 32]}},
+        {"tensor": "norm.weight", "full_shape": [64], "cut": None}]}
+    assert run_page._entry(entry) == ("float32 [32, 64]<br>`layers.0.q.weight` [64, 64]: dim 0, 32 per rank from "
+                                      "offsets 0, 32<br>`norm.weight` [64]: whole on every rank")
+
+
+def test_the_state_message_starts_with_the_shortfall_and_the_fix():
+    refusal = GateRefused("export refused before compiling: h is 10 MiB short of one compile worker: it has 10 MiB "
+                          "available but one worker needs 20 MiB. To fix: set Recipe > 'Headroom floor (MiB)' to 5.")
+    message = run_page.state_message(refusal, "not retried: a refusal is final")
+    assert message.startswith("h is 10 MiB short of one compile worker: ")
+    assert message.endswith("To fix: set Recipe > 'Headroom floor (MiB)' to 5. Not retried: a refusal is final.")
+    assert run_page.state_message(ValueError("bad bucket"), "not retried: BadInput fails the same way every time") \
+        == "bad bucket. Not retried: BadInput fails the same way every time."
+
+
+def test_the_gate_outcome_in_words():
+    assert run_page.gate_line({"decision": "nothing_to_do", "policy": "fail",
+                               "message": "every forward is already in the store"}) == \
+        "**Gate:** nothing to compile: every forward is already in the store (when a host cannot compile: fail)"
+    assert run_page.gate_line({"decision": "refused", "policy": "borrow", "message": "x"}, "x") == \
+        "**Gate:** refused: see the error above (when a host cannot compile: borrow)"
+    assert run_page.gate_line({"decision": None, "policy": None, "message": None}) == "**Gate:** not reached"
