@@ -9,6 +9,7 @@ decimal; the forwards table shortens keys and sha256s, the manifest's page shows
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 REFUSED = "export refused before compiling: "
@@ -19,11 +20,19 @@ GATE_WORDS = {"compile": "compiling", "nothing_to_do": "nothing to compile", "re
 
 
 def state_message(error: Exception, why_final: str) -> str:
-    """The flow run's final state message (its header, its Details and the runs list show it): the error
-    itself first, a refusal without its preamble (so who is short, by how much and the fix lead), then
-    `why_final` ('not retried: ...') as its own sentence."""
-    text = " ".join(str(error).split())
-    text = text.removeprefix(REFUSED)
+    """The flow run's final state message (the run's Details, the artifacts' side panel and the runs list
+    show its start): the error itself first, then `why_final` ('not retried: ...') as its own sentence.
+
+    A refusal of short hosts leads with who is short and by how much, then the fix, then the figures
+    (a reader sees the start, the rest is one "See More" away); any other error is said as it is.
+    """
+    text = " ".join(str(error).split()).removeprefix(REFUSED)
+    short = {h: f["short_mib"] for h, f in sorted(getattr(error, "short_hosts", {}).items()) if f.get("short_mib")}
+    body, sep, fix = text.partition(" To fix: ")
+    if short and sep:
+        figures = re.sub(r"(\S+) is \d+ MiB short of one compile worker: ", r"\1: ", body).rstrip(".")
+        headline = "; ".join(f"{h} is {mib} MiB short of one compile worker" for h, mib in short.items())
+        text = f"{headline}. To fix: {fix.rstrip('.')}. The figures: {figures}"
     if not text.endswith("."):
         text += "."
     return f"{text} {why_final[:1].upper()}{why_final[1:]}."
@@ -135,11 +144,12 @@ def manifest_markdown(manifest: dict, where: str, *, max_rows: int = 20) -> str:
            f"**Ranks:** {manifest['tp']} (world size {rt.get('world_size')}, process group "
            f"`{rt.get('process_group') or 'none'}`); Python-free: {'yes' if rt.get('python_free') else 'no'}; "
            f"signed: {'yes' if (manifest.get('signing') or {}).get('signed') else 'no'}", "",
-           "## Forwards and their interface", "", "| bucket | inputs | outputs | sha256 |", "|---|---|---|---|"]
+           "## Forwards and their interface", "", "Each sha256 by its first 12 hex digits (the manifest has all 64).",
+           "", "| bucket | inputs | outputs | sha256 |", "|---|---|---|---|"]
     for f in manifest.get("forwards", []):
         iface = f.get("interface") or {}
         out.append(f"| {f['bucket']} | {_args(iface.get('inputs'))} | {_args(iface.get('outputs'))} | "
-                   f"`{f['sha256']}` |")
+                   f"`{short(f['sha256'])}` |")
     weights = manifest.get("weights") or {}
     out += ["", f"## Weights ({len(weights)} constants per rank)", "", "| constant | from the checkpoint |",
             "|---|---|"]
@@ -168,10 +178,11 @@ def _entry(entry) -> str:
 
 
 def _source(source: dict) -> str:
-    """'`tensor` [full shape]: whole' or '... : dim D, LENGTH per rank from offsets 0, 32'."""
+    """'`tensor` [full shape]' and, on a line of its own (a cell's code does not wrap), how ranks take it:
+    'whole on every rank' or 'dim D: LENGTH per rank, from offsets 0, 32'."""
     text = f"`{source.get('tensor')}` [{', '.join(map(str, source.get('full_shape') or []))}]"
     cut = source.get("cut")
     if not cut:
-        return f"{text}: whole on every rank"
+        return f"{text}<br>whole on every rank"
     offsets = ", ".join(map(str, cut.get("offsets") or []))
-    return f"{text}: dim {cut.get('dim')}, {cut.get('length')} per rank from offsets {offsets}"
+    return f"{text}<br>dim {cut.get('dim')}: {cut.get('length')} per rank, from offsets {offsets}"

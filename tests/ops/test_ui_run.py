@@ -190,6 +190,7 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
         _open_artifact(page, "Kiln export summary", "Settings changed from the defaults", shots / "summary.png", 2400)
         _open_artifact(page, "Memory ledger, drawn", "Every host's memory at every phase", shots / "memory-ledger.png")
         _open_artifact(page, "The export's manifest", "Forwards and their interface", shots / "manifest.png", 1600)
+        _open_artifact(page, "Forwards (final", "sha256", shots / "forwards.png", 600)  # every column in view
 
     export_id, arts, summary = _summary(api, run["id"])
     assert sorted(arts) == sorted(("summary", "forwards", "memory", "manifest", "progress"))
@@ -214,7 +215,7 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
     manifest = arts["manifest"]["data"]  # the manifest's contents, not only its path
     assert "**Ranks:** 2" in manifest and "## Forwards and their interface" in manifest and "## Weights (" in manifest
     assert forwards[0]["sha256"][:12] in manifest and "tokens int64 [1, 8]" in manifest
-    assert " per rank from offsets 0, " in manifest  # a weight's sources in words, not JSON
+    assert " per rank, from offsets 0, " in manifest  # a weight's sources in words, not JSON
     progress = arts["progress"]
     assert progress["data"] == 100.0 and progress["updated"] > progress["created"]  # it advanced
     assert "per host " in progress["description"] and " 1/1" in progress["description"], progress["description"]
@@ -271,11 +272,10 @@ def test_a_refused_run_says_why_on_its_page(serve, prefect_server, tmp_path, kee
     assert run["state_type"] == "FAILED" and run["run_count"] == 1, run["state"]
     # The state message (the run's header, Details and the runs list) starts with the shortfall, then the fix
     # in the form's words with room to spare and the default, and ends saying that no try follows.
-    assert re.match(rf"{re.escape(host)} is \d+ MiB short of one compile worker: it has \d+ MiB available", message), \
-        message
-    assert "(headroom 10000000 MiB + a worker counted at " in message
+    assert re.match(rf"{re.escape(host)} is \d+ MiB short of one compile worker\. To fix: set Recipe > 'Headroom "
+                    r"floor \(MiB\)' to \d+ in the run form \(CLI: --set headroom_floor_mib=\d+\)", message), message
+    assert f"The figures: {host}: it has " in message and "(headroom 10000000 MiB + a worker counted at " in message
     fix = message.split("To fix: ")[1]
-    assert fix.startswith("set Recipe > 'Headroom floor (MiB)' to ") and "(CLI: --set headroom_floor_mib=" in fix
     assert " MiB to spare (Kiln keeps a margin of 1.15 x a worker's memory); the default is 2048 MiB" in fix
     assert message.endswith("Not retried: a refusal is final (to wait for memory instead, set Recipe > 'Retry "
                             "refusals' to true in the run form (CLI: --set retry_refusals=true)).")
@@ -298,9 +298,13 @@ def test_a_refused_run_says_why_on_its_page(serve, prefect_server, tmp_path, kee
         page.get_by_text("Failed", exact=True).first.wait_for()
         page.get_by_text("MiB short").first.wait_for()  # the refusal itself, on the run's page
         page.screenshot(path=shots / "refused-run.png", full_page=True)
-        page.set_viewport_size({"width": 1400, "height": 500})  # the header and the state, as a reader first sees
+        page.set_viewport_size({"width": 1400, "height": 500})  # the header, as a reader first sees it
         page.screenshot(path=shots / "refused-run-header.png")
         page.set_viewport_size({"width": 1400, "height": 1000})
+        page.get_by_text("Details", exact=True).click()  # the state message: the shortfall and the fix lead
+        page.get_by_text("State Message", exact=True).wait_for()
+        page.get_by_text(message[:60], exact=False).first.wait_for()
+        page.screenshot(path=shots / "refused-run-details.png")
         page.get_by_text("Artifacts", exact=True).click()
         page.get_by_text("Kiln export summary").wait_for()
         page.screenshot(path=shots / "refused-run-artifacts.png", full_page=True)

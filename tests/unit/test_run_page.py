@@ -58,7 +58,7 @@ def test_changed_settings_and_the_manifest_in_words():
                 "weights": {f"w{i}": {"source": f"w{i}", "split": None} for i in range(3)}}
     text = run_page.manifest_markdown(manifest, "Stored at `x`", max_rows=2)
     assert "**Ranks:** 2 (world size 2, process group `0`); Python-free: yes; signed: yes" in text
-    assert f"| 1x8 | tokens int64 [1, 8] | logits float32 [1, 8, 32] | `{SHA}` |" in text
+    assert f"| 1x8 | tokens int64 [1, 8] | logits float32 [1, 8, 32] | `{SHA[:12]}…` |" in text
     assert "## Weights (3 constants per rank)" in text and "| `w0` | source w0; split null |" in text
     assert "and 1 more (in the manifest)" in text
 
@@ -95,16 +95,22 @@ def test_a_weights_layout_entry_is_said_in_words_each_source_on_its_line():
     entry = {"dtype": "float32", "shape": [32, 64], "stack": None, "sources": [
         {"tensor": "layers.0.q.weight", "full_shape": [64, 64], "cut": {"dim": 0, "length": 32, "offsets": [0, 32]}},
         {"tensor": "norm.weight", "full_shape": [64], "cut": None}]}
-    assert run_page._entry(entry) == ("float32 [32, 64]<br>`layers.0.q.weight` [64, 64]: dim 0, 32 per rank from "
-                                      "offsets 0, 32<br>`norm.weight` [64]: whole on every rank")
+    assert run_page._entry(entry) == ("float32 [32, 64]<br>`layers.0.q.weight` [64, 64]<br>dim 0: 32 per rank, from "
+                                      "offsets 0, 32<br>`norm.weight` [64]<br>whole on every rank")
 
 
 def test_the_state_message_starts_with_the_shortfall_and_the_fix():
     refusal = GateRefused("export refused before compiling: h is 10 MiB short of one compile worker: it has 10 MiB "
-                          "available but one worker needs 20 MiB. To fix: set Recipe > 'Headroom floor (MiB)' to 5.")
-    message = run_page.state_message(refusal, "not retried: a refusal is final")
-    assert message.startswith("h is 10 MiB short of one compile worker: ")
-    assert message.endswith("To fix: set Recipe > 'Headroom floor (MiB)' to 5. Not retried: a refusal is final.")
+                          "available but one worker needs 20 MiB (headroom 5 MiB + a worker counted at 15 MiB); g can "
+                          "run no compile worker (0 CPUs). To fix: set Recipe > 'Headroom floor (MiB)' to 5.",
+                          {"h": {"short_mib": 10}, "g": {"short_mib": 0}})
+    assert run_page.state_message(refusal, "not retried: a refusal is final") == (
+        "h is 10 MiB short of one compile worker. To fix: set Recipe > 'Headroom floor (MiB)' to 5. The figures: h: it "
+        "has 10 MiB available but one worker needs 20 MiB (headroom 5 MiB + a worker counted at 15 MiB); g can run no "
+        "compile worker (0 CPUs). Not retried: a refusal is final.")
+    # Any other error (a KV refusal, bad input) as it is, then why no try follows.
+    assert run_page.state_message(GateRefused("export refused before compiling: the KV plan leaves 0 pages"),
+                                  "not retried: x") == "the KV plan leaves 0 pages. Not retried: x."
     assert run_page.state_message(ValueError("bad bucket"), "not retried: BadInput fails the same way every time") \
         == "bad bucket. Not retried: BadInput fails the same way every time."
 
