@@ -12,7 +12,9 @@ not retried here a second time: each failure is retried at one level (kiln.core.
 
 Contracts: the decorator's `retries`/`retry_delay_seconds` are only the
 defaults until the first try reads the recipe. A try that fails before the
-recipe is read (bad settings) is not retried either. The export id is fixed
+recipe is read (bad settings) is not retried either. A Kiln error that no try
+follows ends the run in a Failed state whose message is the error itself, then
+why it is not retried (`final_state`; said once in the log, as a warning). The export id is fixed
 per flow run, so every try writes the same export and its Prefect artifacts
 gain versions instead of multiplying.
 
