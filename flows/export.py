@@ -76,14 +76,24 @@ def _export_flow(**parameters) -> dict:
 
     Each try holds the model's lease (one export per model at a time) and
     follows the recipe's flow retries; deterministic errors are not retried.
-    Each try ends with the event kiln.export.completed or kiln.export.failed.
+    Each try ends with the event kiln.export.completed or kiln.export.failed. A run whose last try
+    failed with a Kiln error ends Failed with that error as its state message.
     """
     hide_expected_tracebacks()
-    with outcome_events.export_outcome(parameters) as outcome:  # kiln.export.completed or kiln.export.failed
-        params = ExportParams(**parameters)
-        with retry.resumable(params) as (params, recipe), model_lease.model_lease(params, recipe.model_lease_s):
-            outcome.params, outcome.recipe = params, recipe
-            return _export(params, recipe, outcome)
+    try:
+        with outcome_events.export_outcome(parameters) as outcome:  # kiln.export.completed or kiln.export.failed
+            params = ExportParams(**parameters)
+            with retry.resumable(params) as (params, recipe), model_lease.model_lease(params, recipe.model_lease_s):
+                outcome.params, outcome.recipe = params, recipe
+                return _export(params, recipe, outcome)
+    except Exception as exc:
+        # An error no try follows ends the run in a Failed state whose message is the error itself (the
+        # run's header and list say it), not Prefect's "Flow run encountered an exception: ..."; a caller
+        # in this process still gets the error raised. An error a try follows is raised: Prefect retries it.
+        final = retry.final_state(exc)
+        if final is None:
+            raise
+        return final
 
 
 def _flow_signature() -> inspect.Signature:

@@ -54,6 +54,17 @@ class HideExpectedTracebacks(logging.Filter):
 _FILTER = HideExpectedTracebacks()
 
 
+def said_already(text: str) -> bool:
+    """Whether an error with this text was logged already in this process (then a later line refers to it)."""
+    return text in _FILTER.said
+
+
+def said(text: str) -> None:
+    """Count `text` as said: later records quoting it (Prefect's "Finished in state Failed(...)") refer to it."""
+    if text not in _FILTER.said:
+        _FILTER.said.append(text)
+
+
 def hide_expected_tracebacks() -> None:
     """Install the filter on every console handler Prefect and the root logger use."""
     for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):

@@ -49,7 +49,9 @@ RecipeSettings = recipe_form()
 # the rest (checkpoint, tp against the heads, the store) before any work.
 # No field is nullable (the form would show a type switch): an empty text, 0
 # hosts or the 'checkpoint' dtype means "not given". Fields are in form order:
-# model and layout, store, then the recipe's own sections, then the rest.
+# model and layout, store, then the recipe's settings by topic, then the rest. (Prefect 3.9's form has no
+# sections: it titles a fieldset only for a nested object, and nesting the recipe's settings by topic would
+# change the flow's parameters, which the CLI, deployments and blocks share.)
 class ExportParams(BaseModel):
     """What to export and how. Every field has its default; leave a field empty to use it."""
 
@@ -60,15 +62,17 @@ class ExportParams(BaseModel):
                                    "checkpoint on the hosts (config.json and safetensors files), or "
                                    "s3://BUCKET/PREFIX holding one (read in place at the S3 endpoint).")
     tp: int = Field(2, ge=1, le=1024, title="Tensor-parallel ranks",
-                    description="How many ranks share the model, each holding a slice of every layer.")
+                    description="How many ranks share the model, each holding a slice of every layer: from 1 "
+                                "to 1024, and it must divide the model's attention heads, KV heads and MLP "
+                                "evenly (the run fails at once naming the values that do).")
     dtype: Literal["checkpoint", "float32", "bfloat16", "float16"] = Field(
         "checkpoint", title="Number format",
         description="The number format to compile and run in: 'checkpoint' keeps the one the checkpoint was "
                     "saved in.")
     hosts: int = Field(0, ge=0, le=64, title="Local test hosts",
-                       description="0: the export runs on this machine alone. A number: that many local worker "
-                                   "processes stand for hosts host-0, host-1, ... (for trying several hosts "
-                                   "on one machine).")
+                       description="0: the export runs on this machine alone. A number, at most 64: that many "
+                                   "local worker processes stand for hosts host-0, host-1, ... (for trying "
+                                   "several hosts on one machine); not with a Dask scheduler address.")
     dask: str = Field("", title="Dask scheduler address",
                       description="Empty: no cluster. An address (tcp://HOST:8786): the hosts are that Dask "
                                   "scheduler's workers.")
@@ -94,7 +98,7 @@ class ExportParams(BaseModel):
                     "KILN_SIGNING_KEY, or the local development key for a local store.")
     recipe: RecipeSettings = Field(
         default_factory=RecipeSettings, title="Recipe",
-        description="Every choice of the export, with its default, in sections: "
+        description="Every choice of the export, with its default, listed by topic in this order: "
                     + ", ".join(GROUPS.values()).lower() + ". With a recipe block, the settings changed here "
                     "override the block's.")
     recipe_block: _BLOCK = Field(

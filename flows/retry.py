@@ -12,7 +12,9 @@ not retried here a second time: each failure is retried at one level (kiln.core.
 
 Contracts: the decorator's `retries`/`retry_delay_seconds` are only the
 defaults until the first try reads the recipe. A try that fails before the
-recipe is read (bad settings) is not retried either. The export id is fixed
+recipe is read (bad settings) is not retried either. A Kiln error that no try
+follows ends the run in a Failed state whose message is the error itself, then
+why it is not retried (`final_state`; said once in the log, as a warning). The export id is fixed
 per flow run, so every try writes the same export and its Prefect artifacts
 gain versions instead of multiplying.
 
@@ -30,10 +32,13 @@ from contextlib import contextmanager
 from prefect import get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
+from prefect.states import Failed
 
+from flows.logs import said, said_already
 from flows.params import ExportParams, build_recipe, default_export_id
-from kiln.core.errors import GateRefused
-from kiln.core.recipe import Recipe, where_to_set
+from kiln.core.errors import GateRefused, KilnError
+from kiln.core.recipe import SETTING, Recipe, where_to_set
+from kiln.core.run_page import state_message
 from kiln.core.retry_rule import transient, worth_retrying
 
 
@@ -68,14 +73,48 @@ def resumable(params: ExportParams) -> Iterator[tuple[ExportParams, Recipe]]:
                         run.run_count, recipe.flow_retries + 1, params.export_id)
         yield params, recipe
     except Exception as exc:
-        if not worth_retrying(exc, retry_refusals=recipe is not None and recipe.retry_refusals):
-            _set_policy(run.id, retries=0)
-            if isinstance(exc, GateRefused):
-                log.error("not retried: a refusal is final (to wait for memory instead, %s)",
-                          where_to_set("retry_refusals", True))
-            elif transient(exc):
-                log.error("not retried: %s was retried where it happened, within its budget (%s)",
-                          type(exc).__name__, exc)
-            else:
-                log.error("not retried: %s fails the same way every time (%s)", type(exc).__name__, exc)
+        attempt, tries = run.run_count, (recipe or Recipe()).flow_retries + 1
+        why = why_final(exc, retry_refusals=recipe is not None and recipe.retry_refusals, attempt=attempt,
+                        tries=tries)
+        if why is not None:
+            if not worth_retrying(exc, retry_refusals=recipe is not None and recipe.retry_refusals):
+                _set_policy(run.id, retries=0)
+            if isinstance(exc, KilnError) and not said_already(str(exc)):
+                log.error("%s", exc)  # the error itself, once (the gate says its refusal as it decides)
+            elif not isinstance(exc, KilnError):
+                why = f"{why} ({type(exc).__name__}: {exc})"
+            log.warning("%s", why)
+            setattr(exc, FINAL_WHY, why)
         raise
+
+
+FINAL_WHY = "kiln_final_why"
+"""The attribute that `resumable` sets on an error that ends its flow run: why no try follows (on the
+error itself, so a later error is never taken for an earlier one)."""
+
+
+def why_final(exc: BaseException, *, retry_refusals: bool, attempt: int, tries: int) -> str | None:
+    """Why a try that failed with `exc` is the run's last ('not retried: ...'), or None when a try follows."""
+    if not worth_retrying(exc, retry_refusals=retry_refusals):
+        if isinstance(exc, GateRefused):
+            return f"not retried: a refusal is final (to wait for memory instead, {where_to_set('retry_refusals', True)})"
+        if transient(exc):
+            return f"not retried: {type(exc).__name__} was retried where it happened, within its budget"
+        return f"not retried: {type(exc).__name__} fails the same way every time"
+    if attempt >= tries:
+        return (f"not retried: this was try {attempt} of {tries} (Recipe > "
+                f"'{SETTING['flow_retries'].title}' is {tries - 1})")
+    return None
+
+
+def final_state(exc: BaseException):
+    """The flow run's Failed state for a KilnError that ends it (`resumable` found no try follows): its
+    message is the error itself, then why it is not retried; None for an error Prefect should see raised
+    (a try follows, or not a KilnError). The state carries the error: a caller in this process gets it
+    raised (`kiln export`'s exit codes)."""
+    why = exc.__dict__.pop(FINAL_WHY, None)
+    if why is None or not isinstance(exc, KilnError):
+        return None
+    message = state_message(exc, why)
+    said(message)  # Prefect's "Finished in state Failed(...)" line refers to it
+    return Failed(message=message, data=exc)

@@ -14,7 +14,7 @@ from kiln.core.errors import BadInput, GateRefused, HostsLost
 from kiln.core.gate import HostReport, Plan, check_kv, decide
 from kiln.core.job import ExportJob
 from kiln.core.probe_result import HostProbe
-from kiln.core.recipe import SETTINGS, Recipe
+from kiln.core.recipe import SETTING, SETTINGS, Recipe
 from kiln.core.contract import cache_layout
 from kiln.core.sizing import device_required_mib, page_bytes, plan_kv, required_mib
 from kiln.core.target import device_of, resolve_device
@@ -120,16 +120,22 @@ def run_gate(job: ExportJob, probes: list[HostProbe], kv: dict | None = None) ->
 
 
 def settings_without_effect(recipe: Recipe, plan: Plan) -> list[str]:
-    """One warning per setting changed from its default that cannot have mattered: a setting that
-    matters only when compiling (declared `compiling_only`) in an export with nothing to compile, and
-    worker_device_mib in a CPU export (its compile workers take no device memory)."""
+    """The settings changed from their defaults that cannot have mattered, named as the run form names them,
+    with why: a setting that matters only when compiling (declared `compiling_only`) in an export with
+    nothing to compile (one warning), and worker_device_mib in a CPU export (its compile workers take no
+    device memory)."""
     changed = recipe.changed()
     if plan.decision == "nothing_to_do":
-        return [f"{s.name}={s.show(changed[s.name])} had no effect: every forward was already in the store, "
-                "so nothing was compiled" for s in SETTINGS if s.compiling_only and s.name in changed]
+        unused = [f"Recipe > '{s.title}' ({s.show(changed[s.name])})" for s in SETTINGS
+                  if s.compiling_only and s.name in changed]
+        if not unused:
+            return []
+        return ["nothing to compile (every forward was already in the store), so the gate's and the compiler's "
+                f"settings were not needed; these did nothing in this run: {', '.join(unused)}"]
     if "worker_device_mib" in changed and not any(device_of(h.target) == "cuda" for h in plan.hosts.values()):
-        return [f"worker_device_mib={changed['worker_device_mib']} had no effect: this is a CPU export, whose "
-                "compile workers take no device memory"]
+        title = SETTING["worker_device_mib"].title
+        return [f"Recipe > '{title}' ({changed['worker_device_mib']}) did nothing in this run: this is a CPU "
+                "export, whose compile workers take no device memory"]
     return []
 
 

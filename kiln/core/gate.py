@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kiln.core.errors import GateRefused
 from kiln.core.recipe import Recipe, where_to_set
-from kiln.core.sizing import device_required_mib, floor_admitting_one, required_mib, worker_capacity
+from kiln.core.sizing import device_required_mib, floor_with_margin, required_mib, worker_capacity
 
 
 @dataclass(frozen=True)
@@ -229,21 +229,20 @@ def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[
         gap = p.required_one_mib - h.available_mib
         measured = f" (headroom {recipe.floor_mib()} MiB + {p.worker_words})"
         if gap > 0:
-            lines.append(f"{h.name} has {h.available_mib} MiB available{assumed} but one compile worker "
-                         f"needs {p.required_one_mib} MiB{measured}: {gap} MiB short")
+            lines.append(f"{h.name} is {gap} MiB short of one compile worker: it has {h.available_mib} MiB "
+                         f"available{assumed} but one worker needs {p.required_one_mib} MiB{measured}")
         elif _device_gap_mib(h, recipe) > 0:
-            lines.append(f"{h.name} has {h.device_free_mib} MiB of device memory free on its GPU but one "
-                         f"compile worker of a CUDA export needs {recipe.worker_device_mib} MiB of device memory "
-                         f"there: {_device_gap_mib(h, recipe)} MiB short")
+            lines.append(f"{h.name} is {_device_gap_mib(h, recipe)} MiB of device memory short of one compile "
+                         f"worker: it has {h.device_free_mib} MiB of device memory free on its GPU but one compile "
+                         f"worker of a CUDA export needs {recipe.worker_device_mib} MiB of device memory there")
         else:
             cpus = f"{h.num_cpus} CPUs" + (f", {_limited(h.cpus_source)}" if h.cpus_source != "host" else "")
             lines.append(f"{h.name} can run no compile worker ({cpus})")
     fixes = []
-    floors = [floor_admitting_one(recipe, available_mib=h.available_mib, unified=h.unified,
-                                  cuda=h.device == "cuda", measured_host_mib=h.measured_worker_mib) for h in short]
+    floors = [floor_with_margin(recipe, available_mib=h.available_mib, unified=h.unified,
+                                cuda=h.device == "cuda", measured_host_mib=h.measured_worker_mib) for h in short]
     if all(f is not None for f in floors) and any(plans[h.name].required_one_mib > h.available_mib for h in short):
-        fixes.append(f"{where_to_set('headroom_floor_mib', min(floors))}: that admits one worker on every "
-                     "short host")
+        fixes.append(_floor_fix(recipe, min(floors), short))
     lenders = {p.name: p.capacity for p in plans.values() if p.capacity > 0
                and any(p.target == h.target for h in short)}
     if recipe.policy == "fail" and lenders:
@@ -268,6 +267,17 @@ def _refusal(short: list[HostReport], plans: dict[str, HostPlan], by_name: dict[
         fixes.append("add a host of the same target with memory for a compile worker")
     return ("export refused before compiling: " + "; ".join(lines) + ". "
             + "To fix: " + "; or ".join(fixes) + ".")
+
+
+def _floor_fix(recipe: Recipe, floor_mib: int, short: list[HostReport]) -> str:
+    """The headroom floor to set, with what it leaves to spare on the tightest short host and the default."""
+    spare = min(h.available_mib - floor_mib - recipe.worker_mib(h.unified, h.measured_worker_mib,
+                                                                       cuda=h.device == "cuda") for h in short)
+    default = Recipe.headroom_floor_mib
+    margin = (f" with {spare} MiB to spare (Kiln keeps a margin of {recipe.worker_mib_margin:g} x a worker's "
+              "memory)" if spare > 0 else " with nothing to spare")
+    return (f"{where_to_set('headroom_floor_mib', floor_mib)}: that admits one worker on every short host"
+            f"{margin}; the default is {default} MiB")
 
 
 def check_kv(kv_pages_per_rank: int, *, need_pages: int, largest: str, batch: int, pages_per_seq: int,

@@ -37,7 +37,7 @@ def draw(hosts: list[dict], *, title: str = "memory ledger") -> bytes:
     from matplotlib.figure import Figure
 
     hosts = [h for h in hosts if h.get("memory")] or [{"name": "(no host reported)", "memory": []}]
-    fig = Figure(figsize=(8, 2.2 + 2.4 * len(hosts)), dpi=100, layout="constrained")
+    fig = Figure(figsize=(9, 2.2 + 3.4 * len(hosts)), dpi=100, layout="constrained")
     axes = fig.subplots(len(hosts), 1, squeeze=False)[:, 0]
     for ax, host in zip(axes, hosts):
         rows = host["memory"]
@@ -75,8 +75,8 @@ def draw(hosts: list[dict], *, title: str = "memory ledger") -> bytes:
         ax.set_ylim(bottom=0)  # from zero: a small dip must look small
         ax.set_xticks(x, phases, rotation=30, ha="right", fontsize=8)
         ax.grid(True, alpha=0.3)
-        if rows:
-            ax.legend(fontsize=8, loc="best")
+        if rows:  # below the panel: inside, it covered the lines it names
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, -0.32), ncol=2, frameon=False)
     fig.suptitle(title, fontsize=11)
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

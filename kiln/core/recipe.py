@@ -76,8 +76,8 @@ class Recipe:
         "rank host's GPU; refused by name where a rank's host has none), or auto (cuda where every rank's host "
         "has a GPU, else cpu).", title="Device", group="compile")
     tuning: TuningMode = setting(
-        "cached", "Kernel tuning: off; cached measures only the GEMM shapes the store lacks; full measures all "
-        "again and replaces them. CPU forwards have nothing to tune.", title="Kernel tuning", group="compile")
+        "cached", "How the GEMM kernels are tuned: off (not at all); cached measures only the shapes the store "
+        "lacks; full measures all again and replaces them. CPU forwards have nothing to tune.", title="Kernel tuning", group="compile")
     headroom_floor_mib: int = setting(
         2048, "Memory a host keeps free whatever else runs; compile workers start only above it.", unit="MiB", gt=0,
         title="Headroom floor (MiB)", group="memory")

@@ -160,9 +160,7 @@ class Report:
         out += [f"| {p['name']} | {p['status']} | {p['duration_s']:.1f}"
                 f"{f' (the gate estimated {estimate:.0f})' if p['name'] == 'compile' and estimate else ''} |"
                 for p in self.phases]
-        gate = self.gate.get("message")
-        gate = "see the error above" if gate and gate == self.error else gate  # the refusal, once
-        out += ["", f"**Gate:** {self.gate.get('decision')} (policy {self.gate.get('policy')}): {gate}"]
+        out += ["", run_page.gate_line(self.gate, self.error)]  # the refusal, once
         if self.forwards:
             out += ["", f"**Forwards:** {run_page.forward_counts(self.forwards)}; kernel tuning measured "
                     f"{self.counts['tuning_measured']}"]

@@ -251,14 +251,21 @@ def form_description(s: Setting, titles: dict[str, str]) -> str:
     unit, bounds and what 'auto' (or 0) means, in words."""
     import re
 
-    text = re.sub(r"\b(" + "|".join(map(re.escape, titles)) + r")\b", lambda m: f"'{titles[m[1]]}'", s.doc)
+    # Only names written as code (with an underscore): a one-word name (tuning, policy) is also a word.
+    named = sorted((n for n in titles if "_" in n), key=len, reverse=True)
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, named)) + r")\b")
+
+    def worded(text: str) -> str:
+        return pattern.sub(lambda m: f"'{titles[m[1]]}'", text) if named else text
+
+    text = worded(s.doc)
     extra = []
     if s.bounds() and not (s.nullable and s.kind in ("int", "float")):
         extra.append("must be " + s.bounds().replace(">=", "at least").replace("<=", "at most")
                      .replace(">", "more than"))
     if s.null:
         empty = {"int": "0", "float": "0", "text": "empty"}.get(s.kind, AUTO)
-        extra.append(f"{empty}: {s.null}")
+        extra.append(f"{empty}: {worded(s.null)}")
     if s.example:
         extra.append(f"e.g. {s.example}")
     return text + (f" ({'; '.join(extra)})" if extra else "")

@@ -16,6 +16,8 @@ workers touch no device and reserve no device memory, on any host.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from kiln.core.recipe import Recipe
@@ -55,6 +57,21 @@ def floor_admitting_one(recipe: Recipe, *, available_mib: int, unified: bool, cu
     if floor < recipe.recipe_headroom_mib or floor <= 0:
         return None
     return floor
+
+
+def floor_with_margin(recipe: Recipe, *, available_mib: int, unified: bool, cuda: bool,
+                      measured_host_mib: int | None = None, step_mib: int = 256) -> int | None:
+    """A headroom floor that admits one worker with room to spare: one worker's memory times
+    worker_mib_margin (the margin Kiln keeps over a measured peak) below `available_mib`, rounded down to
+    `step_mib`. Where that leaves less than the preparation headroom: the exact floor (floor_admitting_one);
+    None if lowering the floor cannot help."""
+    exact = floor_admitting_one(recipe, available_mib=available_mib, unified=unified, cuda=cuda,
+                                measured_host_mib=measured_host_mib)
+    if exact is None:
+        return None
+    worker = recipe.worker_mib(unified, measured_host_mib, cuda=cuda)
+    floor = (available_mib - math.ceil(worker * recipe.worker_mib_margin)) // step_mib * step_mib
+    return floor if floor >= recipe.recipe_headroom_mib and floor > 0 else exact
 
 
 @dataclass(frozen=True)

@@ -49,11 +49,11 @@ def test_policy_fail_refuses_before_any_compilation(kiln, cluster_env, s3_bucket
                "--report", str(report),
                env=cluster_env)
     assert run.code == 3, run.err[-3000:]
-    assert re.search(r"host-1 has 12038 MiB available \(assumed\) but one compile worker needs 12288 MiB "
-                     r"\([^)]*\): 250 MiB short", run.err), run.err[-3000:]
-    assert re.search(r"host-2 has 11939 MiB available \(assumed\) but one compile worker needs 12288 MiB "
-                     r"\([^)]*\): 349 MiB short", run.err), run.err[-3000:]
-    assert "--set policy=borrow" in run.err and "--set headroom_floor_mib=7843" in run.err
+    assert re.search(r"host-1 is 250 MiB short of one compile worker: it has 12038 MiB available \(assumed\) but "
+                     r"one worker needs 12288 MiB \([^)]*\)", run.err), run.err[-3000:]
+    assert re.search(r"host-2 is 349 MiB short of one compile worker: it has 11939 MiB available \(assumed\) but "
+                     r"one worker needs 12288 MiB \([^)]*\)", run.err), run.err[-3000:]
+    assert "--set policy=borrow" in run.err and "--set headroom_floor_mib=7168" in run.err
     r = json.loads(report.read_text())
     assert r["gate"]["decision"] == "refused"
     assert [p["name"] for p in r["phases"]] == ["probe", "tune", "kv-plan", "gate"]

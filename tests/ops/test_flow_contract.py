@@ -159,6 +159,32 @@ def test_a_gate_refusal_is_retried_when_the_recipe_waits_for_memory(monkeypatch)
     assert t.retries_left() == 2
 
 
+def test_a_final_error_ends_the_run_with_itself_as_the_state_message(monkeypatch):
+    # Not Prefect's "Flow run encountered an exception: GateRefused: ...": the error first, then why no try follows.
+    t = _Try(monkeypatch)
+    refusal = GateRefused("export refused before compiling: h is 5 MiB short of one compile worker. To fix: x")
+    with pytest.raises(GateRefused) as raised:
+        t.run(ExportParams(), fail_with=refusal)
+    state = retry.final_state(raised.value)
+    assert state.is_failed() and state.data is refusal  # a caller in this process gets the refusal raised
+    assert state.message == ("h is 5 MiB short of one compile worker. To fix: x. Not retried: a refusal is final (to "
+                             "wait for memory instead, set Recipe > 'Retry refusals' to true in the run form (CLI: "
+                             "--set retry_refusals=true)).")
+    assert retry.final_state(raised.value) is None  # said once
+
+
+def test_an_error_a_try_follows_is_raised_for_prefect_to_retry(monkeypatch):
+    t = _Try(monkeypatch)
+    with pytest.raises(HostsLost) as raised:
+        t.run(ExportParams(), fail_with=HostsLost("host-1 gone"))
+    assert retry.final_state(raised.value) is None
+    last = _Try(monkeypatch, run_count=3)  # the last of 3 tries: final, saying so
+    with pytest.raises(HostsLost) as raised:
+        last.run(ExportParams(), fail_with=HostsLost("host-1 gone"))
+    assert retry.final_state(raised.value).message == \
+        "host-1 gone. Not retried: this was try 3 of 3 (Recipe > 'Retries of a failed export' is 2)."
+
+
 def test_served_flow_validates_parameters_after_pickling():
     # A served flow reaches its run process pickled; the parameter annotation must survive that.
     flow = pickle.loads(cloudpickle.dumps(export))

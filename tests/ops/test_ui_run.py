@@ -153,6 +153,12 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
         assert policy.locator(".p-select-button__value").first.inner_text().strip() == "borrow"
         assert _prop(page, "Headroom floor (MiB) (Optional)").locator("input").first.input_value() == "2048"
         assert _prop(page, "Memory per compile worker (MiB) (Optional)").locator("input").first.input_value() == "0"
+        # Descriptions in the form's words: no setting's raw name, no title substituted into its own text.
+        assert page.get_by_text("'Margin over the measured worker peak'", exact=False).count()
+        assert not page.get_by_text("worker_mib_margin", exact=False).count()
+        assert not page.get_by_text("Kernel 'Kernel tuning'", exact=False).count()
+        assert page.get_by_text("listed by topic in this order: model and layout, store, memory and gate",
+                                exact=False).count()  # what the form shows: an order, not sections
         page.screenshot(path=shots / "run-form.png", full_page=True)
         field.fill("ax3")
         page.get_by_role("button", name="Submit", exact=True).click()
@@ -184,6 +190,7 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
         _open_artifact(page, "Kiln export summary", "Settings changed from the defaults", shots / "summary.png", 2400)
         _open_artifact(page, "Memory ledger, drawn", "Every host's memory at every phase", shots / "memory-ledger.png")
         _open_artifact(page, "The export's manifest", "Forwards and their interface", shots / "manifest.png", 1600)
+        _open_artifact(page, "Forwards (final", "sha256", shots / "forwards.png", 600)  # every column in view
 
     export_id, arts, summary = _summary(api, run["id"])
     assert sorted(arts) == sorted(("summary", "forwards", "memory", "manifest", "progress"))
@@ -191,7 +198,7 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
     data = summary["data"]
     for phase in ("probe", "tune", "kv-plan", "gate", "compile", "outcome-check", "share-verify", "manifest"):
         assert f"| {phase} |" in data
-    assert "**Gate:** compile" in data and "## Memory ledger (MiB)" in data
+    assert "**Gate:** compiling: compile 1 forward(s)" in data and "## Memory ledger (MiB)" in data
     # A local store: paths shown as text, never file:// links a browser will not open.
     assert "Memory ledger picture: `" in data and "Manifest: `" in data and "file://" not in data
     assert "(the gate estimated" in data  # the compile phase beside the gate's estimate
@@ -201,12 +208,14 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
     assert "a worker counted at " in data and "with the headroom, one worker needs " in data
     assert "- Recipe > Buckets: `1x8`" in data and "Headroom floor" not in data.split("Settings changed")[1]
     forwards = json.loads(arts["forwards"]["data"])
-    assert list(forwards[0]) == ["bucket", "origin", "size_mib", "target", "key", "sha256"]
+    # The unit in the header, numbers in the cells; the hashes last and short enough for a 1400 px page.
+    assert list(forwards[0]) == ["bucket", "origin", "size (MiB)", "target", "key", "sha256"]
     assert [f["bucket"] for f in forwards] == ["1x8"] and forwards[0]["origin"].startswith("compiled by ")
-    assert forwards[0]["size_mib"].endswith(" MiB") and len(forwards[0]["sha256"]) == 64
+    assert float(forwards[0]["size (MiB)"]) > 0 and len(forwards[0]["sha256"]) == 13  # 12 hex and "…"
     manifest = arts["manifest"]["data"]  # the manifest's contents, not only its path
     assert "**Ranks:** 2" in manifest and "## Forwards and their interface" in manifest and "## Weights (" in manifest
-    assert forwards[0]["sha256"] in manifest and "tokens int64 [1, 8]" in manifest
+    assert forwards[0]["sha256"][:12] in manifest and "tokens int64 [1, 8]" in manifest
+    assert " per rank, from offsets 0, " in manifest  # a weight's sources in words, not JSON
     progress = arts["progress"]
     assert progress["data"] == 100.0 and progress["updated"] > progress["created"]  # it advanced
     assert "per host " in progress["description"] and " 1/1" in progress["description"], progress["description"]
@@ -223,15 +232,20 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
     [picture] = (store / "exports").glob("*/memory-*.png")
     assert picture.read_bytes()[:4] == b"\x89PNG"
 
-    # The same export again: everything is in the store and the checks are remembered; the page says so.
+    # The same export again: everything is in the store and the checks are remembered; the page says so,
+    # and names the settings changed that did nothing (only compiling uses them).
     again = api.post(f"/deployments/{served.deployment['id']}/create_flow_run",
-                     {"parameters": {"recipe": {"buckets": "1x8"}}})
+                     {"parameters": {"recipe": {"buckets": "1x8", "policy": "fail", "max_compile_workers": 3}}})
     assert again.status_code == 201, again.text
     rerun = api.wait_final(again.json()["id"], timeout_s=600)
     assert rerun["state_type"] == "COMPLETED", rerun["state"]
     _, arts2, summary2 = _summary(api, rerun["id"])
     assert "**Forwards:** 1 forward: 1 reused from the store" in summary2["data"]
     assert "(none checked now, 2 remembered from a verification on 20" in summary2["data"]
+    assert "**Gate:** nothing to compile: every forward is already in the store" in summary2["data"]
+    assert ("**Warning:** nothing to compile (every forward was already in the store), so the gate's and the "
+            "compiler's settings were not needed; these did nothing in this run: Recipe > 'When a host cannot "
+            "compile' (fail), Recipe > 'Most compile workers per host' (3)") in summary2["data"]
     assert json.loads(arts2["forwards"]["data"])[0]["origin"] == "reused from the store"
     with _browser_page() as page:
         page.goto(f"{prefect_server.url}/runs/flow-run/{rerun['id']}", wait_until="networkidle")
@@ -256,18 +270,24 @@ def test_a_refused_run_says_why_on_its_page(serve, prefect_server, tmp_path, kee
     message = run["state"]["message"]
     host = socket.gethostname()
     assert run["state_type"] == "FAILED" and run["run_count"] == 1, run["state"]
-    assert f"{host} has " in message and "MiB short" in message, message
-    assert "(headroom 10000000 MiB + a worker counted at " in message
-    assert "set Recipe > 'Headroom floor (MiB)' to " in message and "(CLI: --set headroom_floor_mib=" in message
+    # The state message (the run's header, Details and the runs list) starts with the shortfall, then the fix
+    # in the form's words with room to spare and the default, and ends saying that no try follows.
+    assert re.match(rf"{re.escape(host)} is \d+ MiB short of one compile worker\. To fix: set Recipe > 'Headroom "
+                    r"floor \(MiB\)' to \d+ in the run form \(CLI: --set headroom_floor_mib=\d+\)", message), message
+    assert f"The figures: {host}: it has " in message and "(headroom 10000000 MiB + a worker counted at " in message
+    fix = message.split("To fix: ")[1]
+    assert " MiB to spare (Kiln keeps a margin of 1.15 x a worker's memory); the default is 2048 MiB" in fix
+    assert message.endswith("Not retried: a refusal is final (to wait for memory instead, set Recipe > 'Retry "
+                            "refusals' to true in the run form (CLI: --set retry_refusals=true)).")
     logs = api.logs_with(run["id"], "not retried: a refusal is final")
     assert logs.count("MiB short") == 1, logs  # the refusal, once
-    assert "not retried: a refusal is final" in logs
+    assert "not retried: a refusal is final" in logs and "Flow run encountered an exception" not in logs
     gate = [t for t in api.task_runs(run["id"]) if t["name"].startswith("kv-plan-gate")]
     assert [t["state_type"] for t in gate] == ["FAILED"]  # the gate's task run is red
     _, arts, summary = _summary(api, run["id"])
     assert summary["description"] == "Kiln export summary (final, try 1)"
-    assert summary["data"].count("MiB short") == 1 and "**Gate:** refused (policy borrow): see the error above" in \
-        summary["data"]
+    assert summary["data"].count("MiB short") == 1 and \
+        "**Gate:** refused: see the error above (when a host cannot compile: borrow)" in summary["data"]
     worker = message.split("a worker counted at ")[1].split(")")[0]
     assert f"a worker counted at {worker}" in summary["data"].split("**Memory per compile worker:**")[1]
     assert "- Recipe > Headroom floor (MiB): `10000000`" in summary["data"]
@@ -278,6 +298,13 @@ def test_a_refused_run_says_why_on_its_page(serve, prefect_server, tmp_path, kee
         page.get_by_text("Failed", exact=True).first.wait_for()
         page.get_by_text("MiB short").first.wait_for()  # the refusal itself, on the run's page
         page.screenshot(path=shots / "refused-run.png", full_page=True)
+        page.set_viewport_size({"width": 1400, "height": 500})  # the header, as a reader first sees it
+        page.screenshot(path=shots / "refused-run-header.png")
+        page.set_viewport_size({"width": 1400, "height": 1000})
+        page.get_by_text("Details", exact=True).click()  # the state message: the shortfall and the fix lead
+        page.get_by_text("State Message", exact=True).wait_for()
+        page.get_by_text(message[:60], exact=False).first.wait_for()
+        page.screenshot(path=shots / "refused-run-details.png")
         page.get_by_text("Artifacts", exact=True).click()
         page.get_by_text("Kiln export summary").wait_for()
         page.screenshot(path=shots / "refused-run-artifacts.png", full_page=True)

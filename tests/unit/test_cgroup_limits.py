@@ -193,7 +193,7 @@ def test_the_refusal_plan_and_report_say_which_limit_applied():
     with pytest.raises(GateRefused) as err:
         decide(hosts, recipe, {"t": ["k1"]}, set())
     msg = str(err.value)
-    assert f"a has 3000 MiB available (limited by {src}) but one compile worker" in msg
+    assert f"a is 72 MiB short of one compile worker: it has 3000 MiB available (limited by {src}) but" in msg
     assert "b can run no compile worker (0 CPUs, limited by cgroup v1 cpu.cfs_quota_us" in msg
     roomy = replace(hosts[0], available_mib=9000)
     assert f"a: available memory limited by {src}" in describe(decide([roomy], recipe, {"t": ["k1"]}, set()), [roomy])

@@ -52,7 +52,7 @@ def test_gate_names_device_memory_when_that_is_short():
         decide([gpu], recipe, {"cuda-t": ["k"]}, set())
     msg = str(err.value)
     assert "1500 MiB of device memory free on its GPU" in msg and "needs 2000 MiB of device memory" in msg
-    assert "500 MiB short" in msg and "free 500 MiB of device memory on gpu's GPU" in msg
+    assert "gpu is 500 MiB of device memory short" in msg and "free 500 MiB of device memory on gpu's GPU" in msg
     assert "MiB available" not in msg  # host memory is not what is short
     # The same host exporting for its CPU compiles.
     cpu = HostReport("gpu", (0,), available_mib=100_000, num_cpus=8, target="cpu-t", unified=False,
@@ -66,8 +66,9 @@ def test_gate_on_unified_memory_counts_the_device_in_the_host_figure():
                        device="cuda")
     with pytest.raises(GateRefused) as err:
         decide([spark], recipe, {"cuda-t": ["k"]}, set())
+    assert "spark is 1000 MiB short of one compile worker" in str(err.value)
     assert "needs 9096 MiB (headroom 4096 MiB + a worker counted at 3000 MiB, as set in the recipe, + 2000 MiB " \
-           "device memory): 1000 MiB short" in str(err.value)
+           "device memory)" in str(err.value)
 
 
 def probe(name, *, device="cpu", num_gpus=0, unified=True, device_free_mib=None, ranks=(0,)):
@@ -115,7 +116,8 @@ def test_worker_device_mib_set_for_a_cpu_export_is_named():
     cpu = decide([HostReport("h", (0,), available_mib=60_000, num_cpus=8, target="cpu-x86_64-avx2-0")], recipe,
                  {"cpu-x86_64-avx2-0": ["k"]}, set())
     [warning] = settings_without_effect(recipe, cpu)
-    assert warning.startswith("worker_device_mib=4096 had no effect: this is a CPU export")
+    assert warning.startswith("Recipe > 'Device memory per compile worker (MiB)' (4096) did nothing in this run: this is "
+                              "a CPU export")
     cuda = decide([HostReport("h", (0,), available_mib=60_000, num_cpus=8, target="cuda-sm_90-x", unified=False,
                               device_free_mib=80_000, device="cuda")], recipe, {"cuda-sm_90-x": ["k"]}, set())
     assert settings_without_effect(recipe, cuda) == []

@@ -29,11 +29,15 @@ def test_incident_fail_policy_names_each_short_host():
     msg = str(err.value)
     # The figure explained: the headroom, then the worker (its source) and its device memory.
     why = "(headroom 8192 MiB + a worker counted at 2048 MiB, as set in the recipe, + 2048 MiB device memory)"
-    assert f"host-1 has 12038 MiB available but one compile worker needs 12288 MiB {why}: 250 MiB short" in msg
-    assert f"host-2 has 11939 MiB available but one compile worker needs 12288 MiB {why}: 349 MiB short" in msg
+    # Who is short and by how much first, then the figures.
+    assert msg.startswith("export refused before compiling: host-1 is 250 MiB short of one compile worker: it has "
+                          f"12038 MiB available but one worker needs 12288 MiB {why}; host-2 is 349 MiB short ")
     assert "host-0" not in msg.split("To fix")[0]
-    # 11939 - 4096 admits one worker on both; the fix names the form's field and the CLI's flag.
-    assert "set Recipe > 'Headroom floor (MiB)' to 7843 in the run form (CLI: --set headroom_floor_mib=7843)" in msg
+    # 11939 - 4096 would admit one worker with nothing to spare; 11939 - 4096 x 1.15 (the margin Kiln keeps),
+    # rounded down to 256 MiB, leaves 675 MiB; the fix names the form's field, the CLI's flag and the default.
+    assert ("set Recipe > 'Headroom floor (MiB)' to 7168 in the run form (CLI: --set headroom_floor_mib=7168): that "
+            "admits one worker on every short host with 675 MiB to spare (Kiln keeps a margin of 1.15 x a worker's "
+            "memory); the default is 2048 MiB") in msg
     assert "--set policy=borrow" in msg and "host-0 (5 workers)" in msg
     assert "250 fewer KV pages per rank" in msg
 
@@ -96,7 +100,7 @@ def test_mixed_targets_never_lend_across_targets():
     needed = {"avx512": ["a1", "a2"], "neon": ["n1", "n2"]}
     with pytest.raises(GateRefused) as err:
         decide(hosts, Recipe(), needed, set())
-    assert "arm has 100 MiB available" in str(err.value)
+    assert "arm is 2972 MiB short of one compile worker: it has 100 MiB available" in str(err.value)
     assert "add a host of the same target" in str(err.value)
 
 
@@ -110,7 +114,7 @@ def test_zero_capacity_everywhere_refuses_under_borrow():
     with pytest.raises(GateRefused) as err:
         decide([host("a", 1000), host("b", 2000, ranks=(1,))], Recipe(), {"t": KEYS[:2]}, set())
     msg = str(err.value)
-    assert "a has 1000 MiB" in msg and "b has 2000 MiB" in msg
+    assert "a is 2072 MiB short of one compile worker: it has 1000 MiB" in msg and "b is 1072 MiB short" in msg
     assert "policy=borrow" not in msg
 
 
@@ -142,8 +146,8 @@ def test_discrete_gpu_short_on_device_memory():
     with pytest.raises(GateRefused) as err:
         decide([gpu], recipe, {"t": ["k"]}, set())
     msg = str(err.value)
-    assert ("gpu has 1000 MiB of device memory free on its GPU but one compile worker of a CUDA export needs "
-            "2048 MiB of device memory there: 1048 MiB short") in msg
+    assert ("gpu is 1048 MiB of device memory short of one compile worker: it has 1000 MiB of device memory free "
+            "on its GPU but one compile worker of a CUDA export needs 2048 MiB of device memory there") in msg
     assert "free 1048 MiB of device memory on gpu's GPU" in msg
     assert err.value.short_hosts["gpu"]["device_short_mib"] == 1048
 
@@ -201,8 +205,12 @@ def test_a_setting_that_cannot_matter_is_named():
     recipe = Recipe(worker_host_mib=65536, page_tokens=8, max_context_tokens=64)
     nothing = decide(hosts, recipe, {"t": KEYS}, set(KEYS))
     assert nothing.decision == "nothing_to_do"
-    [warning] = settings_without_effect(recipe, nothing)  # page_tokens still matters (the KV plan)
-    assert warning.startswith("worker_host_mib=65536 had no effect") and "nothing was compiled" in warning
+    [warning] = settings_without_effect(Recipe(worker_host_mib=65536, policy="fail", page_tokens=8,
+                                               max_context_tokens=64), nothing)
+    # In the form's words, with why; page_tokens still matters (the KV plan).
+    assert warning == ("nothing to compile (every forward was already in the store), so the gate's and the "
+                       "compiler's settings were not needed; these did nothing in this run: Recipe > 'When a host "
+                       "cannot compile' (fail), Recipe > 'Memory per compile worker (MiB)' (65536)")
     busy = decide([host("a", 100_000)], recipe, {"t": KEYS}, set())
     assert busy.decision == "compile" and settings_without_effect(recipe, busy) == []
     assert settings_without_effect(Recipe(), nothing) == []

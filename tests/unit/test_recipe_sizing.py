@@ -6,7 +6,7 @@ from kiln.core.config import TINY, ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.hf_config import from_hf, to_hf
 from kiln.core.recipe import Bucket, Recipe, parse_buckets, recipe_from_text
-from kiln.core.sizing import floor_admitting_one, page_bytes, plan_kv, required_mib, worker_capacity
+from kiln.core.sizing import floor_admitting_one, floor_with_margin, page_bytes, plan_kv, required_mib, worker_capacity
 
 
 def test_incident_one_worker_needs_12288():
@@ -17,6 +17,8 @@ def test_incident_one_worker_needs_12288():
     r6 = Recipe(headroom_floor_mib=6144, recipe_headroom_mib=1024, worker_host_mib=2048, worker_device_mib=2048)
     assert required_mib(r6, 1, unified=True, cuda=True) == 10240
     assert floor_admitting_one(r, available_mib=12038, unified=True, cuda=True) == 7942
+    # With room to spare: 12038 - 4096 x 1.15 = 7327, rounded down to 256 MiB.
+    assert floor_with_margin(r, available_mib=12038, unified=True, cuda=True) == 7168
 
 
 def test_discrete_gpu_takes_worker_device_from_device_memory():
@@ -29,6 +31,10 @@ def test_recipe_headroom_wins_when_larger_than_floor():
     r = Recipe(headroom_floor_mib=512, recipe_headroom_mib=4096)
     assert required_mib(r, 2, unified=True, cuda=False) == 4096 + 2 * 1024
     assert floor_admitting_one(r, available_mib=4500, unified=True, cuda=False) is None
+    assert floor_with_margin(r, available_mib=4500, unified=True, cuda=False) is None
+    # Where the margin would go below the preparation headroom, the exact floor.
+    assert floor_with_margin(r, available_mib=5200, unified=True, cuda=False) == floor_admitting_one(
+        r, available_mib=5200, unified=True, cuda=False) == 4176
 
 
 def test_defaults_fit_this_kind_of_machine():
