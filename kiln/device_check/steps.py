@@ -82,6 +82,7 @@ def context_mib() -> int:
     ctx = mp.get_context("spawn")
     queue, hold = ctx.Queue(), ctx.Event()
     first = ctx.Process(target=_used_then_hold, args=(queue, hold))
+    second = None
     first.start()
     try:
         with_one = queue.get(timeout=120)
@@ -91,7 +92,8 @@ def context_mib() -> int:
     finally:
         hold.set()
         first.join(30)
-    second.join(30)
+        if second is not None:
+            second.join(30)
     return -(-(with_two - with_one) // 2**20)
 
 
@@ -121,6 +123,7 @@ def versions(check: Check) -> dict:
                    unified_memory=bool(getattr(props, "is_integrated", False)),
                    nvml_used_mib=(lambda b: None if b is None else b // 2**20)(device_memory.nvml_used_bytes(0)),
                    cuda_context_mib=context_mib())
+    check.made["context_mib"] = figures["cuda_context_mib"]
     return figures
 
 
@@ -164,6 +167,9 @@ def compile_forwards(check: Check, forwards: dict) -> dict:
                          "autotune": result.autotune}
         if check.device != "cpu":
             figures[name]["predicted_device_mib"] = PREDICTED_WORKER_DEVICE_MIB
+            if result.device_context_mib is None and "context_mib" in check.made:  # no NVML in the worker
+                figures[name]["device_peak_mib"] += check.made["context_mib"]
+                figures[name]["device_context_mib"] = f"{check.made['context_mib']} (step versions)"
     return figures
 
 

@@ -111,20 +111,20 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
     from kiln.host.procs import PeakSampler
 
     device = forward_device(spec["graph"])
-    if device == "cpu":
-        with PeakSampler() as sampler, solo_group():  # tracing the collectives resolves their group
-            result = _compile_forward(spec, out_path)
-        return dataclasses.replace(result, peak_mib=sampler.peak_mib)
-    from kiln.host import device_memory
+    context = None
+    if device != "cpu":
+        from kiln.host import device_memory
 
-    context = device_memory.start_cuda(device)  # before anything else on the device: see device_memory
-    device_memory.reset_peak(device)
-    with PeakSampler() as sampler, solo_group():
+        context = device_memory.start_cuda(device)  # before anything else on the device: see device_memory
+        device_memory.reset_peak(device)
+    with PeakSampler() as sampler, solo_group():  # tracing the collectives resolves their group
         result = _compile_forward(spec, out_path)
+    result = dataclasses.replace(result, peak_mib=sampler.peak_mib, device=device)
+    if device == "cpu":
+        return result
     peak = device_memory.allocator_peak(device)
     context_mib = None if context is None else -(-context // device_memory.MIB)
-    return dataclasses.replace(result, peak_mib=sampler.peak_mib, device=device,
-                               device_peak_mib=(context_mib or 0) + peak["reserved_mib"],
+    return dataclasses.replace(result, device_peak_mib=(context_mib or 0) + peak["reserved_mib"],
                                device_context_mib=context_mib, device_allocated_mib=peak["allocated_mib"])
 
 

@@ -66,9 +66,14 @@ def start_cuda(device: str = "cuda") -> int | None:
 
 
 def reset_peak(device: str = "cuda") -> None:
-    """Start a new peak for `allocator_peak`."""
+    """Start a new peak for `allocator_peak`, from what live tensors hold: blocks the allocator keeps cached
+    from earlier work (a previous forward's compile) are given back first, so they do not count again."""
+    import gc
+
     import torch
 
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
 
 
