@@ -101,7 +101,7 @@ class Block:
 sys.meta_path.insert(0, Block())
 import torch, torch.distributed as dist
 package, data, backend, out, port = sys.argv[1:6]
-device = torch.device("cuda", 0) if backend == "nccl" else torch.device(sys.argv[6])
+device = torch.device("cpu") if sys.argv[6] == "cpu" else torch.device("cuda", 0)
 if device.type == "cuda":
     torch.cuda.set_device(device)
 dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
