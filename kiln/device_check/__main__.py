@@ -33,6 +33,7 @@ def run(device: str, json_path: Path, *, quick: bool = False, work: Path | None 
     own_work = work is None
     work = Path(tempfile.mkdtemp(prefix="kiln-device-check-")) if own_work else work
     work.mkdir(parents=True, exist_ok=True)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
     check = steps.Check(device=device, quick=quick, work=work)
     all_ok = True
     try:

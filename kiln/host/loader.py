@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 from kiln.core.errors import IntegrityError, KilnError, UnloadablePackage
-from kiln.core.package_check import check_package
+from kiln.core.package_check import check_package, package_device
 
 
 def sha256_of(path: Path | str) -> str:
@@ -62,6 +62,7 @@ def load_forward(path: Path | str, weights: dict, sha256: str, *, device: str = 
             raise IntegrityError(f"{path}: sha256 {got[:12]}… does not match the manifest's {sha256[:12]}…; "
                                  "refusing to load it. Delete the local copy and re-run to fetch it again.")
         check_package(copy)  # before AOTInductor extracts anything
+        check_made_for(Path(path).name, package_device(copy), want)  # before a CUDA package meets a CPU torch
         compiled = _load_package(torch, copy, want)
     check_device(Path(path).name, compiled, weights, want)
     check_weights(Path(path).name, compiled, weights)
@@ -103,12 +104,16 @@ def place_weights(weights: dict, device: str) -> dict:
     return {name: _compact(t.to(device)) for name, t in weights.items()}
 
 
-def check_device(package: str, compiled, weights: dict, want) -> None:
-    """Refuse, by name, a package compiled for another device than `want`, or weights that are not on it."""
-    made_for = compiled.get_metadata().get("AOTI_DEVICE_KEY")
+def check_made_for(package: str, made_for: str | None, want) -> None:
+    """Refuse, by name, a package compiled for another device (`made_for`; None: not recorded) than `want`."""
     if made_for is not None and made_for != want.type:
         raise UnloadablePackage(f"{package} was compiled for {made_for}, but it was asked to run on {want}; "
                                 f"load it on a {made_for} device, or export for {want.type}.")
+
+
+def check_device(package: str, compiled, weights: dict, want) -> None:
+    """Refuse, by name, a loaded package compiled for another device than `want`, or weights not on it."""
+    check_made_for(package, compiled.get_metadata().get("AOTI_DEVICE_KEY"), want)
     names = set(compiled.get_constant_fqns())
     for name in sorted(names & set(weights)):
         got = weights[name].device

@@ -70,3 +70,18 @@ def test_a_rank_runs_on_its_gpu_round_robin_and_on_the_cpu_as_asked(monkeypatch)
     assert [rank_device("cuda", r) for r in range(2)] == ["cuda:0", "cuda:0"]  # two ranks share one GPU (gloo)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert [rank_device("cuda", r) for r in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
+
+
+def test_a_package_records_the_device_it_was_compiled_for(tmp_path):
+    import json
+    import zipfile
+
+    from kiln.core.package_check import package_device
+
+    path = tmp_path / "f.pt2"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("f/data/aotinductor/model/abc.wrapper_metadata.json", json.dumps({"AOTI_DEVICE_KEY": "cuda"}))
+    assert package_device(path) == "cuda"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("f/data/aotinductor/model/abc.wrapper.cpp", "")
+    assert package_device(path) is None
