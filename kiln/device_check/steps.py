@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import json
 import multiprocessing as mp
 import platform
 import statistics
@@ -137,11 +138,11 @@ def _pool(check: Check):
 
 def compile_forwards(check: Check, forwards: dict) -> dict:
     """Compile name -> (ModelConfig, tp, Bucket, compiler options) for the device; name -> figures."""
+    import torch
+
     from kiln.core.forward_keys import forward_spec
     from kiln.host.compiler import model_code_fingerprint
     from kiln.host.inductor_options import inductor_env
-
-    import torch
 
     jobs, names = [], {}
     for name, (cfg, tp, bucket, options) in forwards.items():
@@ -154,10 +155,10 @@ def compile_forwards(check: Check, forwards: dict) -> dict:
                             compiler=options).to_dict()
         names[spec["key"]] = name
         jobs.append((spec, str(check.work / f"{name}.pt2")))
-    results = _pool(check).run(jobs, lambda r: None)
     made = check.made.setdefault("forwards", {})
     figures = {}
-    for result in results:
+
+    def done(result) -> None:  # as each finishes: a later step may use the ones done when another failed
         name = names[result.key]
         made[name] = result
         figures[name] = {"compile_s": round(result.compile_s, 2), "host_peak_mib": result.peak_mib,
@@ -170,6 +171,11 @@ def compile_forwards(check: Check, forwards: dict) -> dict:
             if result.device_context_mib is None and "context_mib" in check.made:  # no NVML in the worker
                 figures[name]["device_peak_mib"] += check.made["context_mib"]
                 figures[name]["device_context_mib"] = f"{check.made['context_mib']} (step versions)"
+
+    try:
+        _pool(check).run(jobs, done)
+    except Exception as exc:
+        raise RuntimeError(f"{type(exc).__name__}: {exc}\ncompiled before it: {json.dumps(figures)}") from exc
     return figures
 
 
@@ -286,6 +292,8 @@ def nccl_rank0(check: Check) -> dict:
     from kiln.device_check.ranks import torch_only_rank0
 
     forward = check.need("forwards", "compile_hf").get("hf_tp2_float32")
+    if forward is None:
+        raise Needs("needs forward hf_tp2_float32 from step compile_hf")
     rank0_file = check.need("rank0_file", "tp2_gloo")
     runs = {backend: torch_only_rank0(forward.path, rank0_file, backend, check.device,
                                       check.work / f"rank0-{backend}.pt") for backend in ("gloo", "nccl")}
@@ -326,6 +334,8 @@ def decode_time(check: Check) -> dict:
     path, cfg = check.need("checkpoint", "hf_checkpoint"), check.made["config"]
     forwards = check.need("forwards", "compile_hf")
     name = "hf_tp1_bfloat16_decode" if "hf_tp1_bfloat16_decode" in forwards else "hf_tp1_bfloat16"
+    if name not in forwards:
+        raise Needs(f"needs forward {name} from step compile_hf")
     forward = forwards[name]
     bucket = (1, 1) if name.endswith("decode") else (1, PROMPT_TOKENS)
     weights = place_weights(load_rank_weights(path, cfg, 1, 0), check.device)
