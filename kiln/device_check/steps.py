@@ -9,6 +9,7 @@ missing. Compiles run in the Check's pool of spawned workers
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import inspect
 import json
 import multiprocessing as mp
@@ -100,6 +101,7 @@ def context_mib() -> int:
 
 def versions(check: Check) -> dict:
     import torch
+    from torch._inductor import select_algorithm
 
     from kiln.host import device_memory
 
@@ -110,7 +112,10 @@ def versions(check: Check) -> dict:
         **{name: _version(name) for name in ("triton", "transformers", "safetensors", "psutil", "nvidia-ml-py")},
         "apis": {"load_constants": load_params, "user_managed": "user_managed" in (load_params or []),
                  "aoti_load_package": _params(torch._inductor.aoti_load_package),
-                 "aoti_compile_and_package": _params(torch._inductor.aoti_compile_and_package)},
+                 "aoti_compile_and_package": _params(torch._inductor.aoti_compile_and_package),
+                 "c10d_functional_all_reduce": hasattr(torch.ops._c10d_functional, "all_reduce"),
+                 "select_algorithm_feedback_saver": hasattr(select_algorithm, "add_feedback_saver"),
+                 "scan": importlib.util.find_spec("torch._higher_order_ops.scan") is not None},
         "cpu": platform.processor() or platform.machine(),
     }
     if check.device == "cpu":
