@@ -82,7 +82,7 @@ def load_forward(path: Path | str, weights: dict, sha256: str, *, device: str = 
 
 
 def _load_package(torch, copy: Path, want):
-    """aoti_load_package on `want`'s GPU index where this torch takes one (2.13, 2.11 both do)."""
+    """aoti_load_package on `want`'s GPU index, where this torch takes one (2.13 does: `device_index`)."""
     kwargs = {}
     if want.type == "cuda" and "device_index" in inspect.signature(torch._inductor.aoti_load_package).parameters:
         kwargs["device_index"] = want.index if want.index is not None else torch.cuda.current_device()
