@@ -159,6 +159,19 @@ def _read_through(path, zf: zipfile.ZipFile, infos: list[zipfile.ZipInfo], limit
             raise _refuse(path, f"member {info.filename!r} holds {got} bytes, not the {info.file_size} declared")
 
 
+def package_device(path: Path | str) -> str | None:
+    """The device a checked package was compiled for ('cpu', 'cuda': AOTInductor's AOTI_DEVICE_KEY in its
+    wrapper's metadata), read without extracting it; None when it records none."""
+    with zipfile.ZipFile(path) as zf:
+        for name in zf.namelist():
+            if "/data/aotinductor/" in name and name.endswith("wrapper_metadata.json"):
+                try:
+                    return json.loads(zf.read(name)).get("AOTI_DEVICE_KEY") or None
+                except (ValueError, AttributeError):
+                    return None
+    return None
+
+
 _SHIM = re.compile(r"\b(aoti_torch_[A-Za-z0-9_]+)\s*\(")
 PROXY_CALL = "aoti_torch_proxy_executor_call_function"
 """How a wrapper calls an op that has no C shim: through the proxy executor, which looks the op up by name."""

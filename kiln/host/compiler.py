@@ -51,6 +51,16 @@ class CompileResult:
     the tuning timings installed in the worker ('tuning_timings'); None when compiled without max-autotune."""
     calls: dict | None = None
     """What the package's wrapper calls (kiln.core.package_check.PackageCalls.to_dict): whether it is Python-free."""
+    device: str = "cpu"
+    """The device the forward was compiled for (kiln.host.inductor_options.forward_device)."""
+    device_peak_mib: int = 0
+    """A CUDA forward's worker's device memory at its peak: its context (device_context_mib; 0 when unknown)
+    plus the most its caching allocator reserved while compiling this forward. 0 for a CPU forward."""
+    device_context_mib: int | None = None
+    """The worker's CUDA context, measured at its first CUDA call (kiln.host.device_memory.start_cuda);
+    None when unknown (no nvidia-ml-py) or for a CPU forward."""
+    device_allocated_mib: int = 0
+    """The most device memory the worker's tensors used while compiling this forward (within the peak)."""
 
 
 # Per worker process: the tuning entries it installed, and how many GEMMs Inductor autotuned.
@@ -93,14 +103,29 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
     Runs inside a spawned worker, in the config's dtype. The weights are
     uninitialized placeholders of the right shapes and dtype: the package holds
     no constants and the loader supplies the rank's real weights. The result
-    carries the worker's peak memory (itself and its compiler children, sampled).
+    carries the worker's peak memory (itself and its compiler children, sampled) and, for a CUDA forward
+    (the graph's 'device'), its device peak: the worker holds a CUDA context from its first CUDA forward on.
     """
+    from kiln.host.inductor_options import forward_device
     from kiln.host.model import solo_group
     from kiln.host.procs import PeakSampler
 
+    device = forward_device(spec["graph"])
+    context = None
+    if device != "cpu":
+        from kiln.host import device_memory
+
+        context = device_memory.start_cuda(device)  # before anything else on the device: see device_memory
+        device_memory.reset_peak(device)
     with PeakSampler() as sampler, solo_group():  # tracing the collectives resolves their group
         result = _compile_forward(spec, out_path)
-    return dataclasses.replace(result, peak_mib=sampler.peak_mib)
+    result = dataclasses.replace(result, peak_mib=sampler.peak_mib, device=device)
+    if device == "cpu":
+        return result
+    peak = device_memory.allocator_peak(device)
+    context_mib = None if context is None else -(-context // device_memory.MIB)
+    return dataclasses.replace(result, device_peak_mib=(context_mib or 0) + peak["reserved_mib"],
+                               device_context_mib=context_mib, device_allocated_mib=peak["allocated_mib"])
 
 
 def _compile_forward(spec: dict, out_path: str) -> CompileResult:

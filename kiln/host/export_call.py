@@ -7,7 +7,9 @@ torch.export, the constants metadata and the Inductor call with the spec's
 options.
 
 Contracts: runs in a compile worker (imports torch), under the collectives'
-group (kiln.host.model.solo_group). This module is a key source
+group (kiln.host.model.solo_group), on the graph's device
+(kiln.host.inductor_options.forward_device: 'cpu' or 'cuda', the worker's
+current GPU). This module is a key source
 (kiln.host.key_sources), hashed whole: the pool, retries, file handling and
 error messages stay in kiln.host.compiler, so editing them keeps every key.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-from kiln.host.inductor_options import FORWARD_DEVICE
+from kiln.host.inductor_options import forward_device
 
 CONSTANTS_METADATA = "kiln.constants"
 """Package metadata key: JSON {name: [dtype, shape, 'weight' | 'buffer']} of the module's tensors compiled for."""
@@ -26,7 +28,7 @@ MAX_PAGES = 1 << 24
 
 
 def export_forward(spec: dict):
-    """The torch.export program of one bucket's forward (an ExportedProgram)."""
+    """The torch.export program of one bucket's forward (an ExportedProgram), its tensors on the graph's device."""
     import torch
     from torch.export import Dim
 
@@ -36,13 +38,15 @@ def export_forward(spec: dict):
     cfg = ModelConfig(**spec["graph"]["config"])
     tp = spec["graph"]["tp"]
     inputs = spec["inputs"]
+    device = forward_device(spec["graph"])
     # Built on the meta device, then given storage that is never touched: the worker's memory depends on
     # the graph, not on the weights (the package holds none of them anyway).
     with torch.device("meta"):
         model = ShardedDecoder(cfg, tp).to(getattr(torch, cfg.dtype)).eval()
-    model = model.to_empty(device=FORWARD_DEVICE)
+    model = model.to_empty(device=device)
     args = example_inputs(cfg, tp, inputs["batch"], inputs["tokens"], page_tokens=inputs["page_tokens"],
                           pages_per_seq=inputs["pages_per_seq"], num_pages=inputs["pages_per_seq"] + 2)
+    args = tuple(a.to(device) for a in args)
     num_pages = Dim("num_pages", min=2, max=MAX_PAGES)
     with torch.no_grad():
         return torch.export.export(model, args, dynamic_shapes=({}, {}, {2: num_pages}, *[{}] * (len(args) - 3)))

@@ -19,7 +19,12 @@ from collections.abc import Mapping
 COMPILER_OPTIONS = {"aot_inductor.package_constants_in_so": False}
 
 FORWARD_DEVICE = "cpu"
-"""Where forwards run: `compile_forward` builds the model and its example inputs on the CPU."""
+"""Where a forward runs when its graph names no device: the CPU (the tuner's weightless CPU packages too)."""
+
+DEVICES = ("cpu", "cuda")
+"""The devices a forward is compiled for: the graph's 'device' (absent: FORWARD_DEVICE). A CUDA forward is
+compiled on a GPU host, by a worker that holds a CUDA context, on that worker's current GPU; the package
+runs on any GPU of the same target (the loader picks the rank's)."""
 
 INDUCTOR_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_INDUCTOR_")
 """The environment variables Inductor reads its settings from."""
@@ -37,6 +42,14 @@ INDUCTOR_ENV_UNKEYED = frozenset({
 """Inductor variables that change no generated code, so no key (torch itself sets TORCHINDUCTOR_CACHE_DIR
 in a process that compiles). Any other one is keyed: one set to its default costs a compile, never a wrong
 package."""
+
+
+def forward_device(graph: Mapping) -> str:
+    """The device a forward's `graph` (a spec's 'graph') is compiled for and runs on; ValueError for another."""
+    device = graph.get("device", FORWARD_DEVICE)
+    if device not in DEVICES:
+        raise ValueError(f"a forward's device is one of {', '.join(DEVICES)}, not {device!r}")
+    return device
 
 
 def compiler_options(gemm_backends: str | None) -> dict:

@@ -12,18 +12,26 @@ first call (calling first would crash the process), refuses a package that
 needs constants no rank's weights provide, and turns on
 AOTInductor's runtime input checks so a wrong shape raises instead of
 returning garbage.
+
+On a GPU (`device` 'cuda' or 'cuda:N': what the caller asks for, never guessed)
+the package must have been compiled for CUDA and the rank's weights must already
+lie on that GPU (`place_weights`, once per rank): every package of the rank is
+handed the same tensors with `load_constants(..., user_managed=True)` where the
+installed torch takes it (2.13 does), so a rank's weights are on the device
+once however many buckets it loads; the package keeps them alive.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import tempfile
 from pathlib import Path
 
 from kiln.core.errors import IntegrityError, KilnError, UnloadablePackage
-from kiln.core.package_check import check_package
+from kiln.core.package_check import check_package, package_device
 
 
 def sha256_of(path: Path | str) -> str:
@@ -34,14 +42,18 @@ def sha256_of(path: Path | str) -> str:
     return h.hexdigest()
 
 
-def load_forward(path: Path | str, weights: dict, sha256: str):
-    """Verify (sha256, then package members), load and bind weights; return the callable forward.
+def load_forward(path: Path | str, weights: dict, sha256: str, *, device: str = "cpu"):
+    """Verify (sha256, then package members), load and bind weights; return the callable forward, which
+    runs on `device` ('cpu', 'cuda' or 'cuda:N'; its inputs must lie there).
 
     What is verified and loaded is a private copy made while hashing (mode 0600 in a 0700 directory,
-    removed once AOTInductor has extracted it), never `path` itself.
+    removed once AOTInductor has extracted it), never `path` itself. On a GPU the weights must already be
+    on `device` (place_weights) and are bound without a copy where torch allows it (see the module).
     """
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
     import torch
+
+    want = torch.device(device)
 
     with tempfile.TemporaryDirectory(prefix="kiln-load-") as private:
         copy = Path(private) / Path(path).name
@@ -50,11 +62,65 @@ def load_forward(path: Path | str, weights: dict, sha256: str):
             raise IntegrityError(f"{path}: sha256 {got[:12]}… does not match the manifest's {sha256[:12]}…; "
                                  "refusing to load it. Delete the local copy and re-run to fetch it again.")
         check_package(copy)  # before AOTInductor extracts anything
-        compiled = torch._inductor.aoti_load_package(str(copy))
+        check_made_for(Path(path).name, package_device(copy), want)  # before a CUDA package meets a CPU torch
+        compiled = _load_package(torch, copy, want)
+    check_device(Path(path).name, compiled, weights, want)
     check_weights(Path(path).name, compiled, weights)
     names = set(compiled.get_constant_fqns())
-    compiled.load_constants({n: _compact(t) for n, t in weights.items() if n in names}, check_full_update=True)
+    constants = {n: _compact(t) for n, t in weights.items() if n in names}
+    if want.type == "cpu":
+        compiled.load_constants(constants, check_full_update=True)
+        return compiled
+    shared = "user_managed" in load_constants_params(compiled)
+    if shared:
+        compiled.load_constants(constants, check_full_update=True, user_managed=True)
+        compiled.kiln_weights = constants  # the package keeps pointers to them, not references
+    else:  # an older torch: the package copies them (one more copy per package on the device)
+        compiled.load_constants(constants, check_full_update=True)
+    compiled.kiln_user_managed = shared
     return compiled
+
+
+def _load_package(torch, copy: Path, want):
+    """aoti_load_package on `want`'s GPU index, where this torch takes one (2.13 does: `device_index`)."""
+    kwargs = {}
+    if want.type == "cuda" and "device_index" in inspect.signature(torch._inductor.aoti_load_package).parameters:
+        kwargs["device_index"] = want.index if want.index is not None else torch.cuda.current_device()
+    return torch._inductor.aoti_load_package(str(copy), **kwargs)
+
+
+def load_constants_params(compiled) -> list[str]:
+    """The parameters of this torch's AOTICompiledModel.load_constants (e.g. 'user_managed', 2.13)."""
+    return [p for p in inspect.signature(compiled.load_constants).parameters]
+
+
+def place_weights(weights: dict, device: str) -> dict:
+    """The rank's weights on `device`, each a compact tensor of its own (load_constants needs that), moved
+    once: hand the result to every load_forward of the rank. On the CPU, the weights as they are."""
+    import torch
+
+    if torch.device(device).type == "cpu":
+        return weights
+    return {name: _compact(t.to(device)) for name, t in weights.items()}
+
+
+def check_made_for(package: str, made_for: str | None, want) -> None:
+    """Refuse, by name, a package compiled for another device (`made_for`; None: not recorded) than `want`."""
+    if made_for is not None and made_for != want.type:
+        raise UnloadablePackage(f"{package} was compiled for {made_for}, but it was asked to run on {want}; "
+                                f"load it on a {made_for} device, or export for {want.type}.")
+
+
+def check_device(package: str, compiled, weights: dict, want) -> None:
+    """Refuse, by name, a loaded package compiled for another device than `want`, or weights not on it."""
+    check_made_for(package, compiled.get_metadata().get("AOTI_DEVICE_KEY"), want)
+    names = set(compiled.get_constant_fqns())
+    for name in sorted(names & set(weights)):
+        got = weights[name].device
+        if got.type != want.type or (want.index is not None and got.index not in (None, want.index)):
+            raise UnloadablePackage(f"{package}: weight {name} is on {got}, but the forward runs on {want}; "
+                                    "place the rank's weights there once (kiln.host.loader.place_weights) and "
+                                    "hand them to every package.")
 
 
 def _copy_hashing(src: Path | str, dest: Path) -> str:
@@ -142,33 +208,46 @@ def limit_of(own: float | None, *, atol: float, half_ratio: float) -> float:
     return atol if own is None else max(atol, half_ratio * own)
 
 
-def eager_outputs(cfg, tp: int, weights: dict, args) -> tuple[tuple, tuple | None]:
-    """(outputs of the eager shard in cfg.dtype, and in float32 on the same weights when cfg.dtype is lower)."""
+def eager_model(cfg, tp: int, weights: dict, *, device: str = "cpu"):
+    """The eager shard of `cfg` (layers unrolled) in cfg.dtype on `device`, holding `weights`.
+
+    Built without storage, then each weight copied in (converted as it goes): one copy of the shard in
+    cfg.dtype, never a second one in a converted state dict."""
     import torch
 
     from kiln.host.model import ShardedDecoder
 
+    with torch.device("meta"):
+        model = ShardedDecoder(cfg, tp, scan=False).to(getattr(torch, cfg.dtype)).eval()
+    model = model.to_empty(device=device)
+    params = model.state_dict()
+    if set(params) != set(weights):
+        raise KilnError(f"the rank's weights do not match the model: {sorted(set(params) ^ set(weights))[:3]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name])
+    return model
+
+
+def eager_outputs(cfg, tp: int, weights: dict, args, *, device: str = "cpu") -> tuple[tuple, tuple | None]:
+    """(outputs of the eager shard in cfg.dtype, and in float32 on the same weights when cfg.dtype is lower),
+    computed on `device` (the weights and `args` may lie anywhere: they are copied there)."""
+    import torch
+
     def run(dtype: str):
-        # Built without storage, then each weight copied in (converted as it goes): one copy of the shard
-        # in `dtype`, never a second one in a converted state dict.
-        with torch.device("meta"):
-            model = ShardedDecoder(cfg.replace(dtype=dtype), tp, scan=False).to(getattr(torch, dtype)).eval()
-        model = model.to_empty(device="cpu")
-        params = model.state_dict()
-        if set(params) != set(weights):
-            raise KilnError(f"the rank's weights do not match the model: {sorted(set(params) ^ set(weights))[:3]}")
+        model = eager_model(cfg.replace(dtype=dtype), tp, weights, device=device)
         with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(weights[name])
-            cast = tuple(a.to(getattr(torch, dtype)) if a.is_floating_point() else a for a in args)
+            cast = tuple((a.to(getattr(torch, dtype)) if a.is_floating_point() else a).to(device) for a in args)
             return model(*cast)
 
     return run(cfg.dtype), (None if cfg.dtype == "float32" else run("float32"))
 
 
 def compare_with_eager(compiled, cfg, tp: int, rank: int, weights: dict, bucket, *, page_tokens: int,
-                       pages_per_seq: int, atol: float, half_ratio: float, seed: int = 1) -> dict:
-    """{'diff', 'limit'} of the compiled forward against the eager shard (see judge)."""
+                       pages_per_seq: int, atol: float, half_ratio: float, seed: int = 1,
+                       device: str = "cpu") -> dict:
+    """{'diff', 'limit'} of the compiled forward against the eager shard (see judge), both on `device`
+    (where `compiled` was loaded)."""
     import torch
 
     from kiln.host.model import example_inputs
@@ -176,7 +255,8 @@ def compare_with_eager(compiled, cfg, tp: int, rank: int, weights: dict, bucket,
     # A page count other than the one compiled with exercises the dynamic dimension.
     args = example_inputs(cfg, tp, bucket.batch, bucket.tokens, page_tokens=page_tokens,
                           pages_per_seq=pages_per_seq, num_pages=pages_per_seq * bucket.batch + 3, seed=seed)
+    args = tuple(a.to(device) for a in args)
     with torch.no_grad():
         got = compiled(*args)
-    eager, exact = eager_outputs(cfg, tp, weights, args)
+    eager, exact = eager_outputs(cfg, tp, weights, args, device=device)
     return judge(got, eager, exact, atol=atol, half_ratio=half_ratio)

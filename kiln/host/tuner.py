@@ -33,16 +33,19 @@ import socket
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from typing import TYPE_CHECKING
 
 from kiln.core import tuning_plan
 from kiln.core.errors import IntegrityError, KilnError
-from kiln.core.job import ExportJob
 from kiln.core.tuning_plan import GemmShape
 from kiln.core.target import device_of
 from kiln.host import probe
 from kiln.host.inductor_options import FORWARD_DEVICE, compiler_options
 from kiln.host.procs import die_with_parent
 from kiln.store import Store, open_store, sha256_bytes
+
+if TYPE_CHECKING:  # not at run time: kiln.core.job brings kiln.core.signing (cryptography) into every
+    from kiln.core.job import ExportJob  # compile worker, which imports this module to install tuning results
 
 
 def benchmark_count() -> int:

@@ -84,7 +84,7 @@ def _check_together(rank: int, tp: int, port: int, job: dict, link: RankLink) ->
     from kiln.core.config import ModelConfig
     from kiln.core.contract import cache_layout
     from kiln.core.recipe import parse_buckets
-    from kiln.host.loader import eager_outputs, judge, load_forward
+    from kiln.host.loader import eager_outputs, judge, load_forward, place_weights
     from kiln.host.weights import load_rank_weights
     from kiln.host.model import example_inputs, host_group
 
@@ -93,8 +93,10 @@ def _check_together(rank: int, tp: int, port: int, job: dict, link: RankLink) ->
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     side = host_group()
     cfg = ModelConfig(**job["config"])
+    device = rank_device(job.get("device", "cpu"), rank)
     link.doing("loading weights")
-    weights = load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint"))
+    weights = place_weights(load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint")),
+                            device)
     full = None
     if rank == 0:
         link.doing("loading the unsharded model's weights")
@@ -104,10 +106,10 @@ def _check_together(rank: int, tp: int, port: int, job: dict, link: RankLink) ->
     for name, art in sorted(job["artifacts"].items()):
         bucket = parse_buckets(name)[0]
         link.doing(f"loading forward {name}")
-        compiled = load_forward(art["path"], weights, art["sha256"])
-        args = example_inputs(
+        compiled = load_forward(art["path"], weights, art["sha256"], device=device)
+        args = tuple(a.to(device) for a in example_inputs(
             cfg, 1, bucket.batch, bucket.tokens, page_tokens=job["page_tokens"],
-            pages_per_seq=job["pages_per_seq"], num_pages=job["pages_per_seq"] * bucket.batch + 5, seed=7)
+            pages_per_seq=job["pages_per_seq"], num_pages=job["pages_per_seq"] * bucket.batch + 5, seed=7))
         cache = args[2]
         # Each rank caches its own KV heads, or (latent attention) every rank the same whole latent.
         heads = layout.heads
@@ -115,11 +117,13 @@ def _check_together(rank: int, tp: int, port: int, job: dict, link: RankLink) ->
         link.doing(f"running forward {name}")
         with torch.no_grad():
             logits, new_kv = compiled(*args[:2], shard, *args[3:])
+        logits, new_kv = logits.cpu(), new_kv.cpu()  # the side group's gloo gathers host tensors
         parts = [torch.empty_like(new_kv) for _ in range(tp)]
         dist.all_gather(parts, new_kv.contiguous(), group=side)
         if rank == 0:
             link.doing(f"running the unsharded eager model for {name}")
-            eager, exact = eager_outputs(cfg, 1, full, args)
+            eager, exact = (None if out is None else tuple(t.cpu() for t in out)
+                            for out in eager_outputs(cfg, 1, full, args, device=device))
             every = torch.cat(parts, dim=-2) if layout.sharded else _same(parts)
             diffs[name] = judge((logits, every), eager, exact, atol=job["atol"], half_ratio=job["half_ratio"])
     link.doing("leaving the gloo group")
@@ -139,16 +143,28 @@ def _same(parts: list):
     return parts[0]
 
 
+def rank_device(device: str, rank: int) -> str:
+    """Where `rank` runs its forwards: the CPU, or for 'cuda' the rank's GPU, ranks sharing GPUs round-robin
+    when there are fewer GPUs than ranks (gloo allows it; NCCL would refuse two ranks on one GPU)."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    return f"cuda:{rank % max(1, torch.cuda.device_count())}"
+
+
 def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[str, dict], page_tokens: int,
                      pages_per_seq: int, atol: float, half_ratio: float, s3_endpoint: str | None = None,
-                     timeout_s: float = 600) -> tuple[dict[str, dict], int]:
+                     timeout_s: float = 600, device: str = "cpu") -> tuple[dict[str, dict], int]:
     """(bucket -> {'diff', 'limit'} of the compiled ranks combined against the unsharded eager model
     (kiln.host.loader.judge), the ranks' peak MiB added up); raises on any rank's error.
 
-    `artifacts` maps a bucket name ('4x32') to {'path', 'sha256'} of a verified local copy.
+    `artifacts` maps a bucket name ('4x32') to {'path', 'sha256'} of a verified local copy, compiled for
+    `device` ('cpu' or 'cuda': each rank on its GPU, see rank_device; the group is gloo either way).
     """
     job = {"checkpoint": str(checkpoint), "s3_endpoint": s3_endpoint, "config": config, "artifacts": artifacts,
-           "atol": atol, "half_ratio": half_ratio, "page_tokens": page_tokens, "pages_per_seq": pages_per_seq}
+           "atol": atol, "half_ratio": half_ratio, "page_tokens": page_tokens, "pages_per_seq": pages_per_seq,
+           "device": device}
     results = spawn_ranks(_rank_main, tp, job, timeout_s=timeout_s)
     return results[0]["diffs"], sum(r["peak_mib"] for r in results.values())
 
