@@ -204,7 +204,7 @@ def compile_tiny(check: Check) -> dict:
 
 
 def hf_checkpoint(check: Check) -> dict:
-    from kiln.device_check.llama import prompt, write_llama
+    from kiln.device_check.hf_llama import prompt, write_llama
     from kiln.host.checkpoint import inspect_checkpoint
 
     path = check.work / "llama"
@@ -220,7 +220,7 @@ def hf_checkpoint(check: Check) -> dict:
 
 def compile_hf(check: Check) -> dict:
     from kiln.core.recipe import Bucket
-    from kiln.device_check.llama import PROMPT_TOKENS
+    from kiln.device_check.hf_llama import PROMPT_TOKENS
     from kiln.host.inductor_options import COMPILER_OPTIONS
 
     cfg = check.need("config", "hf_checkpoint")
@@ -237,7 +237,7 @@ def compile_hf(check: Check) -> dict:
 def tp1_vs_transformers(check: Check) -> dict:
     import torch
 
-    from kiln.device_check.llama import prefill_args, reference_logits
+    from kiln.device_check.hf_llama import prefill_args, reference_logits
     from kiln.host.checkpoint import load_rank_weights
     from kiln.host.loader import load_forward, place_weights, scaled_diff
 
@@ -331,7 +331,7 @@ def _median_ms(fn, device: str, repeats: int) -> float:
 def decode_time(check: Check) -> dict:
     import torch
 
-    from kiln.device_check.llama import PROMPT_TOKENS
+    from kiln.device_check.hf_llama import PROMPT_TOKENS
     from kiln.host.checkpoint import load_rank_weights
     from kiln.host.loader import eager_model, load_forward, place_weights
     from kiln.host.model import example_inputs

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = ("kiln.core", "kiln.store", "kiln.host", "blocks", "tasks", "flows", "bench", "cli")
+LAYERS = ("kiln.core", "kiln.store", "kiln.host", "kiln.device_check", "blocks", "tasks", "flows", "bench", "cli")
 CORE_FORBIDDEN = {"prefect", "prefect_aws", "prefect_dask", "torch", "boto3", "botocore", "s3transfer", "dask",
                   "distributed", "safetensors", "transformers"}
 
