@@ -198,7 +198,8 @@ def export_signer(plan: SigningPlan | None, home: Path, host: str) -> Ed25519Pri
     try:
         return signing_key(plan, home)
     except (BadInput, OSError) as exc:
-        raise BadInput(f"host {host} cannot read the export's signing key ({plan.describe()}): {exc}. Every host "
+        raise BadInput(f"host {host} cannot read the export's signing key ({plan.describe()}): "
+                       f"{str(exc).rstrip('.')}. Every host "
                        "that compiles signs what it compiles: give the hosts the key (a Prefect Secret block, "
                        "--signing-key-block, is read by every host; KILN_SIGNING_KEY must be set in each "
                        "host's environment).") from None

@@ -58,6 +58,10 @@ def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
     """
     import torch
 
+    from blocks.trust import export_signer
+    from kiln.core.home import kiln_home
+
+    export_signer(job.signing, kiln_home(), host.name)  # every host may compile, so every host needs the key
     reading = probe.gpu_reading()
     snap = probe.memory_snapshot(reading)
     cpus, cpus_source = probe.cpus_and_source()

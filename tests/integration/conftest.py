@@ -59,8 +59,9 @@ class DaskCluster:
                     p.kill()
 
 
-def cluster_env(kiln_env: dict, prefect_url: str, s3_endpoint: str) -> dict:
-    """What every host of a test cluster has in its environment: Prefect, S3 credentials, no daemon workers."""
-    return {**kiln_env, "PREFECT_API_URL": prefect_url, "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
+def cluster_env(kiln_env: dict, prefect_url: str, s3_endpoint: str, signing_key_env: dict) -> dict:
+    """What every host of a test cluster has in its environment: Prefect, S3 credentials, no daemon workers,
+    and the export's signing key (a compiling host vouches for what it compiles: docs/trust.md)."""
+    return {**kiln_env, **signing_key_env, "PREFECT_API_URL": prefect_url, "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
             "AWS_ENDPOINT_URL": s3_endpoint, "AWS_ACCESS_KEY_ID": "testing",
             "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}

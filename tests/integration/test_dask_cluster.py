@@ -10,9 +10,9 @@ from conftest import DaskCluster, cluster_env, free_port
 
 pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
-def dask_cluster(kiln_env, prefect_server, s3_server, tmp_path_factory):
+def dask_cluster(kiln_env, prefect_server, s3_server, signing_key_env, tmp_path_factory):
     """Two hosts (host-a, host-b), each with its own S3 credentials in its environment, as on a real cluster."""
-    cluster = DaskCluster(cluster_env(kiln_env, prefect_server, s3_server.endpoint_url),
+    cluster = DaskCluster(cluster_env(kiln_env, prefect_server, s3_server.endpoint_url, signing_key_env),
                           {"host-a": {}, "host-b": {}}, tmp_path_factory.mktemp("dask"))
     yield cluster.address
     cluster.stop()

@@ -29,7 +29,7 @@ def test_host_lost_mid_compile_hands_its_keys_to_the_others(kiln, kiln_env, pref
                                                             s3_bucket, signing_key_env, tmp_path):
     # host-b's worker (no nanny: nothing restarts it) kills itself right after its first upload.
     mark = uuid.uuid4().hex  # every process host-b's worker starts inherits it
-    cluster = DaskCluster(cluster_env(kiln_env, prefect_server, s3_server.endpoint_url),
+    cluster = DaskCluster(cluster_env(kiln_env, prefect_server, s3_server.endpoint_url, signing_key_env),
                           {"host-a": {}, "host-b": {"KILN_FAULT_DIE_AFTER_UPLOADS": "1", "KILN_TEST_MARK": mark}},
                           tmp_path, nanny=False)
     try:

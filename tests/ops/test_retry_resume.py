@@ -24,6 +24,13 @@ def store_url(tmp_path_factory) -> str:
     return f"file://{tmp_path_factory.mktemp('resume') / 'store'}"
 
 
+@pytest.fixture
+def ops_env(ops_env, signing_key_env) -> dict:
+    """One signing key for the module's store: each test's own KILN_HOME would make its own development key,
+    and an export reuses only forwards a key it trusts vouched for (docs/trust.md)."""
+    return {**ops_env, **signing_key_env}
+
+
 def _export_id(tag: str) -> str:
     return f"{tag}-{uuid.uuid4().hex[:8]}"
 

@@ -150,13 +150,14 @@ def test_the_loader_loads_the_bytes_it_hashed_from_a_private_copy(tmp_path, monk
     class Stop(Exception):
         pass
 
-    def fake_load(p):
+    def fake_load(p, *args, **kwargs):
         path.write_bytes(b"swapped in after the check")  # the attacker's move, too late
         seen["path"], seen["sha"] = p, sha(Path(p).read_bytes())
         seen["mode"] = Path(p).stat().st_mode & 0o777
         raise Stop
 
     monkeypatch.setattr(loader, "check_package", lambda p: None)
+    monkeypatch.setattr(loader, "package_device", lambda p: "cpu")
     monkeypatch.setattr(torch._inductor, "aoti_load_package", fake_load)
     with pytest.raises(Stop):
         loader.load_forward(path, {}, sha(b"the package that was vouched for"))
