@@ -35,19 +35,22 @@ def main(argv: list[str] | None = None) -> None:
     from kiln.core.recipe import Recipe, parse_buckets
     from kiln.host.checkpoint import inspect_checkpoint
     from kiln.host.compiler import compile_forward, model_code_fingerprint
-    from kiln.host.inductor_options import COMPILER_OPTIONS
-    from kiln.host.probe import target_fingerprint
+    from kiln.host.inductor_options import COMPILER_OPTIONS, inductor_env
+    from kiln.host.probe import detect_target
 
     imported = time.perf_counter()
     cfg = inspect_checkpoint(args.model)
     recipe = Recipe(buckets=parse_buckets(args.buckets))
-    graph = {"config": cfg.__dict__.copy(), "tp": args.tp, "code": model_code_fingerprint()}
-    target = target_fingerprint()
+    # The graph, target and options an export's probe keys its forwards with (tasks/hostwork.probe_host).
+    graph = {"config": cfg.__dict__.copy(), "tp": args.tp, "code": model_code_fingerprint(),
+             "inductor_env": inductor_env()}
+    host_target = detect_target("cpu")
+    target = host_target.fingerprint
     per_forward, keys = {}, []
     for bucket in recipe.buckets:
         spec = forward_spec(bucket=bucket, graph=graph, target=target, torch_version=torch.__version__,
                             page_tokens=recipe.page_tokens, pages_per_seq=recipe.pages_per_seq,
-                            compiler=COMPILER_OPTIONS).to_dict()
+                            compiler={**COMPILER_OPTIONS, **host_target.inductor_options}).to_dict()
         result = compile_forward(spec, str(Path(args.out) / f"{spec['key']}.pt2"))
         per_forward[str(bucket)] = result.compile_s
         keys.append(spec["key"])
