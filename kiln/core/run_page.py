@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from kiln.core.outcome import routing_note
+
 FORWARD_COLUMNS = ("bucket", "origin", "size_mib", "target", "key", "sha256")
 """The forwards table: what a reader looks for first, the hashes last."""
 
@@ -61,7 +63,7 @@ def checks_lines(verify: dict[str, dict]) -> list[str]:
             if remembered else "")
         out.append(f"- {host}: rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)} against eager, "
                    f"{len(checks)} check(s) ({how}); largest difference {worst['diff']:.2e} "
-                   f"(limit {worst['limit']:.2e}, {worst_name})")
+                   f"(limit {worst['limit']:.2e}, {worst_name}{routing_note(worst)})")
     return out
 
 
