@@ -198,7 +198,8 @@ def check_against_eager(got, cfg, tp: int, weights: dict, args, *, atol: float, 
             for routing in swapped_routings(low, ties):
                 runs[0] += 1
                 with probing(RouteProbe(routing)):
-                    yield model(*exact_args)
+                    out = model(*exact_args)
+                yield out  # outside the probe: a generator left unfinished must not leave it set
 
         result = judge(got, eager, exact, alternatives(), atol=atol, half_ratio=half_ratio)
     return {**result, "ties": tie_count(ties), "routings": 1 + runs[0]}
