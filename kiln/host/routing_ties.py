@@ -17,17 +17,20 @@ The checker therefore (kiln.host.loader.check_against_eager):
    score minus the best unchosen one) is at most (1 + half_ratio) x the
    largest difference between that token's scores in the two runs: the
    compiled forward, allowed half_ratio x eager's error, may choose either;
-4. runs float32 again once per set of layers whose ties are swapped (the
-   lowest chosen expert replaced by the best unchosen one at every tie of
-   those layers; every subset while that is at most MAX_ROUTINGS runs, else
-   each layer alone and all together), the other ties forced as in R0 and
-   every other token routed by its own float32 scores (a swap changes the
-   hidden states after it, so later choices are recomputed);
+4. runs float32 again with some of those choices taken the other way: per
+   swap of SWAPS (a chosen expert among the two weakest replaced by an
+   unchosen one among the three best, where their scores are within that
+   token's slack: in bfloat16 scores are often exactly equal, and two topk
+   implementations need not break such ties alike) and per set of layers
+   whose ties swap (every subset while there are at most 3, else each layer
+   alone and all together), at most MAX_ROUTINGS runs; the other ties forced
+   as in R0 and every other token routed by its own float32 scores (a swap
+   changes the hidden states after it, so later choices are recomputed);
 5. holds each output position (sequence, token) to the limit against the
    nearest of these references.
 
 A token's choice is thus allowed to differ only where the dtype itself leaves
-it open, and then only to the runner-up: a forward that is wrong anywhere else
+it open, and then only between experts within its slack: a forward that is wrong anywhere else
 (a weight, a routing term) is still compared with every reference and fails.
 Ties of DeepSeek's group choice (which groups are open) are not swapped.
 """
@@ -39,7 +42,7 @@ from itertools import combinations
 
 import torch
 
-MAX_ROUTINGS = 8
+MAX_ROUTINGS = 12
 """At most this many swapped float32 references per check (beyond R0)."""
 
 
@@ -80,16 +83,16 @@ def forced_as(low: RouteProbe) -> list:
     return [(c, torch.ones(c.shape[0], dtype=torch.bool)) for c in low.chosen]
 
 
-def find_ties(low: RouteProbe, exact: RouteProbe, *, half_ratio: float) -> list[torch.Tensor]:
-    """Per expert layer, [n] bool: the tokens whose low-dtype margin (the lowest chosen score minus the best
-    unchosen one) is at most (1 + half_ratio) x the token's largest |low - float32| score difference
-    (`exact` forced to the same choices)."""
+def find_ties(low: RouteProbe, exact: RouteProbe, *, half_ratio: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per expert layer, (tied [n] bool, slack [n]): a token's slack is (1 + half_ratio) x its largest |low -
+    float32| score difference (`exact` forced to the same choices), and it is tied when its low-dtype margin
+    (the lowest chosen score minus the best unchosen one) is at most that."""
     ties = []
     for s_low, s_exact, chosen in zip(low.scores, exact.scores, low.chosen):
         both = torch.isfinite(s_low) & torch.isfinite(s_exact)
-        error = torch.where(both, (s_low - s_exact).abs(), torch.zeros_like(s_low)).amax(dim=1)
+        slack = (1 + half_ratio) * torch.where(both, (s_low - s_exact).abs(), torch.zeros_like(s_low)).amax(dim=1)
         margin = s_low.gather(1, chosen).min(dim=1).values - _unchosen(s_low, chosen).max(dim=1).values
-        ties.append(torch.isfinite(margin) & (margin <= (1 + half_ratio) * error))
+        ties.append((torch.isfinite(margin) & (margin <= slack), slack))
     return ties
 
 
@@ -97,29 +100,45 @@ def _unchosen(scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     return scores.scatter(1, chosen, float("-inf"))
 
 
-def runner_up(scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """`chosen` [n, k] with its lowest-scored expert replaced by the best unchosen one."""
-    weakest = scores.gather(1, chosen).argmin(dim=1, keepdim=True)
-    best_other = _unchosen(scores, chosen).argmax(dim=1, keepdim=True)
-    return chosen.scatter(1, weakest, best_other)
+SWAPS = ((0, 0), (0, 1), (1, 0), (0, 2))
+"""(w, j): the (w+1)-th weakest chosen expert replaced by the (j+1)-th best unchosen one, in this order. In
+bfloat16 scores are often exactly equal, and two implementations' topk need not break such ties alike."""
 
 
-def swapped_routings(low: RouteProbe, ties: list[torch.Tensor]):
-    """The forced routings of the swapped references (step 4 above), one per set of swapped layers."""
-    tied_layers = [layer for layer, t in enumerate(ties) if bool(t.any())]
-    if not tied_layers:
-        return
-    every = [set(c) for r in range(1, len(tied_layers) + 1) for c in combinations(tied_layers, r)]
-    if len(every) > MAX_ROUTINGS:
-        every = [{layer} for layer in tied_layers[:MAX_ROUTINGS - 1]] + [set(tied_layers)]
-    for layers in every:
-        forced = []
-        for layer, (chosen, tied) in enumerate(zip(low.chosen, ties)):
-            if layer in layers:
-                chosen = torch.where(tied[:, None], runner_up(low.scores[layer], chosen), chosen)
-            forced.append((chosen, tied))
-        yield forced
+def swapped(scores: torch.Tensor, chosen: torch.Tensor, slack: torch.Tensor, w: int, j: int):
+    """(`chosen` [n, k] with swap (w, j) made at the tokens where the two experts' scores are within `slack`,
+    those tokens [n] bool)."""
+    n, k = chosen.shape
+    if w >= k or j >= scores.shape[1] - k:
+        return chosen, torch.zeros(n, dtype=torch.bool)
+    chosen_scores = scores.gather(1, chosen)
+    drop = chosen_scores.argsort(dim=1)[:, w:w + 1]  # the slot of the (w+1)-th weakest chosen
+    best = _unchosen(scores, chosen).topk(j + 1, dim=1)
+    gap = chosen_scores.gather(1, drop)[:, 0] - best.values[:, j]
+    applies = torch.isfinite(best.values[:, j]) & (gap <= slack)
+    return torch.where(applies[:, None], chosen.scatter(1, drop, best.indices[:, j:j + 1]), chosen), applies
 
 
-def tie_count(ties: list[torch.Tensor]) -> int:
-    return sum(int(t.sum()) for t in ties)
+def swapped_routings(low: RouteProbe, ties: list[tuple[torch.Tensor, torch.Tensor]]):
+    """The forced routings of the swapped references (step 4 above): per swap of SWAPS, per set of layers
+    swapped; at most MAX_ROUTINGS, none that would change no choice."""
+    tied_layers = [layer for layer, (tied, _) in enumerate(ties) if bool(tied.any())]
+    layer_sets = [set(c) for r in range(1, len(tied_layers) + 1) for c in combinations(tied_layers, r)]
+    if len(layer_sets) > 3:
+        layer_sets = [{layer} for layer in tied_layers] + [set(tied_layers)]
+    made = 0
+    for w, j in SWAPS:
+        for layers in layer_sets:
+            forced, changed = [], False
+            for layer, (chosen, (tied, slack)) in enumerate(zip(low.chosen, ties)):
+                if layer in layers:
+                    experts, applies = swapped(low.scores[layer], chosen, slack, w, j)
+                    chosen, changed = experts, changed or bool((applies & tied).any())
+                forced.append((chosen, tied))
+            if changed and made < MAX_ROUTINGS:
+                made += 1
+                yield forced
+
+
+def tie_count(ties: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return sum(int(tied.sum()) for tied, _ in ties)
