@@ -111,9 +111,10 @@ def swapped(scores: torch.Tensor, chosen: torch.Tensor, slack: torch.Tensor, w: 
     n, k = chosen.shape
     if w >= k or j >= scores.shape[1] - k:
         return chosen, torch.zeros(n, dtype=torch.bool)
+    # Stable sorts: equal scores keep one order whatever j and w (topk orders equal values differently per k).
     chosen_scores = scores.gather(1, chosen)
-    drop = chosen_scores.argsort(dim=1)[:, w:w + 1]  # the slot of the (w+1)-th weakest chosen
-    best = _unchosen(scores, chosen).topk(j + 1, dim=1)
+    drop = torch.sort(chosen_scores, dim=1, stable=True).indices[:, w:w + 1]  # the (w+1)-th weakest's slot
+    best = torch.sort(_unchosen(scores, chosen), dim=1, descending=True, stable=True)
     gap = chosen_scores.gather(1, drop)[:, 0] - best.values[:, j]
     applies = torch.isfinite(best.values[:, j]) & (gap <= slack)
     return torch.where(applies[:, None], chosen.scatter(1, drop, best.indices[:, j:j + 1]), chosen), applies
