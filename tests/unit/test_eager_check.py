@@ -87,12 +87,12 @@ def test_the_same_forward_passes_without_any_swap(weights):
     assert moe.ROUTE_PROBE is None  # the checker's probe is gone once it has answered: nothing traced sees it
 
 
-@pytest.mark.parametrize("wrong", ["a tie broken to an expert that is not the runner-up",
+@pytest.mark.parametrize("wrong", ["a tie broken towards an expert outside the slack",
                                    "an expert's down projection sign-flipped",
                                    "top-k weights not renormalised", "one expert fewer"])
 def test_a_wrong_forward_fails_the_check(weights, wrong):
     cfg, w = CFG, weights
-    if wrong == "a tie broken to an expert that is not the runner-up":
+    if wrong == "a tie broken towards an expert outside the slack":
         w = _experts_moved(weights, {5: 1, 1: 5})
     elif wrong == "an expert's down projection sign-flipped":
         w = dict(weights)
