@@ -104,3 +104,17 @@ def test_a_wrong_forward_fails_the_check(weights, wrong):
         cfg = CFG.replace(experts_per_token=1)
     result = _check(_eager(cfg, w), weights)
     assert result["diff"] > result["limit"], result
+
+
+def test_swaps_reach_every_expert_of_an_exact_tie():
+    # bfloat16 scores are often exactly equal: the second- and third-best unchosen experts must be two experts
+    # (topk orders equal values differently for each k), and only those within the slack are taken.
+    from kiln.host.routing_ties import swapped
+
+    scores = torch.full((1, 128), 0.10)  # 128 experts, as Qwen3-30B-A3B's: topk's order of equals varies with k
+    scores[0, :2] = torch.tensor([0.30, 0.20])
+    chosen = torch.tensor([[0, 1]])
+    taken = {int(swapped(scores, chosen, torch.tensor([0.15]), 0, j)[0][0, 1]) for j in range(3)}
+    assert len(taken) == 3 and not taken & {0, 1}
+    experts, applies = swapped(scores, chosen, torch.tensor([0.05]), 0, 0)
+    assert not applies.any() and experts.tolist() == [[0, 1]]
