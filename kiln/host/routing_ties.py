@@ -125,8 +125,8 @@ def swapped_routings(low: RouteProbe, ties: list[tuple[torch.Tensor, torch.Tenso
     swapped; at most MAX_ROUTINGS, none that would change no choice."""
     tied_layers = [layer for layer, (tied, _) in enumerate(ties) if bool(tied.any())]
     layer_sets = [set(c) for r in range(1, len(tied_layers) + 1) for c in combinations(tied_layers, r)]
-    if len(layer_sets) > 3:
-        layer_sets = [{layer} for layer in tied_layers] + [set(tied_layers)]
+    if len(layer_sets) > 3:  # all together first: with many such layers the cap leaves out later single ones
+        layer_sets = [set(tied_layers)] + [{layer} for layer in tied_layers]
     made = 0
     for w, j in SWAPS:
         for layers in layer_sets:
