@@ -20,6 +20,7 @@ from kiln.core.forward_keys import check_export_id
 from kiln.core.home import kiln_home
 from kiln.core.layout import manifest_key
 from kiln.core.manifest import check_manifest
+from kiln.core.outcome import routing_note
 from kiln.core.package_check import check_package
 from kiln.core.recipe import Recipe
 from kiln.core.sizing import verify_peak_mib
@@ -124,12 +125,13 @@ def verify_export(store_url: str | None, export_id: str, **options) -> dict:
                               atol=recipe.verify_atol, half_ratio=recipe.verify_half_ratio)
     for bucket, c in sorted(checks.items()):
         lines.append(f"  {bucket}: {manifest['tp']} ranks together vs unsharded eager: max |diff| {c['diff']:.2e} "
-                     f"(scaled; limit {c['limit']:.2e})")
+                     f"(scaled; limit {c['limit']:.2e}{routing_note(c)})")
     failed = sorted(b for b, c in checks.items() if c["diff"] > c["limit"])
     if failed:
         c = checks[failed[0]]
         raise VerifyMismatch(f"export {export_id}: compiled ranks of bucket {failed[0]} differ from the unsharded "
-                             f"model by {c['diff']:.2e} (scaled; limit {c['limit']:.2e} for {cfg.dtype}).")
+                             f"model by {c['diff']:.2e} (scaled; limit {c['limit']:.2e} for {cfg.dtype}"
+                             f"{routing_note(c)}).")
     lines.append(f"verify ok: {manifest['tp']} ranks match the unsharded model ({cfg.dtype}; "
                  f"{'within ' + str(recipe.verify_atol) if cfg.dtype == 'float32' else 'compared in float32'})")
     lines.append(f"memory: peak {peak_mib} MiB measured over the rank processes (predicted {predicted} MiB)")

@@ -370,7 +370,7 @@ def remember_check(path: Path, check: dict) -> None:
 def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[str, dict]:
     """Load each forward with each of this host's rank weights and compare with eager.
 
-    Returns {'checks': 'rank<r>/<bucket>' -> {'diff', 'limit'} (kiln.host.loader.judge), 'memory':
+    Returns {'checks': 'rank<r>/<bucket>' -> {'diff', 'limit', ...} (kiln.host.loader.check_against_eager), 'memory':
     {'predicted_mib', 'peak_mib'} of the largest rank check}. A check that would not fit in the
     host's available memory is refused (MemoryShort) before its process starts.
 
@@ -390,7 +390,8 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     todo: dict[int, list[dict]] = {}
     for rank in host.ranks:
         for f in forwards:
-            seen = record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json"
+            # v3: 'own' is eager's error against float32 routed as eager was (kiln.host.routing_ties).
+            seen = record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v3.json"
             check = cache.read_record(seen)
             # The measured figures are remembered (an unreadable record counts as none); the limit is this export's.
             if check is not None and isinstance(check.get("diff"), (int, float)):
@@ -422,6 +423,6 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
             for f in fs:
                 check = found[f"rank{rank}/{f['bucket']}"]
                 if check["diff"] <= check["limit"]:
-                    remember_check(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v2.json",
+                    remember_check(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v3.json",
                                    {**check, "verified_at": _mtime_iso(None)})
     return {"checks": diffs, "memory": memory}

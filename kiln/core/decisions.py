@@ -16,7 +16,7 @@ from kiln.core.job import ExportJob
 from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import SETTING, SETTINGS, Recipe
 from kiln.core.contract import cache_layout
-from kiln.core.sizing import device_required_mib, page_bytes, plan_kv, required_mib
+from kiln.core.sizing import check_peak_mib, device_required_mib, page_bytes, plan_kv, required_mib
 from kiln.core.target import device_of, resolve_device
 
 
@@ -110,6 +110,7 @@ def run_gate(job: ExportJob, probes: list[HostProbe], kv: dict | None = None) ->
     reports = host_reports(job, probes)
     plan = decide(reports, job.recipe, needed_keys(probes), _store_keys(probes),
                   page_size_bytes=page_size(job), kv_pages_per_rank=kv["pages_per_rank"] if kv else None)
+    check_rank_checks_fit(job, reports, probes)
     if kv is not None and kv["limiting_rank"] >= 0:
         largest = max(job.recipe.buckets, key=lambda b: (b.batch, b.tokens))
         host = next((r.name for r in reports if kv["limiting_rank"] in r.ranks), "?")
@@ -117,6 +118,27 @@ def run_gate(job: ExportJob, probes: list[HostProbe], kv: dict | None = None) ->
                  batch=largest.batch, pages_per_seq=job.recipe.pages_per_seq, page_tokens=job.recipe.page_tokens,
                  context_tokens=job.recipe.max_context_tokens, limiting=f"rank {kv['limiting_rank']} on {host}")
     return plan
+
+
+def check_rank_checks_fit(job: ExportJob, reports: list[HostReport], probes: list[HostProbe]) -> None:
+    """GateRefused (exit 3) before anything compiles when a host could not check one of its ranks against
+    eager with its forwards (kiln.core.sizing.check_peak_mib; the check itself refuses alike, but only
+    after the compile phase): the refusal names each such host and the figures."""
+    cfg = job.model_config
+    shard_bytes = cfg.weight_bytes_per_rank(job.tp)
+    short = []
+    for report, probe in zip(reports, probes):
+        if not report.ranks or not probe.specs:
+            continue
+        need = check_peak_mib(shard_bytes=shard_bytes, num_forwards=len(probe.specs), half=cfg.dtype != "float32",
+                              process_base_mib=job.recipe.process_base_mib)
+        if need > report.available_mib:
+            short.append(f"host {report.name} needs about {need} MiB to check one rank against eager "
+                         f"({len(probe.specs)} forward(s) of a {shard_bytes // 2**20} MiB shard in {cfg.dtype}) "
+                         f"but {report.available_mib} MiB are available")
+    if short:
+        raise GateRefused("; ".join(short) + ". Nothing was compiled: free memory there, use a larger tp (a "
+                          "smaller shard), or export fewer buckets per run.")
 
 
 def settings_without_effect(recipe: Recipe, plan: Plan) -> list[str]:

@@ -70,4 +70,14 @@ def check_verified(checks: dict[str, dict], host_name: str, dtype: str) -> None:
     if failed:
         name, c = max(failed.items(), key=lambda kv: kv[1]["diff"] / kv[1]["limit"])
         raise VerifyMismatch(f"compiled forward {name} on {host_name} differs from eager by {c['diff']:.2e} "
-                             f"(scaled; limit {c['limit']:.2e} for {dtype}); the artifact is not trustworthy.")
+                             f"(scaled; limit {c['limit']:.2e} for {dtype}{routing_note(c)}); the artifact is not "
+                             "trustworthy.")
+
+
+def routing_note(check: dict) -> str:
+    """', against the nearest of N float32 routings (T expert choices left open by the dtype)' when the check
+    of a mixture of experts took its routing ties into account (kiln.host.routing_ties); '' otherwise."""
+    if not check.get("ties"):
+        return ""
+    return (f", against the nearest of {check['routings']} float32 routings: {check['ties']} expert choice(s) "
+            "left open by the dtype")

@@ -12,6 +12,8 @@ import json
 import re
 from collections import Counter
 
+from kiln.core.outcome import routing_note
+
 REFUSED = "export refused before compiling: "
 """How every gate refusal's text begins (kiln.core.gate)."""
 
@@ -110,7 +112,7 @@ def checks_lines(verify: dict[str, dict]) -> list[str]:
             if remembered else "")
         out.append(f"- {host}: rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)} against eager, "
                    f"{len(checks)} check(s) ({how}); largest difference {worst['diff']:.2e} "
-                   f"(limit {worst['limit']:.2e}, {worst_name})")
+                   f"(limit {worst['limit']:.2e}, {worst_name}{routing_note(worst)})")
     return out
 
 

@@ -84,7 +84,7 @@ def _check_together(rank: int, tp: int, port: int, job: dict, link: RankLink) ->
     from kiln.core.config import ModelConfig
     from kiln.core.contract import cache_layout
     from kiln.core.recipe import parse_buckets
-    from kiln.host.loader import eager_outputs, judge, load_forward, place_weights
+    from kiln.host.loader import check_against_eager, load_forward, place_weights
     from kiln.host.weights import load_rank_weights
     from kiln.host.model import example_inputs, host_group
 
@@ -122,10 +122,9 @@ def _check_together(rank: int, tp: int, port: int, job: dict, link: RankLink) ->
         dist.all_gather(parts, new_kv.contiguous(), group=side)
         if rank == 0:
             link.doing(f"running the unsharded eager model for {name}")
-            eager, exact = (None if out is None else tuple(t.cpu() for t in out)
-                            for out in eager_outputs(cfg, 1, full, args, device=device))
             every = torch.cat(parts, dim=-2) if layout.sharded else _same(parts)
-            diffs[name] = judge((logits, every), eager, exact, atol=job["atol"], half_ratio=job["half_ratio"])
+            diffs[name] = check_against_eager((logits, every), cfg, 1, full, args, atol=job["atol"],
+                                              half_ratio=job["half_ratio"], device=device)
     link.doing("leaving the gloo group")
     dist.barrier(group=side)
     dist.destroy_process_group()
@@ -157,7 +156,7 @@ def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[
                      pages_per_seq: int, atol: float, half_ratio: float, s3_endpoint: str | None = None,
                      timeout_s: float = 600, device: str = "cpu") -> tuple[dict[str, dict], int]:
     """(bucket -> {'diff', 'limit'} of the compiled ranks combined against the unsharded eager model
-    (kiln.host.loader.judge), the ranks' peak MiB added up); raises on any rank's error.
+    (kiln.host.loader.check_against_eager), the ranks' peak MiB added up); raises on any rank's error.
 
     `artifacts` maps a bucket name ('4x32') to {'path', 'sha256'} of a verified local copy, compiled for
     `device` ('cpu' or 'cuda': each rank on its GPU, see rank_device; the group is gloo either way).

@@ -122,3 +122,20 @@ def test_checks_that_would_not_fit_are_refused_before_they_start():
     assert check_peak_mib(shard_bytes=2**30, num_forwards=1, half=False, process_base_mib=0) == 4 * 1024
     assert verify_peak_mib(shard_bytes=2**30, full_bytes=2**31, tp=2, num_forwards=1, half=False,
                            process_base_mib=100) == 2 * (100 + 2048) + 3 * 2048
+
+
+def test_a_rank_check_that_would_not_fit_is_refused_before_anything_compiles():
+    # Qwen3-30B-A3B's width, 2 layers, bfloat16: a host with room for compile workers but not for the check.
+    from kiln.core.sizing import check_peak_mib
+
+    cfg = TINY.replace(architecture="qwen3_moe", qk_norm=True, num_layers=2, hidden_size=2048, num_heads=32,
+                       num_kv_heads=4, head_dim=128, intermediate_size=6144, vocab_size=151936, num_experts=128,
+                       experts_per_token=8, moe_intermediate_size=768, moe_layers=(0, 1), dtype="bfloat16")
+    j = ExportJob(export_id="x", model_name="wide", checkpoint="/none", config=cfg.to_dict(), tp=2,
+                  recipe=Recipe(buckets=(Bucket(1, 16), Bucket(1, 1))), store_url="file:///none")
+    need = check_peak_mib(shard_bytes=cfg.weight_bytes_per_rank(2), num_forwards=2, half=True, process_base_mib=512)
+    run_gate(j, [probe("h", (0, 1), need, ["k1", "k2"])])
+    with pytest.raises(GateRefused, match=f"host h needs about {need} MiB to check one rank against eager "
+                                          r"\(2 forward\(s\) of a \d+ MiB shard in bfloat16\) but "
+                                          f"{need - 1} MiB are available.*Nothing was compiled"):
+        run_gate(j, [probe("h", (0, 1), need - 1, ["k1", "k2"])])

@@ -26,6 +26,12 @@ from kiln.host.model.collectives import reduce
 GATHER_BELOW = 3
 """A step gathers its chosen experts when GATHER_BELOW x its (token, expert) pairs are at most the experts."""
 
+ROUTE_PROBE = None
+"""The checker's routing probe (kiln.host.routing_ties.RouteProbe), None otherwise: when set, each router
+call hands it (the float32 scores the experts are chosen by [n, E], the chosen [n, k]) and takes back the
+experts to use, whose weights are then gathered as the router weighs its own choice. Only the eager
+checker sets it; nothing is traced while it is set, so compiled graphs never contain it."""
+
 
 def route(cfg: ModelConfig, p: dict[str, torch.Tensor], module: str,
           x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,6 +41,9 @@ def route(cfg: ModelConfig, p: dict[str, torch.Tensor], module: str,
         return _route_groups(cfg, p, module, x)
     probs = torch.softmax(F.linear(x, p[f"{module}.gate.weight"]).to(torch.float32), dim=-1)
     weights, chosen = torch.topk(probs, cfg.experts_per_token, dim=-1)
+    if ROUTE_PROBE is not None:
+        chosen = ROUTE_PROBE(probs, chosen)
+        weights = probs.gather(1, chosen)
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if cfg.architecture in ("qwen2_moe", "qwen3_moe"):  # Qwen's MoEs weigh in the model's dtype, Mixtral in float32
@@ -52,7 +61,10 @@ def _route_groups(cfg: ModelConfig, p: dict[str, torch.Tensor], module: str,
     best = torch.topk(group_scores, k=cfg.topk_groups, dim=-1, sorted=False)[1]
     keep = torch.zeros_like(group_scores).scatter(1, best, 1).bool()
     keep = keep[:, :, None].expand(n, groups, experts // groups).reshape(n, experts)
-    chosen = torch.topk(choice.masked_fill(~keep, float("-inf")), k=cfg.experts_per_token, dim=-1, sorted=False)[1]
+    choice = choice.masked_fill(~keep, float("-inf"))
+    chosen = torch.topk(choice, k=cfg.experts_per_token, dim=-1, sorted=False)[1]
+    if ROUTE_PROBE is not None:
+        chosen = ROUTE_PROBE(choice, chosen)
     weights = scores.gather(1, chosen)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
