@@ -267,6 +267,8 @@ def eager_outputs(cfg, tp: int, weights: dict, args, *, device: str = "cpu") -> 
             cast = tuple((a.to(getattr(torch, dtype)) if a.is_floating_point() else a).to(device) for a in args)
             return model(*cast)
 
+    return run(cfg.dtype), (None if cfg.dtype == "float32" else run("float32"))
+
 
 def _eager_model(cfg, tp: int, weights: dict, dtype: str, device: str = "cpu"):
     return eager_model(cfg.replace(dtype=dtype), tp, weights, device=device)

@@ -44,7 +44,7 @@ def test_refusal_is_final_and_as_fast_as_plan(kiln, tmp_path):
     assert plan.code == 3 and run.code == 3, run.err[-3000:]
     assert export_s < 3 * plan_s, f"kiln export took {export_s:.1f} s to refuse, kiln plan {plan_s:.1f} s"
     host = socket.gethostname()
-    assert f"{host} has " in run.err and "MiB short" in run.err and "Traceback" not in run.err
+    assert f"{host} is " in run.err and "MiB short of one compile worker" in run.err and "Traceback" not in run.err
     # The same sentence as kiln plan's (the MiB figures are read afresh by each).
     said = re.search(r"^gate: refused: (.*)$", plan.out, re.M)[1]
     assert re.sub(r"\d+", "N", said) in re.sub(r"\d+", "N", run.err)
