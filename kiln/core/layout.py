@@ -35,11 +35,6 @@ def artifact_key(key: str) -> str:
     return f"{FORWARDS}{key}.pt2"
 
 
-def forward_keys_in(object_keys) -> set[str]:
-    """The forward keys among `object_keys` (a listing of FORWARDS)."""
-    return {p["key"] for p in map(parse, object_keys) if p and p["kind"] == "forward"}
-
-
 def inspection_key(key: str) -> str:
     """Where the record of what a forward's package calls lives, with the sha256 of the bytes inspected."""
     return f"{INSPECTIONS}{key}.json"
