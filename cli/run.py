@@ -21,8 +21,9 @@ from cli.verify import open_export
 from kiln.core.contract import cache_layout
 from kiln.core.decode import check_request, pick_bucket, prefill_steps, refills_cache
 from kiln.core.errors import KilnError
+from kiln.core.manifest import manifest_device
 from kiln.core.recipe import Bucket, parse_buckets
-from kiln.host.verify_ranks import RankLink, spawn_ranks
+from kiln.host.verify_ranks import RankLink, rank_device, spawn_ranks
 
 
 def run_export(store_url: str | None, export_id: str, *, prompt: list[int], max_new_tokens: int,
@@ -36,7 +37,7 @@ def run_export(store_url: str | None, export_id: str, *, prompt: list[int], max_
     recipe = manifest["recipe"]
     check_request(prompt, max_new_tokens, vocab_size=cfg.vocab_size, context_tokens=recipe["max_context_tokens"])
     job = {"checkpoint": str(checkpoint), "s3_endpoint": options.get("s3_endpoint"), "config": cfg.to_dict(),
-           "artifacts": artifacts, "prompt": prompt,
+           "artifacts": artifacts, "prompt": prompt, "device": manifest_device(manifest),
            "max_new_tokens": max_new_tokens, "page_tokens": recipe["page_tokens"],
            "pages_per_seq": recipe["max_context_tokens"] // recipe["page_tokens"]}
     result = spawn_ranks(_rank_main, manifest["tp"], job, timeout_s=1800)[0]
@@ -58,7 +59,7 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, link: RankLink) -> None
 
         from kiln.core.config import ModelConfig
         from kiln.host.weights import load_rank_weights
-        from kiln.host.loader import load_forward
+        from kiln.host.loader import load_forward, place_weights
         from kiln.host.model import host_group
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
@@ -66,12 +67,14 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, link: RankLink) -> None
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
         cfg = ModelConfig(**job["config"])
         link.doing("loading weights")
-        weights = load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint"))
+        device = rank_device(job["device"], rank)
+        weights = place_weights(load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint")),
+                                device)
         link.doing("loading the forwards")
-        forwards = {parse_buckets(name)[0]: load_forward(art["path"], weights, art["sha256"])
+        forwards = {parse_buckets(name)[0]: load_forward(art["path"], weights, art["sha256"], device=device)
                     for name, art in sorted(job["artifacts"].items())}
         side = host_group()
-        generated, logits = _decode(forwards, cfg, tp, job, torch, dist, side, link)
+        generated, logits = _decode(forwards, cfg, tp, job, torch, dist, side, link, device)
         link.doing("leaving the gloo group")
         dist.barrier(group=side)
         dist.destroy_process_group()
@@ -83,40 +86,43 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, link: RankLink) -> None
 
 
 def _decode(forwards: dict[Bucket, object], cfg, tp: int, job: dict, torch, dist, side,
-            link: RankLink) -> tuple[list[int], list]:
-    """The decode loop of one rank: prefill in chunks, then one step per token; the cache is this rank's.
-    Each step says its forward and position on `link` (kiln.host.verify_ranks.RankLink)."""
+            link: RankLink, device: str) -> tuple[list[int], list]:
+    """The decode loop of one rank: prefill in chunks, then one step per token; the cache is this rank's,
+    on `device` with every step's inputs. Each step says its forward and position on `link`
+    (kiln.host.verify_ranks.RankLink)."""
     page_tokens, pages_per_seq = job["page_tokens"], job["pages_per_seq"]
     dtype = getattr(torch, cfg.dtype)
     # Sequence 0 owns pages 0..pages_per_seq-1; padding rows of a wider bucket read the same pages, write none.
-    cache = torch.zeros(cache_layout(cfg, tp).shape(cfg.num_layers, pages_per_seq + 1, page_tokens), dtype=dtype)
-    pages = torch.arange(pages_per_seq)
+    cache = torch.zeros(cache_layout(cfg, tp).shape(cfg.num_layers, pages_per_seq + 1, page_tokens), dtype=dtype,
+                        device=device)
+    pages = torch.arange(pages_per_seq, device=device)
     buckets = sorted(forwards)
     sequence = list(job["prompt"])
     generated, logits_out = [], []
 
     def step(start: int, count: int, bucket: Bucket, length: int) -> torch.Tensor:
-        tokens = torch.zeros(bucket.batch, bucket.tokens, dtype=torch.int64)
+        tokens = torch.zeros(bucket.batch, bucket.tokens, dtype=torch.int64, device=device)
         tokens[0, :count] = torch.tensor(sequence[start:start + count])
-        start_pos = torch.zeros(bucket.batch, dtype=torch.int64)
+        start_pos = torch.zeros(bucket.batch, dtype=torch.int64, device=device)
         start_pos[0] = start
         table = pages[None].expand(bucket.batch, -1).contiguous()
         # A rope that goes by the sequence's length sees what transformers sees in one call: the whole prompt's
         # length while the prompt is fed, a decoded token's position + 1 after.
-        lengths = [torch.full((bucket.batch,), length, dtype=torch.int64)] if cfg.length_dependent_rope else []
+        lengths = [torch.full((bucket.batch,), length, dtype=torch.int64, device=device)] \
+            if cfg.length_dependent_rope else []
         link.doing(f"running forward {bucket} on positions {start}..{start + count - 1}")
         with torch.no_grad():
             logits, new_kv = forwards[bucket](tokens, start_pos, cache, table, *lengths)
         for i in range(count):  # write the real tokens' cache entries (keys and values, or latents) into their pages
             pos = start + i
             cache[:, :, pos // page_tokens, pos % page_tokens] = new_kv[:, :, 0, i]
-        return logits[0, count - 1].float()
+        return logits[0, count - 1].float().cpu()
 
     for s in prefill_steps(buckets, len(sequence)):
         last = step(s.start, s.count, s.bucket, len(job["prompt"]))
     for n in range(job["max_new_tokens"]):
         choice = torch.tensor([int(last.argmax())])
-        dist.broadcast(choice, src=0, group=side)  # every rank feeds rank 0's choice
+        dist.broadcast(choice, src=0, group=side)  # every rank feeds rank 0's choice (a CPU tensor: gloo)  # every rank feeds rank 0's choice
         generated.append(int(choice))
         logits_out.append(last.tolist())
         if n + 1 == job["max_new_tokens"]:

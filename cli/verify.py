@@ -19,14 +19,14 @@ from kiln.core.errors import BadInput, MemoryShort, VerifyMismatch
 from kiln.core.forward_keys import check_export_id
 from kiln.core.home import kiln_home
 from kiln.core.layout import manifest_key
-from kiln.core.manifest import check_manifest
+from kiln.core.manifest import check_manifest, forwards_for_host, manifest_device
 from kiln.core.outcome import routing_note
 from kiln.core.package_check import check_package
 from kiln.core.recipe import Recipe
 from kiln.core.sizing import verify_peak_mib
 from kiln.host import weights
 from kiln.host.checkpoint import tiny_checkpoint
-from kiln.host.probe import host_memory
+from kiln.host.probe import consumer_target, host_memory
 from kiln.host.verify_ranks import verify_all_ranks
 from kiln.store import Store, open_store, validate_key
 
@@ -36,18 +36,23 @@ def fetch_verified_export(store: Store, export_id: str, dest: Path, *, trusted,
     """Everything a loader of a finished export needs, checked: (manifest, artifacts, lines).
 
     The signature first (`trusted` returns the trusted keys), then the
-    manifest's structure, then each artifact's sha256 (against the signed
-    manifest) as it lands in `dest`, then each package's members. `artifacts`
-    maps a bucket ('1x8') to {'path', 'sha256'}; load them with
-    kiln.host.loader.load_forward, which checks both again.
+    manifest's structure, then which forwards this host can run (its device and
+    target: kiln.core.manifest.forwards_for_host refuses by name before anything
+    is fetched), then each artifact's sha256 (against the signed manifest) as it
+    lands in `dest`, then each package's members. `artifacts` maps a bucket
+    ('1x8') to {'path', 'sha256'}; load them with kiln.host.loader.load_forward
+    on the manifest's device (kiln.core.manifest.manifest_device), which checks
+    both again.
     """
     check_export_id(export_id)
     raw, signature_line = read_verified_manifest(store, export_id, trusted=trusted, allow_unsigned=allow_unsigned)
     manifest = check_manifest(raw, export_id=export_id)
+    device = manifest_device(manifest)
+    chosen = forwards_for_host(manifest, *consumer_target(device))
     lines = [f"manifest {store.url}/{manifest_key(export_id)}: {len(manifest['forwards'])} forward(s)",
-             signature_line]
+             signature_line, f"device {device}: {len(chosen)} forward(s) for this host's target"]
     artifacts = {}
-    for f in manifest["forwards"]:
+    for f in chosen:
         path = dest / f"{f['key']}.pt2"
         store.get_file(validate_key(f["object"]), path, f["sha256"])  # raises IntegrityError on mismatch
         artifacts[f["bucket"]] = {"path": str(path), "sha256": f["sha256"]}
@@ -122,7 +127,8 @@ def verify_export(store_url: str | None, export_id: str, **options) -> dict:
     checks, peak_mib = verify_all_ranks(checkpoint=str(checkpoint), config=manifest["model"]["config"], tp=manifest["tp"],
                               s3_endpoint=options.get("s3_endpoint"),
                               artifacts=artifacts, page_tokens=recipe.page_tokens, pages_per_seq=recipe.pages_per_seq,
-                              atol=recipe.verify_atol, half_ratio=recipe.verify_half_ratio)
+                              atol=recipe.verify_atol, half_ratio=recipe.verify_half_ratio,
+                              device=manifest_device(manifest))
     for bucket, c in sorted(checks.items()):
         lines.append(f"  {bucket}: {manifest['tp']} ranks together vs unsharded eager: max |diff| {c['diff']:.2e} "
                      f"(scaled; limit {c['limit']:.2e}{routing_note(c)})")

@@ -7,7 +7,9 @@ default world group is the process group the packages' collectives name
 the checkpoint's safetensors files (a short reader below), cuts and stacks
 them as `weights` says (the decoder layers' tensors are stacked along a
 leading layer dimension), binds them to each package before its first call,
-and runs one prefill step with an empty paged KV cache:
+and runs one prefill step with an empty paged KV cache, on the device the
+manifest names (`runtime.device`: 'cpu', or 'cuda' with rank R on GPU R mod
+the GPUs visible):
 
     python examples/torch_only.py --manifest M.json --packages STORE/forwards \\
         --checkpoint CKPT --rank R --world-size 2 --port 29511 --out OUT_DIR
@@ -63,14 +65,15 @@ def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def rank_constants(manifest: dict, forward: dict, tensors: dict[str, torch.Tensor], rank: int) -> dict:
-    """The package constants of `rank`, as the manifest's `weights` says: each source tensor cut for the
-    rank and cast to the dtype the package was compiled for; a stacked constant (`stack` not None) is
+def rank_constants(manifest: dict, forward: dict, tensors: dict[str, torch.Tensor], rank: int,
+                   device: torch.device) -> dict:
+    """The package constants of `rank` on `device`, as the manifest's `weights` says: each source tensor cut
+    for the rank and cast to the dtype the package was compiled for; a stacked constant (`stack` not None) is
     allocated once and each source copied into its slice of the leading dimension, in order."""
     out = {}
     for name in forward["constants"]:
         w = manifest["weights"][name]
-        constant = torch.empty(w["shape"], dtype=getattr(torch, w["dtype"]))
+        constant = torch.empty(w["shape"], dtype=getattr(torch, w["dtype"]), device=device)
         for i, source in enumerate(w["sources"]):
             t = tensors[source["tensor"]]
             if source["cut"] is not None:
@@ -81,7 +84,8 @@ def rank_constants(manifest: dict, forward: dict, tensors: dict[str, torch.Tenso
 
 
 def step_inputs(forward: dict, vocab: int) -> list[torch.Tensor]:
-    """One prefill step from position 0 with an empty cache, shaped as the forward's interface says."""
+    """One prefill step from position 0 with an empty cache, shaped as the forward's interface says (on the
+    default device: main sets the rank's)."""
     spec = {i["name"]: i for i in forward["interface"]["inputs"]}
     batch, tokens = spec["tokens"]["shape"]
     pages_per_seq = spec["block_table"]["shape"][1]
@@ -110,6 +114,11 @@ def main() -> None:
     manifest = json.loads(args.manifest.read_text())
     assert manifest["runtime"]["python_free"], "this export needs Python ops registered: not for torch alone"
     assert args.world_size == manifest["tp"]
+    device = torch.device("cpu")
+    if manifest["runtime"].get("device", "cpu") == "cuda":  # absent: a manifest from before CUDA exports
+        if not torch.cuda.is_available():
+            raise SystemExit("this export's packages run on CUDA and this torch sees no GPU: run it on a GPU host")
+        device = torch.device("cuda", args.rank % torch.cuda.device_count())
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"  # a wrong shape raises instead of returning garbage
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.world_size)
@@ -120,11 +129,12 @@ def main() -> None:
     vocab = manifest["model"]["config"]["vocab_size"]
     logits = {}
     for forward in manifest["forwards"]:
-        package = torch._inductor.aoti_load_package(str(args.packages / f"{forward['key']}.pt2"))
-        package.load_constants(rank_constants(manifest, forward, tensors, args.rank), check_full_update=True)
-        with torch.no_grad():
+        package = torch._inductor.aoti_load_package(str(args.packages / f"{forward['key']}.pt2"),
+                                                    device_index=device.index if device.index is not None else -1)
+        package.load_constants(rank_constants(manifest, forward, tensors, args.rank, device), check_full_update=True)
+        with torch.no_grad(), device:
             out = package(*step_inputs(forward, vocab))
-        logits[forward["bucket"]] = out[0]
+        logits[forward["bucket"]] = out[0].cpu()
     dist.barrier(group=mine)
     dist.destroy_process_group()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -375,6 +375,12 @@ int run(const Args& a) {
   json manifest = read_json(a.manifest);
   if (manifest.value("version", 0) != 4)
     fail(a.manifest.string() + ": manifest version " + manifest.value("version", json()).dump() + ", this runner reads 4");
+  // This runner is built against libtorch for the CPU and binds weights and inputs on the CPU: a CUDA
+  // export's packages need the CUDA runtime and tensors on the GPU, so it says so instead of crashing.
+  std::string device = manifest.value("runtime", json::object()).value("device", "cpu");
+  if (device != "cpu")
+    fail("the export's packages run on " + device + "; this runner runs CPU packages only (use the torch-only "
+         "example, examples/torch_only.py, or kiln run on a GPU host)");
   int tp = manifest.at("tp");
   if (tp != a.world_size) fail("the export is tp " + std::to_string(tp) + " but --world-size is " + std::to_string(a.world_size));
   std::vector<const json*> found;  // one forward per (target, bucket): --key picks among targets

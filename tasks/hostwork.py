@@ -24,7 +24,7 @@ from kiln.core.target import host_device
 from kiln.core.vouch import make_vouch
 from kiln.host import cache, faults, probe, tuner
 from kiln.host.compiler import CompilePool, CompileResult, model_code_fingerprint
-from kiln.host.inductor_options import FORWARD_DEVICE, compiler_options, inductor_env
+from kiln.host.inductor_options import compiler_options, inductor_env
 from kiln.host.leasing import Leases, compile_leased
 from kiln.host.procs import PeakSampler, die_with_parent
 from kiln.store import ObjectMissing, open_store
@@ -70,11 +70,11 @@ def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
     target_of_host = probe.detect_target(device, reading)
     target = target_of_host.fingerprint
     store = store_of(job)
-    backends = tuning_plan.gemm_backends(job.recipe.tuning, FORWARD_DEVICE)
+    backends = tuning_plan.gemm_backends(job.recipe.tuning, device)
     tuned = None if backends is None else tuner.lookup(store, job, target, torch.__version__, backends)
     specs = job.specs(target=target, torch_version=torch.__version__, code=model_code_fingerprint(),
                       compiler={**compiler_options(backends), **target_of_host.inductor_options}, tuning=tuned,
-                      inductor_env=inductor_env())
+                      inductor_env=inductor_env(), device=device)
     return HostProbe(
         name=host.name, ranks=tuple(host.ranks), memory=snap, num_cpus=cpus, cpus_source=cpus_source,
         unified=reading.unified if job.recipe.unified_memory is None else job.recipe.unified_memory,
@@ -317,7 +317,9 @@ def fetch_missing(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
 
 def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict]) -> dict:
     from kiln.core.recipe import parse_buckets
-    from kiln.host.loader import compare_with_eager, load_forward
+    from kiln.core.target import device_of
+    from kiln.host.loader import compare_with_eager, load_forward, place_weights
+    from kiln.host.verify_ranks import rank_device
     from kiln.host.weights import load_rank_weights
     from kiln.host.model import solo_group
 
@@ -325,15 +327,17 @@ def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict])
     cfg = job.model_config
     diffs: dict[str, dict] = {}
     # One rank alone: its collectives sum over itself, in the compiled forward and in eager alike.
+    # The export's forwards share one device (kiln.core.manifest); rank r takes GPU r mod GPUs on a GPU host.
+    device = rank_device(device_of(forwards[0]["target"]), rank) if forwards else "cpu"
     with PeakSampler(interval_s=0.1) as sampler, solo_group():
-        weights = load_rank_weights(job.checkpoint, cfg, job.tp, rank, s3_endpoint=job.s3_endpoint,
-                                    cache_dir=cache_dir(host))
+        weights = place_weights(load_rank_weights(job.checkpoint, cfg, job.tp, rank, s3_endpoint=job.s3_endpoint,
+                                                  cache_dir=cache_dir(host)), device)
         for f in forwards:
-            compiled = load_forward(local_path(host, f["key"]), weights, f["sha256"])
+            compiled = load_forward(local_path(host, f["key"]), weights, f["sha256"], device=device)
             diffs[f"rank{rank}/{f['bucket']}"] = compare_with_eager(
                 compiled, cfg, job.tp, rank, weights, parse_buckets(f["bucket"])[0],
                 page_tokens=job.recipe.page_tokens, pages_per_seq=job.recipe.pages_per_seq,
-                atol=job.recipe.verify_atol, half_ratio=job.recipe.verify_half_ratio)
+                atol=job.recipe.verify_atol, half_ratio=job.recipe.verify_half_ratio, device=device)
     return {"checks": diffs, "peak_mib": sampler.peak_mib}
 
 

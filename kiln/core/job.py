@@ -50,12 +50,16 @@ class ExportJob:
 
     def specs(self, *, target: str, torch_version: str, code: str, compiler: dict,
               tuning: dict[str, dict] | None = None,
-              inductor_env: dict[str, str] | None = None) -> list[ForwardSpec]:
+              inductor_env: dict[str, str] | None = None, device: str = "cpu") -> list[ForwardSpec]:
         """One forward spec per bucket for hosts of `target`; `tuning` maps bucket name -> its tuning.
 
         `code` is the code fingerprint (kiln.host.key_sources); `inductor_env` the TORCHINDUCTOR_* settings
-        the compile workers inherit (kiln.host.inductor_options.inductor_env), in the graph when given."""
-        graph = {"config": self.config, "tp": self.tp, "code": code}
+        the compile workers inherit (kiln.host.inductor_options.inductor_env), in the graph when given.
+        `device` ('cpu' or 'cuda', the host's: kiln.core.target.host_device) goes into the graph as its
+        'device' for cuda; a CPU graph names none, so CPU keys are what they were before CUDA exports."""
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"a forward's device is 'cpu' or 'cuda', not {device!r}")
+        graph = {"config": self.config, "tp": self.tp, "code": code, **({"device": device} if device != "cpu" else {})}
         if inductor_env is not None:
             graph["inductor_env"] = dict(inductor_env)
         return [forward_spec(bucket=b, graph=graph, target=target, torch_version=torch_version,

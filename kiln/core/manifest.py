@@ -8,8 +8,9 @@ a sha256, says whether it is Python-free, and no two keys or objects collide
 after normalisation.
 
 It is also a consumer contract (kiln.core.contract; docs/run-without-kiln.md):
-`runtime` names the process group the packages' collectives expect and
-whether every package runs without Python; `weights` maps each
+`runtime` names the process group the packages' collectives expect,
+whether every package runs without Python, and the `device` the packages run
+on ('cpu' or 'cuda'; a manifest without it predates CUDA exports: cpu); `weights` maps each
 package constant to its checkpoint tensor and how each rank cuts it; each
 forward carries its `interface` (inputs and outputs: names, dtypes, shapes with
 the dynamic dimension named), the native `ops` it calls and its `constants`.
@@ -22,6 +23,7 @@ import re
 from kiln.core.errors import BadInput, IntegrityError
 from kiln.core.key_rules import check_no_collisions
 from kiln.core.layout import artifact_key
+from kiln.core.target import device_of
 
 MANIFEST_VERSION = 4
 _KEY = re.compile(r"^[0-9a-f]{16,64}$")
@@ -49,8 +51,11 @@ def build_manifest(*, export_id: str, model: dict, recipe: dict, tp: int, bucket
     """`forwards` are kiln.core.outcome.forward_records; `weights` is kiln.core.contract.weight_layout;
     `signing` is {'signed', 'key_fingerprint'} (kiln.core.signing.SigningPlan.manifest_entry)."""
     groups = sorted({f["interface"]["process_group"] for f in forwards if f["interface"]["process_group"]})
+    devices = sorted({device_of(f["target"]) for f in forwards})
+    if len(devices) > 1:
+        raise ValueError(f"an export's forwards run on one device, not on {' and '.join(devices)}")
     runtime = {"process_group": groups[0] if groups else None, "world_size": tp,
-               "python_free": all(f["python_free"] for f in forwards)}
+               "python_free": all(f["python_free"] for f in forwards), "device": devices[0] if devices else "cpu"}
     return {"version": MANIFEST_VERSION, "export_id": export_id, "model": model, "recipe": recipe,
             "tp": tp, "buckets": buckets, "runtime": runtime, "weights": weights,
             "forwards": sorted(forwards, key=lambda f: (f["target"], f["bucket"])),
@@ -89,8 +94,52 @@ def check_manifest(manifest: object, *, export_id: str | None = None) -> dict:
             raise IntegrityError(f"manifest entry for {f['key']} has a malformed sha256.")
         if not isinstance(f.get("python_free"), bool):
             raise IntegrityError(f"manifest entry for {f['key']} does not say whether it is Python-free.")
+    device = manifest_device(manifest)
+    off = sorted({f["target"] for f in forwards if device_of(str(f.get("target", ""))) != device})
+    if off:
+        raise IntegrityError(f"the manifest says its forwards run on {device} but lists forwards of target(s) "
+                             f"{', '.join(off)}.")
     try:
         check_no_collisions([f["object"] for f in forwards], what="manifest objects")
     except BadInput as exc:
         raise IntegrityError(str(exc)) from None
     return manifest
+
+
+def manifest_device(manifest: dict) -> str:
+    """'cpu' or 'cuda': the device a (checked) manifest's packages run on. A manifest without
+    `runtime.device` was written before Kiln compiled CUDA forwards: cpu."""
+    device = (manifest.get("runtime") or {}).get("device", "cpu")
+    if device not in ("cpu", "cuda"):
+        raise IntegrityError(f"the manifest's runtime device is {device!r}, not 'cpu' or 'cuda'.")
+    return device
+
+
+def forwards_for_host(manifest: dict, host_target: str, num_gpus: int) -> list[dict]:
+    """The forwards a consumer on a host of target fingerprint `host_target` with `num_gpus` usable GPUs
+    loads, one per bucket; BadInput naming what does not fit before anything is fetched.
+
+    The rule (docs/run-without-kiln.md): a CUDA export needs a GPU, and only forwards compiled for this
+    host's target (GPU arch, CUDA, Triton, wrapper ISA) load on it. A bucket with forwards for several
+    targets takes this host's; a CPU bucket with one forward takes that one (a CPU runs a package compiled for
+    its own ISA or a lower one; Inductor's code for a higher one stops with an illegal instruction).
+    """
+    device = manifest_device(manifest)
+    export = manifest.get("export_id")
+    if device == "cuda" and num_gpus <= 0:
+        raise BadInput(f"export {export} was compiled for CUDA (targets "
+                       f"{', '.join(sorted({str(f.get('target')) for f in manifest['forwards']}))}) and this host has no "
+                       "usable GPU (none visible, or torch here is a CPU build); run it on a GPU host of that "
+                       "target, or export again with --set device=cpu.")
+    by_bucket: dict[str, list[dict]] = {}
+    for f in manifest["forwards"]:
+        by_bucket.setdefault(f["bucket"], []).append(f)
+    chosen = []
+    for bucket, fs in sorted(by_bucket.items()):
+        mine = [f for f in fs if f.get("target") == host_target]
+        if not mine and (device == "cuda" or len(fs) > 1):
+            raise BadInput(f"export {export} has no forward of bucket {bucket} for this host's target "
+                           f"{host_target} (it has {', '.join(sorted(str(f.get('target')) for f in fs))}); run it on a "
+                           "host of one of those targets, or export again with a host of this one.")
+        chosen.append(mine[0] if mine else fs[0])
+    return chosen

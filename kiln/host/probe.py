@@ -268,6 +268,17 @@ def detect_target(device: str, reading: gpus.GpuReading | None = None) -> Target
                           triton_version=_installed_version("triton"), has_cpp_march=has_cpp_march())
 
 
+def consumer_target(device: str) -> tuple[str, int]:
+    """(this host's target fingerprint for `device`, its usable GPUs): what a consumer of an export asks
+    before fetching its forwards (kiln.core.manifest.forwards_for_host). No CUDA context is made; a host
+    that cannot run `device` answers fingerprint 'none'."""
+    if device == "cpu":
+        return detect_target("cpu").fingerprint, 0
+    reading = gpu_reading()
+    num_gpus = usable_gpus(reading)
+    return (detect_target(device, reading).fingerprint if num_gpus else "none"), num_gpus
+
+
 def target_fingerprint(device: str = "cpu") -> str:
     """detect_target(device).fingerprint: what compiled code for `device` depends on besides torch's version."""
     return detect_target(device).fingerprint

@@ -40,7 +40,7 @@ from kiln.core.errors import IntegrityError, KilnError
 from kiln.core.tuning_plan import GemmShape
 from kiln.core.target import device_of
 from kiln.host import probe
-from kiln.host.inductor_options import FORWARD_DEVICE, compiler_options
+from kiln.host.inductor_options import compiler_options
 from kiln.host.procs import die_with_parent
 from kiln.store import Store, open_store, sha256_bytes
 
@@ -170,11 +170,11 @@ def tune_target(job: ExportJob, target: str, *, backends: str | None = None) -> 
     """
     mode = job.recipe.tuning
     if mode != "off":
-        backends = backends or tuning_plan.gemm_backends(mode, FORWARD_DEVICE)
+        backends = backends or tuning_plan.gemm_backends(mode, device_of(target))
     out = {"target": target, "mode": mode, "backends": backends, "status": "skipped", "shapes": 0, "hits": 0,
            "misses": 0, "measured": 0, "measure_s": 0.0, "changed": False}
     if mode == "off" or backends is None:
-        return {**out, "backends": None, "reason": tuning_plan.untuned_reason(mode, FORWARD_DEVICE)}
+        return {**out, "backends": None, "reason": tuning_plan.untuned_reason(mode, device_of(target))}
     import torch
 
     here = probe.target_fingerprint(device_of(target))

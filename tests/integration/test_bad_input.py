@@ -82,6 +82,17 @@ def test_non_positive_memory_settings(kiln_main, tmp_path, setting):
     _check_refused(run, store, setting.split("=")[0])
 
 
+def test_a_cuda_export_on_a_host_without_a_gpu_is_refused_before_prefect(kiln_main, tmp_path):
+    """This machine has no GPU (the gpu tests do the export itself on one): device=cuda stops at the probe,
+    before the flow starts, naming the host and the way out."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU: device=cuda is not refused here (tests/integration/test_cuda_export.py)")
+    run, store = export(kiln_main, tmp_path, "--model", "tiny", "--set", "device=cuda")
+    _check_refused(run, store, "device=cuda but", "has no GPU", "--set device=cpu")
+
+
 def test_unknown_setting_lists_known_ones(kiln_main, tmp_path):
     run, store = export(kiln_main, tmp_path, "--model", "tiny", "--set", "headroom=1")
     _check_refused(run, store, "headroom_floor_mib")

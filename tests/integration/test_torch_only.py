@@ -29,7 +29,7 @@ def manifest(tp2_export) -> tuple[dict, Path, Path]:
 
 def test_manifest_states_the_consumer_contract(manifest):
     m, _, _ = manifest
-    assert m["runtime"] == {"process_group": "0", "world_size": 2, "python_free": True}
+    assert m["runtime"] == {"process_group": "0", "world_size": 2, "python_free": True, "device": "cpu"}
     assert m["forwards"] and all(f["python_free"] for f in m["forwards"])
     for f in m["forwards"]:
         ops = set(f["ops"])

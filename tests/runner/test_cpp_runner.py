@@ -164,6 +164,18 @@ def test_a_package_that_does_not_match_the_manifest_is_refused(runner, export, t
         assert code == 1 and "does not match the manifest" in stderr, stderr[-2000:]
 
 
+def test_a_cuda_export_is_refused_by_name(runner, export, tmp_path):
+    """The runner runs CPU packages only: a manifest whose runtime device is cuda stops before any package
+    or weight is read, saying so (the package here is a CPU one; the device is what is refused)."""
+    manifest = json.loads(export["manifest"].read_text())
+    manifest["runtime"]["device"] = "cuda"
+    bad = tmp_path / "manifest.json"
+    bad.write_text(json.dumps(manifest))
+    results = _run_ranks(runner, {**export, "manifest": bad}, [0] * (BATCH * TOKENS), tmp_path / "x", world_size=2)
+    for code, stderr in results:
+        assert code == 1 and "run on cuda; this runner runs CPU packages only" in stderr, stderr[-2000:]
+
+
 def test_cpp_runner_runs_what_kiln_export_wrote(runner, tp2_export, tmp_path):
     """The manifest and packages of a real `kiln export --tp 2` are enough for the runner, for every bucket."""
     import torch

@@ -1,0 +1,85 @@
+"""A CUDA export end to end on paper: the graph names its device, the manifest states it, and a consumer
+on the wrong device or target is refused by name before anything is fetched (no package compiled here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.core.config import TINY
+from kiln.core.errors import BadInput, IntegrityError
+from kiln.core.job import ExportJob
+from kiln.core.manifest import build_manifest, check_manifest, forwards_for_host, manifest_device
+from kiln.core.recipe import Recipe, parse_buckets
+
+H200 = "cuda-sm_90-cu13.0-triton3.6.0-x86-64-v3"
+A100 = "cuda-sm_80-cu13.0-triton3.6.0-x86-64-v3"
+CPU = "cpu-x86_64-avx2-0123abcd"
+
+
+def _job() -> ExportJob:
+    return ExportJob(export_id="e", model_name="m", checkpoint="/none", config=TINY.to_dict(), tp=2,
+                     recipe=Recipe(buckets=parse_buckets("1x8,2x4")), store_url="file:///tmp/s")
+
+
+def _specs(device: str, target: str):
+    return _job().specs(target=target, torch_version="2.13.0", code="c", compiler={}, device=device)
+
+
+def test_a_cuda_graph_names_its_device_and_a_cpu_graph_is_keyed_as_before():
+    cpu, cuda = _specs("cpu", CPU), _specs("cuda", H200)
+    assert all("device" not in s.graph for s in cpu)
+    assert all(s.graph["device"] == "cuda" for s in cuda)
+    # The same target string with and without the device: the device alone splits the keys.
+    assert {s.key for s in _specs("cuda", CPU)}.isdisjoint(s.key for s in cpu)
+    with pytest.raises(ValueError, match="not 'tpu'"):
+        _specs("tpu", CPU)
+
+
+def _forward(bucket: str, target: str, key: str) -> dict:
+    return {"key": key, "bucket": bucket, "target": target, "object": f"forwards/{key}.pt2", "sha256": "a" * 64,
+            "python_free": True, "interface": {"process_group": "0"}}
+
+
+def _manifest(forwards: list[dict]) -> dict:
+    return build_manifest(export_id="e", model={}, recipe={}, tp=2, buckets=[], forwards=forwards, weights={},
+                          kv_plan={}, hosts=[], phases=[], signing={"signed": False, "key_fingerprint": None})
+
+
+def test_the_manifest_states_its_device_and_refuses_a_mix():
+    assert manifest_device(_manifest([_forward("1x8", H200, "a" * 16)])) == "cuda"
+    cpu = _manifest([_forward("1x8", CPU, "b" * 16)])
+    assert cpu["runtime"]["device"] == "cpu" and check_manifest(cpu) is cpu
+    with pytest.raises(ValueError, match="one device, not on cpu and cuda"):
+        _manifest([_forward("1x8", H200, "a" * 16), _forward("2x4", CPU, "b" * 16)])
+    # Edited after the fact (a signed manifest cannot be, but the structure check does not rely on that).
+    lying = _manifest([_forward("1x8", CPU, "b" * 16)])
+    lying["runtime"]["device"] = "cuda"
+    with pytest.raises(IntegrityError, match="says its forwards run on cuda but lists forwards of target"):
+        check_manifest(lying)
+    lying["runtime"]["device"] = "tpu"
+    with pytest.raises(IntegrityError, match="'tpu', not 'cpu' or 'cuda'"):
+        check_manifest(lying)
+    old = _manifest([_forward("1x8", CPU, "b" * 16)])
+    del old["runtime"]["device"]
+    assert manifest_device(old) == "cpu"  # written before CUDA exports
+
+
+def test_a_cuda_export_on_a_host_without_a_gpu_is_refused_by_name():
+    m = _manifest([_forward("1x8", H200, "a" * 16)])
+    with pytest.raises(BadInput, match=f"compiled for CUDA \\(targets {H200}\\) and this host has no usable GPU"):
+        forwards_for_host(m, "none", 0)
+    with pytest.raises(BadInput, match=f"no forward of bucket 1x8 for this host's target {A100} \\(it has {H200}\\)"):
+        forwards_for_host(m, A100, 1)
+    assert [f["key"] for f in forwards_for_host(m, H200, 8)] == ["a" * 16]
+
+
+def test_a_bucket_with_a_forward_per_target_gives_this_hosts():
+    other_cpu = "cpu-x86_64-avx512-89abcdef"
+    m = _manifest([_forward("1x8", CPU, "a" * 16), _forward("1x8", other_cpu, "b" * 16),
+                   _forward("2x4", CPU, "c" * 16)])
+    assert [f["key"] for f in forwards_for_host(m, other_cpu, 0)] == ["b" * 16, "c" * 16]
+    with pytest.raises(BadInput, match="no forward of bucket 1x8 for this host's target cpu-aarch64"):
+        forwards_for_host(m, "cpu-aarch64-sve-00000000", 0)
+    # One forward per bucket on the CPU: it is taken (a CPU runs code for its own ISA or a lower one).
+    single = _manifest([_forward("1x8", CPU, "a" * 16)])
+    assert [f["key"] for f in forwards_for_host(single, other_cpu, 0)] == ["a" * 16]
