@@ -216,3 +216,43 @@ def shard_slice(name: str, cfg: "ModelConfig", tp: int, rank: int) -> tuple[int,
         if name.endswith(suffix):
             return dim, rank * n, (rank + 1) * n
     return None
+
+
+def layer_state(cfg: "ModelConfig", kind: str, capacity_tokens: int) -> dict[str, tuple[int, ...]]:
+    """What one sequence's cache holds for a layer of attention kind `kind`, each a [rows, width] tensor
+    (one rank's, the same on every rank: the key=value head, compressors and indexer are replicated), for
+    up to `capacity_tokens` tokens. What transformers' DeepseekV4HCACache / DeepseekV4CSACache hold, with
+    fixed shapes:
+    - `window`: the last sliding_window tokens' key=value, row p % sliding_window for position p;
+    - `entries`: compressed entry w at row w (one per rate tokens: the only part that grows with tokens);
+    - `ring_kv` / `ring_gate`: the compressor's projections of the last rate (HCA) or 2 x rate (CSA: the
+      previous window's first half overlaps) tokens, row p % rows: the tokens of the window not yet
+      complete (transformers' buffer) and, for CSA, the last complete one (its overlap state);
+    - `index_*`: a CSA layer's indexer, the same at index_head_dim."""
+    d, rate = cfg.head_dim, cfg.v4.rate_of(kind)
+    out = {"window": (cfg.sliding_window, d)}
+    if kind == SLIDING:
+        return out
+    rows, entries = (2 if kind == CSA else 1) * rate, -(-capacity_tokens // rate)
+    out.update({"entries": (entries, d), "ring_kv": (rows, rows // rate * d), "ring_gate": (rows, rows // rate * d)})
+    if kind == CSA:
+        i = cfg.v4.index_head_dim
+        out.update({"index_entries": (entries, i), "index_ring_kv": (rows, 2 * i), "index_ring_gate": (rows, 2 * i)})
+    return out
+
+
+def cache_values_per_token(cfg: "ModelConfig") -> float:
+    """Cached values each token adds, summed over the layers, once a sequence is long (the entries; the
+    window and rings are a fixed amount per sequence): head_dim / rate per compressed layer, plus a CSA
+    layer's index_head_dim / rate. DeepSeek-V3's is (kv_lora_rank + qk_rope_head_dim) per layer."""
+    out = 0.0
+    for kind in cfg.v4.layer_types:
+        if kind != SLIDING:
+            out += (cfg.head_dim + (cfg.v4.index_head_dim if kind == CSA else 0)) / cfg.v4.rate_of(kind)
+    return out
+
+
+def cache_values_per_sequence(cfg: "ModelConfig") -> int:
+    """Cached values each sequence holds whatever its length: every layer's window and rings."""
+    return sum(rows * width for kind in cfg.v4.layer_types
+               for name, (rows, width) in layer_state(cfg, kind, 0).items() if "entries" not in name)

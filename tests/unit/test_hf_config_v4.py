@@ -127,3 +127,20 @@ def test_runs_are_layers_of_one_kind_and_the_cache_is_refused_by_name():
     assert layer_runs(cfg) == [(0, 1), (1, 2), (2, 3), (3, 6)]
     with pytest.raises(BadInput, match="compressed KV cache"):
         cache_layout(cfg, 1)
+
+
+def test_the_cache_a_layer_keeps_and_what_a_token_adds():
+    """kiln.core.v4_fields.layer_state: a window of sliding_window rows on every layer; a compressed layer's
+    entries (one per rate tokens) and the projections a coming entry needs; a CSA layer's indexer too."""
+    from kiln.core.v4_fields import cache_values_per_sequence, cache_values_per_token, layer_state
+
+    cfg = from_hf({**SMALL, "layer_types": [SLIDING, CSA, CSA, HCA, HCA, HCA],
+                   "compress_rates": {CSA: 4, HCA: 8}})
+    assert layer_state(cfg, SLIDING, 100) == {"window": (8, 32)}
+    assert layer_state(cfg, HCA, 100) == {"window": (8, 32), "entries": (13, 32), "ring_kv": (8, 32),
+                                          "ring_gate": (8, 32)}
+    assert layer_state(cfg, CSA, 100) == {"window": (8, 32), "entries": (25, 32), "ring_kv": (8, 64),
+                                          "ring_gate": (8, 64), "index_entries": (25, 16),
+                                          "index_ring_kv": (8, 32), "index_ring_gate": (8, 32)}
+    assert cache_values_per_token(cfg) == 2 * (32 + 16) / 4 + 3 * 32 / 8
+    assert cache_values_per_sequence(cfg) == 6 * 8 * 32 + 2 * (2 * 8 * 64 + 2 * 8 * 32) + 3 * 2 * 8 * 32
