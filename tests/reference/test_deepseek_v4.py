@@ -181,3 +181,49 @@ def test_decoding_matches_transformers_generate_across_compression_boundaries(v4
     assert worst <= 1e-4, worst
     print(f"decode: max |logit diff| {worst:.2e} over {new_tokens} steps")
     assert len(set(want_ids)) > 3, "greedy decoding repeats itself: the check would show little"
+
+
+def _prefill_and_decode(model, prompt: list[int], steps: list[int]) -> torch.Tensor:
+    """[1 + len(steps), vocab]: the last position's logits after `prompt`, then after each of `steps` fed alone."""
+    cache, rows = model.new_cache(1, len(prompt) + len(steps)), []
+    with torch.no_grad():
+        logits, cache = model.step(torch.tensor([prompt]), 0, cache)
+        rows.append(logits[0, -1])
+        for i, token in enumerate(steps):
+            logits, cache = model.step(torch.tensor([[token]]), len(prompt) + i, cache)
+            rows.append(logits[0, -1])
+    return torch.stack(rows)
+
+
+def _rank_main(rank: int, path: str, init: str, out: str, prompt: list[int], steps: list[int]) -> None:
+    """One of two ranks (gloo): the rank's shard prefills `prompt` and decodes `steps`; rank 0 saves logits."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        cfg = inspect_checkpoint(path)
+        model = DeepseekV4Decoder(cfg, 2, scan=False).eval()
+        model.load_state_dict(load_rank_weights(path, cfg, 2, rank), strict=True)
+        rows = _prefill_and_decode(model, prompt, steps)
+        if rank == 0:
+            torch.save(rows, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_compute_what_one_does(v4_path, tmp_path):
+    """--tp 2 splits the query heads, sinks, output groups and the experts' columns (kiln.core.v4_fields.
+    tp_counts); two gloo ranks, each its own shard and a sum after attention and experts, prefill and decode
+    the same logits as one rank holding everything."""
+    import torch.multiprocessing as mp
+
+    cfg = inspect_checkpoint(v4_path)
+    prompt, steps = _tokens(cfg)[0].tolist(), [5, 77, 300, 12, 9, 41]
+    out = tmp_path / "tp2.pt"
+    mp.start_processes(_rank_main, args=(str(v4_path), f"file://{tmp_path / 'rendezvous'}", str(out), prompt, steps),
+                       nprocs=2, start_method="spawn")
+    model = DeepseekV4Decoder(cfg, 1, scan=False).eval()
+    model.load_state_dict(load_rank_weights(v4_path, cfg, 1, 0), strict=True)
+    diff = float((torch.load(out) - _prefill_and_decode(model, prompt, steps)).abs().max())
+    print(f"tp 2 against tp 1: max |logit diff| {diff:.2e}")
+    assert diff <= 1e-4
