@@ -196,12 +196,13 @@ def tp_counts(cfg: "ModelConfig") -> list[tuple[str, int]]:
 
 def export_refusal(cfg: "ModelConfig") -> str:
     """Why Kiln does not export DeepSeek-V4 yet: what is missing, for the refusal before anything starts."""
-    return ("DeepSeek-V4 (model_type deepseek_v4) is computed by Kiln in eager mode only: its compressed KV "
-            "cache (per layer the sliding window's entries, the compressor's entries, buffered tokens and "
-            "overlap state, and a CSA layer's indexer keys) is not yet in the forward's contract "
-            "(kiln.core.contract.cache_layout), so no compiled step could carry it from one call to the next; "
-            "Kiln refuses the export rather than compile a step that forgets it. Export a model of another "
-            "family, or run DeepSeek-V4 with transformers until Kiln's compressed cache lands.")
+    return ("DeepSeek-V4 (model_type deepseek_v4) is computed by Kiln in eager mode only (a prompt, and steps "
+            "over its compressed cache, checked against transformers): its compressed KV cache (per layer the "
+            "sliding window, the compressor's entries and pending tokens, a CSA layer's indexer keys; "
+            "kiln.core.v4_fields.layer_state) is not yet in the compiled forward's contract "
+            "(kiln.core.contract.cache_layout), nor in the KV plan, kiln run, kiln verify or the runners, so no "
+            "compiled step could carry it from one call to the next. Kiln refuses the export rather than compile "
+            "a step that forgets it; run DeepSeek-V4 with transformers until Kiln's compiled cache lands.")
 
 
 def shard_slice(name: str, cfg: "ModelConfig", tp: int, rank: int) -> tuple[int, int, int] | None:
