@@ -109,8 +109,8 @@ def test_each_piece_moves_the_logits(piece, v4_path):
     cfg = inspect_checkpoint(v4_path)
     weights = load_rank_weights(v4_path, cfg, 1, 0)
     tokens = _tokens(cfg)
-    got = kiln_logits(cfg, weights, tokens)
-    without = kiln_logits(*ABLATIONS[piece](cfg, weights), tokens)
+    got = kiln_logits(cfg, weights, tokens, scan=False)
+    without = kiln_logits(*ABLATIONS[piece](cfg, weights), tokens, scan=False)
     assert float((without - got).abs().max()) > 1e-3, f"{piece}: switching it off does not change these logits"
 
 
@@ -121,7 +121,7 @@ def test_bfloat16_stays_within_transformers_own_error(tmp_path):
     tokens = _tokens(cfg)
     exact = reference_logits(path, tokens, "float32")
     theirs = float((reference_logits(path, tokens, "bfloat16") - exact).abs().max())
-    model = DeepseekV4Decoder(cfg, 1).to(torch.bfloat16).eval()
+    model = DeepseekV4Decoder(cfg, 1, scan=False).to(torch.bfloat16).eval()
     model.load_state_dict(load_rank_weights(path, cfg, 1, 0), strict=True)
     with torch.no_grad():
         ours = float((model(tokens).float() - exact).abs().max())
@@ -227,3 +227,22 @@ def test_two_ranks_compute_what_one_does(v4_path, tmp_path):
     diff = float((torch.load(out) - _prefill_and_decode(model, prompt, steps)).abs().max())
     print(f"tp 2 against tp 1: max |logit diff| {diff:.2e}")
     assert diff <= 1e-4
+
+
+def test_sequences_at_different_positions_step_together(v4_path):
+    """A step's positions are one start per sequence (tensors, so the graph's shapes depend only on the token
+    count): two sequences' caches side by side, at positions 40 (the first of a CSA and an HCA window) and 17
+    (mid-window), step together as each steps alone."""
+    cfg = inspect_checkpoint(v4_path)
+    model = DeepseekV4Decoder(cfg, 1, scan=False).eval()
+    model.load_state_dict(load_rank_weights(v4_path, cfg, 1, 0), strict=True)
+    prompts = [_tokens(cfg)[0].tolist(), _tokens(cfg, 57)[0, 40:].tolist()]
+    alone, caches = [], []
+    with torch.no_grad():
+        for prompt, token in zip(prompts, (7, 8)):
+            _, cache = model.step(torch.tensor([prompt]), 0, model.new_cache(1, 48))
+            caches.append(cache)
+            alone.append(model.step(torch.tensor([[token]]), len(prompt), cache)[0][0, -1])
+        both = [{n: torch.cat((a[n], b[n]), dim=1) for n in a} for a, b in zip(*caches)]
+        together, _ = model.step(torch.tensor([[7], [8]]), torch.tensor([40, 17]), both)
+    assert float((together[:, -1] - torch.stack(alone)).abs().max()) <= 1e-5

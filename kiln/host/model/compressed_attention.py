@@ -51,14 +51,14 @@ def indexer_picks(cfg: ModelConfig, p: dict[str, torch.Tensor], x: torch.Tensor,
     return torch.zeros(b, t, n + 1, dtype=torch.bool, device=x.device).scatter(-1, best, True)[..., :n]
 
 
-def attention(cfg: ModelConfig, tp: int, kind: str, p: dict[str, torch.Tensor], x: torch.Tensor, start: int,
+def attention(cfg: ModelConfig, tp: int, kind: str, p: dict[str, torch.Tensor], x: torch.Tensor, start: torch.Tensor,
               state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the attention output [b, t, hidden] summed over the ranks, the layer's state after the step) of layer
-    kind `kind` over x [b, t, hidden], the tokens at positions start..start+t-1, and the layer's `state`
+    kind `kind` over x [b, t, hidden], the tokens at positions start[b]..start[b]+t-1, and the layer's `state`
     (kiln.core.v4_fields.layer_state, each with a leading batch dimension) of the positions before."""
     b, t, _ = x.shape
     d, eps, v4, window = cfg.head_dim, cfg.rms_norm_eps, cfg.v4, cfg.sliding_window
-    positions = (torch.arange(t, device=x.device) + start)[None].expand(b, t)
+    positions = start[:, None] + torch.arange(t, device=x.device)  # [b, t]
     cos, sin = pair_tables(main_rope(cfg) if kind == SLIDING else cfg, positions, x.dtype)  # [b, t, rope / 2]
     q_low = rms_norm32(F.linear(x, p["attn.wq_a.weight"]), p["attn.q_norm.weight"], eps)
     q = unweighted_rms_norm(F.linear(q_low, p["attn.wq_b.weight"]).view(b, t, -1, d), eps)
@@ -66,7 +66,7 @@ def attention(cfg: ModelConfig, tp: int, kind: str, p: dict[str, torch.Tensor], 
     kv = rotate_pairs(rms_norm32(F.linear(x, p["attn.wkv.weight"]), p["attn.norm.weight"], eps), cos, sin)
     kv = torch.cat((ring_read(state["window"], start), kv), dim=1)  # positions start - window ..
     new = {"window": ring_write(kv, start + t, window)}
-    distance = positions[:, :, None] - (torch.arange(window + t, device=x.device) + start - window)[None, None]
+    distance = positions[:, :, None] - (torch.arange(window + t, device=x.device) + start[:, None] - window)[:, None]
     visible = (distance >= 0) & (distance < window) & (distance <= positions[:, :, None])  # [b, t, window + t]
     if kind != SLIDING:
         rate = v4.rate_of(kind)

@@ -10,7 +10,7 @@ computing it when its window completes, whatever the steps were, gives transform
 the entries so far and the projections of the tokens a coming entry still needs (a ring of rate or
 2 x rate rows, row p % rows for position p; kiln.core.v4_fields.layer_state).
 
-Positions are Python ints here (eager steps); the windows a step completes follow from them.
+Positions are tensors, one start per sequence: the graph's shapes depend only on the step's token count.
 """
 
 from __future__ import annotations
@@ -47,45 +47,56 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((kept, (turned.float() * cos + half.float() * sin).to(x.dtype)), dim=-1)
 
 
-def ring_read(ring: torch.Tensor, start: int) -> torch.Tensor:
-    """[b, rows, ...]: a ring's rows in position order, positions start - rows .. start - 1."""
+def _rows_of(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [b, n, ...] at rows index [b, ...] of each sequence: [b, ..., ...]."""
+    batch = torch.arange(x.shape[0], device=x.device).view(-1, *([1] * (index.dim() - 1)))
+    return x[batch, index]
+
+
+def ring_read(ring: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """[b, rows, ...]: each sequence's ring in position order, positions start[b] - rows .. start[b] - 1."""
     rows = ring.shape[1]
-    return ring[:, (torch.arange(rows, device=ring.device) + start - rows) % rows]
+    return _rows_of(ring, (torch.arange(rows, device=ring.device) + start[:, None] - rows) % rows)
 
 
-def ring_write(seq: torch.Tensor, end: int, rows: int) -> torch.Tensor:
-    """The ring of the last `rows` rows of seq [b, n, ...], whose last row is position end - 1."""
-    return seq[:, seq.shape[1] - rows + (torch.arange(rows, device=seq.device) - (end - rows)) % rows]
+def ring_write(seq: torch.Tensor, end: torch.Tensor, rows: int) -> torch.Tensor:
+    """The ring of the last `rows` rows of seq [b, n, ...], whose last row is position end[b] - 1."""
+    ring = torch.arange(rows, device=seq.device)
+    return _rows_of(seq, seq.shape[1] - rows + (ring - (end[:, None] - rows)) % rows)
 
 
-def compress(cfg: ModelConfig, p: dict[str, torch.Tensor], prefix: str, x: torch.Tensor, start: int, rate: int,
-             state: dict[str, torch.Tensor], key: str = "") -> dict[str, torch.Tensor]:
-    """The state after the new tokens x [b, t, hidden] at positions start..start+t-1: `{key}entries`
+def compress(cfg: ModelConfig, p: dict[str, torch.Tensor], prefix: str, x: torch.Tensor, start: torch.Tensor,
+             rate: int, state: dict[str, torch.Tensor], key: str = "") -> dict[str, torch.Tensor]:
+    """The state after the new tokens x [b, t, hidden] at positions start[b]..start[b]+t-1: `{key}entries`
     [b, capacity, width] with the entries of the windows they complete written, `{key}ring_kv` and
-    `{key}ring_gate` [b, rows, series x width]."""
+    `{key}ring_gate` [b, rows, series x width]. A step completes at most ceil(t / rate) windows: that many
+    candidates are computed per sequence, and those whose window does not end within the step are written
+    to a spare row that is dropped, so the graph's shapes do not depend on the positions."""
     b, t, _ = x.shape
     ring_kv, ring_gate, entries = state[f"{key}ring_kv"], state[f"{key}ring_gate"], state[f"{key}entries"]
-    rows, width = ring_kv.shape[1], entries.shape[-1]
+    rows, width, capacity = ring_kv.shape[1], entries.shape[-1], entries.shape[1]
     kv = torch.cat((ring_read(ring_kv, start), F.linear(x, p[f"{prefix}.wkv.weight"])), dim=1)
     gate = torch.cat((ring_read(ring_gate, start), F.linear(x, p[f"{prefix}.wgate.weight"])), dim=1)
     out = {f"{key}ring_kv": ring_write(kv, start + t, rows), f"{key}ring_gate": ring_write(gate, start + t, rows)}
-    first, stop = start // rate, (start + t) // rate  # the windows whose last token is new
-    if stop == first:
-        return {**out, f"{key}entries": entries.clone()}  # a scan body may not return its input
-    n, at = stop - first, first * rate - (start - rows)  # kv's row of window `first`'s first token
-    own_kv = kv[:, at:at + n * rate].reshape(b, n, rate, -1)
-    own_gate = gate[:, at:at + n * rate].reshape(b, n, rate, -1) + p[f"{prefix}.ape"]
+    window = start[:, None] // rate + torch.arange(-(-t // rate), device=x.device)  # [b, k] candidates
+    ends = (window + 1) * rate <= start[:, None] + t
+    token = window[..., None] * rate + torch.arange(rate, device=x.device) - (start[:, None, None] - rows)
+    own = token.clamp(0, kv.shape[1] - 1)  # [b, k, rate]: kv's row of each window token
+    own_kv, own_gate = _rows_of(kv, own), _rows_of(gate, own) + p[f"{prefix}.ape"]
     if own_kv.shape[-1] != width:  # CSA: [the previous window's first halves | this window's second halves]
-        prev_kv = kv[:, at - rate:at - rate + n * rate, :width].reshape(b, n, rate, width)
-        prev_gate = gate[:, at - rate:at - rate + n * rate, :width].reshape(b, n, rate, width)
-        prev_gate = prev_gate + p[f"{prefix}.ape"][:, :width]
-        none = (torch.arange(first, stop, device=x.device) == 0)[None, :, None, None]  # window 0 has none before
+        prev = (token - rate).clamp(0, kv.shape[1] - 1)
+        prev_kv = _rows_of(kv[..., :width], prev)
+        prev_gate = _rows_of(gate[..., :width], prev) + p[f"{prefix}.ape"][:, :width]
+        none = (window == 0)[..., None, None]  # window 0 has none before
         prev_kv = torch.where(none, torch.zeros_like(prev_kv), prev_kv)
         prev_gate = torch.where(none, torch.full_like(prev_gate, float("-inf")), prev_gate)
         own_kv = torch.cat((prev_kv, own_kv[..., width:]), dim=2)
         own_gate = torch.cat((prev_gate, own_gate[..., width:]), dim=2)
     weights = own_gate.softmax(dim=2, dtype=torch.float32).to(own_kv.dtype)
     made = rms_norm32((own_kv * weights).sum(dim=2), p[f"{prefix}.norm.weight"], cfg.rms_norm_eps)
-    cos, sin = pair_tables(cfg, torch.arange(first, stop, device=x.device) * rate, x.dtype)
-    made = rotate_pairs(made, cos, sin)
-    return {**out, f"{key}entries": entries.slice_scatter(made.to(entries.dtype), dim=1, start=first, end=stop)}
+    cos, sin = pair_tables(cfg, window * rate, x.dtype)
+    made = rotate_pairs(made, cos, sin).to(entries.dtype)  # [b, k, width]
+    row = torch.where(ends, window, capacity).clamp(max=capacity)  # not ending here: the spare row
+    spare = torch.cat((entries, entries[:, :1]), dim=1)
+    written = spare.scatter(1, row[..., None].expand(-1, -1, width), made)
+    return {**out, f"{key}entries": written[:, :capacity]}

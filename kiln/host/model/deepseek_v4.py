@@ -37,9 +37,9 @@ Cache = list[dict[str, torch.Tensor]]
 
 
 def layer(cfg: ModelConfig, tp: int, kind: tuple[str, str], p: dict[str, torch.Tensor], streams: torch.Tensor,
-          tokens: torch.Tensor, start: int, state: dict[str, torch.Tensor]):
+          tokens: torch.Tensor, start: torch.Tensor, state: dict[str, torch.Tensor]):
     """(streams after one decoder layer of kind (attention kind, routing), its state after the step) on
-    streams [b, t, hc_mult, hidden] of `tokens` [b, t] at positions start.."""
+    streams [b, t, hc_mult, hidden] of `tokens` [b, t] at positions start[b]..."""
     eps = cfg.rms_norm_eps
     post, comb, x = mix_weights(cfg, p["hc_attn_fn"], p["hc_attn_base"], p["hc_attn_scale"], streams)
     attended, state = attention(cfg, tp, kind[0], p, rms_norm32(x, p["attn_norm.weight"], eps), start, state)
@@ -86,10 +86,11 @@ class DeepseekV4Decoder(nn.Module):
         """logits [b, t, vocab] of the prompts `tokens` [b, t] fed from position 0 in one call."""
         return self.step(tokens, 0, self.new_cache(tokens.shape[0], tokens.shape[1]))[0]
 
-    def step(self, tokens: torch.Tensor, start: int, cache: Cache) -> tuple[torch.Tensor, Cache]:
-        """(logits [b, t, vocab], the cache after the step) of `tokens` [b, t] at positions start..start+t-1
-        after the cache of the positions before."""
+    def step(self, tokens: torch.Tensor, start: torch.Tensor | int, cache: Cache) -> tuple[torch.Tensor, Cache]:
+        """(logits [b, t, vocab], the cache after the step) of `tokens` [b, t] at positions start[b]..start[b]+t-1
+        (`start` [b] int64, or one int for every sequence) after the cache of the positions before."""
         cfg = self.cfg
+        start = torch.as_tensor(start, dtype=torch.int64, device=tokens.device).expand(tokens.shape[0])
         x = self.model.embed_tokens(tokens)
         streams = x.unsqueeze(2).expand(-1, -1, cfg.v4.hc_mult, -1).contiguous()
         after = []
@@ -102,7 +103,7 @@ class DeepseekV4Decoder(nn.Module):
         head = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.head.weight
         return torch.nn.functional.linear(x, head), after
 
-    def _run(self, run: LayerRun, streams: torch.Tensor, tokens: torch.Tensor, start: int,
+    def _run(self, run: LayerRun, streams: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor,
              state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg, tp, kind = self.cfg, self.tp, self.cfg.v4.kind(run.start)
         stacked = run.stacked()
