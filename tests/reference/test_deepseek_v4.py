@@ -246,3 +246,18 @@ def test_sequences_at_different_positions_step_together(v4_path):
         both = [{n: torch.cat((a[n], b[n]), dim=1) for n in a} for a, b in zip(*caches)]
         together, _ = model.step(torch.tensor([[7], [8]]), torch.tensor([40, 17]), both)
     assert float((together[:, -1] - torch.stack(alone)).abs().max()) <= 1e-5
+
+
+def test_a_random_checkpoint_written_by_kiln_reads_back(tmp_path):
+    """`kiln checkpoint`'s writer (random weights, config.json by to_hf) makes a V4 checkpoint that reads back as
+    the same config, with tid2eid as expert ids, and runs."""
+    from kiln.core.hf_config import from_hf
+    from kiln.host.checkpoint import random_checkpoint
+
+    cfg = from_hf({**{k: v for k, v in V4.items() if k != "initializer_range"}, "model_type": "deepseek_v4"})
+    random_checkpoint(tmp_path / "ckpt", cfg)
+    assert inspect_checkpoint(tmp_path / "ckpt") == cfg
+    weights = load_rank_weights(tmp_path / "ckpt", cfg, 1, 0)
+    table = weights["model.runs.0.ffn.gate.tid2eid"]
+    assert table.dtype == torch.int64 and 0 <= int(table.min()) and int(table.max()) < cfg.num_experts
+    assert torch.isfinite(kiln_logits(cfg, weights, _tokens(cfg, 12), scan=False)).all()

@@ -57,6 +57,8 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
     for name, shape in expected_shapes(cfg).items():
         if name.endswith("norm.weight"):
             out[name] = torch.ones(shape, dtype=dtype)
+        elif constant_dtype(cfg, name) == "int64":  # an index table (DeepSeek-V4's tid2eid): expert ids
+            out[name] = torch.randint(0, cfg.num_experts, shape, generator=gen)
         else:
             out[name] = (torch.randn(shape, generator=gen) * shape[-1] ** -0.5).to(dtype)
     return out
