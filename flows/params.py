@@ -22,6 +22,7 @@ from kiln.core.job import ExportJob, HostSpec, place_ranks
 from kiln.core.layout import manifest_key
 from kiln.core.recipe import SETTING, Recipe, recipe_form, recipe_of_form
 from kiln.core.settings import GROUPS, form_value, worded_text
+from kiln.core.v4_fields import export_refusal
 from kiln.host.cache import cache_root, cache_status, check_caches
 
 _NAME = r"^[A-Za-z0-9._-]*$"
@@ -225,6 +226,8 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     if params.dtype != "checkpoint":
         cfg = cfg.replace(dtype=params.dtype)
     cfg.check_tp(params.tp)
+    if cfg.v4 is not None:  # eager only: no compiled step carries its compressed cache yet
+        raise BadInput(export_refusal(cfg))
     names = host_names or []
     unknown = sorted(set(params.assumed()) - set(names))
     if unknown and host_names is not None:

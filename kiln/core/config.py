@@ -11,16 +11,18 @@ tensor-parallel degree can split the model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from kiln.core.errors import BadInput
+from kiln.core.v4_fields import V4Fields, check_model, module_shapes, tp_counts
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM"}
 """model_type -> the transformers class whose math Kiln reproduces."""
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
@@ -28,9 +30,10 @@ LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
 call): a forward of such a model takes each sequence's length as an input (`seq_lens`)."""
 ACTIVATIONS = ("silu", "gelu_tanh")
 """The gated MLP's activation: SwiGLU's silu, or GeGLU's tanh-approximated gelu (Gemma's gelu_pytorch_tanh)."""
-ROUTERS = ("softmax", "sigmoid_groups")
-"""How a mixture of experts picks its experts: the top k of a softmax (Mixtral, Qwen), or DeepSeek-V3's sigmoid
-scores, corrected by a per-expert bias for the choice only, within the best groups of experts."""
+ROUTERS = ("softmax", "sigmoid_groups", "sqrtsoftplus")
+"""How a mixture of experts picks its experts: the top k of a softmax (Mixtral, Qwen), DeepSeek-V3's sigmoid
+scores, corrected by a per-expert bias for the choice only, within the best groups of experts, or DeepSeek-V4's
+sqrt(softplus) scores (a fixed table on its hash layers, the corrected top k on the others)."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,9 @@ class ModelConfig:
     scored by the sum of its two best corrected scores."""
     routed_scaling_factor: float = 1.0
     """The chosen experts' routing weights are multiplied by this (DeepSeek's routed_scaling_factor)."""
+    v4: V4Fields | None = None
+    """DeepSeek-V4's own settings (kiln.core.v4_fields), exactly when architecture is deepseek_v4; its rope_*
+    fields are then the compressed layers' rope, qk_rope_head_dim the trailing rotated dims of its heads."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -177,6 +183,12 @@ class ModelConfig:
                 raise BadInput(f"config.json: {field} must be a positive integer, got {value!r}.")
         if self.kv_lora_rank:
             self._check_latent()
+        if isinstance(self.v4, dict):  # read back from JSON
+            object.__setattr__(self, "v4", V4Fields(**self.v4))
+        if (self.v4 is not None) != (self.architecture == "deepseek_v4"):
+            raise BadInput("config.json: DeepSeek-V4's own fields (v4) go with model_type deepseek_v4, and only it.")
+        if self.v4 is not None:
+            check_model(self)
         if self.num_heads % self.num_kv_heads:
             raise BadInput(
                 f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -345,12 +357,14 @@ class ModelConfig:
             counts.append(("expert intermediate size", self.moe_intermediate_size))
         if self.moe_layers and self.shared_expert_intermediate_size:
             counts.append(("shared expert intermediate size", self.shared_expert_intermediate_size))
+        if self.v4 is not None:
+            counts = tp_counts(self)
         for what, count in counts:
             if count % tp:
                 ok = [d for d in range(1, count + 1) if all(c % d == 0 for _, c in counts)]
                 raise BadInput(
                     f"--tp {tp} does not divide the model's {count} {what}; "
-                    f"use a tp that divides heads, KV heads and the MLP: {', '.join(map(str, ok))}.")
+                    f"use a tp that divides {', '.join(w for w, _ in counts)}: {', '.join(map(str, ok))}.")
 
     def _latent_attention_params(self, tp: int) -> int:
         """One layer's latent attention: replicated down-projections and their norms, sharded up-projections."""
@@ -364,6 +378,10 @@ class ModelConfig:
         return q + kv + heads * self.v_head_dim * h + h * bias
 
     def _param_counts(self, tp: int) -> int:
+        if self.v4 is not None:  # every tensor, those tp_counts split divided by tp (a bound from above)
+            split = ("wq_b.weight", "attn_sink", "wo_a.weight", "wo_b.weight", ".w1.weight", ".w2.weight", ".w3.weight")
+            return sum(math.prod(s) // (tp if n.endswith(split) and "indexer" not in n else 1)
+                       for n, s in module_shapes(self).items())
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = self.hidden_size * (2 * q + 2 * kv) // tp
         attn += ((q + 2 * kv) // tp if self.qkv_bias else 0) + (self.hidden_size if self.o_bias else 0)

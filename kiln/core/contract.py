@@ -47,7 +47,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.core import v4_fields
 from kiln.core.config import ModelConfig
+from kiln.core.errors import BadInput
 
 PROCESS_GROUP = "0"
 """The group name the packages' collectives are compiled with: the default world group on every rank."""
@@ -89,7 +91,10 @@ fused tensor, cut to the projection's rows (and, with tp > 1, to the rank's shar
 def constant_dtype(cfg: ModelConfig, name: str) -> str:
     """The dtype the package holds tensor `name` (a constant, a stacked constant's suffix or a checkpoint tensor)
     in: the model's, but float32 for DeepSeek-V3's router and its correction bias, as transformers keeps them
-    (its _keep_in_fp32_modules_strict): in a bfloat16 model a rounded bias would choose other experts."""
+    (its _keep_in_fp32_modules_strict): in a bfloat16 model a rounded bias would choose other experts.
+    DeepSeek-V4's: kiln.core.v4_fields.constant_dtype (float32 for a few more, int64 for its hash table)."""
+    if cfg.v4 is not None:
+        return v4_fields.constant_dtype(cfg, name)
     if cfg.router == "sigmoid_groups" and name.endswith((".gate.weight", ".gate.e_score_correction_bias")):
         return "float32"
     return cfg.dtype
@@ -122,7 +127,10 @@ class CacheLayout:
 
 
 def cache_layout(cfg: ModelConfig, tp: int) -> CacheLayout:
-    """The KV cache layout of one rank of `cfg` at `tp` (see the module docstring)."""
+    """The KV cache layout of one rank of `cfg` at `tp` (see the module docstring); BadInput for DeepSeek-V4,
+    whose compressed cache is not in the contract yet (kiln.core.v4_fields.export_refusal)."""
+    if cfg.v4 is not None:
+        raise BadInput(v4_fields.export_refusal(cfg))
     if cfg.latent:
         return CacheLayout(entries=("latent_and_rope_key",), heads=1, width=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                            sharded=False)
@@ -167,6 +175,8 @@ def _part_offsets(cfg: ModelConfig, module: dict[str, tuple[int, ...]] | None = 
 
 def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the module reads, by its checkpoint-style name (Phi-3's fused projections apart)."""
+    if cfg.v4 is not None:
+        return v4_fields.module_shapes(cfg)
     h, mlp = cfg.hidden_size, cfg.intermediate_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_layers):
@@ -251,8 +261,9 @@ def layer_runs(cfg: ModelConfig) -> list[tuple[int, int]]:
     Per-layer differences that keep the shapes (the sliding window) are data scanned with the weights,
     so the Llama-family layers are one run; dense and mixture-of-experts layers are runs of their own."""
     runs: list[tuple[int, int]] = []
+    kind = cfg.v4.kind if cfg.v4 is not None else cfg.is_moe  # DeepSeek-V4: its attention and routing kinds
     for i in range(cfg.num_layers):
-        if runs and cfg.is_moe(i) == cfg.is_moe(runs[-1][0]):
+        if runs and kind(i) == kind(runs[-1][0]):
             runs[-1] = (runs[-1][0], i + 1)
         else:
             runs.append((i, i + 1))
@@ -348,6 +359,8 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
     their biases; row-parallel ones (o, down) split their input columns and
     keep their bias whole (it is added once, after the all-reduce).
     """
+    if cfg.v4 is not None and v4_fields.shard_slice(name, cfg, tp, rank) is not None:
+        return v4_fields.shard_slice(name, cfg, tp, rank)
     parts = name.rsplit(".", 2)
     if len(parts) < 3 or parts[-2] not in _COLUMN + _ROW or parts[-1] not in ("weight", "bias"):
         return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from kiln.core.config import ARCHITECTURES, ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.hf_config.deepseek import DEEPSEEK_V3
+from kiln.core.hf_config.deepseek_v4 import DEEPSEEK_V4, refuse_quantized
 from kiln.core.hf_config.common import FEATURES, INERT, Family, refuse_fp8_blocks, shared_hf
 from kiln.core.hf_config.gemma import GEMMA2, GEMMA3_TEXT
 from kiln.core.hf_config.llama import LLAMA, MISTRAL
@@ -20,7 +21,7 @@ from kiln.core.hf_config.qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
 from kiln.core.hf_config.rope import rope_positions, rope_scaling
 
 FAMILIES = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE, GEMMA2, GEMMA3_TEXT,
-                                PHI3, DEEPSEEK_V3)}
+                                PHI3, DEEPSEEK_V3, DEEPSEEK_V4)}
 """model_type -> its Family: every family Kiln reads."""
 
 
@@ -29,6 +30,8 @@ def from_hf(raw: dict) -> ModelConfig:
     if not isinstance(raw, dict):
         raise BadInput("config.json must hold a JSON object.")
     family = _family(raw)
+    if family is DEEPSEEK_V4:  # FP8 attention and FP4 experts: its own words on what to do
+        refuse_quantized(raw)
     refuse_fp8_blocks(raw)
     unknown = sorted(set(raw) - family.read - set(INERT) - set(family.inert))
     if unknown:

@@ -78,14 +78,18 @@ class LayerRun(nn.Module):
                 if not hasattr(owner, part):
                     owner.add_module(part, Holder())
                 owner = getattr(owner, part)
-            owner.register_parameter(leaf, nn.Parameter(_initial(suffix, shapes[prefix + suffix])))
+            if constant_dtype(cfg, prefix + suffix) == "int64":  # an index table (DeepSeek-V4's tid2eid)
+                owner.register_buffer(leaf, torch.zeros(shapes[prefix + suffix], dtype=torch.int64))
+            else:
+                owner.register_parameter(leaf, nn.Parameter(_initial(suffix, shapes[prefix + suffix])))
 
     def stacked(self) -> dict[str, torch.Tensor]:
         """suffix -> the stacked tensor [layers, ...]; experts' projections, stacked layers x experts along
         one dimension, viewed as [layers, experts, ...]."""
         out = {}
         for suffix in self.suffixes:
-            w = self.get_parameter(suffix)
+            module, _, leaf = suffix.rpartition(".")
+            w = getattr(self.get_submodule(module) if module else self, leaf)
             out[suffix] = w.view(self.stop - self.start, -1, *w.shape[1:]) if is_expert(suffix) else w
         return out
 

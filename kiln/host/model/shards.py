@@ -13,7 +13,8 @@ from kiln.core.contract import cache_layout, constant_dtype, constant_shapes, pa
 def rank_constants(cfg: ModelConfig, tp: int, rank: int,
                    read_into: Callable[[str, tuple | None, torch.Tensor], None],
                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every package constant of `rank` in `dtype` (float32 where the contract keeps it so, constant_dtype),
+    """Every package constant of `rank` in `dtype` (float32 or int64 where the contract keeps it so,
+    constant_dtype),
     each allocated once and filled by
     `read_into(checkpoint_name, cut, out)`, which writes that tensor (cut to (dim, start, stop) when `cut`
     is not None) into `out`: a stacked constant's sources go straight into its layer slices, so building
@@ -24,8 +25,8 @@ def rank_constants(cfg: ModelConfig, tp: int, rank: int,
     out = {}
     reads = rank_reads(cfg, tp, rank)
     for name, shape in constant_shapes(cfg, tp).items():
-        kept = constant_dtype(cfg, name) == "float32" != cfg.dtype
-        constant = torch.empty(shape, dtype=torch.float32 if kept else dtype)
+        own = constant_dtype(cfg, name)  # the model's, or float32 / int64 for the few the contract keeps so
+        constant = torch.empty(shape, dtype=dtype if own == cfg.dtype else getattr(torch, own))
         sources = reads[name]
         for i, (source, cut) in enumerate(sources):
             read_into(source, cut, constant if sources == [(name, cut)] else constant[i])
@@ -56,6 +57,8 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
     for name, shape in expected_shapes(cfg).items():
         if name.endswith("norm.weight"):
             out[name] = torch.ones(shape, dtype=dtype)
+        elif constant_dtype(cfg, name) == "int64":  # an index table (DeepSeek-V4's tid2eid): expert ids
+            out[name] = torch.randint(0, cfg.num_experts, shape, generator=gen)
         else:
             out[name] = (torch.randn(shape, generator=gen) * shape[-1] ** -0.5).to(dtype)
     return out

@@ -1,0 +1,146 @@
+"""DeepSeek-V4's config.json read as transformers' DeepseekV4Config reads it, written back, and refused by name.
+
+Expected values are DeepseekV4Config's (transformers 5.25), worked out by hand from its __post_init__.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kiln.core.config import ModelConfig
+from kiln.core.contract import cache_layout, constant_shapes, layer_runs
+from kiln.core.errors import BadInput
+from kiln.core.hf_config import from_hf, to_hf
+from kiln.core.job import ExportJob
+from kiln.core.recipe import Recipe
+from kiln.core.v4_fields import CSA, HCA, SLIDING, V4Fields
+
+SMALL = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 256,
+         "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 6, "num_attention_heads": 4,
+         "head_dim": 32, "q_lora_rank": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "o_groups": 2,
+         "o_lora_rank": 16, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 3,
+         "partial_rotary_factor": 0.25, "sliding_window": 8}
+
+
+def test_defaults_read_as_deepseekv4config_sets_them():
+    full = from_hf({"model_type": "deepseek_v4"})  # V4-Flash's sizes
+    v4 = full.v4
+    assert (full.num_layers, full.num_heads, full.num_kv_heads, full.head_dim, full.qk_rope_head_dim) == \
+        (43, 64, 1, 512, 64)
+    assert v4.layer_types[:4] == (HCA, HCA, HCA, CSA) and v4.layer_types[-1] == HCA
+    assert v4.mlp_layer_types[:4] == ("hash_moe",) * 3 + ("moe",)
+    assert (v4.csa_rate, v4.hca_rate, v4.hc_mult, v4.hc_sinkhorn_iters, v4.index_topk) == (4, 128, 4, 20, 512)
+    assert (full.rope_theta, v4.main_rope_theta, full.rope_type) == (160000.0, 10000.0, "default")
+    assert (full.router, full.routed_scaling_factor, full.num_experts, full.experts_per_token) == \
+        ("sqrtsoftplus", 1.5, 256, 6)
+
+
+def test_legacy_spellings_fold_in():
+    cfg = from_hf({**SMALL, "partial_rotary_factor": None, "qk_rope_head_dim": 16, "num_hash_layers": 1,
+                   "compress_ratios": [0, 4, 128, 4, 128, 0, 4], "compress_rate_hca": 16})
+    assert cfg.qk_rope_head_dim == 16
+    assert cfg.v4.layer_types == (SLIDING, CSA, HCA, CSA, HCA, SLIDING)  # cut to num_hidden_layers
+    assert cfg.v4.mlp_layer_types == ("hash_moe",) + ("moe",) * 5
+    assert (cfg.v4.csa_rate, cfg.v4.hca_rate) == (4, 16)
+
+
+def test_the_two_ropes():
+    yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+            "beta_slow": 1}
+    for spelled in ({"rope_parameters": yarn}, {"rope_scaling": yarn}):
+        cfg = from_hf({**SMALL, **spelled, "compress_rope_theta": 5000.0, "rope_theta": 50.0})
+        assert (cfg.rope_type, cfg.rope_theta, cfg.rope_factor, cfg.rope_attention_factor) == \
+            ("yarn", 5000.0, 16.0, 1.0)
+        assert cfg.v4.main_rope_theta == 50.0
+    nested = {"main": {"rope_type": "default", "rope_theta": 10.0, "partial_rotary_factor": 0.25},
+              "compress": {**yarn, "rope_theta": 7.0, "partial_rotary_factor": 0.25, "attention_factor": 1.0}}
+    cfg = from_hf({**SMALL, "rope_parameters": nested})
+    assert (cfg.v4.main_rope_theta, cfg.rope_theta, cfg.rope_type) == (10.0, 7.0, "yarn")
+    with pytest.raises(BadInput, match="rope_parameters.main"):
+        from_hf({**SMALL, "rope_parameters": {**nested, "main": {**yarn, "rope_theta": 10.0}}})
+
+
+def test_to_hf_round_trips():
+    for raw in (SMALL, {**SMALL, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 64},
+                        "layer_types": [SLIDING, CSA, HCA, CSA, CSA, SLIDING], "tie_word_embeddings": True}):
+        cfg = from_hf(raw)
+        assert from_hf(to_hf(cfg)) == cfg
+        assert ModelConfig(**cfg.to_dict()) == cfg
+
+
+V4_REFUSED = [
+    ({"n_shared_experts": 2}, "n_shared_experts=2"),
+    ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
+    ({"layer_types": [SLIDING] * 5}, "layer_types="),
+    ({"layer_types": ["full_attention"] * 6}, "full_attention"),
+    ({"compress_ratios": [0, 4, 64, 4, 4, 4]}, "compress_ratios="),
+    ({"qk_rope_head_dim": 16}, "qk_rope_head_dim=16"),
+    ({"o_groups": 3}, "o_groups (3)"),
+    ({"hc_fancy": 1}, "hc_fancy=1"),
+    ({"quantization_config": {"quant_method": "fp8", "expert_dtype": "fp4"}}, "FP4 experts"),
+]
+
+
+@pytest.mark.parametrize("change,words", V4_REFUSED, ids=[w for _, w in V4_REFUSED])
+def test_values_outside_what_kiln_computes_are_refused_by_name(change, words):
+    with pytest.raises(BadInput, match=words.replace("(", r"\(").replace(")", r"\)")):
+        from_hf({**SMALL, **change})
+
+
+def test_every_v4_field_is_in_the_forward_key():
+    def key(cfg: ModelConfig) -> str:
+        job = ExportJob(export_id="k", model_name="m", checkpoint="/none", config=cfg.to_dict(), tp=1,
+                        recipe=Recipe(), store_url="file:///none")
+        return job.specs(target="t", torch_version="v", code="c", compiler={})[0].key
+
+    base = from_hf(SMALL)
+    seen = {key(base)}
+    special = {"layer_types": (SLIDING,) * 6, "mlp_layer_types": ("moe",) * 6, "hc_eps": 1e-3}
+    for field in dataclasses.fields(V4Fields):
+        value = getattr(base.v4, field.name)
+        new = special.get(field.name, value * 2)
+        k = key(base.replace(v4=dataclasses.replace(base.v4, **{field.name: new})))
+        assert k not in seen, f"changing v4.{field.name} alone did not change the forward key"
+        seen.add(k)
+
+
+def test_tp_splits_heads_groups_and_experts_and_names_what_works():
+    cfg = from_hf(SMALL)
+    cfg.check_tp(2)
+    with pytest.raises(BadInput, match=r"--tp 3 does not divide the model's 4 attention heads; .*: 1, 2\."):
+        cfg.check_tp(3)
+    shapes = constant_shapes(cfg, 2)
+    assert shapes["model.runs.0.attn.wq_b.weight"][1:] == (2 * 32, 32)  # 2 of 4 heads
+    assert shapes["model.runs.0.attn.attn_sink"][1:] == (2,)
+    assert shapes["model.runs.0.attn.wo_b.weight"][1:] == (64, 16)  # 1 of 2 groups
+    assert shapes["model.runs.0.attn.wkv.weight"][1:] == (32, 64)  # the one key=value head, whole
+
+
+def test_runs_are_layers_of_one_kind_and_the_cache_is_refused_by_name():
+    cfg = from_hf({**SMALL, "layer_types": [SLIDING, CSA, CSA, HCA, HCA, HCA],
+                   "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe", "moe", "moe"]})
+    assert layer_runs(cfg) == [(0, 1), (1, 2), (2, 3), (3, 6)]
+    with pytest.raises(BadInput, match="compressed KV cache"):
+        cache_layout(cfg, 1)
+
+
+def test_the_cache_a_layer_keeps_and_what_a_token_adds():
+    """kiln.core.v4_fields.layer_state: a window of sliding_window rows on every layer; a compressed layer's
+    entries (one per rate tokens) and the projections a coming entry needs; a CSA layer's indexer too."""
+    from kiln.core.v4_fields import cache_values_per_sequence, cache_values_per_token, layer_state
+
+    cfg = from_hf({**SMALL, "layer_types": [SLIDING, CSA, CSA, HCA, HCA, HCA],
+                   "compress_rates": {CSA: 4, HCA: 8}})
+    assert layer_state(cfg, SLIDING, 100) == {"window": (8, 32)}
+    assert layer_state(cfg, HCA, 100) == {"window": (8, 32), "entries": (13, 32), "ring_kv": (8, 32),
+                                          "ring_gate": (8, 32)}
+    assert layer_state(cfg, CSA, 100) == {"window": (8, 32), "entries": (25, 32), "ring_kv": (8, 64),
+                                          "ring_gate": (8, 64), "index_entries": (25, 16),
+                                          "index_ring_kv": (8, 32), "index_ring_gate": (8, 32)}
+    assert cache_values_per_token(cfg) == 2 * (32 + 16) / 4 + 3 * 32 / 8
+    assert cache_values_per_sequence(cfg) == 6 * 8 * 32 + 2 * (2 * 8 * 64 + 2 * 8 * 32) + 3 * 2 * 8 * 32
