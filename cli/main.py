@@ -106,7 +106,7 @@ def _export(params, api) -> int:
     dev_key = kiln_home() / "keys" / f"{DEV_KEY_NAME}.key"
     had_dev_key = dev_key.exists()
     job, hosts = prepare(params, host_names=default_host_names(params))  # fail fast on bad input, before Prefect starts
-    _refuse_before_flow(params, job, hosts)
+    _refuse_before_flow(params, job, hosts, on_feasible=_start_workers_early if api is not None else None)
     created = " (created now)" if job.signing.source == "dev" and not had_dev_key else ""
     print(f"kiln: the manifest will be {job.signing.describe()}{created}", file=sys.stderr)
     if job.signing.source == "dev":
@@ -132,7 +132,16 @@ def _while_the_api_starts() -> None:
     import flows.export  # noqa: F401  (Prefect's client and the flow)
 
 
-def _refuse_before_flow(params, job, hosts) -> None:
+def _start_workers_early(probes) -> None:
+    """Where this process will compile (a forward the store lacks), start the compile workers' server
+    (kiln.host.worker_start) now: its imports overlap the embedded API's start instead of the compile phase."""
+    if any(spec["key"] not in probe.store_keys for probe in probes for spec in probe.specs):
+        from kiln.host import worker_start
+
+        worker_start.prepare()
+
+
+def _refuse_before_flow(params, job, hosts, on_feasible=None) -> None:
     """Raise the gate's refusal now, as fast as `kiln plan`, when this machine's hosts would be refused
     (or the BadInput of a host cache that cannot take the forwards it lacks).
 
@@ -143,7 +152,7 @@ def _refuse_before_flow(params, job, hosts) -> None:
         return
     from cli.plan import refusal_before_flow
     try:
-        stopped = refusal_before_flow(job, hosts)
+        stopped = refusal_before_flow(job, hosts, on_feasible=on_feasible)
     except BadInput:
         raise
     except Exception:  # the flow probes again, with its I/O retries, and reports what fails
