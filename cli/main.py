@@ -92,20 +92,29 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(args) -> int:
+    from flows.embedded_api import embedded_api
+    params = _params(args)
+    # One host and no server named: Prefect's embedded API starts now, while the rest imports and checks.
+    with embedded_api(start=not (params.hosts or params.dask)) as api:
+        return _export(params, api)
+
+
+def _export(params, api) -> int:
     from blocks.trust import DEV_KEY_NAME
     from flows.params import default_host_names, prepare
     from kiln.core.home import kiln_home
-    params = _params(args)
     dev_key = kiln_home() / "keys" / f"{DEV_KEY_NAME}.key"
     had_dev_key = dev_key.exists()
     job, hosts = prepare(params, host_names=default_host_names(params))  # fail fast on bad input, before Prefect starts
-    _refuse_before_flow(params, job, hosts)
+    _refuse_before_flow(params, job, hosts, on_feasible=_start_workers_early if api is not None else None)
     created = " (created now)" if job.signing.source == "dev" and not had_dev_key else ""
     print(f"kiln: the manifest will be {job.signing.describe()}{created}", file=sys.stderr)
     if job.signing.source == "dev":
         print("kiln: the development key is for local stores on this machine; for S3 stores or other machines "
               "create a key with `kiln keygen DIR` and set KILN_SIGNING_KEY.", file=sys.stderr)
-    with prefect_server_for(params):
+    if api is not None:
+        _while_the_api_starts()
+    with prefect_server_for(params, api):
         if params.dask:
             from flows.hosts import HostRunner
             with HostRunner(dask_address=params.dask):  # an unreachable scheduler is bad input: say so now
@@ -116,7 +125,23 @@ def cmd_export(args) -> int:
     return 0
 
 
-def _refuse_before_flow(params, job, hosts) -> None:
+def _while_the_api_starts() -> None:
+    """What the export imports later anyway, imported while the embedded API starts (this process would wait)."""
+    import matplotlib.figure  # noqa: F401  (the ledger picture)
+
+    import flows.export  # noqa: F401  (Prefect's client and the flow)
+
+
+def _start_workers_early(probes) -> None:
+    """Where this process will compile (a forward the store lacks), start the compile workers' server
+    (kiln.host.worker_start) now: its imports overlap the embedded API's start instead of the compile phase."""
+    if any(spec["key"] not in probe.store_keys for probe in probes for spec in probe.specs):
+        from kiln.host import worker_start
+
+        worker_start.prepare()
+
+
+def _refuse_before_flow(params, job, hosts, on_feasible=None) -> None:
     """Raise the gate's refusal now, as fast as `kiln plan`, when this machine's hosts would be refused
     (or the BadInput of a host cache that cannot take the forwards it lacks).
 
@@ -127,7 +152,7 @@ def _refuse_before_flow(params, job, hosts) -> None:
         return
     from cli.plan import refusal_before_flow
     try:
-        stopped = refusal_before_flow(job, hosts)
+        stopped = refusal_before_flow(job, hosts, on_feasible=on_feasible)
     except BadInput:
         raise
     except Exception:  # the flow probes again, with its I/O retries, and reports what fails
@@ -144,11 +169,15 @@ def _refuse_before_flow(params, job, hosts) -> None:
 
 
 @contextmanager
-def prefect_server_for(params):
-    """Several hosts need a real Prefect server: check the one named, or start one for --hosts N."""
+def prefect_server_for(params, api=None):
+    """Several hosts need a real Prefect server: check the one named, or start one for --hosts N. One host
+    uses `api` (flows.embedded_api.EmbeddedAPI, once it answers) when Kiln started it, else Prefect's."""
     from flows.prefect_server import check_server, local_server
     url = os.environ.get("PREFECT_API_URL")
-    if url:
+    if api is not None:
+        api.wait_ready()
+        yield api.url
+    elif url:
         check_server(url)
         yield url
     elif params.hosts:
@@ -358,6 +387,34 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command of `argv` (default: this program's arguments) and return its exit code; as the program
+    itself (`argv` None) this process ends here, without tearing down what it imported (`_end_process`)."""
+    code = _main(argv)
+    if argv is None:
+        _end_process(code)
+    return code
+
+
+def _end_process(code: int) -> None:
+    """End the process as the interpreter would, less its teardown: wait for its non-daemon threads, run the
+    exit handlers (Prefect's, logging's, multiprocessing's), flush the standard streams, then exit. Freeing
+    every module and object of torch, Prefect and matplotlib one by one took seconds of a warm export."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     from flows.prefect_server import prefect_environment
     prefect_environment(quiet=args.func is cmd_export and not args.verbose)  # before Prefect is imported

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from flows.params import ExportParams, default_host_names, prepare
 from kiln.core import decisions
 from kiln.core.errors import BadInput, KilnError
 from kiln.core.job import ExportJob, HostSpec
+from kiln.core.probe_result import HostProbe
 from kiln.core.report import Report
 from kiln.host import probe
 from kiln.host.cache import check_probed_caches
@@ -46,7 +48,8 @@ def plan_only(params: ExportParams) -> dict:
             "report": {**plan.to_dict(), "kv_plan": kv}}
 
 
-def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> tuple[Report, KilnError] | None:
+def refusal_before_flow(job: ExportJob, hosts: list[HostSpec],
+                        on_feasible: Callable[[list[HostProbe]], None] | None = None) -> tuple[Report, KilnError] | None:
     """`kiln export` before it starts Prefect: (the failed export's report, the error to raise) if the gate
     refuses or a host's cache cannot take the forwards it lacks (BadInput), else None.
 
@@ -55,7 +58,8 @@ def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> tuple[Report, 
     change forward keys, so it cannot make a refused export feasible. The
     report has the flow's phases (tune 'skipped') and memory ledger, and
     `gate.decided_in` 'cli'. None: the flow runs and decides
-    again (with the model's lease held and tuning done).
+    again (with the model's lease held and tuning done), after calling
+    `on_feasible(probes)`.
     """
     report = Report.of_job(job, hosts)
     report.gate["policy"] = job.recipe.policy
@@ -84,6 +88,8 @@ def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> tuple[Report, 
     report.phase("kv-plan", "ok", decision.kv_plan_s)
     ledger("kv-plan")
     if decision.refusal is None:
+        if on_feasible is not None:
+            on_feasible(probes)
         return None
     report.phase("gate", "failed", decision.gate_s)
     report.gate.update(decision="refused", message=str(decision.refusal), decided_in="cli",

@@ -51,6 +51,7 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.settings import PREFECT_API_URL, get_current_settings
 from prefect.variables import Variable
 
+from flows.embedded_api import is_embedded
 from flows.params import ExportParams, model_name
 from kiln.core.holders import describe, holder_gone, holder_record
 from kiln.core.recipe import Recipe
@@ -123,7 +124,8 @@ def _host_lock(name: str) -> Iterator[None]:
 
 def _take_over(name: str, holder: dict, why: str, log, lease_s: float) -> bool:
     """Free the slot of `holder`, provably gone, through Prefect's API; False when it cannot be freed now."""
-    embedded = not PREFECT_API_URL.value() and get_current_settings().server.concurrency.lease_storage == _MEMORY_LEASES
+    embedded = (is_embedded(PREFECT_API_URL.value())
+                and get_current_settings().server.concurrency.lease_storage == _MEMORY_LEASES)
     with get_client(sync_client=True) as client:
         if embedded:  # its lease died with its process's memory: only the slot count is left to free
             client.release_concurrency_slots([name], slots=1, occupancy_seconds=lease_s)

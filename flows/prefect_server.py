@@ -58,7 +58,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _drain_logs() -> None:
+def drain_logs() -> None:
     """Send Prefect's queued logs and events while the server is still up (else they fail after it stops)."""
     if "prefect" in sys.modules:
         from prefect.events.worker import EventsWorker
@@ -75,8 +75,9 @@ def server_log_path() -> Path:
     return kiln_home() / "logs" / "prefect-server.log"
 
 
-def start_logged(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-    """Start `cmd` in its own process session with stdout and stderr appended to `log_path`.
+def start_logged(cmd: list[str], env: dict, log_path: Path, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """Start `cmd` in its own process session with stdout and stderr appended to `log_path` (and the open
+    file descriptors `pass_fds`).
 
     A file, not a pipe: a pipe that nobody reads fills after 64 KiB and then
     blocks the process on its next log line.
@@ -85,16 +86,35 @@ def start_logged(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
     with open(log_path, "ab") as log:
         log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S%z')} {' '.join(cmd)}\n".encode())
         log.flush()
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                pass_fds=pass_fds)
 
 
-def _log_tail(log_path: Path, num_bytes: int = 2000) -> str:
+def log_tail(log_path: Path, num_bytes: int = 2000) -> str:
     try:
         with open(log_path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - num_bytes))
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def wait_answering(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float, poll_s: float) -> None:
+    """Return once the Prefect API at `url`, served by `proc`, answers its health check; RuntimeError (naming
+    the log, with its end if the process exited) when `proc` exits or `timeout_s` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the Prefect server exited with code {proc.returncode} (log: {log_path}): "
+                               f"{log_tail(log_path)}")
+        try:
+            check_server(url, timeout_s=1.0)
+            return
+        except BadInput:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Prefect server did not answer within {timeout_s:.0f} s; its log: "
+                                   f"{log_path}") from None
+            time.sleep(poll_s)
 
 
 class PrefectServer:
@@ -115,27 +135,25 @@ class PrefectServer:
         prefect = Path(sys.executable).with_name("prefect")
         self.proc = start_logged([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                                  env, self.log_path)
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prefect server exited (log: {self.log_path}): {_log_tail(self.log_path)}")
-            try:
-                check_server(self.url, timeout_s=1.0)
-                return
-            except BadInput:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"prefect server did not answer within {start_timeout_s:.0f} s; its log: "
-                                       f"{self.log_path}") from None
-                time.sleep(0.5)
+        try:
+            wait_answering(self.proc, self.url, self.log_path, start_timeout_s, poll_s=0.5)
+        except RuntimeError:
+            if self.proc.poll() is None:
+                self.stop()
+            raise
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, grace_s=20)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """Terminate `proc`; kill it if it has not exited after `grace_s`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @contextmanager
@@ -147,7 +165,7 @@ def local_server(home: Path | None = None):
     try:
         yield server.url
     finally:
-        _drain_logs()
+        drain_logs()
         if old is None:
             os.environ.pop("PREFECT_API_URL", None)
         else:

@@ -2,7 +2,7 @@
 
 A figure 'skipped' (the reason) marks a step that has nothing to do on this
 device. A step that needs an earlier one's result raises Needs when it is
-missing. Compiles run in the Check's pool of spawned workers
+missing. Compiles run in the Check's pool of compile workers
 (kiln.host.compiler.CompilePool), never in this process.
 """
 

@@ -1,8 +1,8 @@
 """What runs on one host: probe, compile pool, tuner, loader, the model, processes.
 
 Purpose: the side effects of one host, with torch: measure the host, compile
-forwards in spawned worker processes, load packages and check them against
-eager, read checkpoints, keep the host cache.
+forwards in worker processes (forked from a preloaded server), load packages
+and check them against eager, read checkpoints, keep the host cache.
 
 Contracts: imports kiln.core and kiln.store only; the decisions come from
 kiln.core and are passed in. Every process started here dies with its parent

@@ -1,8 +1,10 @@
-"""AOTInductor compilation in a pool of spawned worker processes (never threads).
+"""AOTInductor compilation in a pool of worker processes (never threads).
 
 torch.export and Inductor keep process-global state (the FX tracing flag, mode
 stacks), so concurrent compiles in one process race; each worker is its own
-process, started with `spawn` and kept warm across forwards. Each worker is a
+process, forked from a server that imported torch, Inductor and Kiln once
+(kiln.host.worker_start: a fresh interpreter, no inherited threads or CUDA
+context, the caller's environment) and kept warm across forwards. Each worker is a
 single-process executor of its own, so a worker that dies (OOM kill, SIGKILL)
 costs only the forward it was compiling: that worker is replaced and that
 forward tried again, up to `max_attempts` times; forwards on other workers
@@ -14,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import multiprocessing as mp
 import os
 import shutil
 import time
@@ -27,7 +28,7 @@ from typing import Callable
 
 from kiln.core.errors import DiskError, KilnError
 from kiln.core.package_check import package_calls
-from kiln.host import export_call, faults
+from kiln.host import export_call, faults, worker_start
 from kiln.core.errors import DISK_ERRNOS
 from kiln.host.export_call import CONSTANTS_METADATA  # noqa: F401  (callers import it from here)
 from kiln.host.inductor_options import inductor_env
@@ -74,7 +75,8 @@ def _count_selection(*_args, **_kwargs) -> None:
 
 
 def _warm(tuning_entries: dict | None = None) -> None:
-    """Pool initializer: import torch once per worker and install the tuning results before any compile."""
+    """Pool initializer: arm the parent watch, hook Inductor's autotuning counter and install the tuning
+    results before any compile. torch and Kiln are imported already (kiln.host.worker_start.PRELOAD)."""
     global _TUNING
     from kiln.host.procs import die_with_parent
 
@@ -222,7 +224,8 @@ class CompileFailed(KilnError):
 
 
 class CompilePool:
-    """A warm pool of spawned compile workers, one single-process executor per worker.
+    """A warm pool of compile workers, one single-process executor per worker, each forked from the
+    preloaded server for the environment at the time the pool is made (kiln.host.worker_start).
 
     `compile_fn(spec, out_path) -> CompileResult` runs in the workers (a
     module-level function, so it pickles); `initializer` warms each new worker.
@@ -241,12 +244,12 @@ class CompilePool:
         self._fn = compile_fn
         self._initializer = initializer
         self.tuning_entries = tuning_entries
+        self._ctx = worker_start.acquire()
         self._slots = [self._new() for _ in range(num_workers)]
 
     def _new(self) -> ProcessPoolExecutor:
         args = (self.tuning_entries,) if self.tuning_entries and self._initializer is _warm else ()
-        return ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=self._initializer,
-                                   initargs=args)
+        return ProcessPoolExecutor(1, mp_context=self._ctx, initializer=self._initializer, initargs=args)
 
     def worker_pids(self) -> list[int]:
         return [p.pid for ex in self._slots for p in (ex._processes or {}).values()]
@@ -314,6 +317,9 @@ class CompilePool:
     def close(self) -> None:
         for ex in self._slots:
             ex.shutdown(wait=True, cancel_futures=True)
+        if self._ctx is not None:
+            worker_start.release(self._ctx)
+            self._ctx = None
 
     def stop(self) -> None:
         """Kill every worker now, with its compiler children, dropping what they compile; then close."""

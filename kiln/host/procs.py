@@ -1,8 +1,9 @@
 """The processes Kiln starts: they die with their parent, and their memory peak is measured.
 
-Every process Kiln spawns (compile workers, rank checks, verify and run
-ranks) calls `die_with_parent()` first: a watcher thread in it polls its
-parent's pid every `PARENT_POLL_S`, and when the process that started it has
+Every process Kiln starts (compile workers, rank checks, verify and run
+ranks) calls `die_with_parent()` first: a watcher thread in it watches the
+process that started it (the pipe multiprocessing keeps to it, and its pid
+every `PARENT_POLL_S`), and when that process has
 gone, however that one ended (exit, exception, SIGKILL), it kills its own
 children and exits, so no worker outlives its export holding the memory the
 next export's gate measures. Not the kernel's PR_SET_PDEATHSIG: that fires
@@ -10,8 +11,10 @@ when the *thread* that started the process ends, and Kiln starts workers from
 Prefect task threads, which end long before the process does.
 
 `PeakSampler` samples the resident memory of a process and its children
-(the compiler's g++ processes included) on a thread while work runs; sampling
-is I/O, not compilation, so a thread is fine here.
+(the compiler's g++ processes included) on a thread while work runs, from a
+few /proc files per process (not a walk of every process on the host), and
+takes the process's own exact peak from the kernel; sampling is I/O, not
+compilation, so a thread is fine here.
 """
 
 from __future__ import annotations
@@ -32,22 +35,50 @@ PARENT_POLL_S = 0.5
 
 
 def die_with_parent() -> None:
-    """Make this process die when its parent does (call first thing in a spawned process).
+    """Make this process die when its parent does (call first thing in a started process).
 
-    The parent is the process that started this one: for a multiprocessing child, the pid it was started
-    from. Its parent may die before this is called (a worker imports torch first, seconds under load); it
-    has then been adopted, and its new parent would pass for the old one: it exits at once instead.
+    The parent is the process that started this one: for a multiprocessing child, the process that asked
+    for it (spawned, or forked by a forkserver: kiln.host.worker_start), watched through the pipe it holds
+    open for the child (`multiprocessing.parent_process()`'s sentinel), so a forkserver between them does
+    not count; for another child, its parent pid, polled every `PARENT_POLL_S`. The parent may die before
+    this is called (a spawned worker imports torch first, seconds under load): this process exits at once
+    then, before it could be adopted and mistake its new parent for the old one.
     """
     started_by = multiprocessing.parent_process()
-    parent = started_by.pid if started_by is not None else os.getppid()
-    if os.getppid() != parent:  # the parent died before the watch began
-        os._exit(1)
+    if started_by is not None:
+        if not started_by.is_alive():  # the parent died before the watch began
+            os._exit(1)
+        threading.Thread(target=_watch_sentinel, args=(started_by,), daemon=True, name="kiln-parent-watch").start()
+        return
+    parent = os.getppid()
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="kiln-parent-watch").start()
+
+
+def _watch_sentinel(started_by) -> None:
+    # The pipe closes when the parent goes, however it ended; a process the parent forked would keep it
+    # open, so the parent's pid is looked at too (with its start time: a reused pid is not the parent).
+    try:
+        parent = psutil.Process(started_by.pid)
+        born = parent.create_time()
+    except psutil.Error:
+        _exit_with_children()
+    while started_by.is_alive():
+        try:
+            if parent.create_time() != born or parent.status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.Error:
+            break
+        started_by.join(PARENT_POLL_S)
+    _exit_with_children()
 
 
 def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(PARENT_POLL_S)
+    _exit_with_children()
+
+
+def _exit_with_children() -> None:
     try:
         children = psutil.Process().children(recursive=True)
     except psutil.Error:
@@ -60,8 +91,51 @@ def _watch_parent(parent: int) -> None:
     os._exit(1)
 
 
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
 def tree_rss_bytes(proc: psutil.Process) -> int:
-    """Resident bytes of `proc` and all its descendants (those that vanish meanwhile count 0)."""
+    """Resident bytes of `proc` and all its descendants (those that vanish meanwhile count 0).
+
+    Reads each process's `statm` and its threads' `children` lists under /proc (a few small files per
+    process in the tree); where the kernel has no `children` lists, psutil's walk of every process.
+    """
+    pids = _tree_pids(proc.pid)
+    if pids is None:
+        return _tree_rss_psutil(proc)
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as f:
+                total += int(f.read().split()[1]) * _PAGE_BYTES
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def _tree_pids(root: int) -> list[int] | None:
+    """`root` and its descendants from /proc/PID/task/TID/children; None when the kernel does not list them."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue  # gone
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except FileNotFoundError:
+                if pid == root and tid == str(root):
+                    return None  # no CONFIG_PROC_CHILDREN
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def _tree_rss_psutil(proc: psutil.Process) -> int:
     total = 0
     for p in [proc, *proc.children(recursive=True)]:
         try:
@@ -71,16 +145,43 @@ def tree_rss_bytes(proc: psutil.Process) -> int:
     return total
 
 
-class PeakSampler:
-    """Largest resident memory of this process and its children while the `with` block runs (`peak_mib`).
+def _own_peak_bytes() -> int | None:
+    """This process's largest resident set since the last `_reset_own_peak` (VmHWM); None where unknown."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
-    Also tracks the host's smallest available memory over the same time (`min_available_mib`; the
-    cgroup's where it allows less than the node, as the probe counts it).
+
+def _reset_own_peak() -> bool:
+    """Start this process's VmHWM again from its current resident set (Linux >= 4.0); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakSampler:
+    """Largest resident memory of a process and its children while the `with` block runs (`peak_mib`).
+
+    The tree (the process and every descendant, e.g. the compiler's g++ processes) is sampled every
+    `interval_s` from /proc; when the process is this one, its own peak is also the kernel's exact
+    high-water mark (VmHWM, reset on entry), so a spike between samples still counts. Also tracks the
+    host's smallest available memory over the same time (`min_available_mib`; the cgroup's where it allows
+    less than the node, as the probe counts it).
     """
 
     def __init__(self, interval_s: float = 0.05, pid: int | None = None):
         self.interval_s = interval_s
         self._proc = psutil.Process(pid)
+        self._own = pid is None or pid == os.getpid()
+        self._hwm = False
         self.peak_bytes = 0
         self.min_available_bytes: int | None = None
         self._stop = threading.Event()
@@ -97,6 +198,7 @@ class PeakSampler:
             self._sample()
 
     def __enter__(self) -> "PeakSampler":
+        self._hwm = self._own and _reset_own_peak()
         self._sample()
         self._thread.start()
         return self
@@ -105,6 +207,9 @@ class PeakSampler:
         self._stop.set()
         self._thread.join()
         self._sample()
+        own_peak = _own_peak_bytes() if self._hwm else None
+        if own_peak is not None:
+            self.peak_bytes = max(self.peak_bytes, own_peak)
 
     @property
     def peak_mib(self) -> int:

@@ -23,9 +23,11 @@ boto3's managed transfer (s3transfer), which cannot send If-None-Match on the
 completion nor hash the bytes it sends (s3_parts.py says more). An upload
 hashes the parts in order while they are sent, completes only if the digest
 matches, and is aborted on any failure or lost race once the parts in flight
-have finished. get_file reads the recorded sha256, size and ETag with one
-HEAD, fetches every range concurrently with If-Match on that ETag (so bytes
-and digest belong to the same version), and writes each range at its offset
+have finished (the look for an existing object, a HEAD, goes out with the
+upload's creation). get_file reads the recorded sha256, size and ETag from
+the answer to its first range's GET (no HEAD), fetches every other range
+concurrently with If-Match on that ETag (so bytes and digest belong to the
+same version), and writes each range at its offset
 in the thread that fetched it while the ranges are hashed in order; the file
 is verified and fsynced before it replaces the destination.
 
@@ -54,6 +56,7 @@ import functools
 import hashlib
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
@@ -258,16 +261,15 @@ class S3Store(Store):
             return self._create_once(key, sha256, write)
 
     def _put_multipart(self, key: str, path: str | Path, sha256: str) -> bool:
-        # Compare with an existing object before uploading many MiB for nothing.
-        if (info := self.stat(key)) is not None:
-            if info.sha256 != sha256:
-                raise conflict(key, info.sha256, sha256)
-            return False
         client, full = self._client, self._full(key)
         # With checksums on, parts carry CRC32s the upload must declare (as boto3's upload_file does); S3
         # refuses checksummed parts of an upload created without one, and then wants them in the completion.
         crc32 = {"ChecksumAlgorithm": "CRC32"} if self.checksum_mode == "when_supported" else {}
-        with self._errors("multipart upload", key):
+        with self._errors("multipart upload", key), ThreadPoolExecutor(1, thread_name_prefix="kiln-s3-head") as side:
+            # Compare with an existing object before uploading many MiB for nothing: the HEAD goes out with the
+            # upload's creation, not before it (one round trip fewer). The completion's If-None-Match, not
+            # this look, is what keeps the object created once.
+            existing = side.submit(self.stat, key)
             upload_id = client.create_multipart_upload(
                 Bucket=self.bucket, Key=full, Metadata={"sha256": sha256}, **crc32
             )["UploadId"]
@@ -280,6 +282,10 @@ class S3Store(Store):
 
             completed = False
             try:
+                if (info := existing.result()) is not None:
+                    if info.sha256 != sha256:
+                        raise conflict(key, info.sha256, sha256)
+                    return False
                 parts, actual = upload_in_parts(path, self.part_size_bytes, self.max_concurrency, send_part)
                 if actual != sha256:
                     raise _file_mismatch(path, actual, sha256, key)
@@ -344,20 +350,45 @@ class S3Store(Store):
             time.sleep(min(0.1 * 2**attempt, 2.0))
         raise AssertionError("unreachable")
 
+    def _first_range(self, key: str) -> tuple[dict, int]:
+        """GET `key`'s first range, headers only (its body not read yet): (response, the object's size).
+
+        The response stands for a HEAD (size, ETag, recorded sha256) and its body is the first range. An empty
+        object has no first range (416): it is fetched whole; so is one from a server that ignores Range.
+        """
+        with self._errors("get", key):
+            try:
+                resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key),
+                                               Range=f"bytes=0-{self.part_size_bytes - 1}")
+            except ClientError as e:
+                if error_code(e) != "InvalidRange":
+                    raise
+                resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key))
+        content_range = resp.get("ContentRange")  # 'bytes 0-LAST/SIZE'; none when the whole object came
+        return resp, int(content_range.rsplit("/", 1)[1]) if content_range else resp["ContentLength"]
+
     def get_file(self, key: str, dest_path: str | Path, sha256: str | None = None) -> None:
         if sha256 is not None:
             validate_sha256(sha256)
-        with self._errors("get", key):
-            head = self._client.head_object(Bucket=self.bucket, Key=self._full(key))
-        expected = sha256 or head.get("Metadata", {}).get("sha256")
-
-        ranges = byte_ranges(0, head["ContentLength"], self.part_size_bytes)
+        first, size = self._first_range(key)
+        expected = sha256 or first.get("Metadata", {}).get("sha256")
+        ranges = byte_ranges(0, size, self.part_size_bytes if first.get("ContentRange") else max(size, 1))
         digest = hashlib.sha256()
-        with replaced_on_success(dest_path) as out:
+        opened = [first]
+        with replaced_on_success(dest_path) as out, closing(first["Body"]):
 
             def fetch(first_byte: int, last_byte: int) -> bytes:
-                # If-Match: every range comes from the version whose sha256 the HEAD read (412 if it was replaced).
-                data = self._read_retrying(key, Range=f"bytes={first_byte}-{last_byte}", IfMatch=head["ETag"])[1]
+                data = None
+                if first_byte == 0 and opened:  # the first range's body, already on its way
+                    try:
+                        data = opened.pop()["Body"].read()
+                    except BODY_ERRORS:
+                        pass  # requested again below
+                if data is None:
+                    # If-Match: every range comes from the version whose sha256 the first answer gave (412 if
+                    # it was replaced since).
+                    data = self._read_retrying(key, Range=f"bytes={first_byte}-{last_byte}",
+                                               IfMatch=first["ETag"])[1]
                 if len(data) != last_byte - first_byte + 1:
                     raise StoreError(f"S3 get of {key!r} in {self.url} answered bytes {first_byte}-{last_byte} "
                                      f"with {len(data)} bytes; the server does not honour Range requests")

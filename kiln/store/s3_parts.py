@@ -1,7 +1,7 @@
 """Concurrent part transfers for S3Store: parts sent, and byte ranges fetched, by a thread pool.
 
 Both directions keep the order where it matters and the concurrency where it
-pays. The sha256 of a file is computed over its bytes in order by the calling
+pays. The sha256 of a file is computed over its bytes in order by one hashing
 thread, while up to `max_concurrency` parts are on the wire; hashlib releases
 the GIL on large buffers, so hashing overlaps the transfers. At most
 `max_concurrency` parts are in flight, and one more may wait in memory: a
@@ -49,7 +49,7 @@ def upload_in_parts(
 
     `send_part(part_number, data)` uploads one part (numbers from 1) and returns
     its entry for CompleteMultipartUpload ({"ETag", "PartNumber", checksums}).
-    The file is read and hashed in order by the calling thread, so the digest
+    The file is read by the calling thread and hashed in that order, so the digest
     is of exactly the bytes sent. `parts` holds the entries in part order;
     `sha256` is the hex digest of every byte read. On any error no new part
     starts, the parts in flight are waited for, and the first error is
@@ -63,6 +63,10 @@ def upload_in_parts(
         parts.extend(future.result() for future in done)
 
     pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="kiln-s3-put")
+    # One thread hashes the parts in the order they were read, so reading and sending the next part never
+    # waits for the hash of this one; at most max_concurrency parts wait for it.
+    hasher = ThreadPoolExecutor(1, thread_name_prefix="kiln-s3-hash")
+    hashing: deque[Future] = deque()
     try:
         with open(path, "rb") as f:
             number = 0
@@ -71,11 +75,16 @@ def upload_in_parts(
                 if len(in_flight) >= max_concurrency:
                     done, in_flight = wait(in_flight, return_when=FIRST_COMPLETED)
                     settle(done)
+                while len(hashing) >= max_concurrency:
+                    hashing.popleft().result()
                 in_flight.add(pool.submit(send_part, number, data))
-                digest.update(data)  # while the part is on its way
+                hashing.append(hasher.submit(digest.update, data))  # while the part is on its way
         settle(wait(in_flight).done)
+        for hashed in hashing:
+            hashed.result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        hasher.shutdown(wait=True, cancel_futures=True)
     return sorted(parts, key=lambda part: part["PartNumber"]), digest.hexdigest()
 
 

@@ -1,0 +1,103 @@
+"""Compile workers forked from a preloaded server (kiln.host.worker_start) keep what a spawned worker had.
+
+The caller's environment at the time the pool starts (a server per environment), no CUDA context and no
+thread but the parent watch, and the die-with-parent chain through the server: a worker of an export
+killed with SIGKILL exits, and so does its server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from kiln.host import worker_start
+from kiln.host.compiler import CompilePool, CompileResult
+
+
+def report(spec: dict, out_path: str) -> CompileResult:
+    """Runs in a worker: what it inherited, as the result's key."""
+    import torch
+
+    import threading
+
+    threads = {"os": len(os.listdir("/proc/self/task")), "python": sorted(t.name for t in threading.enumerate())}
+    seen = {"env": os.environ.get("KILN_TEST_WORKER_ENV"), "cuda": torch.cuda.is_initialized(), "threads": threads}
+    return CompileResult(key=repr(seen), path=out_path, sha256="0" * 64, size_bytes=0, compile_s=0.0,
+                         pid=os.getpid())
+
+
+def _seen(tmp_path) -> tuple[dict, int]:
+    with CompilePool(1, compile_fn=report) as pool:
+        [result] = pool.run([({"key": "k"}, str(tmp_path / "k.pt2"))], lambda r: None)
+    return eval(result.key), result.pid  # noqa: S307  (our own repr of a dict of plain values)
+
+
+def test_workers_take_the_environment_of_their_pool_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_TEST_WORKER_ENV", "first")
+    first, _ = _seen(tmp_path)
+    [server_first] = worker_start.server_pids()
+    again, _ = _seen(tmp_path)
+    assert worker_start.server_pids() == [server_first], "the same environment starts its server once"
+    monkeypatch.setenv("KILN_TEST_WORKER_ENV", "second")
+    second, _ = _seen(tmp_path)
+    assert first["env"] == again["env"] == "first" and second["env"] == "second"
+    assert worker_start.server_pids() != [server_first], "a server for another environment was kept"
+    for seen in (first, second):
+        assert seen["cuda"] is False
+        assert seen["threads"] == {"os": 2, "python": ["MainThread", "kiln-parent-watch"]}, seen["threads"]
+
+
+OWNER = """
+import sys, threading, time
+from pathlib import Path
+
+from kiln.host.compiler import CompilePool, CompileResult
+from kiln.host import worker_start
+
+
+def hold(spec, out_path):
+    import os
+    Path(spec["mark"]).write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    pool = CompilePool(1, compile_fn=hold)
+    threading.Thread(target=pool.run, args=([({"key": "k", "mark": sys.argv[1]}, sys.argv[1] + ".pt2")],
+                                           print), daemon=True).start()
+    while not Path(sys.argv[1]).exists():
+        time.sleep(0.05)
+    print(" ".join(map(str, worker_start.server_pids())), flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_worker_and_its_server_die_with_the_export_killed(tmp_path):
+    script, mark = tmp_path / "owner.py", tmp_path / "worker.pid"
+    script.write_text(OWNER)
+    owner = subprocess.Popen([sys.executable, str(script), str(mark)], stdout=subprocess.PIPE, text=True,
+                             stderr=subprocess.DEVNULL)
+    left = []
+    try:
+        [server] = map(int, owner.stdout.readline().split())
+        worker = int(mark.read_text())
+        assert psutil.Process(worker).ppid() == server, "the worker was not forked by the server"
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(30)
+        deadline = time.monotonic() + 30
+        for pid in (worker, server):
+            while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                if time.monotonic() > deadline:
+                    left.append(pid)
+                    break
+                time.sleep(0.1)
+    finally:
+        owner.kill()
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running 30 s after their export was killed: {left}"
