@@ -58,7 +58,7 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, link: RankLink) -> None
 
         from kiln.core.config import ModelConfig
         from kiln.host.weights import load_rank_weights
-        from kiln.host.loader import load_forward
+        from kiln.host.loader import load_forward, place_weights
         from kiln.host.model import host_group
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
@@ -66,7 +66,9 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, link: RankLink) -> None
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
         cfg = ModelConfig(**job["config"])
         link.doing("loading weights")
-        weights = load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint"))
+        # One copy of the rank's weights, bound by every bucket's package (kiln.host.loader).
+        weights = place_weights(load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint")),
+                                "cpu")
         link.doing("loading the forwards")
         forwards = {parse_buckets(name)[0]: load_forward(art["path"], weights, art["sha256"])
                     for name, art in sorted(job["artifacts"].items())}

@@ -19,6 +19,7 @@ of bucket BxT are `(arange(B*T) * 7 + 3) % vocab`, reshaped to [B, T].
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import mmap
 import os
@@ -63,12 +64,12 @@ def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def rank_constants(manifest: dict, forward: dict, tensors: dict[str, torch.Tensor], rank: int) -> dict:
-    """The package constants of `rank`, as the manifest's `weights` says: each source tensor cut for the
-    rank and cast to the dtype the package was compiled for; a stacked constant (`stack` not None) is
+def rank_constants(manifest: dict, names, tensors: dict[str, torch.Tensor], rank: int) -> dict:
+    """The package constants `names` of `rank`, as the manifest's `weights` says: each source tensor cut for
+    the rank and cast to the dtype the package was compiled for; a stacked constant (`stack` not None) is
     allocated once and each source copied into its slice of the leading dimension, in order."""
     out = {}
-    for name in forward["constants"]:
+    for name in names:
         w = manifest["weights"][name]
         constant = torch.empty(w["shape"], dtype=getattr(torch, w["dtype"]))
         for i, source in enumerate(w["sources"]):
@@ -116,12 +117,19 @@ def main() -> None:
     # The default world group is the packages'; this script's own collectives get a group of their own
     # (with gloo, host collectives on the packages' group between calls can deadlock the next call).
     mine = dist.new_group(backend="gloo")
-    tensors = read_checkpoint(args.checkpoint)
+    # The rank's constants, built once for every forward; the checkpoint's tensors are dropped after.
+    names = sorted({name for forward in manifest["forwards"] for name in forward["constants"]})
+    constants = rank_constants(manifest, names, read_checkpoint(args.checkpoint), args.rank)
     vocab = manifest["model"]["config"]["vocab_size"]
-    logits = {}
+    logits, packages = {}, []
     for forward in manifest["forwards"]:
         package = torch._inductor.aoti_load_package(str(args.packages / f"{forward['key']}.pt2"))
-        package.load_constants(rank_constants(manifest, forward, tensors, args.rank), check_full_update=True)
+        mine = {name: constants[name] for name in forward["constants"]}
+        # user_managed: the package reads these tensors where they are (torch >= 2.8), so every bucket shares
+        # one copy of the rank's weights; they must outlive the package (`constants` does).
+        shared = "user_managed" in inspect.signature(package.load_constants).parameters
+        package.load_constants(mine, check_full_update=True, **({"user_managed": True} if shared else {}))
+        packages.append(package)
         with torch.no_grad():
             out = package(*step_inputs(forward, vocab))
         logits[forward["bucket"]] = out[0]

@@ -317,7 +317,7 @@ def fetch_missing(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
 
 def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict]) -> dict:
     from kiln.core.recipe import parse_buckets
-    from kiln.host.loader import compare_with_eager, load_forward
+    from kiln.host.loader import compare_with_eager, load_forward, place_weights
     from kiln.host.weights import load_rank_weights
     from kiln.host.model import solo_group
 
@@ -326,8 +326,9 @@ def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict])
     diffs: dict[str, dict] = {}
     # One rank alone: its collectives sum over itself, in the compiled forward and in eager alike.
     with PeakSampler(interval_s=0.1) as sampler, solo_group():
-        weights = load_rank_weights(job.checkpoint, cfg, job.tp, rank, s3_endpoint=job.s3_endpoint,
-                                    cache_dir=cache_dir(host))
+        # One copy of the rank's weights, bound by every forward's package (kiln.host.loader).
+        weights = place_weights(load_rank_weights(job.checkpoint, cfg, job.tp, rank, s3_endpoint=job.s3_endpoint,
+                                                  cache_dir=cache_dir(host)), "cpu")
         for f in forwards:
             compiled = load_forward(local_path(host, f["key"]), weights, f["sha256"])
             diffs[f"rank{rank}/{f['bucket']}"] = compare_with_eager(
@@ -345,8 +346,8 @@ def check_memory(job: ExportJob, num_forwards: int, available_mib: int, what: st
     if need > available_mib:
         raise MemoryShort(f"{what}: checking one rank against eager needs about {need} MiB ({num_forwards} "
                           f"forward(s) of a {cfg.weight_bytes_per_rank(job.tp) // 2**20} MiB shard in {cfg.dtype}) "
-                          f"but {available_mib} MiB are available; free memory there, or export fewer buckets "
-                          "per run.")
+                          f"but {available_mib} MiB are available; free memory there, or use a larger tp (a "
+                          "smaller shard).")
     return need
 
 
