@@ -10,7 +10,7 @@ from kiln.core.errors import BadInput, KilnError
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.report import Report
 from kiln.host import probe
-from kiln.host.cache import check_probed_caches
+from kiln.host.cache import check_job_caches
 from tasks import hostwork
 
 
@@ -33,7 +33,7 @@ def _probe_all(params: ExportParams) -> tuple:
 def plan_only(params: ExportParams) -> dict:
     """The gate's decision for `params`: {'feasible', 'text', 'report'}; nothing is compiled or stored."""
     job, probes = _probe_all(params)
-    check_probed_caches(probes, job.recipe.artifact_mib_estimate)
+    check_job_caches(job, probes)
     decision = decisions.decide_export(job, probes)
     kv, plan, refusal = decision.kv_plan, decision.plan, decision.refusal
     kv_line = f"kv plan: {kv['pages_per_rank']} pages per rank of {kv['page_bytes']} bytes (limited by rank {kv['limiting_rank']})"
@@ -70,7 +70,7 @@ def refusal_before_flow(job: ExportJob, hosts: list[HostSpec]) -> tuple[Report, 
     probes = [hostwork.probe_host(job, h) for h in hosts]
     report.record_probes(probes)
     try:
-        check_probed_caches(probes, job.recipe.artifact_mib_estimate)
+        check_job_caches(job, probes)
     except BadInput as bad:  # a cache that is unwritable or too full: the flow's probe would stop the same way
         report.phase("probe", "failed", time.perf_counter() - start)
         report.status, report.error = "failed", str(bad)
