@@ -10,7 +10,7 @@ from kiln.core.errors import BadInput, KilnError
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.report import Report
 from kiln.host import probe
-from kiln.host.cache import check_job_caches
+from kiln.host.weights import check_job_caches
 from tasks import hostwork
 
 

@@ -34,7 +34,7 @@ from kiln.core.target import resolve_device
 from kiln.core.recipe import Recipe
 from kiln.core.report import Report
 from kiln.host import probe
-from kiln.host.cache import check_job_caches
+from kiln.host.weights import check_job_caches
 from tasks import phases
 
 

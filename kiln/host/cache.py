@@ -94,15 +94,6 @@ def check_probed_caches(probes: list, artifact_mib_estimate: int, weights_mib_pe
                   + len(p.ranks) * weights_mib_per_rank for p in probes})
 
 
-def check_job_caches(job, probes: list) -> None:
-    """check_probed_caches for `job` (kiln.core.job.ExportJob): its forwards, and its ranks' weights when its
-    checkpoint is in S3 (the check keeps each rank's tensors in the host cache)."""
-    from kiln.host.weights import is_s3
-
-    per_rank = -(-job.model_config.weight_bytes_per_rank(job.tp) // 2**20) if is_s3(job.checkpoint) else 0
-    check_probed_caches(probes, job.recipe.artifact_mib_estimate, per_rank)
-
-
 def read_record(path: Path) -> dict | None:
     """The JSON object a host remembered at `path`, or None when it is absent or unreadable (truncated,
     corrupt, not an object): a record that cannot be read is as if never written, so the work it
