@@ -44,9 +44,7 @@ import torch
 from kiln.core.config import ModelConfig
 from kiln.core.errors import BadInput, StoreError
 from kiln.core.hf_config import from_hf
-from kiln.core.contract import rank_reads
 from kiln.core.safetensors_header import DTYPES, header_length, index_weight_map, parse_header
-from kiln.host.model import expected_shapes
 from kiln.host import s3_weight_cache
 from kiln.host.safetensors_io import torch_dtype
 
