@@ -124,11 +124,11 @@ def main() -> None:
     logits, packages = {}, []
     for forward in manifest["forwards"]:
         package = torch._inductor.aoti_load_package(str(args.packages / f"{forward['key']}.pt2"))
-        mine = {name: constants[name] for name in forward["constants"]}
+        bound = {name: constants[name] for name in forward["constants"]}
         # user_managed: the package reads these tensors where they are (torch >= 2.8), so every bucket shares
         # one copy of the rank's weights; they must outlive the package (`constants` does).
         shared = "user_managed" in inspect.signature(package.load_constants).parameters
-        package.load_constants(mine, check_full_update=True, **({"user_managed": True} if shared else {}))
+        package.load_constants(bound, check_full_update=True, **({"user_managed": True} if shared else {}))
         packages.append(package)
         with torch.no_grad():
             out = package(*step_inputs(forward, vocab))
