@@ -68,9 +68,16 @@ FIGURES: dict[str, tuple[str, str]] = {
                                  "alternating samples)"),
     "moe_step_ratio": ("moe", "decode step of a mixture of experts, top 2 of 32 experts / top 2 of 4 (median s per "
                               "step, alternating): every expert evaluated would give ~8"),
+    "moe_prefill_peak_ratio": ("moe", "prefill step (4x32) of a mixture of experts, top 2 of 32 experts / top 2 of "
+                                      "4: peak memory beyond the weights (median): all experts' activations at once "
+                                      "would grow with the experts"),
+    "moe_prefill_step_ratio": ("moe", "the same prefill step's time, 32 experts / 4: every expert runs over every "
+                                      "token (fewer reads than gathering at that many pairs), ~8 by design"),
     "mla_step_ratio": ("mla", "decode step of latent attention over 1024 cached tokens: the latents read as they are "
                               "(absorbed) / projected up to every head's keys and values first (expanded, "
                               "transformers' order) (median s per step, alternating)"),
+    "decode_context_ratio": ("decode_context", "decode step over 1024 cached tokens / over 64 (the tiny model, median "
+                                               "s per step, alternating): the pages read where they lie"),
     "s3_rank_bytes_ratio": ("s3_read", "S3 checkpoint at tp 2: most weight bytes one rank read by ranged GETs / "
                                        "that rank's weight bytes (default: a column-cut tensor in one GET)"),
     "s3_read_vs_download_ratio": ("s3_read", "one rank's read of an S3 checkpoint (list, headers, its slices) / "
@@ -78,6 +85,14 @@ FIGURES: dict[str, tuple[str, str]] = {
     "s3_exact_rank_bytes_ratio": ("s3_read", "the same bytes ratio with merge_gap_bytes 0: one GET per row of a "
                                              "column-cut tensor"),
     "s3_exact_read_vs_download_ratio": ("s3_read", "the same time ratio with merge_gap_bytes 0"),
+    "rank_peak_ratio": ("rank_peak", "one rank with 6 packages loaded and stepped: peak resident memory above the "
+                                     "bare process, less the runtime's fixed cost (6 x FORWARD_FIXED_MIB) / the "
+                                     "rank's weight bytes"),
+    "rank_check_predicted_ratio": ("rank_peak", "a prediction checked: check_peak_mib for that rank's check "
+                                                "(6 forwards against eager) / its measured peak"),
+    "s3_loader_peak_ratio": ("s3_read", "peak memory of one rank's load from S3 (fresh process, rank 0 of tp 2 of "
+                                        "a ~300 MB checkpoint) / that rank's weight bytes"),
+    "local_loader_peak_ratio": ("s3_read", "the same from the same files in a local directory"),
     "gate_scale_s": ("gate_scale", "a synthetic timing, not a ratio: gate run time on paper, 64 hosts x 8 ranks x "
                                    "67 buckets (median of 5), seconds"),
     "gate_scale_predicted_s": ("gate_scale", "a prediction, not a measurement: the gate's predicted compile wall "
@@ -96,8 +111,12 @@ TARGETS: dict[str, Target] = {
     "compile_depth_ratio": Target("<=", 1.2),
     "scan_step_ratio": Target("<=", 1.05),
     "moe_step_ratio": Target("<=", 1.5),
+    "moe_prefill_peak_ratio": Target("<=", 1.5),
+    "rank_peak_ratio": Target("<=", 1.2),
+    "rank_check_predicted_ratio": Target(">=", 1.0),
     "mla_step_ratio": Target("<=", 0.25),
     "s3_exact_rank_bytes_ratio": Target("<=", 1.05),
+    "s3_loader_peak_ratio": Target("<=", 1.15),
 }
 
 

@@ -1,8 +1,10 @@
 """The loader's memory: one rank's weights read and stacked, peak resident memory against their bytes.
 
-`python -m bench.loader_peak CHECKPOINT TP RANK` loads rank RANK's package
-constants with kiln.host.checkpoint.load_rank_weights (stacked constants
-allocated once, each layer's slice copied in) in this fresh process and prints
+`python -m bench.loader_peak CHECKPOINT TP RANK [S3_ENDPOINT]` loads rank RANK's
+package constants with kiln.host.weights.load_rank_weights (a directory:
+kiln.host.checkpoint's reader; s3://BUCKET/PREFIX: kiln.host.s3_checkpoint's,
+no host cache; stacked constants allocated once, each layer's slice copied in)
+in this fresh process and prints
 {'weight_bytes', 'peak_growth_bytes', 'peak_over_weights'}: the growth of the
 process's peak resident memory over what it held before loading, against the
 bytes of the constants it returned. 1.0 means the loader never held more than
@@ -34,15 +36,23 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def measure(checkpoint: str, tp: int, rank: int) -> dict:
-    import torch  # noqa: F401  (imported before the baseline: its own memory is not the loader's)
-
-    from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights
-
-    cfg = inspect_checkpoint(checkpoint)
+def peak_growth_bytes(call) -> int:
+    """How far the process's peak resident memory rose above what it held while `call()` ran, in bytes."""
     _reset_peak()
     before = _status_bytes("VmRSS")
-    weights = load_rank_weights(checkpoint, cfg, tp, rank)
+    call()
+    return _status_bytes("VmHWM") - before
+
+
+def measure(checkpoint: str, tp: int, rank: int, s3_endpoint: str | None = None) -> dict:
+    import torch  # noqa: F401  (imported before the baseline: its own memory is not the loader's)
+
+    from kiln.host.weights import inspect, load_rank_weights
+
+    cfg = inspect(checkpoint, s3_endpoint=s3_endpoint)  # boto3 imported and a client made before the baseline
+    _reset_peak()
+    before = _status_bytes("VmRSS")
+    weights = load_rank_weights(checkpoint, cfg, tp, rank, s3_endpoint=s3_endpoint)
     growth = _status_bytes("VmHWM") - before
     weight_bytes = sum(t.nbytes for t in weights.values())
     return {"weight_bytes": weight_bytes, "peak_growth_bytes": growth,
@@ -50,4 +60,4 @@ def measure(checkpoint: str, tp: int, rank: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
+    print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])))

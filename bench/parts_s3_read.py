@@ -12,16 +12,23 @@ Figures, for the default and for exact: the most weight bytes one rank received 
 bytes (`ModelConfig.weight_bytes_per_rank`; its embedding, norms and head are whole on every rank, its
 projections cut), and one rank's whole read (listing, headers, slices) over the whole download, medians
 over the repetitions.
+
+The loader's memory: a larger checkpoint (bench.rank_peak's model, ~300 MB in float32, in --quick too: the
+S3 loader's fixed cost, its boto3 client and chunks in flight, ~25 MB, is 0.2x a 120 MB rank's weights) is
+uploaded too, and rank 0 of tp 2 is loaded from S3 and from the same files in a directory, each in a fresh
+process (bench.loader_peak), the sides alternating: each process's peak resident memory growth over that
+rank's weight bytes.
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 from bench.context import Context
 from bench.figures import median, ratio
 from bench.parts_hosts import BUCKET, s3_client
-from bench.runs import FAKE_AWS
+from bench.runs import FAKE_AWS, PYTHON
 
 TP = 2
 
@@ -78,16 +85,41 @@ def part_s3_read(ctx: Context) -> dict:
         for side in sides[rep % 3:] + sides[:rep % 3]:
             side()
         rows.append(row)
+    peaks = _loader_peaks(ctx, plain)
     rank_bytes = cfg.weight_bytes_per_rank(TP)
-    figures = {}
+    figures = {"s3_loader_peak_ratio": median([r["s3"]["peak_over_weights"] for r in peaks]),
+               "local_loader_peak_ratio": median([r["local"]["peak_over_weights"] for r in peaks])}
     for side, figure in (("kiln", "s3"), ("exact", "s3_exact")):
         figures[f"{figure}_rank_bytes_ratio"] = max(r["slice_bytes"] for row in rows for r in row[side]) / rank_bytes
         figures[f"{figure}_read_vs_download_ratio"] = median(
             [ratio(median([r["s"] for r in row[side]]), row["boto3_s"]) for row in rows])
     return {"figures": figures,
-            "raw": {"checkpoint_bytes": total, "rank_weight_bytes": rank_bytes, "layers": cfg.num_layers,
+            "raw": {"loader_peaks": peaks, "checkpoint_bytes": total, "rank_weight_bytes": rank_bytes, "layers": cfg.num_layers,
                     "tp": TP, "merge_gap_bytes": MERGE_GAP_BYTES, "reps": rows},
             "notes": "moto_server on loopback: no network latency, so the time ratio shows the work each side does "
                      "(bytes moved, requests made), not what a remote S3 endpoint's round trips add; a rank's weights "
                      f"are {rank_bytes / total:.0%} of the checkpoint's bytes at tp {TP} (its embedding and head "
-                     "are whole on every rank)"}
+                     "are whole on every rank); the loader peaks: rank 0 of tp 2 of a 4-layer hidden-768 "
+                     "float32 model, each side a fresh process, no host cache"}
+
+
+def _loader_peaks(ctx: Context, plain) -> list[dict]:
+    """[{'local': bench.loader_peak's result, 's3': the same from S3}, ...] per sample, the sides alternating."""
+    from bench.rank_peak import config
+    from kiln.host.checkpoint import random_checkpoint
+
+    folder = random_checkpoint(ctx.work.path("s3_read", "peak-ckpt", "x").parent, config(quick=False), seed=4)
+    prefix = ctx.tag("s3-read/peak-ckpt")
+    for f in sorted(folder.iterdir()):
+        plain.upload_file(str(f), BUCKET, f"{prefix}/{f.name}")
+    env = ctx.work.env(inductor=None, kiln_home="s3_read/home")
+    sides = {"local": [str(folder)], "s3": [f"s3://{BUCKET}/{prefix}"]}
+    rows = []
+    for rep in range(ctx.s.samples):
+        row = {}
+        for side in (["local", "s3"] if rep % 2 == 0 else ["s3", "local"]):
+            run = ctx.work.run(f"s3-loader-peak-{side}-{rep + 1}", [PYTHON, "-m", "bench.loader_peak", *sides[side],
+                                                                    str(TP), "0", ctx.work.s3_endpoint], env).expect(0)
+            row[side] = json.loads(run.log.read_text().strip().splitlines()[-1])
+        rows.append(row)
+    return rows

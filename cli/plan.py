@@ -12,7 +12,7 @@ from kiln.core.job import ExportJob, HostSpec
 from kiln.core.probe_result import HostProbe
 from kiln.core.report import Report
 from kiln.host import probe
-from kiln.host.cache import check_probed_caches
+from kiln.host.weights import check_job_caches
 from tasks import hostwork
 
 
@@ -35,7 +35,7 @@ def _probe_all(params: ExportParams) -> tuple:
 def plan_only(params: ExportParams) -> dict:
     """The gate's decision for `params`: {'feasible', 'text', 'report'}; nothing is compiled or stored."""
     job, probes = _probe_all(params)
-    check_probed_caches(probes, job.recipe.artifact_mib_estimate)
+    check_job_caches(job, probes)
     decision = decisions.decide_export(job, probes)
     kv, plan, refusal = decision.kv_plan, decision.plan, decision.refusal
     kv_line = f"kv plan: {kv['pages_per_rank']} pages per rank of {kv['page_bytes']} bytes (limited by rank {kv['limiting_rank']})"
@@ -74,7 +74,7 @@ def refusal_before_flow(job: ExportJob, hosts: list[HostSpec],
     probes = [hostwork.probe_host(job, h) for h in hosts]
     report.record_probes(probes)
     try:
-        check_probed_caches(probes, job.recipe.artifact_mib_estimate)
+        check_job_caches(job, probes)
     except BadInput as bad:  # a cache that is unwritable or too full: the flow's probe would stop the same way
         report.phase("probe", "failed", time.perf_counter() - start)
         report.status, report.error = "failed", str(bad)

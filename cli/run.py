@@ -68,6 +68,7 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, link: RankLink) -> None
         cfg = ModelConfig(**job["config"])
         link.doing("loading weights")
         device = rank_device(job["device"], rank)
+        # One copy of the rank's weights on its device, bound by every bucket's package (kiln.host.loader).
         weights = place_weights(load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint")),
                                 device)
         link.doing("loading the forwards")

@@ -21,6 +21,7 @@ of bucket BxT are `(arange(B*T) * 7 + 3) % vocab`, reshaped to [B, T].
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import mmap
 import os
@@ -65,13 +66,13 @@ def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def rank_constants(manifest: dict, forward: dict, tensors: dict[str, torch.Tensor], rank: int,
+def rank_constants(manifest: dict, names, tensors: dict[str, torch.Tensor], rank: int,
                    device: torch.device) -> dict:
-    """The package constants of `rank` on `device`, as the manifest's `weights` says: each source tensor cut
-    for the rank and cast to the dtype the package was compiled for; a stacked constant (`stack` not None) is
+    """The package constants `names` of `rank` on `device`, as the manifest's `weights` says: each source tensor
+    cut for the rank and cast to the dtype the package was compiled for; a stacked constant (`stack` not None) is
     allocated once and each source copied into its slice of the leading dimension, in order."""
     out = {}
-    for name in forward["constants"]:
+    for name in names:
         w = manifest["weights"][name]
         constant = torch.empty(w["shape"], dtype=getattr(torch, w["dtype"]), device=device)
         for i, source in enumerate(w["sources"]):
@@ -83,9 +84,9 @@ def rank_constants(manifest: dict, forward: dict, tensors: dict[str, torch.Tenso
     return out
 
 
-def step_inputs(forward: dict, vocab: int) -> list[torch.Tensor]:
-    """One prefill step from position 0 with an empty cache, shaped as the forward's interface says (on the
-    default device: main sets the rank's)."""
+def step_inputs(forward: dict, vocab: int, device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
+    """One prefill step from position 0 with an empty cache on `device`, shaped as the forward's interface
+    says."""
     spec = {i["name"]: i for i in forward["interface"]["inputs"]}
     batch, tokens = spec["tokens"]["shape"]
     pages_per_seq = spec["block_table"]["shape"][1]
@@ -97,7 +98,7 @@ def step_inputs(forward: dict, vocab: int) -> list[torch.Tensor]:
               torch.arange(batch * pages_per_seq).remainder(num_pages).reshape(batch, pages_per_seq)]
     if "seq_lens" in spec:  # a rope that goes by the sequence's length: these prompts are `tokens` long
         inputs.append(torch.full((batch,), tokens, dtype=torch.int64))
-    return inputs
+    return [t.to(device) for t in inputs]
 
 
 def main() -> None:
@@ -125,15 +126,22 @@ def main() -> None:
     # The default world group is the packages'; this script's own collectives get a group of their own
     # (with gloo, host collectives on the packages' group between calls can deadlock the next call).
     mine = dist.new_group(backend="gloo")
-    tensors = read_checkpoint(args.checkpoint)
+    # The rank's constants, built once for every forward; the checkpoint's tensors are dropped after.
+    names = sorted({name for forward in manifest["forwards"] for name in forward["constants"]})
+    constants = rank_constants(manifest, names, read_checkpoint(args.checkpoint), args.rank, device)
     vocab = manifest["model"]["config"]["vocab_size"]
-    logits = {}
+    logits, packages = {}, []
     for forward in manifest["forwards"]:
         package = torch._inductor.aoti_load_package(str(args.packages / f"{forward['key']}.pt2"),
-                                                    device_index=device.index if device.index is not None else -1)
-        package.load_constants(rank_constants(manifest, forward, tensors, args.rank, device), check_full_update=True)
-        with torch.no_grad(), device:
-            out = package(*step_inputs(forward, vocab))
+                                                    device_index=-1 if device.index is None else device.index)
+        bound = {name: constants[name] for name in forward["constants"]}
+        # user_managed: the package reads these tensors where they are (torch >= 2.8), so every bucket shares
+        # one copy of the rank's weights; they must outlive the package (`constants` does).
+        shared = "user_managed" in inspect.signature(package.load_constants).parameters
+        package.load_constants(bound, check_full_update=True, **({"user_managed": True} if shared else {}))
+        packages.append(package)
+        with torch.no_grad():
+            out = package(*step_inputs(forward, vocab, device))
         logits[forward["bucket"]] = out[0].cpu()
     dist.barrier(group=mine)
     dist.destroy_process_group()

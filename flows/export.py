@@ -34,7 +34,7 @@ from kiln.core.target import resolve_device
 from kiln.core.recipe import Recipe
 from kiln.core.report import Report
 from kiln.host import probe
-from kiln.host.cache import check_probed_caches
+from kiln.host.weights import check_job_caches
 from tasks import phases
 
 
@@ -215,7 +215,7 @@ def _probe(job, hosts, runner, report) -> list[HostProbe]:
         by_name = {p.name: p for p in redone}
         probes = [by_name.get(p.name, p) for p in probes]
     report.record_probes(probes)
-    check_probed_caches(probes, job.recipe.artifact_mib_estimate)  # unwritable or full: stop before compiling
+    check_job_caches(job, probes)  # unwritable or full: stop before compiling
     return probes
 
 

@@ -416,7 +416,9 @@ int run(const Args& a) {
   torch::inductor::AOTIModelPackageLoader loader(package.string());
   std::vector<std::string> names = loader.get_constant_fqns();
   auto weights = rank_weights(manifest.at("weights"), names, ckpt, a.rank);
-  loader.load_constants(weights, /*use_inactive=*/false, /*check_full_update=*/true);  // before the first run
+  // Before the first run. user_managed: the package reads `weights` where they lie instead of copying them
+  // (one copy of the rank's weights; `weights` outlives every run below).
+  loader.load_constants(weights, /*use_inactive=*/false, /*check_full_update=*/true, /*user_managed=*/true);
 
   torch::NoGradGuard no_grad;
   std::vector<at::Tensor> outputs = loader.run(inputs);

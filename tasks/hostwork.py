@@ -330,6 +330,7 @@ def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict])
     # The export's forwards share one device (kiln.core.manifest); rank r takes GPU r mod GPUs on a GPU host.
     device = rank_device(device_of(forwards[0]["target"]), rank) if forwards else "cpu"
     with PeakSampler(interval_s=0.1) as sampler, solo_group():
+        # One copy of the rank's weights on its device, bound by every forward's package (kiln.host.loader).
         weights = place_weights(load_rank_weights(job.checkpoint, cfg, job.tp, rank, s3_endpoint=job.s3_endpoint,
                                                   cache_dir=cache_dir(host)), device)
         for f in forwards:
@@ -349,8 +350,8 @@ def check_memory(job: ExportJob, num_forwards: int, available_mib: int, what: st
     if need > available_mib:
         raise MemoryShort(f"{what}: checking one rank against eager needs about {need} MiB ({num_forwards} "
                           f"forward(s) of a {cfg.weight_bytes_per_rank(job.tp) // 2**20} MiB shard in {cfg.dtype}) "
-                          f"but {available_mib} MiB are available; free memory there, or export fewer buckets "
-                          "per run.")
+                          f"but {available_mib} MiB are available; free memory there, or use a larger tp (a "
+                          "smaller shard).")
     return need
 
 

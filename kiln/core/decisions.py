@@ -137,8 +137,8 @@ def check_rank_checks_fit(job: ExportJob, reports: list[HostReport], probes: lis
                          f"({len(probe.specs)} forward(s) of a {shard_bytes // 2**20} MiB shard in {cfg.dtype}) "
                          f"but {report.available_mib} MiB are available")
     if short:
-        raise GateRefused("; ".join(short) + ". Nothing was compiled: free memory there, use a larger tp (a "
-                          "smaller shard), or export fewer buckets per run.")
+        raise GateRefused("; ".join(short) + ". Nothing was compiled: free memory there, or use a larger tp (a "
+                          "smaller shard): a rank holds its weights once whatever its buckets.")
 
 
 def settings_without_effect(recipe: Recipe, plan: Plan) -> list[str]:

@@ -126,23 +126,28 @@ TRANSIENT_COPIES = 1
 """One more weights-sized allocation at a check's peak (loading and converting while the last copy lives);
 calibrated on the Llama-3.2-1B-shaped bench (bench/scale_1b.py), where leaving it out under-predicted by 4-12%."""
 
+FORWARD_FIXED_MIB = 16
+"""What one loaded forward adds to a process beyond the weights it binds (its code, the runtime's own
+state): 11.6 MiB per package measured by bench/rank_peak.py (a 4-layer package of hidden 768, float32)."""
+
 
 def check_peak_mib(*, shard_bytes: int, num_forwards: int, half: bool, process_base_mib: int) -> int:
     """Predicted peak of one rank's check process (load every forward with the rank's weights, run eager).
 
-    The rank's weights, a copy per loaded forward (load_constants takes its own),
-    the eager shard (for bfloat16/float16 also in float32: twice the bytes of a
-    16-bit shard; one eager model at a time) and TRANSIENT_COPIES.
+    The rank's weights once (every package binds the same tensors: load_constants(user_managed=True), which
+    every torch Kiln runs on takes), FORWARD_FIXED_MIB per loaded forward, the eager shard (for
+    bfloat16/float16 also in float32: twice the bytes of a 16-bit shard; one eager model at a time) and
+    TRANSIENT_COPIES.
     """
-    copies = 1 + num_forwards + (2 if half else 1) + TRANSIENT_COPIES
-    return process_base_mib + -(-copies * shard_bytes // 2**20)
+    copies = 1 + (2 if half else 1) + TRANSIENT_COPIES
+    return process_base_mib + num_forwards * FORWARD_FIXED_MIB + -(-copies * shard_bytes // 2**20)
 
 
 def verify_peak_mib(*, shard_bytes: int, full_bytes: int, tp: int, num_forwards: int, half: bool,
                     process_base_mib: int) -> int:
-    """Predicted peak of `kiln verify` on one machine: tp rank processes at once, each holding its weights and
-    a copy per forward, and rank 0 also the unsharded weights and the unsharded eager model (in float32 too
-    for 16-bit exports) with TRANSIENT_COPIES of it."""
-    ranks = tp * (process_base_mib + -(-(1 + num_forwards) * shard_bytes // 2**20))
+    """Predicted peak of `kiln verify` on one machine: tp rank processes at once, each holding its weights once
+    and FORWARD_FIXED_MIB per forward, and rank 0 also the unsharded weights and the unsharded eager model
+    (in float32 too for 16-bit exports) with TRANSIENT_COPIES of it."""
+    ranks = tp * (process_base_mib + num_forwards * FORWARD_FIXED_MIB + -(-shard_bytes // 2**20))
     unsharded = -(-(1 + (2 if half else 1) + TRANSIENT_COPIES) * full_bytes // 2**20)
     return ranks + unsharded

@@ -73,7 +73,8 @@ def check_caches(statuses: dict[str, dict], need_mib: dict[str, int]) -> None:
             problems.append(f"host {host}'s cache directory {st['path']} is not writable: {st['error']}")
         elif need and st.get("free_mib") is not None and st["free_mib"] < need:
             problems.append(f"host {host}'s cache directory {st['path']} has {st['free_mib']} MiB free but the "
-                            f"export's forwards need about {need} MiB there (artifact_mib_estimate)")
+                            f"export's forwards need about {need} MiB there (artifact_mib_estimate each, and its "
+                            "ranks' weights when read from S3)")
     if problems:
         raise BadInput("; ".join(problems) + ". Free space or fix permissions, or point KILN_CACHE_DIR at a "
                        "writable local disk with room.")
@@ -84,10 +85,13 @@ def need_mib(num_forwards: int, num_local: int, artifact_mib_estimate: int) -> i
     return max(0, num_forwards - num_local) * artifact_mib_estimate
 
 
-def check_probed_caches(probes: list, artifact_mib_estimate: int) -> None:
-    """`check_caches` over every host's probe (kiln.core.probe_result.HostProbe.cache). Pure."""
+def check_probed_caches(probes: list, artifact_mib_estimate: int, weights_mib_per_rank: int = 0) -> None:
+    """`check_caches` over every host's probe (kiln.core.probe_result.HostProbe.cache): room for the forwards
+    it lacks and, with `weights_mib_per_rank`, for each of its ranks' weights (kept there when read from S3,
+    kiln.host.s3_weight_cache). Pure."""
     check_caches({p.name: p.cache for p in probes if p.cache},
-                 {p.name: need_mib(len(p.specs), len(p.local_keys), artifact_mib_estimate) for p in probes})
+                 {p.name: need_mib(len(p.specs), len(p.local_keys), artifact_mib_estimate)
+                  + len(p.ranks) * weights_mib_per_rank for p in probes})
 
 
 def read_record(path: Path) -> dict | None:

@@ -13,12 +13,15 @@ needs constants no rank's weights provide, and turns on
 AOTInductor's runtime input checks so a wrong shape raises instead of
 returning garbage.
 
-On a GPU (`device` 'cuda' or 'cuda:N': what the caller asks for, never guessed)
-the package must have been compiled for CUDA and the rank's weights must already
-lie on that GPU (`place_weights`, once per rank): every package of the rank is
-handed the same tensors with `load_constants(..., user_managed=True)` where the
-installed torch takes it (2.13 does), so a rank's weights are on the device
-once however many buckets it loads; the package keeps them alive.
+One copy of a rank's weights: every package of the rank is handed the same
+tensors with `load_constants(..., user_managed=True)` where the installed torch
+takes it (2.13 does), on the CPU as on a GPU, so a rank holds its weights once
+however many buckets it loads (an older torch copies them into each package).
+The package keeps pointers to them, not references: the loader keeps the
+tensors alive on the returned package (`kiln_weights`). On a GPU (`device`
+'cuda' or 'cuda:N': what the caller asks for, never guessed) the package must
+have been compiled for CUDA and the rank's weights must already lie on that GPU
+(`place_weights`, once per rank).
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def load_forward(path: Path | str, weights: dict, sha256: str, *, device: str = 
 
     What is verified and loaded is a private copy made while hashing (mode 0600 in a 0700 directory,
     removed once AOTInductor has extracted it), never `path` itself. On a GPU the weights must already be
-    on `device` (place_weights) and are bound without a copy where torch allows it (see the module).
+    on `device` (place_weights). The weights are bound without a copy where torch allows it (see the
+    module): hand every package of a rank the same `weights` (place_weights' result) and never change them.
     """
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
     import torch
@@ -69,14 +73,11 @@ def load_forward(path: Path | str, weights: dict, sha256: str, *, device: str = 
     check_weights(Path(path).name, compiled, weights)
     names = set(compiled.get_constant_fqns())
     constants = {n: _compact(t) for n, t in weights.items() if n in names}
-    if want.type == "cpu":
-        compiled.load_constants(constants, check_full_update=True)
-        return compiled
     shared = "user_managed" in load_constants_params(compiled)
     if shared:
         compiled.load_constants(constants, check_full_update=True, user_managed=True)
         compiled.kiln_weights = constants  # the package keeps pointers to them, not references
-    else:  # an older torch: the package copies them (one more copy per package on the device)
+    else:  # an older torch: the package copies them (one more copy per package)
         compiled.load_constants(constants, check_full_update=True)
     compiled.kiln_user_managed = shared
     return compiled
@@ -97,11 +98,13 @@ def load_constants_params(compiled) -> list[str]:
 
 def place_weights(weights: dict, device: str) -> dict:
     """The rank's weights on `device`, each a compact tensor of its own (load_constants needs that), moved
-    once: hand the result to every load_forward of the rank. On the CPU, the weights as they are."""
+    once: hand the result to every load_forward of the rank, which then binds these very tensors. On the
+    CPU, `weights` itself when every tensor is already compact (what the checkpoint loaders return)."""
     import torch
 
     if torch.device(device).type == "cpu":
-        return weights
+        compact = {name: _compact(t) for name, t in weights.items()}
+        return weights if all(compact[n] is weights[n] for n in weights) else compact
     return {name: _compact(t.to(device)) for name, t in weights.items()}
 
 

@@ -6,15 +6,19 @@ header only (two ranged GETs: the 8-byte length, then the JSON header). A
 rank's weights are then read slice by slice at the header's offsets: a row
 slice is one range, a column slice one range per row; ranges of one tensor
 closer than `merge_gap_bytes` are fetched as one GET (the gap read and
-dropped), and the GETs run concurrently. `bytes_read` counts every byte
-received, `requests` every GET.
+dropped), and the GETs run concurrently (`max_concurrency`). Each body is
+copied CHUNK_BYTES at a time straight into the rank's constants (converted to
+their dtype as it goes), so a rank's read holds its weights once plus at most
+`max_concurrency` chunks. `bytes_read` counts every byte received, `requests`
+every GET.
 
 Contracts: `load_rank_weights` returns what kiln.host.checkpoint's does for a
 directory holding the same files: one rank's shard of every parameter, in
 `cfg.dtype`. With a `cache_dir`, a rank's tensors are kept there under a key of
 every object's name, size and ETag (plus tp, rank and dtype), so a second load
 of the same checkpoint reads no weights again; a replaced object has a new
-ETag, hence a new key. `identity()` is what a manifest records. Bad input
+ETag, hence a new key (kiln.host.s3_weight_cache: written atomically, evicted,
+counted by the cache checks). `identity()` is what a manifest records. Bad input
 (a missing config.json, a prefix with no safetensors, an object that is
 missing, refused or replaced, a corrupt header, shapes config.json does not
 imply) is BadInput naming the object. A blip is not bad input: each request
@@ -27,10 +31,10 @@ Compile workers need none of this: they compile weightless.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +44,8 @@ import torch
 from kiln.core.config import ModelConfig
 from kiln.core.errors import BadInput, StoreError
 from kiln.core.hf_config import from_hf
-from kiln.core.contract import LAYOUT, constant_dtype, rank_reads
 from kiln.core.safetensors_header import DTYPES, header_length, index_weight_map, parse_header
-from kiln.host.model import expected_shapes
+from kiln.host import s3_weight_cache
 from kiln.host.safetensors_io import torch_dtype
 
 INDEX = "model.safetensors.index.json"
@@ -119,6 +122,15 @@ def coalesce(ranges: list[tuple[int, int]], gap_bytes: int,
     return [(first, last, inside) for first, last, inside in out]
 
 
+CHUNK_BYTES = 256 << 10
+"""A body is copied into its tensors this many bytes at a time (a multiple of every dtype's size). 1 MiB
+chunks held 1.30x a rank's bytes at the peak, 256 KiB 1.11x (bench/parts_s3_read.py, 16 GETs in flight):
+each thread's freed chunks stay in its malloc arena."""
+
+Sink = Callable[[int, memoryview], None]
+"""sink(object_offset, data): bytes of one GET's body, handed over in order, CHUNK_BYTES at most."""
+
+
 class S3Checkpoint:
     """A checkpoint under s3://BUCKET/PREFIX; lists the prefix when made (BadInput when it holds none)."""
 
@@ -161,8 +173,15 @@ class S3Checkpoint:
         return out
 
     def _get(self, name: str, first: int | None = None, last: int | None = None) -> bytes:
-        """The object's bytes [first, last] (inclusive), or all of it; If-Match the listed ETag. A body that
-        breaks off is fetched again, READ_ATTEMPTS GETs in all."""
+        """The object's bytes [first, last] (inclusive), or all of it (small objects: config, index, headers)."""
+        parts: list[bytes] = []
+        self._stream(name, first, last, lambda _, data: parts.append(bytes(data)))
+        return b"".join(parts)
+
+    def _stream(self, name: str, first: int | None, last: int | None, sink: Sink) -> None:
+        """Hand the object's bytes [first, last] (inclusive; all of it when None) to `sink` in order, If-Match
+        the listed ETag. A body that breaks off is fetched again from `first` (the sink sees those bytes
+        again), READ_ATTEMPTS GETs in all; a body of another length than asked is BadInput."""
         from botocore.exceptions import BotoCoreError, ClientError
         from urllib3.exceptions import HTTPError as Urllib3Error
 
@@ -174,7 +193,7 @@ class S3Checkpoint:
             try:
                 body = self._client.get_object(Bucket=self.bucket, Key=self.prefix + name, **args)["Body"]
                 try:
-                    data = body.read()
+                    got = _drain(body, first or 0, None if first is None else last - first + 1, sink)
                     break
                 except BODY_ERRORS:
                     body.close()
@@ -184,13 +203,12 @@ class S3Checkpoint:
                 raise read_failure(exc, f"read {self._name(name)}", "check it exists, is readable with these "
                                    "credentials and was not replaced during the export.") from None
             time.sleep(min(0.1 * 2**attempt, 2.0))
-        if first is not None and len(data) != last - first + 1:
-            raise BadInput(f"{self._name(name)}: asked for bytes {first}-{last}, got {len(data)} bytes; the object "
+        if first is not None and got != last - first + 1:
+            raise BadInput(f"{self._name(name)}: asked for bytes {first}-{last}, got {got} bytes; the object "
                            "is shorter than its safetensors header says (truncated) or the server ignores Range.")
         with self._lock:
-            self.bytes_read += len(data)
+            self.bytes_read += got
             self.requests += 1
-        return data
 
     def read_config(self) -> ModelConfig:
         try:
@@ -257,54 +275,89 @@ class S3Checkpoint:
     def _cache_file(self, cfg: ModelConfig, tp: int, rank: int) -> Path | None:
         if self.cache_dir is None:
             return None
-        key = hashlib.sha256(json.dumps([self.identity()["objects"], tp, rank, cfg.dtype, LAYOUT]).encode()).hexdigest()
-        return self.cache_dir / "s3-checkpoints" / key[:32] / f"rank{rank}-of-{tp}.safetensors"
+        return s3_weight_cache.entry(self.cache_dir, self.identity()["objects"], cfg.dtype, tp, rank)
 
     def load_rank_weights(self, cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
         """One rank's package constants (kiln.host.checkpoint.load_rank_weights' contract), in `cfg.dtype`;
         from the cache when it holds them."""
-        from safetensors.torch import load_file, save_file
-
         from kiln.host.model import rank_constants
         cached = self._cache_file(cfg, tp, rank)
-        if cached is not None and cached.exists():
-            return load_file(str(cached))
-        self._check(cfg)  # this host's reads, checked here: the flow's inspection ran elsewhere
-        parts = self._rank_tensors(cfg, tp, rank)
-        # Each tensor, already cut for the rank, is copied into its (stacked) constant and dropped at once.
-        out = rank_constants(cfg, tp, rank, lambda name, cut, into: into.copy_(parts.pop((name, cut))),
-                             getattr(torch, cfg.dtype))
         if cached is not None:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_suffix(f".tmp-{threading.get_ident()}")
-            save_file(out, str(tmp))
-            tmp.replace(cached)
+            hit = s3_weight_cache.read(cached)
+            if hit is not None:
+                return hit
+        self._check(cfg)  # this host's reads, checked here: the flow's inspection ran elsewhere
+        # The constants are allocated first (each once); the reads then stream into their slots.
+        slots: dict[tuple, list[torch.Tensor]] = {}
+        out = rank_constants(cfg, tp, rank, lambda name, cut, into: slots.setdefault((name, cut), []).append(into),
+                             getattr(torch, cfg.dtype))
+        self._read_into(slots)
+        if cached is not None:
+            s3_weight_cache.write(cached, out, self.url, self.identity()["objects"])
         return out
 
-    def _rank_tensors(self, cfg: ModelConfig, tp: int, rank: int) -> dict[tuple, torch.Tensor]:
-        """Each (checkpoint tensor, cut) `rank` reads (kiln.core.contract.rank_reads: one per tensor, or one
-        per projection of a fused tensor), cut, in the dtype its constant holds (contract.constant_dtype)."""
+    def _read_into(self, slots: dict[tuple, list[torch.Tensor]]) -> None:
+        """Read each (checkpoint tensor, cut) into every tensor `slots` gives it (contiguous, shaped as the
+        cut), converted from the stored dtype: its ranges' bytes go, chunk by chunk, to their place in the
+        cut tensor; at most max_concurrency GETs at once, each holding one chunk."""
         have = self.tensors()
-        shapes = expected_shapes(cfg)
-        reads = list(dict.fromkeys(read for sources in rank_reads(cfg, tp, rank).values() for read in sources))
-        plan = {read: coalesce(row_ranges(have[read[0]], read[1]), self.merge_gap_bytes) for read in reads}
-        jobs = [(read, fetch) for read, fetches in plan.items() for fetch in fetches]
+        jobs = []
+        for (name, cut), outs in slots.items():
+            info = have[name]
+            flats = [o.view(-1) for o in outs]
+            placed_bytes = 0
+            for first, last, pieces in coalesce(row_ranges(info, cut), self.merge_gap_bytes):
+                placed = []
+                for a, b in pieces:
+                    placed.append((a, b, placed_bytes))
+                    placed_bytes += b - a + 1
+                jobs.append((info, flats, first, last, placed))
         with ThreadPoolExecutor(self.max_concurrency) as pool:
-            parts = list(pool.map(lambda job: self._get(have[job[0][0]].file, job[1][0], job[1][1]), jobs))
-        chunks: dict[tuple, list[bytes]] = {}
-        for (read, (first, _, pieces)), data in zip(jobs, parts):
-            view = memoryview(data)
-            chunks.setdefault(read, []).extend(view[a - first:b - first + 1] for a, b in pieces)
-        out = {}
-        for name, cut in reads:
-            dtype = getattr(torch, constant_dtype(cfg, name))
-            info, shape = have[name], shapes[name]
-            local = list(shape) if cut is None else [*shape[:cut[0]], cut[2] - cut[1], *shape[cut[0] + 1:]]
-            stored = torch_dtype(info.dtype)
-            flat = torch.frombuffer(bytearray(b"".join(chunks.get((name, cut), []))), dtype=stored) \
-                if all(local) else torch.empty(0, dtype=stored)
-            out[(name, cut)] = flat.reshape(local).to(dtype).contiguous()
-        return out
+            for _ in pool.map(lambda job: self._fetch_into(*job), jobs):
+                pass
+
+    def _fetch_into(self, info: TensorInfo, flats: list[torch.Tensor], first: int, last: int,
+                    placed: list[tuple[int, int, int]]) -> None:
+        """One GET of bytes [first, last] of `info`'s object: each wanted range [a, b] lands at byte `at` of
+        the cut tensor, i.e. its element at // itemsize of every flat destination."""
+        stored = torch_dtype(info.dtype)
+        item = stored.itemsize
+
+        def sink(pos: int, data: memoryview) -> None:
+            end = pos + len(data)
+            for a, b, at in placed:
+                lo, hi = max(a, pos), min(b + 1, end)
+                if lo < hi:  # chunks and ranges start a whole number of elements from `first`
+                    src = torch.frombuffer(data[lo - pos:hi - pos], dtype=stored)
+                    start = (at + lo - a) // item
+                    for flat in flats:
+                        flat[start:start + src.numel()].copy_(src)
+
+        self._stream(info.file, first, last, sink)
+
+
+def _drain(body, offset: int, expected: int | None, sink: Sink) -> int:
+    """Copy a GET's body to `sink` CHUNK_BYTES at a time (whole chunks except the last: the sink's splits
+    stay element-aligned), starting at object offset `offset`; stop with BadInput-worthy length once it
+    passes `expected` bytes. Returns the bytes received."""
+    buf = bytearray(CHUNK_BYTES)
+    view = memoryview(buf)
+    got = 0
+    while True:
+        n = 0
+        while n < CHUNK_BYTES:
+            data = body.read(CHUNK_BYTES - n)
+            if not data:
+                break
+            buf[n:n + len(data)] = data
+            n += len(data)
+        if expected is not None and got + n > expected:
+            return got + n  # longer than asked (a server ignoring Range): the caller refuses it, unwritten
+        if n:
+            sink(offset + got, view[:n])
+            got += n
+        if n < CHUNK_BYTES:
+            return got
 
 
 def read_failure(exc: Exception, what: str, fix: str) -> BadInput | StoreError:

@@ -55,3 +55,13 @@ def load_rank_weights(checkpoint: str, cfg: ModelConfig, tp: int, rank: int, *, 
         return _s3(checkpoint, s3_endpoint, cache_dir).load_rank_weights(cfg, tp, rank)
     from kiln.host.checkpoint import load_rank_weights as from_directory
     return from_directory(checkpoint, cfg, tp, rank)
+
+
+def check_job_caches(job, probes: list) -> None:
+    """kiln.host.cache.check_probed_caches for `job` (kiln.core.job.ExportJob): room for its forwards, and for
+    its ranks' weights when its checkpoint is in S3 (a host's check keeps each rank's tensors in its cache,
+    kiln.host.s3_weight_cache)."""
+    from kiln.host.cache import check_probed_caches
+
+    per_rank = -(-job.model_config.weight_bytes_per_rank(job.tp) // 2**20) if is_s3(job.checkpoint) else 0
+    check_probed_caches(probes, job.recipe.artifact_mib_estimate, per_rank)

@@ -117,6 +117,45 @@ def test_a_replaced_object_has_a_new_etag_so_the_cache_misses(s3_ckpt, tmp_path)
     assert second.bytes_read > 0
     want = load_rank_weights(other, cfg, 2, 0)
     assert all(torch.equal(got[n], want[n]) for n in want)
+    # The replaced version can never be read again: writing the new one evicted it.
+    entry, root = second._cache_file(cfg, 2, 0), tmp_path / "cache"
+    assert {p for p in root.rglob("*") if p.is_file()} == {entry, entry.parent / "source.json"}
+
+
+def test_bodies_stream_into_the_tensors_in_chunks_converting_their_dtype(s3_bucket, s3_server, tmp_path, monkeypatch):
+    """A bfloat16 checkpoint read as float32 with 96-byte chunks: every range split across chunks, each chunk
+    converted into its place; the directory reader's tensors exactly, at most max_concurrency chunks held."""
+    from kiln.host import s3_checkpoint
+
+    monkeypatch.setattr(s3_checkpoint, "CHUNK_BYTES", 96)
+    stored = TINY.replace(num_layers=1, dtype="bfloat16")
+    folder = random_checkpoint(tmp_path / "bf16", stored, seed=6)
+    bucket = s3_bucket[5:].split("/")[0]
+    _upload(boto3.client("s3", endpoint_url=s3_server.endpoint_url), bucket, "ckpt/bf16", folder)
+    cfg = stored.replace(dtype="float32")
+    for gap in (0, s3_checkpoint.MERGE_GAP_BYTES):
+        ck = S3Checkpoint(f"s3://{bucket}/ckpt/bf16", endpoint_url=s3_server.endpoint_url, merge_gap_bytes=gap,
+                          max_concurrency=4)
+        got = ck.load_rank_weights(cfg, 2, 1)
+        want = load_rank_weights(folder, cfg, 2, 1)
+        assert sorted(got) == sorted(want)
+        assert all(got[n].dtype == torch.float32 and torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_cache_write_that_fails_leaves_no_file_and_the_load_goes_on(s3_ckpt, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    def full_disk(tensors, path):
+        Path(path).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    cfg = inspect_checkpoint(s3_ckpt["folder"])
+    ck = S3Checkpoint(s3_ckpt["url"], endpoint_url=s3_ckpt["endpoint"], cache_dir=tmp_path / "cache")
+    got = ck.load_rank_weights(cfg, 2, 0)
+    want = load_rank_weights(s3_ckpt["folder"], cfg, 2, 0)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()] == ["source.json"]
 
 
 def _put(s3_ckpt, key: str, body: bytes) -> None:

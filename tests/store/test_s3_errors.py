@@ -72,7 +72,7 @@ def test_a_body_that_keeps_breaking_off_is_read_again_then_a_transient_error(mon
     from kiln.store.s3 import READ_ATTEMPTS
 
     class Body:
-        def read(self):
+        def read(self, amt=None):
             raise ReadTimeoutError(endpoint_url=ENDPOINT)
 
         def close(self):

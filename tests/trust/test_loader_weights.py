@@ -58,3 +58,35 @@ def test_weights_that_do_not_fit_are_refused_by_name(small_forward, change, word
         assert refused is None
     else:
         assert refused is not None and words in refused
+
+
+SHARED = r"""
+import json, sys
+import torch
+from kiln.core.config import ModelConfig
+from kiln.host.loader import load_forward, place_weights
+from kiln.host.model import ShardedDecoder, example_inputs
+
+job = json.loads(sys.argv[1])
+cfg = ModelConfig(**job["config"])
+weights = place_weights(dict(ShardedDecoder(cfg, 1).eval().state_dict()), "cpu")
+a, b = (load_forward(job["path"], weights, job["sha256"]) for _ in range(2))
+args = example_inputs(cfg, 1, job["batch"], job["tokens"], page_tokens=job["page_tokens"],
+                      pages_per_seq=job["pages_per_seq"], num_pages=job["pages_per_seq"] + 1)
+with torch.no_grad():
+    before = a(*args)[0].clone()
+    same = bool(torch.equal(before, b(*args)[0]))
+    weights["model.norm.weight"].mul_(2.0)  # in place: a package that kept a copy would not see it
+    after_a, after_b = a(*args)[0], b(*args)[0]
+print(json.dumps({"same": same, "a_sees": not torch.equal(before, after_a), "b_sees": not torch.equal(before, after_b),
+                  "user_managed": a.kiln_user_managed}))
+"""
+
+
+def test_every_package_of_a_rank_reads_the_one_copy_of_its_weights(small_forward):
+    """Two packages loaded with one rank's weights hold no copy: a change to the caller's tensors reaches both."""
+    proc = subprocess.run([sys.executable, "-c", SHARED, json.dumps(small_forward)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"same": True, "a_sees": True, "b_sees": True, "user_managed": True}

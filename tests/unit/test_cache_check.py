@@ -55,3 +55,13 @@ def test_cache_root_prefers_the_host_setting_then_the_environment(monkeypatch, t
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "fast"))
     assert cache_root("h1") == tmp_path / "fast" / "h1"
     assert cache_root("h1", "/explicit") == tmp_path.__class__("/explicit")
+
+
+def test_a_host_reading_its_ranks_weights_from_s3_needs_room_for_them_in_its_cache():
+    from types import SimpleNamespace
+
+    status = {"path": "/ca", "error": None, "free_mib": 100}
+    probe = SimpleNamespace(name="a", cache=status, specs=("k",), local_keys=(), ranks=(0, 1))
+    check_probed_caches([probe], 16, 42)  # 16 + 2 x 42 = 100
+    with pytest.raises(BadInput, match="need about 102 MiB"):
+        check_probed_caches([probe], 16, 43)

@@ -2,6 +2,7 @@
 
 import re
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -51,6 +52,48 @@ def test_paged_step_matches_full_context_recompute():
         second, _ = model(tokens[:, 4:], torch.tensor([4]), cache, table)
     torch.testing.assert_close(second, whole[:, 4:], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(first, whole[:, :4], atol=1e-5, rtol=1e-4)
+
+
+def _prefill_then_decode(cfg: ModelConfig, tokens, prefilled: int):
+    """(logits of one step over all of `tokens` [b, n], logits of decode steps from position `prefilled` on
+    after a prefill of the first `prefilled` tokens) of SMALL's weights in cfg.dtype: [b, n - prefilled, vocab]
+    each, in float32."""
+    dtype, page_tokens = getattr(torch, cfg.dtype), 4
+    model = ShardedDecoder(cfg, 1).eval().to(dtype)
+    model.load_state_dict(shard_state_dict(random_state_dict(cfg.replace(dtype="float32"), seed=3), cfg, 1, 0))
+    cache = torch.zeros(cfg.num_layers, 2, 9, page_tokens, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+    table = torch.tensor([[3, 1, 5, 0], [2, 8, 6, 4]])
+    zero = torch.zeros(tokens.shape[0], dtype=torch.int64)
+    steps = []
+    with torch.no_grad():
+        whole, _ = model(tokens, zero, cache, table)
+        _, kv = model(tokens[:, :prefilled], zero, cache, table)
+        for i in range(prefilled):  # position i of sequence b lives in page table[b, i // 4] at slot i % 4
+            cache[:, :, table[:, i // page_tokens], i % page_tokens] = kv[:, :, :, i]
+        for i in range(prefilled, tokens.shape[1]):
+            step, kv = model(tokens[:, i:i + 1], zero + i, cache, table)
+            cache[:, :, table[:, i // page_tokens], i % page_tokens] = kv[:, :, :, 0]
+            steps.append(step[:, 0])
+    return whole[:, prefilled:].float(), torch.stack(steps, dim=1).float()
+
+
+@pytest.mark.parametrize("changes", [
+    {},  # grouped-query attention: 2 query heads per KV head
+    {"attn_softcap": 2.0, "query_pre_attn_scalar": 24, "sliding_window": 5, "first_sliding_layer": 1},
+    {"dtype": "bfloat16"},
+], ids=["gqa", "softcap-window", "bf16"])
+def test_a_decode_step_reading_its_pages_in_place_computes_what_a_whole_recompute_does(changes):
+    """Decode steps (one token: kiln.host.model.paged_attention reads the cached pages where they lie) after a
+    prefill give the logits of one step over the whole sequence (its cached pages gathered); in bfloat16 they
+    are no farther from float32's than that step itself is."""
+    cfg = SMALL.replace(**changes)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
+    whole, decoded = _prefill_then_decode(cfg, tokens, 8)
+    if cfg.dtype == "float32":
+        torch.testing.assert_close(decoded, whole, atol=1e-5, rtol=1e-4)
+    else:
+        exact, _ = _prefill_then_decode(cfg.replace(dtype="float32"), tokens, 8)
+        assert float((decoded - exact).abs().max()) <= float((whole - exact).abs().max())
 
 
 def test_scanned_layers_compute_what_unrolled_ones_do():

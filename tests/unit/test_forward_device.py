@@ -60,6 +60,19 @@ def test_placing_weights_on_the_cpu_keeps_them_as_they_are():
     assert place_weights(weights, "cpu") is weights
 
 
+def test_placing_views_on_the_cpu_compacts_them_once_so_every_package_binds_the_same_tensors():
+    import torch
+
+    from kiln.host.loader import _compact, place_weights
+
+    whole = torch.arange(6.0)
+    weights = {"w": whole[2:4], "v": torch.ones(3)}
+    placed = place_weights(weights, "cpu")
+    assert placed["v"] is weights["v"] and torch.equal(placed["w"], whole[2:4])
+    assert placed["w"].untyped_storage().nbytes() == placed["w"].nbytes  # owns exactly its bytes
+    assert _compact(placed["w"]) is placed["w"]  # load_forward binds it as it is, no copy per package
+
+
 def test_a_rank_runs_on_its_gpu_round_robin_and_on_the_cpu_as_asked(monkeypatch):
     import torch
 

@@ -118,10 +118,24 @@ def test_checks_that_would_not_fit_are_refused_before_they_start():
     with pytest.raises(MemoryShort, match=f"host h: checking one rank against eager needs about {need} MiB"):
         check_memory(j, 4, need - 1, "host h")
     # bfloat16 also runs eager in float32: more per byte of shard.
-    assert check_peak_mib(shard_bytes=2**30, num_forwards=1, half=True, process_base_mib=0) == 5 * 1024
-    assert check_peak_mib(shard_bytes=2**30, num_forwards=1, half=False, process_base_mib=0) == 4 * 1024
+    assert check_peak_mib(shard_bytes=2**30, num_forwards=1, half=True, process_base_mib=0) == 4 * 1024 + 16
+    assert check_peak_mib(shard_bytes=2**30, num_forwards=1, half=False, process_base_mib=0) == 3 * 1024 + 16
     assert verify_peak_mib(shard_bytes=2**30, full_bytes=2**31, tp=2, num_forwards=1, half=False,
-                           process_base_mib=100) == 2 * (100 + 2048) + 3 * 2048
+                           process_base_mib=100) == 2 * (100 + 16 + 1024) + 3 * 2048
+
+
+def test_every_forward_of_a_rank_binds_one_copy_of_its_weights_so_more_buckets_cost_only_their_code():
+    # Llama-3.1-70B at tp 8 in bfloat16 (a ~17 GiB shard): 38 buckets, the incident's count, cost 38 x 16 MiB
+    # more than one, not 37 more shards.
+    from kiln.core.sizing import FORWARD_FIXED_MIB, check_peak_mib, verify_peak_mib
+
+    shard = 17 * 2**30
+    one, many = (check_peak_mib(shard_bytes=shard, num_forwards=n, half=True, process_base_mib=512) for n in (1, 38))
+    assert many - one == 37 * FORWARD_FIXED_MIB
+    assert many < 512 + 5 * 17 * 1024  # weights, two eager shards (16-bit and float32: 3 copies), transient, code
+    one, many = (verify_peak_mib(shard_bytes=shard, full_bytes=8 * shard, tp=8, num_forwards=n, half=True,
+                                 process_base_mib=512) for n in (1, 38))
+    assert many - one == 8 * 37 * FORWARD_FIXED_MIB
 
 
 def test_a_rank_check_that_would_not_fit_is_refused_before_anything_compiles():

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from kiln.core.config import ModelConfig
 from kiln.host.model.collectives import linear_then_reduce
 from kiln.host.model.norms import rms_norm, softcap
+from kiln.host.model.paged_attention import IN_PLACE_TOKENS, attend_in_place
 from kiln.host.model.rotary import rotate
 from kiln.host.model.step import StepContext, gather_pages
 
@@ -26,15 +27,20 @@ def attend(cfg: ModelConfig, q: torch.Tensor, keys: torch.Tensor, values: torch.
     attn_scale_multiplier (DeepSeek's yarn mscale). Soft-capped scores (Gemma 2) are computed as
     transformers' eager attention does: scores, cap, mask, a float32 softmax cast back, then the values;
     otherwise torch's fused attention."""
-    if cfg.query_pre_attn_scalar is not None:
-        scale = cfg.query_pre_attn_scalar ** -0.5
-    else:
-        scale = cfg.head_dim ** -0.5 * cfg.attn_scale_multiplier
+    scale = attention_scale(cfg)
     if cfg.attn_softcap is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     scores = softcap(torch.matmul(q, keys.transpose(2, 3)) * scale, cfg.attn_softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+
+
+def attention_scale(cfg: ModelConfig) -> float:
+    """query_pre_attn_scalar ** -0.5 when the config gives one (Gemma), else head_dim ** -0.5 times
+    attn_scale_multiplier (DeepSeek's yarn mscale)."""
+    if cfg.query_pre_attn_scalar is not None:
+        return cfg.query_pre_attn_scalar ** -0.5
+    return cfg.head_dim ** -0.5 * cfg.attn_scale_multiplier
 
 
 def grouped_query_attention(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h: torch.Tensor,
@@ -57,10 +63,14 @@ def grouped_query_attention(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps, cfg.norm_unit_offset)
     cos, sin = ctx.rotary(window)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-    group = heads // kv_heads
-    keys = torch.cat((gather_pages(kv[0], ctx.block_table), k), dim=1).repeat_interleave(group, dim=2)
-    values = torch.cat((gather_pages(kv[1], ctx.block_table), v), dim=1).repeat_interleave(group, dim=2)
-    out = attend(cfg, q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), ctx.mask(window))
-    attended = linear_then_reduce(out.transpose(1, 2).reshape(b, t, -1), p["self_attn.o_proj.weight"],
+    if t <= IN_PLACE_TOKENS:  # decode: the cached pages read where they lie (fixed per bucket when traced)
+        out = attend_in_place(cfg, q, k, v, kv, ctx.block_table, ctx.mask(window), attention_scale(cfg))
+    else:
+        group = heads // kv_heads
+        keys = torch.cat((gather_pages(kv[0], ctx.block_table), k), dim=1).repeat_interleave(group, dim=2)
+        values = torch.cat((gather_pages(kv[1], ctx.block_table), v), dim=1).repeat_interleave(group, dim=2)
+        out = attend(cfg, q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                     ctx.mask(window)).transpose(1, 2)
+    attended = linear_then_reduce(out.reshape(b, t, -1), p["self_attn.o_proj.weight"],
                                   p.get("self_attn.o_proj.bias"), tp)
     return attended, torch.stack((k, v))

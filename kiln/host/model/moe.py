@@ -79,6 +79,11 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
     (prefill) every expert runs over every token, weighted by its routing weight or 0: a gathered expert's
     weights are read, copied and read again, so for that many pairs reading every expert once costs less.
     The choice is made per bucket when the graph is traced (its shapes are static).
+
+    Prefill runs the experts one after another, each weighting its activations by its routing weights
+    before its down projection, which adds into the sum (in the model's dtype, in expert order, as
+    transformers' experts add theirs), so a step holds one expert's [tokens, I/tp] activations at a time:
+    its memory does not grow with the experts (computing all of them at once held [tokens, experts, hidden]).
     """
     module, names = EXPERTS[cfg.architecture]
     gate_w, up_w, down_w = (p[f"{module}.experts.{n}.weight"] for n in names)  # [E, I/tp, H], [E, I/tp, H], [E, H, I/tp]
@@ -93,10 +98,11 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
         out = torch.bmm(act, down_w[flat].transpose(1, 2)).reshape(n, k, hidden)  # [n, k, H]
         mixed = (out * weights[..., None]).to(h.dtype).sum(dim=1)
     else:
-        act = F.silu(torch.einsum("nh,eih->nei", x, gate_w)) * torch.einsum("nh,eih->nei", x, up_w)
-        out = torch.einsum("nei,ehi->neh", act, down_w)  # [n, E, H]
         dense = torch.zeros(n, cfg.num_experts, dtype=weights.dtype, device=x.device).scatter(1, chosen, weights)
-        mixed = (out * dense[..., None]).to(h.dtype).sum(dim=1)
+        mixed = torch.zeros_like(x)
+        for e in range(cfg.num_experts):  # addmm: a pointwise sum would fuse into one kernel holding every output
+            act = (F.silu(F.linear(x, gate_w[e])) * F.linear(x, up_w[e]) * dense[:, e, None]).to(h.dtype)  # [n, I/tp]
+            mixed = torch.addmm(mixed, act, down_w[e].t())
     if cfg.shared_expert_intermediate_size:  # every token also runs the shared expert(s): this rank's part
         shared_module, gate = SHARED_EXPERTS[cfg.architecture]
         shared = F.linear(F.silu(F.linear(x, p[f"{shared_module}.gate_proj.weight"]))
