@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from kiln.core.forward_keys import forward_spec
     from kiln.core.recipe import Recipe, parse_buckets
+    from kiln.core.shape_ranges import static_shape
     from kiln.host.checkpoint import inspect_checkpoint
     from kiln.host.compiler import compile_forward, model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS, inductor_env
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     target = host_target.fingerprint
     per_forward, keys = {}, []
     for bucket in recipe.buckets:
-        spec = forward_spec(bucket=bucket, graph=graph, target=target, torch_version=torch.__version__,
+        spec = forward_spec(shapes=static_shape(bucket), graph=graph, target=target, torch_version=torch.__version__,
                             page_tokens=recipe.page_tokens, pages_per_seq=recipe.pages_per_seq,
                             compiler={**COMPILER_OPTIONS, **host_target.inductor_options}).to_dict()
         result = compile_forward(spec, str(Path(args.out) / f"{spec['key']}.pt2"))

@@ -1,4 +1,4 @@
-"""Run one step of every forward of a Kiln export with torch alone: no Kiln, no Python op registered.
+"""Run one step of every bucket of a Kiln export with torch alone: no Kiln, no Python op registered.
 
 A worked example of the manifest's consumer contract (docs/run-without-kiln.md).
 Every rank of the export runs this script; they join one gloo group, whose
@@ -7,7 +7,9 @@ default world group is the process group the packages' collectives name
 the checkpoint's safetensors files (a short reader below), cuts and stacks
 them as `weights` says (the decoder layers' tensors are stacked along a
 leading layer dimension), binds them to each package before its first call,
-and runs one prefill step with an empty paged KV cache:
+and runs one prefill step with an empty paged KV cache at each of the export's
+buckets, on the forward whose range of shapes holds it (`choose_forward`: the
+contract's rule for choosing among several):
 
     python examples/torch_only.py --manifest M.json --packages STORE/forwards \\
         --checkpoint CKPT --rank R --world-size 2 --port 29511 --out OUT_DIR
@@ -80,10 +82,27 @@ def rank_constants(manifest: dict, forward: dict, tensors: dict[str, torch.Tenso
     return out
 
 
-def step_inputs(forward: dict, vocab: int) -> list[torch.Tensor]:
-    """One prefill step from position 0 with an empty cache, shaped as the forward's interface says."""
+def choose_forward(forwards: list[dict], batch: int, tokens: int) -> dict:
+    """The forward to run `batch` sequences of `tokens` new tokens with, by the contract's rule: of those whose
+    range holds the shape (`batch` and `tokens` are [min, max]), the fewest shapes, then the hint nearest to
+    it, then the smallest `shapes` name."""
+    def holds(f: dict) -> bool:
+        return f["batch"][0] <= batch <= f["batch"][1] and f["tokens"][0] <= tokens <= f["tokens"][1]
+
+    def order(f: dict) -> tuple:
+        size = (f["batch"][1] - f["batch"][0] + 1) * (f["tokens"][1] - f["tokens"][0] + 1)
+        return size, abs(f["hint"][0] - batch) + abs(f["hint"][1] - tokens), f["shapes"]
+
+    fits = [f for f in forwards if holds(f)]
+    if not fits:
+        raise SystemExit(f"no forward of this export takes {batch}x{tokens}")
+    return min(fits, key=order)
+
+
+def step_inputs(forward: dict, vocab: int, batch: int, tokens: int) -> list[torch.Tensor]:
+    """One prefill step of `batch` x `tokens` from position 0 with an empty cache, shaped as the forward's
+    interface says (a dimension named there is dynamic: 'batch' and 'tokens' are the step's)."""
     spec = {i["name"]: i for i in forward["interface"]["inputs"]}
-    batch, tokens = spec["tokens"]["shape"]
     pages_per_seq = spec["block_table"]["shape"][1]
     num_pages = pages_per_seq * batch + 1
     kv_shape = [num_pages if d == "num_pages" else d for d in spec["kv_cache"]["shape"]]
@@ -118,13 +137,17 @@ def main() -> None:
     mine = dist.new_group(backend="gloo")
     tensors = read_checkpoint(args.checkpoint)
     vocab = manifest["model"]["config"]["vocab_size"]
-    logits = {}
-    for forward in manifest["forwards"]:
-        package = torch._inductor.aoti_load_package(str(args.packages / f"{forward['key']}.pt2"))
-        package.load_constants(rank_constants(manifest, forward, tensors, args.rank), check_full_update=True)
+    logits, packages = {}, {}
+    for bucket in manifest["buckets"]:
+        batch, tokens = map(int, bucket.split("x"))
+        forward = choose_forward(manifest["forwards"], batch, tokens)
+        if forward["key"] not in packages:  # each package loaded once, its constants bound before its first call
+            package = torch._inductor.aoti_load_package(str(args.packages / f"{forward['key']}.pt2"))
+            package.load_constants(rank_constants(manifest, forward, tensors, args.rank), check_full_update=True)
+            packages[forward["key"]] = package
         with torch.no_grad():
-            out = package(*step_inputs(forward, vocab))
-        logits[forward["bucket"]] = out[0]
+            out = packages[forward["key"]](*step_inputs(forward, vocab, batch, tokens))
+        logits[bucket] = out[0]
     dist.barrier(group=mine)
     dist.destroy_process_group()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,8 @@
 The manifest is signed (kiln.core.signing; the signature lives beside it) and says
 so in its `signing` entry: {'signed': bool, 'key_fingerprint': str | None}.
 `check_manifest` is the structural check that follows the signature check: every
-forward names a well-formed key, its object `forwards/<key>.pt2`, a bucket and
-a sha256, says whether it is Python-free, and no two keys or objects collide
+forward names a well-formed key, its object `forwards/<key>.pt2`, the shapes
+it takes (a range and its hint, kiln.core.shape_ranges) and a sha256, says whether it is Python-free, and no two keys or objects collide
 after normalisation.
 
 It is also a consumer contract (kiln.core.contract; docs/run-without-kiln.md):
@@ -22,10 +22,10 @@ import re
 from kiln.core.errors import BadInput, IntegrityError
 from kiln.core.key_rules import check_no_collisions
 from kiln.core.layout import artifact_key
+from kiln.core.shape_ranges import parse_shape_range
 
-MANIFEST_VERSION = 4
+MANIFEST_VERSION = 5
 _KEY = re.compile(r"^[0-9a-f]{16,64}$")
-_BUCKET = re.compile(r"^[1-9][0-9]*x[1-9][0-9]*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -53,7 +53,7 @@ def build_manifest(*, export_id: str, model: dict, recipe: dict, tp: int, bucket
                "python_free": all(f["python_free"] for f in forwards)}
     return {"version": MANIFEST_VERSION, "export_id": export_id, "model": model, "recipe": recipe,
             "tp": tp, "buckets": buckets, "runtime": runtime, "weights": weights,
-            "forwards": sorted(forwards, key=lambda f: (f["target"], f["bucket"])),
+            "forwards": sorted(forwards, key=lambda f: (f["target"], f["shapes"])),
             "kv_plan": kv_plan, "hosts": hosts, "phases": phases, "signing": dict(signing)}
 
 
@@ -76,15 +76,14 @@ def check_manifest(manifest: object, *, export_id: str | None = None) -> dict:
     if not isinstance(forwards, list) or not forwards:
         raise IntegrityError("the manifest lists no forwards.")
     for f in forwards:
-        if not isinstance(f, dict) or not all(isinstance(f.get(k), str) for k in ("key", "bucket", "sha256", "object")):
-            raise IntegrityError(f"manifest entry {f!r} lacks key, bucket, sha256 or object.")
+        if not isinstance(f, dict) or not all(isinstance(f.get(k), str) for k in ("key", "shapes", "sha256", "object")):
+            raise IntegrityError(f"manifest entry {f!r} lacks key, shapes, sha256 or object.")
         if not _KEY.match(f["key"]):
             raise IntegrityError(f"manifest entry {f['key']!r} is not a forward key (16-64 lowercase hex digits).")
         if f["object"] != artifact_key(f["key"]):
             raise IntegrityError(f"manifest entry for {f['key']} points at {f['object']!r}, "
                                  f"not at {artifact_key(f['key'])!r}.")
-        if not _BUCKET.match(f["bucket"]):
-            raise IntegrityError(f"manifest entry for {f['key']} has a malformed bucket {f['bucket']!r}.")
+        _check_shapes(f)
         if not _SHA256.match(f["sha256"]):
             raise IntegrityError(f"manifest entry for {f['key']} has a malformed sha256.")
         if not isinstance(f.get("python_free"), bool):
@@ -94,3 +93,15 @@ def check_manifest(manifest: object, *, export_id: str | None = None) -> dict:
     except BadInput as exc:
         raise IntegrityError(str(exc)) from None
     return manifest
+
+
+def _check_shapes(forward: dict) -> None:
+    """IntegrityError unless the forward's 'shapes' names a well-formed range whose 'batch', 'tokens' and
+    'hint' it states again (kiln.core.shape_ranges.ShapeRange.to_dict)."""
+    try:
+        stated = parse_shape_range(forward["shapes"]).to_dict()
+    except BadInput as exc:
+        raise IntegrityError(f"manifest entry for {forward['key']} has malformed shapes: {exc}") from None
+    if any(forward.get(k) != stated[k] for k in ("batch", "tokens", "hint")):
+        raise IntegrityError(f"manifest entry for {forward['key']}: its batch, tokens and hint do not state the "
+                             f"range {forward['shapes']!r} names.")
