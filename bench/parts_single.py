@@ -156,7 +156,7 @@ def part_pool_vs_loop(ctx: Context) -> dict:
 
 def part_dedup(ctx: Context) -> dict:
     r = cold_export(ctx)["report"]
-    buckets = len({f["bucket"] for f in r["forwards"]})
+    buckets = len({f["shapes"] for f in r["forwards"]})
     return {"figures": {"dedup_ratio": ratio(r["counts"]["compiled"], r["tp"] * buckets)},
             "raw": {"compiled": r["counts"]["compiled"], "tp": r["tp"], "buckets": buckets},
             "notes": "counts from the cold export's report: one artifact per bucket serves every rank"}

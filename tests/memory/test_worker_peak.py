@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 
 def spec(cfg, key):
-    return {"key": key, "bucket": "1x16", "graph": {"config": cfg.to_dict(), "tp": 2},
+    return {"key": key, "shapes": "1x16", "graph": {"config": cfg.to_dict(), "tp": 2},
             "inputs": {"batch": 1, "tokens": 16, "page_tokens": 16, "pages_per_seq": 4}, "compiler": COMPILER_OPTIONS}
 
 

@@ -48,7 +48,7 @@ def save(store, shapes, *, replace=False, cpp_ms=0.01):
 
 
 def specs(job, found) -> dict[str, dict]:
-    return {s.to_dict()["bucket"]: s.to_dict() for s in job.specs(
+    return {s.to_dict()["shapes"]: s.to_dict() for s in job.specs(
         target=T, torch_version=V, code="c", compiler=compiler_options(B), tuning=found)}
 
 

@@ -195,7 +195,7 @@ def test_a_worker_refuses_a_key_made_for_other_inductor_settings(monkeypatch):
 
     for name in list(inductor_env()):
         monkeypatch.delenv(name)
-    spec = {"key": "k1", "bucket": "1x8", "target": "cpu-test", "graph": {"inductor_env": {}}}
+    spec = {"key": "k1", "shapes": "1x8", "target": "cpu-test", "graph": {"inductor_env": {}}}
     _check_inductor_env(spec)
     _check_inductor_env({**spec, "graph": {}})  # a spec made by hand, for no settings
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere")
