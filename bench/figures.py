@@ -78,6 +78,13 @@ FIGURES: dict[str, tuple[str, str]] = {
     "s3_exact_rank_bytes_ratio": ("s3_read", "the same bytes ratio with merge_gap_bytes 0: one GET per row of a "
                                              "column-cut tensor"),
     "s3_exact_read_vs_download_ratio": ("s3_read", "the same time ratio with merge_gap_bytes 0"),
+    "ranges_compile_ratio": ("ranges", "compile s of the incident's 38 buckets as the default shape policy's ranges / "
+                                       "as one static package per bucket (fresh Inductor cache per side, "
+                                       "alternating; --quick predicts the per-bucket side from 4 compiles)"),
+    "ranges_forwards": ("ranges", "a count, not a timing: forwards the default shape policy makes of those 38 "
+                                  "buckets"),
+    "ranges_step_ratio": ("ranges", "step s: range package / static package at the same shape, the worst of 8x1, "
+                                    "256x1 and 1x128 (median of alternating samples)"),
     "gate_scale_s": ("gate_scale", "a synthetic timing, not a ratio: gate run time on paper, 64 hosts x 8 ranks x "
                                    "67 buckets (median of 5), seconds"),
     "gate_scale_predicted_s": ("gate_scale", "a prediction, not a measurement: the gate's predicted compile wall "
@@ -98,6 +105,9 @@ TARGETS: dict[str, Target] = {
     "moe_step_ratio": Target("<=", 1.5),
     "mla_step_ratio": Target("<=", 0.25),
     "s3_exact_rank_bytes_ratio": Target("<=", 1.05),
+    "ranges_compile_ratio": Target("<=", 0.15),
+    "ranges_forwards": Target("<=", 4),
+    "ranges_step_ratio": Target("<=", 1.05),
 }
 
 

@@ -138,7 +138,8 @@ def check_rank_checks_fit(job: ExportJob, reports: list[HostReport], probes: lis
                          f"but {report.available_mib} MiB are available")
     if short:
         raise GateRefused("; ".join(short) + ". Nothing was compiled: free memory there, use a larger tp (a "
-                          "smaller shard), or export fewer buckets per run.")
+                          "smaller shard), or export fewer forwards per run (fewer buckets, or shape_policy ranges: fewer "
+                          "forwards for the same buckets).")
 
 
 def settings_without_effect(recipe: Recipe, plan: Plan) -> list[str]:
