@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
 
     phases: dict[str, float] = {}
     ledger: list[dict] = []
-    params = ExportParams(model=args.model, tp=args.tp, recipe={"buckets": args.buckets}, store=args.store,
+    params = ExportParams(model=args.model, tp=args.tp, recipe={"buckets": args.buckets, "shape_policy": "static"}, store=args.store,
                           export_id=f"bench-direct-{int(time.time())}")
     job, hosts = prepare(params, host_names=default_host_names(params))
     (host,) = hosts

@@ -33,7 +33,6 @@ def main(argv: list[str] | None = None) -> None:
 
     from kiln.core.forward_keys import forward_spec
     from kiln.core.recipe import Recipe, parse_buckets
-    from kiln.core.shape_ranges import static_shape
     from kiln.host.checkpoint import inspect_checkpoint
     from kiln.host.compiler import compile_forward, model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS, inductor_env
@@ -41,19 +40,19 @@ def main(argv: list[str] | None = None) -> None:
 
     imported = time.perf_counter()
     cfg = inspect_checkpoint(args.model)
-    recipe = Recipe(buckets=parse_buckets(args.buckets))
+    recipe = Recipe(buckets=parse_buckets(args.buckets), shape_policy="static")  # as the bench's exports
     # The graph, target and options an export's probe keys its forwards with (tasks/hostwork.probe_host).
     graph = {"config": cfg.__dict__.copy(), "tp": args.tp, "code": model_code_fingerprint(),
              "inductor_env": inductor_env()}
     host_target = detect_target("cpu")
     target = host_target.fingerprint
     per_forward, keys = {}, []
-    for bucket in recipe.buckets:
-        spec = forward_spec(shapes=static_shape(bucket), graph=graph, target=target, torch_version=torch.__version__,
+    for shapes in recipe.shapes:
+        spec = forward_spec(shapes=shapes, graph=graph, target=target, torch_version=torch.__version__,
                             page_tokens=recipe.page_tokens, pages_per_seq=recipe.pages_per_seq,
                             compiler={**COMPILER_OPTIONS, **host_target.inductor_options}).to_dict()
         result = compile_forward(spec, str(Path(args.out) / f"{spec['key']}.pt2"))
-        per_forward[str(bucket)] = result.compile_s
+        per_forward[str(shapes)] = result.compile_s
         keys.append(spec["key"])
     done = time.perf_counter()
     Path(args.json).write_text(json.dumps({

@@ -29,6 +29,7 @@ def _export(ctx: Context, name: str, *, inductor: str) -> dict:
     w, s = ctx.work, ctx.s
     report = w.path("single", f"{name}.json")
     run = w.run(name, [*KILN, "export", "--model", ctx.model, "--tp", str(s.tp), "--buckets", s.buckets,
+                       "--shape-policy", "static",  # one forward per bucket: the parts compare compile pools
                        "--store", f"file://{w.path('single', 'store')}", "--report", str(report),
                        "--export-id", f"bench-{name}"],
                 w.env(inductor=inductor, kiln_home="single/home")).expect(0)
