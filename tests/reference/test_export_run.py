@@ -215,7 +215,9 @@ def test_a_latent_attention_export_caches_latents(export_and_run, kiln, prefect_
                                      "sharded": False,
                                      "dims": ["layers", "entries", "num_pages", "page_tokens", "heads", "width"]}
     shapes = {a["name"]: a["shape"] for a in interface["inputs"] + interface["outputs"]}
-    assert shapes["kv_cache"] == [3, 1, "num_pages", 16, 1, 96] and shapes["new_kv"] == [3, 1, 1, 8, 1, 96]
+    # tokens is a range (1x4-8): named, with its bounds under dynamic_dims
+    assert shapes["kv_cache"] == [3, 1, "num_pages", 16, 1, 96] and shapes["new_kv"] == [3, 1, 1, "tokens", 1, 96]
+    assert interface["dynamic_dims"]["tokens"] == {"min": 4, "max": 8}
     verified = kiln("verify", "ref-deepseek-v3", "--store", got["store"], env={"PREFECT_API_URL": prefect_server})
     assert verified.code == 0 and "verify ok: 2 ranks match the unsharded model" in verified.out, verified.err[-3000:]
     torch_alone_is_kiln(manifest_path, root, manifest, tmp_path)
