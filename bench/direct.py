@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
 
     phases: dict[str, float] = {}
     ledger: list[dict] = []
-    params = ExportParams(model=args.model, tp=args.tp, recipe={"buckets": args.buckets}, store=args.store,
+    params = ExportParams(model=args.model, tp=args.tp, recipe={"buckets": args.buckets, "shape_policy": "static"}, store=args.store,
                           export_id=f"bench-direct-{int(time.time())}")
     job, hosts = prepare(params, host_names=default_host_names(params))
     (host,) = hosts
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     phase("manifest", t)
     Path(args.json).write_text(json.dumps({
         "phases_s": phases, "workers": hp.workers, "compiled": len(compiled),
-        "per_forward_compile_s": {specs[k]["bucket"]: e["compile_s"] for k, e in compiled.items()},
+        "per_forward_compile_s": {specs[k]["shapes"]: e["compile_s"] for k, e in compiled.items()},
         "in_process_s": time.perf_counter() - _START}, indent=2))
 
 

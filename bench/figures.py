@@ -93,6 +93,13 @@ FIGURES: dict[str, tuple[str, str]] = {
     "s3_loader_peak_ratio": ("s3_read", "peak memory of one rank's load from S3 (fresh process, rank 0 of tp 2 of "
                                         "a ~300 MB checkpoint) / that rank's weight bytes"),
     "local_loader_peak_ratio": ("s3_read", "the same from the same files in a local directory"),
+    "ranges_compile_ratio": ("ranges", "compile s of the incident's 38 buckets as the default shape policy's ranges / "
+                                       "as one static package per bucket (fresh Inductor cache per side, "
+                                       "alternating; --quick predicts the per-bucket side from 4 compiles)"),
+    "ranges_forwards": ("ranges", "a count, not a timing: forwards the default shape policy makes of those 38 "
+                                  "buckets"),
+    "ranges_step_ratio": ("ranges", "step s: range package / static package at the same shape, the worst of 8x1, "
+                                    "256x1 and 1x128 (median of alternating samples)"),
     "gate_scale_s": ("gate_scale", "a synthetic timing, not a ratio: gate run time on paper, 64 hosts x 8 ranks x "
                                    "67 buckets (median of 5), seconds"),
     "gate_scale_predicted_s": ("gate_scale", "a prediction, not a measurement: the gate's predicted compile wall "
@@ -117,6 +124,9 @@ TARGETS: dict[str, Target] = {
     "mla_step_ratio": Target("<=", 0.25),
     "s3_exact_rank_bytes_ratio": Target("<=", 1.05),
     "s3_loader_peak_ratio": Target("<=", 1.15),
+    "ranges_compile_ratio": Target("<=", 0.15),
+    "ranges_forwards": Target("<=", 4),
+    "ranges_step_ratio": Target("<=", 1.05),
 }
 
 

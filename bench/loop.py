@@ -40,19 +40,19 @@ def main(argv: list[str] | None = None) -> None:
 
     imported = time.perf_counter()
     cfg = inspect_checkpoint(args.model)
-    recipe = Recipe(buckets=parse_buckets(args.buckets))
+    recipe = Recipe(buckets=parse_buckets(args.buckets), shape_policy="static")  # as the bench's exports
     # The graph, target and options an export's probe keys its forwards with (tasks/hostwork.probe_host).
     graph = {"config": cfg.__dict__.copy(), "tp": args.tp, "code": model_code_fingerprint(),
              "inductor_env": inductor_env()}
     host_target = detect_target("cpu")
     target = host_target.fingerprint
     per_forward, keys = {}, []
-    for bucket in recipe.buckets:
-        spec = forward_spec(bucket=bucket, graph=graph, target=target, torch_version=torch.__version__,
+    for shapes in recipe.shapes:
+        spec = forward_spec(shapes=shapes, graph=graph, target=target, torch_version=torch.__version__,
                             page_tokens=recipe.page_tokens, pages_per_seq=recipe.pages_per_seq,
                             compiler={**COMPILER_OPTIONS, **host_target.inductor_options}).to_dict()
         result = compile_forward(spec, str(Path(args.out) / f"{spec['key']}.pt2"))
-        per_forward[str(bucket)] = result.compile_s
+        per_forward[str(shapes)] = result.compile_s
         keys.append(spec["key"])
     done = time.perf_counter()
     Path(args.json).write_text(json.dumps({

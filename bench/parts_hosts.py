@@ -34,7 +34,7 @@ def _stored(ctx: Context, prefix: str) -> list[str]:
 
 def _layout(ctx: Context, *extra: str, buckets: str | None = None) -> list[str]:
     flags = ["--model", ctx.model, "--hosts", str(ctx.s.hosts_tp), "--tp", str(ctx.s.hosts_tp),
-             "--buckets", buckets or ctx.s.buckets]
+             "--buckets", buckets or ctx.s.buckets, "--set", "shape_policy=static"]  # one forward per bucket
     for item in INCIDENT_SETTINGS:
         flags += ["--set", item]
     return flags + list(extra)

@@ -29,6 +29,7 @@ def _export(ctx: Context, name: str, *, inductor: str) -> dict:
     w, s = ctx.work, ctx.s
     report = w.path("single", f"{name}.json")
     run = w.run(name, [*KILN, "export", "--model", ctx.model, "--tp", str(s.tp), "--buckets", s.buckets,
+                       "--shape-policy", "static",  # one forward per bucket: the parts compare compile pools
                        "--store", f"file://{w.path('single', 'store')}", "--report", str(report),
                        "--export-id", f"bench-{name}"],
                 w.env(inductor=inductor, kiln_home="single/home")).expect(0)
@@ -156,7 +157,7 @@ def part_pool_vs_loop(ctx: Context) -> dict:
 
 def part_dedup(ctx: Context) -> dict:
     r = cold_export(ctx)["report"]
-    buckets = len({f["bucket"] for f in r["forwards"]})
+    buckets = len({f["shapes"] for f in r["forwards"]})
     return {"figures": {"dedup_ratio": ratio(r["counts"]["compiled"], r["tp"] * buckets)},
             "raw": {"compiled": r["counts"]["compiled"], "tp": r["tp"], "buckets": buckets},
             "notes": "counts from the cold export's report: one artifact per bucket serves every rank"}

@@ -84,8 +84,8 @@ def main() -> int:
         loader = json.loads(loaded.stdout.strip().splitlines()[-1])
         first = json.loads((work / "first.json").read_text())
         second = json.loads((work / "second.json").read_text())
-        f1 = {f["bucket"]: f for f in first["forwards"]}
-        f2 = {f["bucket"]: f for f in second["forwards"]}
+        f1 = {f["shapes"]: f for f in first["forwards"]}
+        f2 = {f["shapes"]: f for f in second["forwards"]}
         host1, host2 = first["hosts"][0], second["hosts"][0]
         peak = int(re.search(r"memory: peak (\d+) MiB", verified.stdout)[1])
         predicted = int(re.search(r"predicted (\d+) MiB", verified.stdout)[1])

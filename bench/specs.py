@@ -7,10 +7,11 @@ def bench_spec(cfg, *, tp: int, bucket: tuple[int, int] = (1, 1), page_tokens: i
     """kiln.core.forward_keys.forward_spec of `cfg` at `bucket` (batch, tokens), target and torch 'bench'."""
     from kiln.core.forward_keys import forward_spec
     from kiln.core.recipe import Bucket
+    from kiln.core.shape_ranges import static_shape
     from kiln.host.compiler import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS
 
-    return forward_spec(bucket=Bucket(*bucket), graph={"config": cfg.to_dict(), "tp": tp,
-                                                       "code": model_code_fingerprint()},
+    return forward_spec(shapes=static_shape(Bucket(*bucket)), graph={"config": cfg.to_dict(), "tp": tp,
+                                                                         "code": model_code_fingerprint()},
                         target="bench", torch_version="bench", page_tokens=page_tokens, pages_per_seq=pages_per_seq,
                         compiler=COMPILER_OPTIONS).to_dict()

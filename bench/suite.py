@@ -36,6 +36,7 @@ from bench.parts_memory import part_rank_peak
 from bench.parts_hosts import BUCKET, part_borrow, part_fail_fast, part_gate_scale, s3_client
 from bench.parts_mla import part_mla
 from bench.parts_moe import part_moe
+from bench.parts_ranges import part_ranges
 from bench.parts_single import part_compile_efficiency, part_dedup, part_overhead, part_pool_vs_loop, part_warm_cold
 from bench.parts_s3_read import part_s3_read
 from bench.parts_store import part_store
@@ -46,15 +47,15 @@ PARTS = {"fail_fast": part_fail_fast, "compile_efficiency": part_compile_efficie
          "pool_vs_loop": part_pool_vs_loop, "dedup": part_dedup, "warm_cold": part_warm_cold,
          "overhead": part_overhead, "store": part_store, "borrow": part_borrow, "gate_scale": part_gate_scale,
          "collective": part_collective, "depth": part_depth, "s3_read": part_s3_read,
-         "moe": part_moe, "mla": part_mla, "rank_peak": part_rank_peak,
+         "moe": part_moe, "mla": part_mla, "ranges": part_ranges, "rank_peak": part_rank_peak,
          "decode_context": part_decode_context}
-REPEATS_INSIDE = {"store", "collective", "gate_scale", "depth", "s3_read", "moe", "mla", "rank_peak",
+REPEATS_INSIDE = {"store", "collective", "gate_scale", "depth", "s3_read", "moe", "mla", "ranges", "rank_peak",
                   "decode_context"}
 """Parts that take their own samples in one call (alternating sides inside); the suite runs them once."""
-QUICK_SKIPS = ("borrow", "moe", "mla", "rank_peak", "decode_context")
+QUICK_SKIPS = ("borrow", "moe", "mla", "ranges", "rank_peak", "decode_context")
 """Parts `--quick` leaves out unless named: two cold 3-host exports do not fit in its few minutes, and the
-test suite's time has no room for the compiles of moe, mla, rank_peak and decode_context (`kiln bench --quick
-moe mla rank_peak decode_context` runs them)."""
+test suite's time has no room for the compiles of moe, mla, ranges, rank_peak and decode_context (`kiln bench
+--quick moe mla ranges rank_peak decode_context` runs them)."""
 NEEDS_PREFECT_SERVER = {"borrow", "warm_cold", "overhead"}
 NEEDS_S3 = {"fail_fast", "borrow", "store", "s3_read"}
 REPO = Path(__file__).resolve().parents[1]

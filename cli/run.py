@@ -5,7 +5,8 @@ sha256, package members), then `tp` spawned processes join one gloo group;
 each loads every forward through the checked loader with its own weight
 shard and keeps its own paged KV cache (its share of the KV heads). The
 prompt is fed in the export's buckets as a server would (kiln.core.decode), then
-one decode step per new token. Rank 0 picks each token (argmax of the last
+one decode step per new token; each step runs on the forward whose range holds
+its bucket, chosen by the consumer contract's rule (kiln.core.shape_ranges.choose_forward). Rank 0 picks each token (argmax of the last
 position's logits) and broadcasts it, so every rank feeds the same one. That
 broadcast runs on a process group of its own: the default world group belongs
 to the packages' collectives (kiln.host.model.host_group says why).
@@ -23,6 +24,7 @@ from kiln.core.decode import check_request, pick_bucket, prefill_steps, refills_
 from kiln.core.errors import KilnError
 from kiln.core.manifest import manifest_device
 from kiln.core.recipe import Bucket, parse_buckets
+from kiln.core.shape_ranges import choose_forward, parse_shape_range
 from kiln.host.verify_ranks import RankLink, rank_device, spawn_ranks
 
 
@@ -37,7 +39,8 @@ def run_export(store_url: str | None, export_id: str, *, prompt: list[int], max_
     recipe = manifest["recipe"]
     check_request(prompt, max_new_tokens, vocab_size=cfg.vocab_size, context_tokens=recipe["max_context_tokens"])
     job = {"checkpoint": str(checkpoint), "s3_endpoint": options.get("s3_endpoint"), "config": cfg.to_dict(),
-           "artifacts": artifacts, "prompt": prompt, "device": manifest_device(manifest),
+           "artifacts": artifacts, "buckets": ",".join(manifest["buckets"]), "prompt": prompt,
+           "device": manifest_device(manifest),
            "max_new_tokens": max_new_tokens, "page_tokens": recipe["page_tokens"],
            "pages_per_seq": recipe["max_context_tokens"] // recipe["page_tokens"]}
     result = spawn_ranks(_rank_main, manifest["tp"], job, timeout_s=1800)[0]
@@ -72,7 +75,7 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, link: RankLink) -> None
         weights = place_weights(load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint")),
                                 device)
         link.doing("loading the forwards")
-        forwards = {parse_buckets(name)[0]: load_forward(art["path"], weights, art["sha256"], device=device)
+        forwards = {parse_shape_range(name): load_forward(art["path"], weights, art["sha256"], device=device)
                     for name, art in sorted(job["artifacts"].items())}
         side = host_group()
         generated, logits = _decode(forwards, cfg, tp, job, torch, dist, side, link, device)
@@ -86,9 +89,10 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, link: RankLink) -> None
         link.report("error", traceback.format_exc())
 
 
-def _decode(forwards: dict[Bucket, object], cfg, tp: int, job: dict, torch, dist, side,
+def _decode(forwards: dict, cfg, tp: int, job: dict, torch, dist, side,
             link: RankLink, device: str) -> tuple[list[int], list]:
-    """The decode loop of one rank: prefill in chunks, then one step per token; the cache is this rank's,
+    """The decode loop of one rank: prefill in chunks of the export's buckets, then one step per token, each on
+    the forward (`forwards`: ShapeRange -> loaded package) the contract's rule picks; the cache is this rank's,
     on `device` with every step's inputs. Each step says its forward and position on `link`
     (kiln.host.verify_ranks.RankLink)."""
     page_tokens, pages_per_seq = job["page_tokens"], job["pages_per_seq"]
@@ -97,7 +101,7 @@ def _decode(forwards: dict[Bucket, object], cfg, tp: int, job: dict, torch, dist
     cache = torch.zeros(cache_layout(cfg, tp).shape(cfg.num_layers, pages_per_seq + 1, page_tokens), dtype=dtype,
                         device=device)
     pages = torch.arange(pages_per_seq, device=device)
-    buckets = sorted(forwards)
+    buckets = list(parse_buckets(job["buckets"]))
     sequence = list(job["prompt"])
     generated, logits_out = [], []
 
@@ -111,9 +115,10 @@ def _decode(forwards: dict[Bucket, object], cfg, tp: int, job: dict, torch, dist
         # length while the prompt is fed, a decoded token's position + 1 after.
         lengths = [torch.full((bucket.batch,), length, dtype=torch.int64, device=device)] \
             if cfg.length_dependent_rope else []
-        link.doing(f"running forward {bucket} on positions {start}..{start + count - 1}")
+        shapes = choose_forward(forwards, bucket)
+        link.doing(f"running forward {shapes} as {bucket} on positions {start}..{start + count - 1}")
         with torch.no_grad():
-            logits, new_kv = forwards[bucket](tokens, start_pos, cache, table, *lengths)
+            logits, new_kv = forwards[shapes](tokens, start_pos, cache, table, *lengths)
         for i in range(count):  # write the real tokens' cache entries (keys and values, or latents) into their pages
             pos = start + i
             cache[:, :, pos // page_tokens, pos % page_tokens] = new_kv[:, :, 0, i]

@@ -39,10 +39,10 @@ def fetch_verified_export(store: Store, export_id: str, dest: Path, *, trusted,
     manifest's structure, then which forwards this host can run (its device and
     target: kiln.core.manifest.forwards_for_host refuses by name before anything
     is fetched), then each artifact's sha256 (against the signed manifest) as it
-    lands in `dest`, then each package's members. `artifacts` maps a bucket
-    ('1x8') to {'path', 'sha256'}; load them with kiln.host.loader.load_forward
-    on the manifest's device (kiln.core.manifest.manifest_device), which checks
-    both again.
+    lands in `dest`, then each package's members. `artifacts` maps forward
+    shapes ('1x8', '2-8x16-64@8x64') to {'path', 'sha256'}; load them with
+    kiln.host.loader.load_forward on the manifest's device
+    (kiln.core.manifest.manifest_device), which checks both again.
     """
     check_export_id(export_id)
     raw, signature_line = read_verified_manifest(store, export_id, trusted=trusted, allow_unsigned=allow_unsigned)
@@ -55,7 +55,7 @@ def fetch_verified_export(store: Store, export_id: str, dest: Path, *, trusted,
     for f in chosen:
         path = dest / f"{f['key']}.pt2"
         store.get_file(validate_key(f["object"]), path, f["sha256"])  # raises IntegrityError on mismatch
-        artifacts[f["bucket"]] = {"path": str(path), "sha256": f["sha256"]}
+        artifacts[f["shapes"]] = {"path": str(path), "sha256": f["sha256"]}
     lines.append(f"sha256 ok for {len(artifacts)} artifact(s)")
     for art in artifacts.values():
         check_package(art["path"])  # the loader checks again; here a refusal stops before any process starts
@@ -110,7 +110,8 @@ def _changed_objects(recorded: dict, now: dict) -> str | None:
 
 
 def verify_export(store_url: str | None, export_id: str, **options) -> dict:
-    """`kiln verify`: all ranks together against the unsharded eager model, per bucket."""
+    """`kiln verify`: all ranks together against the unsharded eager model, per forward at its range's
+    corners (smallest, hint, largest)."""
     manifest, checkpoint, cfg, artifacts, lines = open_export(store_url, export_id, "verify", **options)
     recipe = Recipe.from_dict(manifest["recipe"])
     predicted = verify_peak_mib(shard_bytes=cfg.weight_bytes_per_rank(manifest["tp"]),
@@ -129,14 +130,14 @@ def verify_export(store_url: str | None, export_id: str, **options) -> dict:
                               artifacts=artifacts, page_tokens=recipe.page_tokens, pages_per_seq=recipe.pages_per_seq,
                               atol=recipe.verify_atol, half_ratio=recipe.verify_half_ratio,
                               device=manifest_device(manifest))
-    for bucket, c in sorted(checks.items()):
-        lines.append(f"  {bucket}: {manifest['tp']} ranks together vs unsharded eager: max |diff| {c['diff']:.2e} "
-                     f"(scaled; limit {c['limit']:.2e}{routing_note(c)})")
+    for shapes, c in sorted(checks.items()):
+        lines.append(f"  {shapes}: {manifest['tp']} ranks together vs unsharded eager at {c['corners']} shape(s): "
+                     f"max |diff| {c['diff']:.2e} at {c['at']} (scaled; limit {c['limit']:.2e}{routing_note(c)})")
     failed = sorted(b for b, c in checks.items() if c["diff"] > c["limit"])
     if failed:
         c = checks[failed[0]]
-        raise VerifyMismatch(f"export {export_id}: compiled ranks of bucket {failed[0]} differ from the unsharded "
-                             f"model by {c['diff']:.2e} (scaled; limit {c['limit']:.2e} for {cfg.dtype}"
+        raise VerifyMismatch(f"export {export_id}: compiled ranks of forward {failed[0]} differ from the unsharded "
+                             f"model at {c['at']} by {c['diff']:.2e} (scaled; limit {c['limit']:.2e} for {cfg.dtype}"
                              f"{routing_note(c)}).")
     lines.append(f"verify ok: {manifest['tp']} ranks match the unsharded model ({cfg.dtype}; "
                  f"{'within ' + str(recipe.verify_atol) if cfg.dtype == 'float32' else 'compared in float32'})")

@@ -1,4 +1,4 @@
-"""Run one step of every forward of a Kiln export with torch alone: no Kiln, no Python op registered.
+"""Run one step of every bucket of a Kiln export with torch alone: no Kiln, no Python op registered.
 
 A worked example of the manifest's consumer contract (docs/run-without-kiln.md).
 Every rank of the export runs this script; they join one gloo group, whose
@@ -7,9 +7,10 @@ default world group is the process group the packages' collectives name
 the checkpoint's safetensors files (a short reader below), cuts and stacks
 them as `weights` says (the decoder layers' tensors are stacked along a
 leading layer dimension), binds them to each package before its first call,
-and runs one prefill step with an empty paged KV cache, on the device the
-manifest names (`runtime.device`: 'cpu', or 'cuda' with rank R on GPU R mod
-the GPUs visible):
+and runs one prefill step with an empty paged KV cache at each of the export's
+buckets, on the forward whose range of shapes holds it (`choose_forward`: the
+contract's rule for choosing among several), on the device the manifest names
+(`runtime.device`: 'cpu', or 'cuda' with rank R on GPU R mod the GPUs visible):
 
     python examples/torch_only.py --manifest M.json --packages STORE/forwards \\
         --checkpoint CKPT --rank R --world-size 2 --port 29511 --out OUT_DIR
@@ -84,11 +85,28 @@ def rank_constants(manifest: dict, names, tensors: dict[str, torch.Tensor], rank
     return out
 
 
-def step_inputs(forward: dict, vocab: int, device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
-    """One prefill step from position 0 with an empty cache on `device`, shaped as the forward's interface
-    says."""
+def choose_forward(forwards: list[dict], batch: int, tokens: int) -> dict:
+    """The forward to run `batch` sequences of `tokens` new tokens with, by the contract's rule: of those whose
+    range holds the shape (`batch` and `tokens` are [min, max]), the fewest shapes, then the hint nearest to
+    it, then the smallest `shapes` name."""
+    def holds(f: dict) -> bool:
+        return f["batch"][0] <= batch <= f["batch"][1] and f["tokens"][0] <= tokens <= f["tokens"][1]
+
+    def order(f: dict) -> tuple:
+        size = (f["batch"][1] - f["batch"][0] + 1) * (f["tokens"][1] - f["tokens"][0] + 1)
+        return size, abs(f["hint"][0] - batch) + abs(f["hint"][1] - tokens), f["shapes"]
+
+    fits = [f for f in forwards if holds(f)]
+    if not fits:
+        raise SystemExit(f"no forward of this export takes {batch}x{tokens}")
+    return min(fits, key=order)
+
+
+def step_inputs(forward: dict, vocab: int, batch: int, tokens: int,
+                device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
+    """One prefill step of `batch` x `tokens` from position 0 with an empty cache on `device`, shaped as the
+    forward's interface says (a dimension named there is dynamic: 'batch' and 'tokens' are the step's)."""
     spec = {i["name"]: i for i in forward["interface"]["inputs"]}
-    batch, tokens = spec["tokens"]["shape"]
     pages_per_seq = spec["block_table"]["shape"][1]
     num_pages = pages_per_seq * batch + 1
     kv_shape = [num_pages if d == "num_pages" else d for d in spec["kv_cache"]["shape"]]
@@ -116,7 +134,7 @@ def main() -> None:
     assert manifest["runtime"]["python_free"], "this export needs Python ops registered: not for torch alone"
     assert args.world_size == manifest["tp"]
     device = torch.device("cpu")
-    if manifest["runtime"].get("device", "cpu") == "cuda":  # absent: a manifest from before CUDA exports
+    if manifest["runtime"].get("device", "cpu") == "cuda":  # absent: cpu
         if not torch.cuda.is_available():
             raise SystemExit("this export's packages run on CUDA and this torch sees no GPU: run it on a GPU host")
         device = torch.device("cuda", args.rank % torch.cuda.device_count())
@@ -130,19 +148,22 @@ def main() -> None:
     names = sorted({name for forward in manifest["forwards"] for name in forward["constants"]})
     constants = rank_constants(manifest, names, read_checkpoint(args.checkpoint), args.rank, device)
     vocab = manifest["model"]["config"]["vocab_size"]
-    logits, packages = {}, []
-    for forward in manifest["forwards"]:
-        package = torch._inductor.aoti_load_package(str(args.packages / f"{forward['key']}.pt2"),
-                                                    device_index=-1 if device.index is None else device.index)
-        bound = {name: constants[name] for name in forward["constants"]}
-        # user_managed: the package reads these tensors where they are (torch >= 2.8), so every bucket shares
-        # one copy of the rank's weights; they must outlive the package (`constants` does).
-        shared = "user_managed" in inspect.signature(package.load_constants).parameters
-        package.load_constants(bound, check_full_update=True, **({"user_managed": True} if shared else {}))
-        packages.append(package)
+    logits, packages = {}, {}
+    for bucket in manifest["buckets"]:
+        batch, tokens = map(int, bucket.split("x"))
+        forward = choose_forward(manifest["forwards"], batch, tokens)
+        if forward["key"] not in packages:  # each package loaded once, its constants bound before its first call
+            package = torch._inductor.aoti_load_package(str(args.packages / f"{forward['key']}.pt2"),
+                                                        device_index=-1 if device.index is None else device.index)
+            bound = {name: constants[name] for name in forward["constants"]}
+            # user_managed: the package reads these tensors where they are (torch >= 2.8), so every package
+            # shares one copy of the rank's weights; they must outlive the package (`constants` does).
+            shared = "user_managed" in inspect.signature(package.load_constants).parameters
+            package.load_constants(bound, check_full_update=True, **({"user_managed": True} if shared else {}))
+            packages[forward["key"]] = package
         with torch.no_grad():
-            out = package(*step_inputs(forward, vocab, device))
-        logits[forward["bucket"]] = out[0].cpu()
+            out = packages[forward["key"]](*step_inputs(forward, vocab, batch, tokens, device))
+        logits[bucket] = out[0].cpu()
     dist.barrier(group=mine)
     dist.destroy_process_group()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,8 @@
 // kiln_runner: run one prefill step of a Kiln export on one tensor-parallel rank, without Python.
 //
-// It reads the export manifest (version 4), verifies the bucket's package against the manifest's
+// It reads the export manifest (version 5), picks the forward whose range of shapes holds --bucket BxT by
+// the consumer contract's rule (docs/run-without-kiln.md: the fewest shapes, then the nearest hint, then the
+// smallest name), verifies that forward's package against the manifest's
 // sha256, reads and cuts this rank's weights from the checkpoint's safetensors file(s), registers a
 // gloo process group under the manifest's group name (the packages' all-reduce is compiled against
 // that name), binds the weights with load_constants (always before the first call: calling first
@@ -23,6 +25,7 @@
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -34,6 +37,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 using nlohmann::json;
@@ -59,6 +63,7 @@ struct Args {
   fs::path manifest, checkpoint, packages, out;
   int rank = 0, world_size = 1, master_port = 29500;
   std::string master_addr = "127.0.0.1", bucket, key;
+  int64_t batch = 0, seq_tokens = 0;  // --bucket BxT: sequences, new tokens per sequence
   std::vector<int64_t> tokens;
   int64_t start_pos = 0;
   int timeout_s = 300;  // how long to wait for the other ranks (store, gloo)
@@ -70,6 +75,7 @@ const char* kUsage =
     "                   [--start-pos N] [--out PATH] [--timeout-s S] [--key KEY]\n"
     "  --packages: the folder holding <key>.pt2 (a local store's forwards/ folder)\n"
     "  --checkpoint: defaults to the manifest's model.checkpoint\n"
+    "  --bucket: the shape to run; the forward whose range holds it is chosen (docs/run-without-kiln.md)\n"
     "  --key: the forward to run when the bucket has one per target (hosts of different ISAs)\n"
     "  --tokens: batch*tokens ids, row-major; --start-pos: every sequence's start (default 0)\n"
     "  --out: logits as raw float32 LE plus PATH.json; rank 0 writes it, or every rank if PATH has {rank}\n";
@@ -99,6 +105,11 @@ Args parse_args(int argc, char** argv) {
   a.manifest = take("manifest", true);
   a.packages = take("packages", true);
   a.bucket = take("bucket", true);
+  if (auto x = a.bucket.find_first_of("xX"); x != std::string::npos) {
+    a.batch = std::atoll(a.bucket.substr(0, x).c_str());
+    a.seq_tokens = std::atoll(a.bucket.substr(x + 1).c_str());
+  }
+  if (a.batch < 1 || a.seq_tokens < 1) fail("--bucket " + a.bucket + " is not BxT with positive integers\n" + kUsage);
   std::stringstream ids(take("tokens", true));
   for (std::string id; std::getline(ids, id, ',');) a.tokens.push_back(std::stoll(id));
   a.checkpoint = take("checkpoint", false);
@@ -311,28 +322,24 @@ c10::intrusive_ptr<c10d::ProcessGroup> register_gloo_group(const std::string& gr
   return group;
 }
 
-// The tokens per sequence of the forward's bucket.
-int64_t batch_tokens(const json& interface) {
-  for (const auto& in : interface.at("inputs"))
-    if (in.at("name") == "tokens") return in.at("shape")[1];
-  fail("the interface has no tokens input");
-  return 0;
-}
-
 // The forward's inputs per its interface: the ids, start positions, an empty (zero) KV cache of
 // pages_per_seq*batch + 1 pages, sequence b's pages b*pages_per_seq .. (b+1)*pages_per_seq - 1, and, for a
 // rope that goes by the sequence's length, each sequence's length: start position + the bucket's tokens.
+// A dimension named in the interface is dynamic: 'batch' and 'tokens' are the bucket's, the page count ours.
 std::vector<at::Tensor> make_inputs(const json& interface, const Args& a) {
   std::vector<at::Tensor> inputs;
-  int64_t batch = 0, pages_per_seq = 0;
-  for (const auto& in : interface.at("inputs")) {
+  int64_t pages_per_seq = 0;
+  for (const auto& in : interface.at("inputs"))
     if (in.at("name") == "block_table") pages_per_seq = in.at("shape")[1];
-    if (in.at("name") == "tokens") batch = in.at("shape")[0];
-  }
   for (const auto& in : interface.at("inputs")) {
     std::string name = in.at("name");
     std::vector<int64_t> shape;
-    for (const auto& d : in.at("shape")) shape.push_back(d.is_string() ? pages_per_seq * batch + 1 : d.get<int64_t>());
+    for (const auto& d : in.at("shape")) {
+      if (!d.is_string()) shape.push_back(d.get<int64_t>());
+      else if (d == "batch") shape.push_back(a.batch);
+      else if (d == "tokens") shape.push_back(a.seq_tokens);
+      else shape.push_back(pages_per_seq * a.batch + 1);
+    }
     auto dtype = kiln_dtype(in.at("dtype"));
     if (name == "tokens") {
       int64_t want = shape[0] * shape[1];
@@ -347,7 +354,7 @@ std::vector<at::Tensor> make_inputs(const json& interface, const Args& a) {
     } else if (name == "block_table") {
       inputs.push_back(torch::arange(shape[0] * shape[1], at::kLong).reshape(shape));
     } else if (name == "seq_lens") {  // a rope that goes by the sequence's length: the step's whole prompt
-      inputs.push_back(torch::full(shape, a.start_pos + batch_tokens(interface), at::kLong));
+      inputs.push_back(torch::full(shape, a.start_pos + a.seq_tokens, at::kLong));
     } else {
       fail("the interface has an input '" + name + "' this runner does not know");
     }
@@ -373,8 +380,8 @@ void write_logits(const at::Tensor& logits, const Args& a, const json& forward) 
 
 int run(const Args& a) {
   json manifest = read_json(a.manifest);
-  if (manifest.value("version", 0) != 4)
-    fail(a.manifest.string() + ": manifest version " + manifest.value("version", json()).dump() + ", this runner reads 4");
+  if (manifest.value("version", 0) != 5)
+    fail(a.manifest.string() + ": manifest version " + manifest.value("version", json()).dump() + ", this runner reads 5");
   // This runner is built against libtorch for the CPU and binds weights and inputs on the CPU: a CUDA
   // export's packages need the CUDA runtime and tensors on the GPU, so it says so instead of crashing.
   std::string device = manifest.value("runtime", json::object()).value("device", "cpu");
@@ -383,16 +390,34 @@ int run(const Args& a) {
          "example, examples/torch_only.py, or kiln run on a GPU host)");
   int tp = manifest.at("tp");
   if (tp != a.world_size) fail("the export is tp " + std::to_string(tp) + " but --world-size is " + std::to_string(a.world_size));
-  std::vector<const json*> found;  // one forward per (target, bucket): --key picks among targets
+  // The forwards whose range holds the bucket; of those, the contract's choice (--key picks among targets).
+  auto holds = [&](const json& f) {
+    return f.at("batch")[0] <= a.batch && a.batch <= f.at("batch")[1] && f.at("tokens")[0] <= a.seq_tokens &&
+           a.seq_tokens <= f.at("tokens")[1];
+  };
+  auto rank_of = [&](const json& f) {
+    int64_t shapes = (f.at("batch")[1].get<int64_t>() - f.at("batch")[0].get<int64_t>() + 1) *
+                     (f.at("tokens")[1].get<int64_t>() - f.at("tokens")[0].get<int64_t>() + 1);
+    int64_t near = std::llabs(f.at("hint")[0].get<int64_t>() - a.batch) + std::llabs(f.at("hint")[1].get<int64_t>() - a.seq_tokens);
+    return std::make_tuple(shapes, near, f.at("shapes").get<std::string>());
+  };
+  std::vector<const json*> found;
+  std::set<std::string> targets;
   for (const auto& f : manifest.at("forwards"))
-    if (f.at("bucket") == a.bucket && (a.key.empty() || f.at("key") == a.key)) found.push_back(&f);
-  if (found.empty()) fail("the export has no forward for bucket " + a.bucket + (a.key.empty() ? "" : " with key " + a.key));
-  if (found.size() > 1) {
+    if (holds(f) && (a.key.empty() || f.at("key") == a.key)) {
+      found.push_back(&f);
+      targets.insert(f.value("target", "?"));
+    }
+  if (found.empty()) fail("the export has no forward whose range holds bucket " + a.bucket + (a.key.empty() ? "" : " with key " + a.key));
+  if (targets.size() > 1) {
     std::string keys;
     for (auto* f : found) keys += " " + f->at("key").get<std::string>() + " (" + f->value("target", "?") + ")";
-    fail("bucket " + a.bucket + " has a forward per target; pick this host's with --key:" + keys);
+    fail("bucket " + a.bucket + " has forwards for several targets; pick this host's with --key:" + keys);
   }
-  const json* forward = found[0];
+  const json* forward = *std::min_element(found.begin(), found.end(),
+                                          [&](const json* x, const json* y) { return rank_of(*x) < rank_of(*y); });
+  std::cerr << "rank " << a.rank << ": forward " << forward->at("key").get<std::string>() << " ("
+            << forward->at("shapes").get<std::string>() << ") for " << a.bucket << "\n";
   if (!forward->value("python_free", true))
     fail("forward " + forward->at("key").get<std::string>() + " calls Python ops: it cannot run without Python");
 

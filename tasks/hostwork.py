@@ -147,7 +147,7 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     def upload(result: CompileResult) -> None:
         spec = by_key[result.key]
         store.put_json(worker_memory_key(spec, result.key), {"compile_peak_mib": result.peak_mib,
-                                                             "bucket": spec["bucket"]}, overwrite=True)
+                                                             "shapes": spec["shapes"]}, overwrite=True)
         stored = publish(store, job, host.name, result, signer)
         leases.release(result.key)
         if stored != result.sha256:  # another compile of the key was stored first: reuse it (if vouched)
@@ -316,9 +316,9 @@ def fetch_missing(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
 
 
 def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict]) -> dict:
-    from kiln.core.recipe import parse_buckets
+    from kiln.core.shape_ranges import parse_shape_range
     from kiln.core.target import device_of
-    from kiln.host.loader import compare_with_eager, load_forward, place_weights
+    from kiln.host.loader import compare_at_corners, load_forward, place_weights
     from kiln.host.verify_ranks import rank_device
     from kiln.host.weights import load_rank_weights
     from kiln.host.model import solo_group
@@ -335,8 +335,8 @@ def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict])
                                                   cache_dir=cache_dir(host)), device)
         for f in forwards:
             compiled = load_forward(local_path(host, f["key"]), weights, f["sha256"], device=device)
-            diffs[f"rank{rank}/{f['bucket']}"] = compare_with_eager(
-                compiled, cfg, job.tp, rank, weights, parse_buckets(f["bucket"])[0],
+            diffs[f"rank{rank}/{f['shapes']}"] = compare_at_corners(
+                compiled, cfg, job.tp, rank, weights, parse_shape_range(f["shapes"]),
                 page_tokens=job.recipe.page_tokens, pages_per_seq=job.recipe.pages_per_seq,
                 atol=job.recipe.verify_atol, half_ratio=job.recipe.verify_half_ratio, device=device)
     return {"checks": diffs, "peak_mib": sampler.peak_mib}
@@ -375,7 +375,8 @@ def remember_check(path: Path, check: dict) -> None:
 def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[str, dict]:
     """Load each forward with each of this host's rank weights and compare with eager.
 
-    Returns {'checks': 'rank<r>/<bucket>' -> {'diff', 'limit', ...} (kiln.host.loader.check_against_eager), 'memory':
+    Returns {'checks': 'rank<r>/<shapes>' -> {'diff', 'limit', 'at', ...} (the worst of the forward's range's
+    corners, kiln.host.loader.compare_at_corners), 'memory':
     {'predicted_mib', 'peak_mib'} of the largest rank check}. A check that would not fit in the
     host's available memory is refused (MemoryShort) before its process starts.
 
@@ -403,7 +404,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
                 check["remembered"] = check.pop("verified_at", None) or _mtime_iso(seen)
                 check["limit"] = limit_of(check.get("own"), atol=job.recipe.verify_atol,
                                           half_ratio=job.recipe.verify_half_ratio)
-                diffs[f"rank{rank}/{f['bucket']}"] = check
+                diffs[f"rank{rank}/{f['shapes']}"] = check
             else:
                 todo.setdefault(rank, []).append(f)
     memory = {"predicted_mib": None, "peak_mib": None}
@@ -420,13 +421,13 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
             except BrokenProcessPool:
                 raise CheckCrashed(
                     f"host {host.name}: the check of rank {rank} died (its process crashed loading or running a "
-                    f"forward of bucket(s) {', '.join(f['bucket'] for f in fs)}, or was killed); a crash is final, "
+                    f"forward of shapes {', '.join(f['shapes'] for f in fs)}, or was killed); a crash is final, "
                     "not retried") from None
             found = result["checks"]
             memory["peak_mib"] = max(memory["peak_mib"], result["peak_mib"])
             diffs.update(found)
             for f in fs:
-                check = found[f"rank{rank}/{f['bucket']}"]
+                check = found[f"rank{rank}/{f['shapes']}"]
                 if check["diff"] <= check["limit"]:
                     remember_check(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v3.json",
                                    {**check, "verified_at": _mtime_iso(None)})

@@ -237,27 +237,32 @@ def signing_key_env() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def small_forward(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A real weightless AOTInductor package of a 1-layer model, bucket 1x8, tp 1 (compiled once, ~30 s).
+    """A real weightless AOTInductor package of a 1-layer model over a range of shapes (batch 2-3, tokens
+    4-8, compiled for 3x6), tp 1 (compiled once, ~30 s).
 
-    Returns {'path', 'sha256', 'size_bytes', 'config' (ModelConfig fields), 'batch', 'tokens',
-    'page_tokens', 'pages_per_seq'}. Treat the file as read-only; copy it to change it.
+    Returns {'path', 'sha256', 'size_bytes', 'config' (ModelConfig fields), 'shapes' (the range's name),
+    'corners' (its smallest, hint and largest shapes as [batch, tokens]), 'batch', 'tokens' (its largest
+    shape), 'page_tokens', 'pages_per_seq'}. Treat the file as read-only; copy it to change it.
     """
     from kiln.core.config import TINY
     from kiln.core.forward_keys import forward_spec
-    from kiln.core.recipe import Bucket
+    from kiln.core.shape_ranges import parse_shape_range
     from kiln.host.compiler import CompilePool, model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS
 
     cfg = TINY.replace(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=128, vocab_size=128)
-    spec = forward_spec(bucket=Bucket(1, 8), graph={"config": cfg.__dict__, "tp": 1, "code": model_code_fingerprint()},
+    shapes = parse_shape_range("2-3x4-8@3x6")
+    spec = forward_spec(shapes=shapes, graph={"config": cfg.__dict__, "tp": 1, "code": model_code_fingerprint()},
                         target="test", torch_version="test", page_tokens=16, pages_per_seq=4,
                         compiler=COMPILER_OPTIONS).to_dict()
     out = tmp_path_factory.mktemp("small-forward") / f"{spec['key']}.pt2"
     with CompilePool(1) as pool:
         [result] = pool.run([(spec, str(out))], lambda r: None)
     return {"path": result.path, "sha256": result.sha256, "size_bytes": result.size_bytes,
-            "config": dict(cfg.__dict__), "batch": 1, "tokens": 8, "page_tokens": 16, "pages_per_seq": 4}
+            "config": dict(cfg.__dict__), "shapes": str(shapes),
+            "corners": [[c.batch, c.tokens] for c in shapes.corners()], "batch": 3, "tokens": 8,
+            "page_tokens": 16, "pages_per_seq": 4}
 
 
 # =============================================================================

@@ -39,7 +39,7 @@ import json, sys, os
 from pathlib import Path
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[7])
-from torch_only import step_inputs
+from torch_only import choose_forward, step_inputs
 from kiln.host.checkpoint import load_rank_weights
 from kiln.core.config import ModelConfig
 from kiln.host.loader import load_forward
@@ -49,11 +49,14 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank
 side = dist.new_group(backend="gloo")
 cfg = ModelConfig(**manifest["model"]["config"])
 weights = load_rank_weights(manifest["model"]["checkpoint"], cfg, world, rank)
-logits = {}
-for f in manifest["forwards"]:
-    compiled = load_forward(packages / f"{f['key']}.pt2", weights, f["sha256"])
+logits, loaded = {}, {}
+for bucket in manifest["buckets"]:
+    batch, tokens = map(int, bucket.split("x"))
+    f = choose_forward(manifest["forwards"], batch, tokens)
+    if f["key"] not in loaded:
+        loaded[f["key"]] = load_forward(packages / f"{f['key']}.pt2", weights, f["sha256"])
     with torch.no_grad():
-        logits[f["bucket"]] = compiled(*step_inputs(f, cfg.vocab_size))[0]
+        logits[bucket] = loaded[f["key"]](*step_inputs(f, cfg.vocab_size, batch, tokens))[0]
 dist.barrier(group=side)
 dist.destroy_process_group()
 out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ FIXTURE_FILES = {
                    "tests/integration/test_torch_only.py", "tests/runner/test_cpp_runner.py",
                    "tests/trust/test_python_free.py", "tests/trust/test_reuse_tamper.py"),
     "small_forward": ("tests/faults/test_s3_proxy.py", "tests/trust/test_loader_weights.py",
-                      "tests/trust/test_runtime_checks.py"),
+                      "tests/trust/test_runtime_checks.py", "tests/trust/test_range_forward.py"),
 }
 """Session fixtures too costly to make on both workers, and the modules that use them."""
 

@@ -9,14 +9,16 @@ paged KV cache:
              [, seq_lens[batch] int64: only when the rope depends on the sequence's length]
     outputs: logits[batch, tokens, vocab] <dtype>, new_kv[layers, entries, batch, tokens, heads, width] <dtype>
 
-`num_pages` is the one dynamic dimension (named in the shapes as a string).
+`num_pages` is always dynamic; `batch` and `tokens` are where the forward
+takes a range of them (kiln.core.shape_ranges). A dynamic dimension is named in
+the shapes as a string, with its bounds under the interface's `dynamic_dims`.
 What a cached token holds is the cache layout (`cache_layout`): per-head keys
 and values (entries 2, heads kv_heads/tp, width head_dim), or, for latent
 attention, one entry of the token's latent and rotary key that every head
 reads (entries 1, heads 1, width kv_lora_rank + qk_rope_head_dim, the same on
 every rank).
 
-The decoder layers are compiled once per bucket, not once per layer: each run
+The decoder layers are compiled once per forward, not once per layer: each run
 of same-shaped layers (`layer_runs`) is a scan over its weights stacked along
 a leading layer dimension (LAYOUT names this package layout and goes into every
 forward key). So the package's constants are of two kinds, and
@@ -403,8 +405,11 @@ def weight_layout(cfg: ModelConfig, tp: int) -> dict[str, dict]:
 
 
 def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:
-    """{'inputs', 'outputs', 'process_group'} of one forward; `inputs` is a spec's static input dims."""
-    b, t = inputs["batch"], inputs["tokens"]
+    """{'inputs', 'outputs', 'process_group', 'dynamic_dims', ...} of one forward; `inputs` is a spec's input
+    dims. A dimension the forward takes over a range is named ('batch', 'tokens', like the page count) with
+    its bounds in 'dynamic_dims'; a static one is its size."""
+    ranges = {name: inputs[name] for name in ("batch", "tokens")}
+    b, t = (name if lo < hi else lo for name, (lo, hi) in ranges.items())
     layout = cache_layout(cfg, tp)
     kv = layout.shape(cfg.num_layers, DYNAMIC_PAGES, inputs["page_tokens"])
 
@@ -425,5 +430,6 @@ def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:
                     arg("new_kv", cfg.dtype, layout.new_shape(cfg.num_layers, b, t))],
         "kv_cache": layout.to_dict(), **rope,
         "process_group": PROCESS_GROUP if tp > 1 else None,
-        "dynamic_dims": {DYNAMIC_PAGES: {"min": 2}},
+        "dynamic_dims": {DYNAMIC_PAGES: {"min": 2},
+                         **{name: {"min": lo, "max": hi} for name, (lo, hi) in ranges.items() if lo < hi}},
     }

@@ -9,8 +9,11 @@ compiler options, the torch version, the target and, when kernel tuning is on,
 the digest of the tuned kernel choices the forward compiles with. Not the
 weights (they are loaded at run time), not the KV page count (a dynamic
 dimension) and not the code that only schedules compiles, so every rank of an
-export shares one artifact per bucket, a new KV plan reuses every forward and
-an edit to the compile pool or to a message compiles nothing again.
+export shares one artifact per forward, a new KV plan reuses every forward and
+an edit to the compile pool or to a message compiles nothing again. A forward
+covers a range of shapes (kiln.core.shape_ranges): its key hashes the range's
+bounds and its hint (the shape it is compiled for), not any one bucket, so the
+same range compiled for another hint is another forward.
 Pure: no torch import.
 """
 
@@ -21,7 +24,7 @@ import json
 from dataclasses import dataclass
 
 from kiln.core.contract import LAYOUT
-from kiln.core.recipe import Bucket
+from kiln.core.shape_ranges import ShapeRange
 
 KEY_HEX_CHARS = 32
 
@@ -40,37 +43,40 @@ class ForwardSpec:
     """Everything a compile worker needs to build one forward, and nothing else."""
 
     key: str
-    bucket: Bucket
+    shapes: ShapeRange
+    """The batch and token ranges the forward takes and the hint it is compiled for."""
     target: str
     graph: dict
     """Model config (as config.json), tp, the code fingerprint (kiln.host.key_sources) and, from a probe,
     'inductor_env': the TORCHINDUCTOR_* settings the compile workers inherit."""
     inputs: dict
-    """Static input dims of the forward; the page count is dynamic and absent."""
+    """The forward's input dims: 'batch' and 'tokens' as [min, max], 'hint' [batch, tokens], the pages' sizes;
+    the page count is dynamic."""
     compiler: dict
     """Inductor options that change the generated code."""
     tuning: dict | None = None
     """With kernel tuning: {'digest', 'objects': [{'key', 'sha256'}], 'missing'} (see kiln.host.tuner.lookup)."""
 
     def to_dict(self) -> dict:
-        return {"key": self.key, "bucket": str(self.bucket), "target": self.target,
+        return {"key": self.key, "shapes": str(self.shapes), "target": self.target,
                 "graph": self.graph, "inputs": self.inputs, "compiler": self.compiler, "tuning": self.tuning}
 
 
-def forward_spec(*, bucket: Bucket, graph: dict, target: str, torch_version: str,
+def forward_spec(*, shapes: ShapeRange, graph: dict, target: str, torch_version: str,
                  page_tokens: int, pages_per_seq: int, compiler: dict, tuning: dict | None = None) -> ForwardSpec:
-    """The spec of one bucket's forward with its key.
+    """The spec of the forward over `shapes` with its key.
 
     `tuning` None (tuning off) leaves the key as without tuning; otherwise its
     'digest' (None while results are missing: a provisional key) is hashed in.
     """
-    inputs = {"batch": bucket.batch, "tokens": bucket.tokens, "page_tokens": page_tokens,
+    inputs = {"batch": list(shapes.batch), "tokens": list(shapes.tokens), "hint": [shapes.hint.batch, shapes.hint.tokens],
+              "page_tokens": page_tokens,
               "pages_per_seq": pages_per_seq, "num_pages": "dynamic"}
     hashed = {"graph": graph, "layout": LAYOUT, "inputs": inputs, "compiler": compiler, "torch": torch_version,
               "target": target}
     if tuning is not None:
         hashed["tuning"] = tuning.get("digest") or "pending"
-    return ForwardSpec(key=digest(hashed), bucket=bucket, target=target, graph=graph, inputs=inputs,
+    return ForwardSpec(key=digest(hashed), shapes=shapes, target=target, graph=graph, inputs=inputs,
                        compiler=compiler, tuning=tuning)
 
 

@@ -51,7 +51,8 @@ class ExportJob:
     def specs(self, *, target: str, torch_version: str, code: str, compiler: dict,
               tuning: dict[str, dict] | None = None,
               inductor_env: dict[str, str] | None = None, device: str = "cpu") -> list[ForwardSpec]:
-        """One forward spec per bucket for hosts of `target`; `tuning` maps bucket name -> its tuning.
+        """One forward spec per forward shapes of the recipe (Recipe.shapes) for hosts of `target`; `tuning`
+        maps the shapes' name -> its tuning.
 
         `code` is the code fingerprint (kiln.host.key_sources); `inductor_env` the TORCHINDUCTOR_* settings
         the compile workers inherit (kiln.host.inductor_options.inductor_env), in the graph when given.
@@ -62,10 +63,10 @@ class ExportJob:
         graph = {"config": self.config, "tp": self.tp, "code": code, **({"device": device} if device != "cpu" else {})}
         if inductor_env is not None:
             graph["inductor_env"] = dict(inductor_env)
-        return [forward_spec(bucket=b, graph=graph, target=target, torch_version=torch_version,
+        return [forward_spec(shapes=r, graph=graph, target=target, torch_version=torch_version,
                              page_tokens=self.recipe.page_tokens, pages_per_seq=self.recipe.pages_per_seq,
-                             compiler=compiler, tuning=None if tuning is None else tuning[str(b)])
-                for b in self.recipe.buckets]
+                             compiler=compiler, tuning=None if tuning is None else tuning[str(r)])
+                for r in self.recipe.shapes]
 
     def replace(self, **changes) -> "ExportJob":
         return dataclasses.replace(self, **changes)

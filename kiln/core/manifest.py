@@ -3,14 +3,14 @@
 The manifest is signed (kiln.core.signing; the signature lives beside it) and says
 so in its `signing` entry: {'signed': bool, 'key_fingerprint': str | None}.
 `check_manifest` is the structural check that follows the signature check: every
-forward names a well-formed key, its object `forwards/<key>.pt2`, a bucket and
-a sha256, says whether it is Python-free, and no two keys or objects collide
+forward names a well-formed key, its object `forwards/<key>.pt2`, the shapes
+it takes (a range and its hint, kiln.core.shape_ranges) and a sha256, says whether it is Python-free, and no two keys or objects collide
 after normalisation.
 
 It is also a consumer contract (kiln.core.contract; docs/run-without-kiln.md):
 `runtime` names the process group the packages' collectives expect,
 whether every package runs without Python, and the `device` the packages run
-on ('cpu' or 'cuda'; a manifest without it predates CUDA exports: cpu); `weights` maps each
+on ('cpu' or 'cuda'; absent: cpu); `weights` maps each
 package constant to its checkpoint tensor and how each rank cuts it; each
 forward carries its `interface` (inputs and outputs: names, dtypes, shapes with
 the dynamic dimension named), the native `ops` it calls and its `constants`.
@@ -24,10 +24,10 @@ from kiln.core.errors import BadInput, IntegrityError
 from kiln.core.key_rules import check_no_collisions
 from kiln.core.layout import artifact_key
 from kiln.core.target import device_of
+from kiln.core.shape_ranges import parse_shape_range
 
-MANIFEST_VERSION = 4
+MANIFEST_VERSION = 5
 _KEY = re.compile(r"^[0-9a-f]{16,64}$")
-_BUCKET = re.compile(r"^[1-9][0-9]*x[1-9][0-9]*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -58,7 +58,7 @@ def build_manifest(*, export_id: str, model: dict, recipe: dict, tp: int, bucket
                "python_free": all(f["python_free"] for f in forwards), "device": devices[0] if devices else "cpu"}
     return {"version": MANIFEST_VERSION, "export_id": export_id, "model": model, "recipe": recipe,
             "tp": tp, "buckets": buckets, "runtime": runtime, "weights": weights,
-            "forwards": sorted(forwards, key=lambda f: (f["target"], f["bucket"])),
+            "forwards": sorted(forwards, key=lambda f: (f["target"], f["shapes"])),
             "kv_plan": kv_plan, "hosts": hosts, "phases": phases, "signing": dict(signing)}
 
 
@@ -81,15 +81,14 @@ def check_manifest(manifest: object, *, export_id: str | None = None) -> dict:
     if not isinstance(forwards, list) or not forwards:
         raise IntegrityError("the manifest lists no forwards.")
     for f in forwards:
-        if not isinstance(f, dict) or not all(isinstance(f.get(k), str) for k in ("key", "bucket", "sha256", "object")):
-            raise IntegrityError(f"manifest entry {f!r} lacks key, bucket, sha256 or object.")
+        if not isinstance(f, dict) or not all(isinstance(f.get(k), str) for k in ("key", "shapes", "sha256", "object")):
+            raise IntegrityError(f"manifest entry {f!r} lacks key, shapes, sha256 or object.")
         if not _KEY.match(f["key"]):
             raise IntegrityError(f"manifest entry {f['key']!r} is not a forward key (16-64 lowercase hex digits).")
         if f["object"] != artifact_key(f["key"]):
             raise IntegrityError(f"manifest entry for {f['key']} points at {f['object']!r}, "
                                  f"not at {artifact_key(f['key'])!r}.")
-        if not _BUCKET.match(f["bucket"]):
-            raise IntegrityError(f"manifest entry for {f['key']} has a malformed bucket {f['bucket']!r}.")
+        _check_shapes(f)
         if not _SHA256.match(f["sha256"]):
             raise IntegrityError(f"manifest entry for {f['key']} has a malformed sha256.")
         if not isinstance(f.get("python_free"), bool):
@@ -106,9 +105,21 @@ def check_manifest(manifest: object, *, export_id: str | None = None) -> dict:
     return manifest
 
 
+def _check_shapes(forward: dict) -> None:
+    """IntegrityError unless the forward's 'shapes' names a well-formed range whose 'batch', 'tokens' and
+    'hint' it states again (kiln.core.shape_ranges.ShapeRange.to_dict)."""
+    try:
+        stated = parse_shape_range(forward["shapes"]).to_dict()
+    except BadInput as exc:
+        raise IntegrityError(f"manifest entry for {forward['key']} has malformed shapes: {exc}") from None
+    if any(forward.get(k) != stated[k] for k in ("batch", "tokens", "hint")):
+        raise IntegrityError(f"manifest entry for {forward['key']}: its batch, tokens and hint do not state the "
+                             f"range {forward['shapes']!r} names.")
+
+
 def manifest_device(manifest: dict) -> str:
-    """'cpu' or 'cuda': the device a (checked) manifest's packages run on. A manifest without
-    `runtime.device` was written before Kiln compiled CUDA forwards: cpu."""
+    """'cpu' or 'cuda': the device a (checked) manifest's packages run on (`runtime.device`; absent: cpu, as
+    consumers written against manifests without it assume)."""
     device = (manifest.get("runtime") or {}).get("device", "cpu")
     if device not in ("cpu", "cuda"):
         raise IntegrityError(f"the manifest's runtime device is {device!r}, not 'cpu' or 'cuda'.")
@@ -117,11 +128,11 @@ def manifest_device(manifest: dict) -> str:
 
 def forwards_for_host(manifest: dict, host_target: str, num_gpus: int) -> list[dict]:
     """The forwards a consumer on a host of target fingerprint `host_target` with `num_gpus` usable GPUs
-    loads, one per bucket; BadInput naming what does not fit before anything is fetched.
+    loads, one per shapes (a bucket or a range); BadInput naming what does not fit before anything is fetched.
 
     The rule (docs/run-without-kiln.md): a CUDA export needs a GPU, and only forwards compiled for this
-    host's target (GPU arch, CUDA, Triton, wrapper ISA) load on it. A bucket with forwards for several
-    targets takes this host's; a CPU bucket with one forward takes that one (a CPU runs a package compiled for
+    host's target (GPU arch, CUDA, Triton, wrapper ISA) load on it. Shapes with forwards for several
+    targets take this host's; CPU shapes with one forward take that one (a CPU runs a package compiled for
     its own ISA or a lower one; Inductor's code for a higher one stops with an illegal instruction).
     """
     device = manifest_device(manifest)
@@ -131,14 +142,14 @@ def forwards_for_host(manifest: dict, host_target: str, num_gpus: int) -> list[d
                        f"{', '.join(sorted({str(f.get('target')) for f in manifest['forwards']}))}) and this host has no "
                        "usable GPU (none visible, or torch here is a CPU build); run it on a GPU host of that "
                        "target, or export again with --set device=cpu.")
-    by_bucket: dict[str, list[dict]] = {}
+    by_shapes: dict[str, list[dict]] = {}
     for f in manifest["forwards"]:
-        by_bucket.setdefault(f["bucket"], []).append(f)
+        by_shapes.setdefault(f["shapes"], []).append(f)
     chosen = []
-    for bucket, fs in sorted(by_bucket.items()):
+    for shapes, fs in sorted(by_shapes.items()):
         mine = [f for f in fs if f.get("target") == host_target]
         if not mine and (device == "cuda" or len(fs) > 1):
-            raise BadInput(f"export {export} has no forward of bucket {bucket} for this host's target "
+            raise BadInput(f"export {export} has no forward of shapes {shapes} for this host's target "
                            f"{host_target} (it has {', '.join(sorted(str(f.get('target')) for f in fs))}); run it on a "
                            "host of one of those targets, or export again with a host of this one.")
         chosen.append(mine[0] if mine else fs[0])

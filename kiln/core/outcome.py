@@ -24,7 +24,7 @@ def check_outcome(found: dict[str, dict], missing: list[str], specs: dict[str, d
     if impure:
         key = impure[0]
         raise NotPythonFree(f"{len(impure)} forward(s) would need Python to run, e.g. {key} "
-                            f"({specs[key]['bucket']}): {found[key]['calls']['why']}. Kiln's forwards call only "
+                            f"({specs[key]['shapes']}): {found[key]['calls']['why']}. Kiln's forwards call only "
                             "native ops; this model or compiler setting brings in one without a C shim.")
     return found
 
@@ -41,7 +41,8 @@ def check_digests(held: dict[str, str], recorded: dict[str, str], what: str) -> 
 
 def forward_records(specs: dict[str, dict], stored: dict[str, dict], compiled: dict[str, dict],
                     cfg: ModelConfig, tp: int) -> list[dict]:
-    """One record per forward, ordered by (target, bucket): what it is, where it lives, who compiled
+    """One record per forward, ordered by (target, shapes): what it is, the shapes it takes (its range's
+    'batch' and 'tokens' [min, max] and the 'hint' [batch, tokens] it was compiled for), where it lives, who compiled
     it and how, and its consumer contract (interface, process group, constants). A forward this export
     compiled must be stored with the sha256 its compiler reported (IntegrityError otherwise): the checks and
     the manifest then use the compiler's digest, not only the store's metadata."""
@@ -49,10 +50,12 @@ def forward_records(specs: dict[str, dict], stored: dict[str, dict], compiled: d
                   {k: s["sha256"] for k, s in stored.items()}, "the store's metadata")
     constants = sorted(constant_sources(cfg))
     out = []
-    for key, spec in sorted(specs.items(), key=lambda kv: (kv[1]["target"], kv[1]["bucket"])):
+    for key, spec in sorted(specs.items(), key=lambda kv: (kv[1]["target"], kv[1]["shapes"])):
         c = compiled.get(key) or {}
         s = stored[key]
-        out.append({"key": key, "bucket": spec["bucket"], "target": spec["target"], "sha256": s["sha256"],
+        out.append({"key": key, "shapes": spec["shapes"], "batch": spec["inputs"]["batch"],
+                    "tokens": spec["inputs"]["tokens"], "hint": spec["inputs"]["hint"], "target": spec["target"],
+                    "sha256": s["sha256"],
                     "size_bytes": s["size_bytes"], "object": artifact_key(key),
                     "compiled_by": c.get("compiled_by"), "compile_s": c.get("compile_s"),
                     "autotune": c.get("autotune"), "tuning": (spec.get("tuning") or {}).get("digest"),
@@ -72,6 +75,14 @@ def check_verified(checks: dict[str, dict], host_name: str, dtype: str) -> None:
         raise VerifyMismatch(f"compiled forward {name} on {host_name} differs from eager by {c['diff']:.2e} "
                              f"(scaled; limit {c['limit']:.2e} for {dtype}{routing_note(c)}); the artifact is not "
                              "trustworthy.")
+
+
+def worst_corner(checks: dict[str, dict]) -> dict:
+    """The check of a forward over a range: of `checks` (shape name -> {'diff', 'limit', ...}, one per corner
+    its range is compared with eager at), the one furthest over (or nearest to) its limit, with 'at': its
+    shape and 'corners': how many were compared."""
+    at, worst = max(checks.items(), key=lambda kv: kv[1]["diff"] / kv[1]["limit"])
+    return {**worst, "at": at, "corners": len(checks)}
 
 
 def routing_note(check: dict) -> str:

@@ -19,41 +19,15 @@ from typing import Literal
 
 from kiln.core.errors import BadInput
 from kiln.core.settings import Setting, form_model, from_form, parse_assignments, setting, settings_of
+from kiln.core.shape_ranges import (BUCKET_PATTERN, SHAPES_PATTERN, Bucket, ShapeRange, group_buckets, parse_buckets,
+                                    parse_shape_ranges, show_shape_ranges)
 from kiln.core.target import Device
 
 Policy = Literal["borrow", "fail"]
+ShapePolicy = Literal["ranges", "static"]
 TuningMode = Literal["off", "cached", "full"]
 POLICIES: tuple[str, ...] = typing.get_args(Policy)
 TUNING_MODES: tuple[str, ...] = typing.get_args(TuningMode)
-
-
-@dataclass(frozen=True, order=True)
-class Bucket:
-    """One input shape class the serving engine needs: `batch` sequences of `tokens` new tokens."""
-
-    batch: int
-    tokens: int
-
-    def __str__(self) -> str:
-        return f"{self.batch}x{self.tokens}"
-
-
-BUCKET_PATTERN = r"^\s*[1-9]\d*\s*[xX]\s*[1-9]\d*\s*(,\s*[1-9]\d*\s*[xX]\s*[1-9]\d*\s*)*$"
-"""What the text of `buckets` looks like (the run form checks it before a run is created)."""
-
-
-def parse_buckets(spec: str) -> tuple[Bucket, ...]:
-    """Parse `BxT,BxT,...` into sorted, distinct buckets; BadInput on anything else."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise BadInput("buckets is empty; give at least one bucket as BATCHxTOKENS, e.g. 1x16,4x64.")
-    out = set()
-    for part in spec.split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", part)
-        if not m or int(m[1]) <= 0 or int(m[2]) <= 0:
-            raise BadInput(f"bucket {part.strip()!r} is not BATCHxTOKENS with positive integers; "
-                           "write buckets like 1x16,4x64.")
-        out.add(Bucket(int(m[1]), int(m[2])))
-    return tuple(sorted(out))
 
 
 DEFAULT_BUCKETS = (Bucket(1, 16), Bucket(2, 16), Bucket(4, 32), Bucket(8, 64))
@@ -64,9 +38,22 @@ class Recipe:
     """Choices of one export. Memory is MiB, time seconds; docs/recipe.md lists every setting."""
 
     buckets: tuple[Bucket, ...] = setting(
-        DEFAULT_BUCKETS, "Shape classes to compile, one forward each: BATCHxTOKENS (sequences x new tokens).",
+        DEFAULT_BUCKETS, "Shape classes the server runs: BATCHxTOKENS (sequences x new tokens). Each is served "
+        "by a forward whose range holds it; forward_shapes and shape_policy say which forwards are compiled.",
         parse=lambda text: parse_buckets(text), show=lambda buckets: ",".join(map(str, buckets)),
         pattern=BUCKET_PATTERN, example="1x16,4x64", title="Buckets", group="layout")
+    shape_policy: ShapePolicy = setting(
+        "ranges", "How the buckets no entry of forward_shapes holds become forwards: ranges (the 1-token buckets "
+        "one decode forward over their batches, the rest one prefill forward over their batches and tokens, with "
+        "batch 1 apart in each since a range cannot start at 1: at most four forwards, each compiled for its "
+        "largest shape) or static (one forward per bucket, compiled for its shape alone).",
+        title="Forwards from buckets", group="layout")
+    forward_shapes: tuple[ShapeRange, ...] | None = setting(
+        None, "Forwards given directly, each a static shape BxT or a range B0-B1xT0-T1, optionally @BxT: the "
+        "shape it is compiled for (default: its largest). Each must hold a bucket; a static one keeps that "
+        "bucket on a forward of its own where that measurably runs faster.",
+        null="none: shape_policy makes every forward", parse=parse_shape_ranges, show=show_shape_ranges,
+        pattern=SHAPES_PATTERN, example="1x1,2-64x1@32x1", title="Forward shapes", group="layout")
     policy: Policy = setting(
         "borrow", "What the gate does when a host can run no compile worker: lend its forwards to a host that "
         "can (borrow) or refuse the export (fail).", compiling_only=True,
@@ -176,6 +163,7 @@ class Recipe:
     def __post_init__(self) -> None:
         for s in SETTINGS:
             s.check(getattr(self, s.name))
+        self.shapes  # forward_shapes that hold no bucket are bad input, refused here by name
         if self.max_context_tokens % self.page_tokens:
             raise BadInput(f"max_context_tokens ({self.max_context_tokens}) must be a multiple of "
                            f"page_tokens ({self.page_tokens}).")
@@ -191,6 +179,12 @@ class Recipe:
     def changed(self) -> dict:
         """{name: value} of every setting that differs from its default."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+
+    @property
+    def shapes(self) -> tuple[ShapeRange, ...]:
+        """The forwards this recipe compiles: forward_shapes, then the buckets they leave grouped by
+        shape_policy (kiln.core.shape_ranges.group_buckets)."""
+        return group_buckets(self.buckets, self.shape_policy, self.forward_shapes)
 
     @property
     def pages_per_seq(self) -> int:
@@ -220,6 +214,7 @@ class Recipe:
         """JSON-ready: buckets as `BxT` strings; `from_dict` reads it back."""
         out = dataclasses.asdict(self)
         out["buckets"] = [str(b) for b in self.buckets]
+        out["forward_shapes"] = None if self.forward_shapes is None else [str(r) for r in self.forward_shapes]
         return out
 
     @classmethod
@@ -229,6 +224,10 @@ class Recipe:
         if "buckets" in raw and not isinstance(raw["buckets"], tuple):
             b = raw["buckets"]
             raw["buckets"] = parse_buckets(",".join(b) if isinstance(b, (list, tuple)) else str(b))
+        shapes = raw.get("forward_shapes")
+        if shapes is not None and not (isinstance(shapes, tuple) and all(isinstance(r, ShapeRange) for r in shapes)):
+            raw["forward_shapes"] = parse_shape_ranges(",".join(shapes) if isinstance(shapes, (list, tuple))
+                                                       else str(shapes))
         return cls().replace(**raw)
 
 

@@ -50,7 +50,7 @@ def gate_line(gate: dict, error: str | None = None) -> str:
     policy = f" (when a host cannot compile: {gate['policy']})" if gate.get("policy") else ""
     return f"**Gate:** {words}" + (f": {message}" if message else "") + policy
 
-FORWARD_COLUMNS = ("bucket", "origin", "size (MiB)", "target", "key", "sha256")
+FORWARD_COLUMNS = ("shapes", "origin", "size (MiB)", "target", "key", "sha256")
 """The forwards table: what a reader looks for first, the hashes last and short (the manifest has them whole)."""
 
 SHORT_HEX = 12
@@ -79,7 +79,7 @@ def short(hex_digest: str | None) -> str:
 def forward_rows(forwards: list[dict]) -> list[dict]:
     """The forwards table's rows (FORWARD_COLUMNS): sizes as numbers under a MiB header, keys and
     sha256s shortened."""
-    return [{"bucket": f["bucket"], "origin": origin(f),
+    return [{"shapes": f["shapes"], "origin": origin(f),
              "size (MiB)": "-" if f.get("size_bytes") is None else f"{f['size_bytes'] / 2**20:.1f}",
              "target": f.get("target"), "key": short(f["key"]), "sha256": short(f["sha256"])} for f in forwards]
 
@@ -147,10 +147,10 @@ def manifest_markdown(manifest: dict, where: str, *, max_rows: int = 20) -> str:
            f"`{rt.get('process_group') or 'none'}`); Python-free: {'yes' if rt.get('python_free') else 'no'}; "
            f"signed: {'yes' if (manifest.get('signing') or {}).get('signed') else 'no'}", "",
            "## Forwards and their interface", "", "Each sha256 by its first 12 hex digits (the manifest has all 64).",
-           "", "| bucket | inputs | outputs | sha256 |", "|---|---|---|---|"]
+           "", "| shapes | inputs | outputs | sha256 |", "|---|---|---|---|"]
     for f in manifest.get("forwards", []):
         iface = f.get("interface") or {}
-        out.append(f"| {f['bucket']} | {_args(iface.get('inputs'))} | {_args(iface.get('outputs'))} | "
+        out.append(f"| {f['shapes']} | {_args(iface.get('inputs'))} | {_args(iface.get('outputs'))} | "
                    f"`{short(f['sha256'])}` |")
     weights = manifest.get("weights") or {}
     out += ["", f"## Weights ({len(weights)} constants per rank)", "", "| constant | from the checkpoint |",

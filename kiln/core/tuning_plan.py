@@ -41,6 +41,7 @@ from kiln.core.errors import IntegrityError
 from kiln.core.forward_keys import digest
 from kiln.core.layout import tuning_key
 from kiln.core.recipe import TUNING_MODES, Bucket
+from kiln.core.shape_ranges import ShapeRange
 
 FORMAT = 1
 """Version of the stored result layout; part of every result id."""
@@ -93,9 +94,10 @@ def bucket_shapes(cfg: ModelConfig, tp: int, bucket: Bucket) -> tuple[GemmShape,
     return tuple(sorted(GemmShape(m, k, n, cfg.dtype) for k, n in pairs))
 
 
-def export_shapes(cfg: ModelConfig, tp: int, buckets: tuple[Bucket, ...]) -> dict[str, tuple[GemmShape, ...]]:
-    """Bucket name ('BxT') -> its GEMM shapes. Buckets with equal batch*tokens share shapes."""
-    return {str(b): bucket_shapes(cfg, tp, b) for b in buckets}
+def export_shapes(cfg: ModelConfig, tp: int, forwards: tuple[ShapeRange, ...]) -> dict[str, tuple[GemmShape, ...]]:
+    """Forward shapes' name -> the GEMM shapes of its hint (the shape Inductor tunes a range's kernels for).
+    Hints with equal batch*tokens share shapes."""
+    return {str(r): bucket_shapes(cfg, tp, r.hint) for r in forwards}
 
 
 def distinct_shapes(by_bucket: dict[str, tuple[GemmShape, ...]]) -> tuple[GemmShape, ...]:

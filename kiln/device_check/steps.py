@@ -146,6 +146,7 @@ def compile_forwards(check: Check, forwards: dict) -> dict:
     import torch
 
     from kiln.core.forward_keys import forward_spec
+    from kiln.core.shape_ranges import static_shape
     from kiln.host.compiler import model_code_fingerprint
     from kiln.host.inductor_options import inductor_env
 
@@ -155,7 +156,7 @@ def compile_forwards(check: Check, forwards: dict) -> dict:
                  "inductor_env": inductor_env()}
         if check.device != "cpu":
             graph["device"] = check.device
-        spec = forward_spec(bucket=bucket, graph=graph, target=f"device-check-{check.device}",
+        spec = forward_spec(shapes=static_shape(bucket), graph=graph, target=f"device-check-{check.device}",
                             torch_version=torch.__version__, page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ,
                             compiler=options).to_dict()
         names[spec["key"]] = name

@@ -100,7 +100,7 @@ def _warm(tuning_entries: dict | None = None) -> None:
 
 
 def compile_forward(spec: dict, out_path: str) -> CompileResult:
-    """Export one bucket's forward and compile it into a weightless AOTInductor package.
+    """Export one forward over its range of shapes and compile it into a weightless AOTInductor package.
 
     Runs inside a spawned worker, in the config's dtype. The weights are
     uninitialized placeholders of the right shapes and dtype: the package holds
@@ -161,7 +161,7 @@ def _compile_forward(spec: dict, out_path: str) -> CompileResult:
             why, where = f"No space left on device ({full} bytes free)", tmp
         else:
             raise
-        raise DiskError(f"compiling forward {spec['key']} ({spec['bucket']}) failed writing {where}: {why}; "
+        raise DiskError(f"compiling forward {spec['key']} ({spec['shapes']}) failed writing {where}: {why}; "
                         "free space there or point KILN_CACHE_DIR (the host's cache) or TMPDIR (the "
                         "compiler's scratch) at a disk with room.") from None
     autotune = None
@@ -183,7 +183,7 @@ def _check_inductor_env(spec: dict) -> None:
     keyed, here = spec["graph"].get("inductor_env", {}), inductor_env()
     if here != keyed:
         differ = sorted(k for k in {*keyed, *here} if keyed.get(k) != here.get(k))
-        raise KilnError(f"forward {spec['key']} ({spec.get('bucket', '?')}) was keyed for the Inductor "
+        raise KilnError(f"forward {spec['key']} ({spec.get('shapes', '?')}) was keyed for the Inductor "
                         f"environment {keyed}, but this compile worker runs with {here} (differing: "
                         f"{', '.join(differ)}); set the same TORCHINDUCTOR_* variables on every host of target "
                         f"{spec.get('target', '?')} (or none) and export again.")
@@ -296,7 +296,7 @@ class CompilePool:
                     free.append(slot)
                     if attempts[spec["key"]] >= self.max_attempts:
                         error = error or CompileFailed(
-                            f"forward {spec['key']} ({spec.get('bucket', '?')}) killed its compile worker "
+                            f"forward {spec['key']} ({spec.get('shapes', '?')}) killed its compile worker "
                             f"{attempts[spec['key']]} times (max_compile_attempts={self.max_attempts}; out of "
                             "memory?); lower the number of workers or raise worker_host_mib.")
                     else:

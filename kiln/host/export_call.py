@@ -2,7 +2,8 @@
 
 Purpose: what lies between a forward's spec and its package besides the model
 code itself: the model built in the config's dtype with storage that is never
-read, its example inputs, the dynamic page dimension and its bounds,
+read, its example inputs at the hint, the dynamic dimensions (batch and tokens
+over the forward's range, the KV page count) and their bounds,
 torch.export, the constants metadata and the Inductor call with the spec's
 options.
 
@@ -27,10 +28,25 @@ MAX_PAGES = 1 << 24
 """Upper bound of the dynamic KV page count a package accepts."""
 
 
-def export_forward(spec: dict):
-    """The torch.export program of one bucket's forward (an ExportedProgram), its tensors on the graph's device."""
-    import torch
+def dynamic_shapes(inputs: dict, num_args: int) -> tuple:
+    """torch.export's dynamic_shapes of the forward's `num_args` inputs (tokens, start_pos, kv_cache,
+    block_table[, seq_lens]): batch and tokens as Dims over the spec's [min, max] where those differ (static
+    where equal), the KV page count always dynamic."""
     from torch.export import Dim
+
+    (b0, b1), (t0, t1) = inputs["batch"], inputs["tokens"]
+    batch = Dim("batch", min=b0, max=b1) if b0 < b1 else None
+    tokens = Dim("tokens", min=t0, max=t1) if t0 < t1 else None
+    per_seq = {0: batch} if batch is not None else {}
+    first = {**per_seq, **({1: tokens} if tokens is not None else {})}
+    num_pages = Dim("num_pages", min=2, max=MAX_PAGES)
+    return (first, per_seq, {2: num_pages}, per_seq, *[per_seq] * (num_args - 4))
+
+
+def export_forward(spec: dict):
+    """The torch.export program of one forward over its range of shapes (an ExportedProgram), traced at its
+    hint, its tensors on the graph's device."""
+    import torch
 
     from kiln.core.config import ModelConfig
     from kiln.host.model import ShardedDecoder, example_inputs
@@ -44,12 +60,11 @@ def export_forward(spec: dict):
     with torch.device("meta"):
         model = ShardedDecoder(cfg, tp).to(getattr(torch, cfg.dtype)).eval()
     model = model.to_empty(device=device)
-    args = example_inputs(cfg, tp, inputs["batch"], inputs["tokens"], page_tokens=inputs["page_tokens"],
+    args = example_inputs(cfg, tp, *inputs["hint"], page_tokens=inputs["page_tokens"],
                           pages_per_seq=inputs["pages_per_seq"], num_pages=inputs["pages_per_seq"] + 2)
     args = tuple(a.to(device) for a in args)
-    num_pages = Dim("num_pages", min=2, max=MAX_PAGES)
     with torch.no_grad():
-        return torch.export.export(model, args, dynamic_shapes=({}, {}, {2: num_pages}, *[{}] * (len(args) - 3)))
+        return torch.export.export(model, args, dynamic_shapes=dynamic_shapes(inputs, len(args)))
 
 
 def compile_package(program, package_path: str, options: dict) -> None:

@@ -333,3 +333,15 @@ def compare_with_eager(compiled, cfg, tp: int, rank: int, weights: dict, bucket,
     with torch.no_grad():
         got = compiled(*args)
     return check_against_eager(got, cfg, tp, weights, args, atol=atol, half_ratio=half_ratio, device=device)
+
+
+def compare_at_corners(compiled, cfg, tp: int, rank: int, weights: dict, shapes, *, page_tokens: int,
+                       pages_per_seq: int, atol: float, half_ratio: float, device: str = "cpu") -> dict:
+    """The compiled forward over `shapes` (kiln.core.shape_ranges.ShapeRange) against the eager shard at each
+    of its corners (smallest, hint, largest): the worst one's check (kiln.core.outcome.worst_corner)."""
+    from kiln.core.outcome import worst_corner
+
+    return worst_corner({str(c): compare_with_eager(compiled, cfg, tp, rank, weights, c, page_tokens=page_tokens,
+                                                    pages_per_seq=pages_per_seq, atol=atol, half_ratio=half_ratio,
+                                                    device=device)
+                         for c in shapes.corners()})

@@ -81,7 +81,7 @@ def lookup(store: Store, job: ExportJob, target: str, torch_version: str, backen
     `missing` of its shapes have none (the tune phase measures them and the
     flow probes again). 'objects' lists {'key', 'sha256'} of the results found.
     """
-    by_bucket = tuning_plan.export_shapes(job.model_config, job.tp, job.recipe.buckets)
+    by_bucket = tuning_plan.export_shapes(job.model_config, job.tp, job.recipe.shapes)
     found: dict[GemmShape, tuple[dict, str, str] | None] = {}
     for shape in tuning_plan.distinct_shapes(by_bucket):
         key = tuning_plan.object_key(target, torch_version, backends, shape)
@@ -109,7 +109,7 @@ def load_for_compile(store: Store, specs: list[dict], torch_version: str) -> dic
     for spec in tuned:
         t = spec["tuning"]
         if t.get("digest") is None:
-            raise KilnError(f"forward {spec['key']} ({spec['bucket']}) lacks tuning results for {t.get('missing')} "
+            raise KilnError(f"forward {spec['key']} ({spec['shapes']}) lacks tuning results for {t.get('missing')} "
                             "GEMM shape(s); the tune phase must run before compiling.")
         mine = []
         for ref in t["objects"]:
@@ -182,7 +182,7 @@ def tune_target(job: ExportJob, target: str, *, backends: str | None = None) -> 
         raise KilnError(f"tuning for target {target} must run on a host of that target; this host is {here}.")
     version = torch.__version__
     store = open_store(job.store_url, s3_endpoint=job.s3_endpoint, checksum_mode=job.checksum_mode)
-    shapes = tuning_plan.distinct_shapes(tuning_plan.export_shapes(job.model_config, job.tp, job.recipe.buckets))
+    shapes = tuning_plan.distinct_shapes(tuning_plan.export_shapes(job.model_config, job.tp, job.recipe.shapes))
     stored = {s for s in shapes if store.exists(tuning_plan.object_key(target, version, backends, s))}
     decision = tuning_plan.decide(mode, shapes, stored)
     for shape in decision.hits:

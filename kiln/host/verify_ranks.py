@@ -83,7 +83,8 @@ def _check_together(rank: int, tp: int, port: int, job: dict, link: RankLink) ->
 
     from kiln.core.config import ModelConfig
     from kiln.core.contract import cache_layout
-    from kiln.core.recipe import parse_buckets
+    from kiln.core.outcome import worst_corner
+    from kiln.core.shape_ranges import parse_shape_range
     from kiln.host.loader import check_against_eager, load_forward, place_weights
     from kiln.host.weights import load_rank_weights
     from kiln.host.model import example_inputs, host_group
@@ -104,27 +105,30 @@ def _check_together(rank: int, tp: int, port: int, job: dict, link: RankLink) ->
     layout = cache_layout(cfg, tp)
     diffs = {}
     for name, art in sorted(job["artifacts"].items()):
-        bucket = parse_buckets(name)[0]
         link.doing(f"loading forward {name}")
         compiled = load_forward(art["path"], weights, art["sha256"], device=device)
-        args = tuple(a.to(device) for a in example_inputs(
-            cfg, 1, bucket.batch, bucket.tokens, page_tokens=job["page_tokens"],
-            pages_per_seq=job["pages_per_seq"], num_pages=job["pages_per_seq"] * bucket.batch + 5, seed=7))
-        cache = args[2]
-        # Each rank caches its own KV heads, or (latent attention) every rank the same whole latent.
-        heads = layout.heads
-        shard = cache[..., rank * heads:(rank + 1) * heads, :].contiguous() if layout.sharded else cache
-        link.doing(f"running forward {name}")
-        with torch.no_grad():
-            logits, new_kv = compiled(*args[:2], shard, *args[3:])
-        logits, new_kv = logits.cpu(), new_kv.cpu()  # the side group's gloo gathers host tensors
-        parts = [torch.empty_like(new_kv) for _ in range(tp)]
-        dist.all_gather(parts, new_kv.contiguous(), group=side)
+        corners = {}
+        for bucket in parse_shape_range(name).corners():  # every rank runs the same corners, in order
+            args = tuple(a.to(device) for a in example_inputs(
+                cfg, 1, bucket.batch, bucket.tokens, page_tokens=job["page_tokens"],
+                pages_per_seq=job["pages_per_seq"], num_pages=job["pages_per_seq"] * bucket.batch + 5, seed=7))
+            cache = args[2]
+            # Each rank caches its own KV heads, or (latent attention) every rank the same whole latent.
+            heads = layout.heads
+            shard = cache[..., rank * heads:(rank + 1) * heads, :].contiguous() if layout.sharded else cache
+            link.doing(f"running forward {name} at {bucket}")
+            with torch.no_grad():
+                logits, new_kv = compiled(*args[:2], shard, *args[3:])
+            logits, new_kv = logits.cpu(), new_kv.cpu()  # the side group's gloo gathers host tensors
+            parts = [torch.empty_like(new_kv) for _ in range(tp)]
+            dist.all_gather(parts, new_kv.contiguous(), group=side)
+            if rank == 0:
+                link.doing(f"running the unsharded eager model for {name} at {bucket}")
+                every = torch.cat(parts, dim=-2) if layout.sharded else _same(parts)
+                corners[str(bucket)] = check_against_eager((logits, every), cfg, 1, full, args, atol=job["atol"],
+                                                           half_ratio=job["half_ratio"], device=device)
         if rank == 0:
-            link.doing(f"running the unsharded eager model for {name}")
-            every = torch.cat(parts, dim=-2) if layout.sharded else _same(parts)
-            diffs[name] = check_against_eager((logits, every), cfg, 1, full, args, atol=job["atol"],
-                                              half_ratio=job["half_ratio"], device=device)
+            diffs[name] = worst_corner(corners)
     link.doing("leaving the gloo group")
     dist.barrier(group=side)
     dist.destroy_process_group()
@@ -155,10 +159,12 @@ def rank_device(device: str, rank: int) -> str:
 def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[str, dict], page_tokens: int,
                      pages_per_seq: int, atol: float, half_ratio: float, s3_endpoint: str | None = None,
                      timeout_s: float = 600, device: str = "cpu") -> tuple[dict[str, dict], int]:
-    """(bucket -> {'diff', 'limit'} of the compiled ranks combined against the unsharded eager model
-    (kiln.host.loader.check_against_eager), the ranks' peak MiB added up); raises on any rank's error.
+    """(forward shapes -> {'diff', 'limit', 'at'} of the compiled ranks combined against the unsharded eager
+    model at the worst corner of the forward's range (kiln.host.loader.check_against_eager,
+    kiln.core.outcome.worst_corner), the ranks' peak MiB added up); raises on any rank's error.
 
-    `artifacts` maps a bucket name ('4x32') to {'path', 'sha256'} of a verified local copy, compiled for
+    `artifacts` maps forward shapes' name ('2-8x16-64@8x64', kiln.core.shape_ranges) to {'path', 'sha256'} of
+    a verified local copy, compiled for
     `device` ('cpu' or 'cuda': each rank on its GPU, see rank_device; the group is gloo either way).
     """
     job = {"checkpoint": str(checkpoint), "s3_endpoint": s3_endpoint, "config": config, "artifacts": artifacts,

@@ -122,7 +122,7 @@ def maybe_kill_compile(spec: dict, stage: str) -> None:
     match, count, want_stage = parse_kill_compile(value)
     if stage != want_stage:
         return
-    if match != "*" and spec["bucket"] != match and not spec["key"].startswith(match):
+    if match != "*" and spec["shapes"] != match and not spec["key"].startswith(match):
         return
     directory = os.environ.get(FAULT_DIR_ENV)
     if not directory:

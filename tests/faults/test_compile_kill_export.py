@@ -33,7 +33,7 @@ def test_export_completes_when_a_worker_dies_after_writing_its_package(kiln, tmp
     run, r, store = run_export(kiln, tmp_path, "1x8:1:written")
     assert run.code == 0, run.err[-3000:]
     assert len(fired(tmp_path / "markers")) == 1  # the fault happened, once
-    attempts = {f["bucket"]: f["compile_attempts"] for f in r["forwards"]}
+    attempts = {f["shapes"]: f["compile_attempts"] for f in r["forwards"]}
     assert attempts == {"1x8": 2, "2x8": 1}  # only the killed forward was compiled again
     assert r["counts"]["compiled"] == 2 and r["status"] == "completed"
     for f in r["forwards"]:  # nothing lost, nothing partial: every artifact whole in the store

@@ -64,7 +64,7 @@ def race(tmp_path: Path, *, renew: bool, compile_s: float = 3.0, ttl_s: float = 
     url = f"file://{tmp_path / 'store'}"
     threads = []
     for name in outs:
-        jobs = [({"key": k, "bucket": "1x8", "log": str(tmp_path / "starts.log"), "sleep_s": compile_s},
+        jobs = [({"key": k, "shapes": "1x8", "log": str(tmp_path / "starts.log"), "sleep_s": compile_s},
                  str(tmp_path / name / f"{k}.pt2")) for k in keys]
         (tmp_path / name).mkdir()
         threads.append(threading.Thread(target=contender, args=(url, f"export-{name}:host", jobs, ttl_s,
@@ -102,7 +102,7 @@ def test_without_renewal_the_same_race_compiles_a_key_twice(tmp_path):
 
 
 def test_pool_skips_what_on_submit_refuses_and_ticks_while_compiling(tmp_path):
-    jobs = [({"key": k, "bucket": "1x8", "log": str(tmp_path / "starts.log"), "sleep_s": 0.6},
+    jobs = [({"key": k, "shapes": "1x8", "log": str(tmp_path / "starts.log"), "sleep_s": 0.6},
              str(tmp_path / f"{k}.pt2")) for k in ("k1", "k2", "k3")]
     ticks: list[float] = []
     asked: list[str] = []
@@ -135,7 +135,7 @@ def test_a_key_stored_while_its_lease_was_taken_is_reused_not_compiled(tmp_path)
             return super().acquire(key)
 
     leases = UploadedMeanwhile(store, "export-b:host", 30.0)
-    jobs = [({"key": "k1", "bucket": "1x8", "log": str(tmp_path / "starts.log"), "sleep_s": 0.1},
+    jobs = [({"key": "k1", "shapes": "1x8", "log": str(tmp_path / "starts.log"), "sleep_s": 0.1},
              str(tmp_path / "k1.pt2"))]
     with CompilePool(1, compile_fn=stand_in, initializer=None) as pool:
         assert compile_leased(pool, leases, store, jobs, lambda r: None, poll_s=0.1) == set()
@@ -148,7 +148,7 @@ def test_on_an_error_the_workers_stop_before_the_leases_are_released(tmp_path):
     import psutil
 
     store = open_store(f"file://{tmp_path / 'store'}")
-    jobs = [({"key": k, "bucket": "1x8", "log": str(tmp_path / "starts.log"), "sleep_s": s}, str(tmp_path / f"{k}.pt2"))
+    jobs = [({"key": k, "shapes": "1x8", "log": str(tmp_path / "starts.log"), "sleep_s": s}, str(tmp_path / f"{k}.pt2"))
             for k, s in (("k1", 0.5), ("k2", 60.0))]
     pids: list[int] = []
     alive_at_release: dict[str, list[int]] = {}

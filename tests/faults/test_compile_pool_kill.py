@@ -36,7 +36,7 @@ def env(tmp_path, monkeypatch):
 
 
 def jobs(tmp: Path, buckets: dict[str, float]) -> list[tuple[dict, str]]:
-    return [({"key": f"k{b.replace('x', '')}", "bucket": b, "log": str(tmp / "starts.log"), "sleep_s": s},
+    return [({"key": f"k{b.replace('x', '')}", "shapes": b, "log": str(tmp / "starts.log"), "sleep_s": s},
              str(tmp / f"{b}.out")) for b, s in buckets.items()]
 
 
@@ -101,11 +101,11 @@ def test_fault_spec_parsing():
 
 def test_fault_hook_is_inert_without_its_variable(monkeypatch):
     monkeypatch.delenv(faults.KILL_COMPILE_ENV, raising=False)
-    faults.maybe_kill_compile({"key": "k", "bucket": "1x8"}, "export")  # returns: we are still alive
+    faults.maybe_kill_compile({"key": "k", "shapes": "1x8"}, "export")  # returns: we are still alive
 
 
 def test_fault_hook_needs_a_marker_directory(monkeypatch):
     monkeypatch.setenv(faults.KILL_COMPILE_ENV, "1x8:1")
     monkeypatch.delenv(faults.FAULT_DIR_ENV, raising=False)
     with pytest.raises(RuntimeError, match=faults.FAULT_DIR_ENV):
-        faults.maybe_kill_compile({"key": "k", "bucket": "1x8"}, "export")
+        faults.maybe_kill_compile({"key": "k", "shapes": "1x8"}, "export")

@@ -47,7 +47,7 @@ def test_export_from_blocks_keeps_the_secret_out(kiln, blocks, prefect_server, s
                "--recipe-block", blocks["recipe"], "--set", "verify_atol=0.01", "--report", str(report), env=env)
     assert run.code == 0, run.err[-3000:]
     r = json.loads(report.read_text())
-    assert [f["bucket"] for f in r["forwards"]] == ["1x8"]  # buckets from the recipe block
+    assert [f["shapes"] for f in r["forwards"]] == ["1x8"]  # buckets from the recipe block
     assert r["gate"]["policy"] == "fail"
     assert r["store"] == f"s3://{blocks['bucket']}/k"
     s3 = boto3.client("s3", endpoint_url=s3_server.endpoint_url, aws_access_key_id="x", aws_secret_access_key="y",

@@ -37,13 +37,14 @@ def test_a_compiled_decode_step_reads_its_pages_in_place_as_eager_computes(tmp_p
     from kiln.core.config import TINY
     from kiln.core.forward_keys import forward_spec
     from kiln.core.recipe import Bucket
+    from kiln.core.shape_ranges import static_shape
     from kiln.host.compiler import CompilePool, model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS
 
     # 4 query heads over 2 KV heads (grouped), a window of 7 on the second layer: 24 cached positions.
     cfg = TINY.replace(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                        vocab_size=128, sliding_window=7, first_sliding_layer=1)
-    spec = forward_spec(bucket=Bucket(2, 1), graph={"config": cfg.to_dict(), "tp": 1, "code": model_code_fingerprint()},
+    spec = forward_spec(shapes=static_shape(Bucket(2, 1)), graph={"config": cfg.to_dict(), "tp": 1, "code": model_code_fingerprint()},
                         target="test", torch_version="test", page_tokens=4, pages_per_seq=6,
                         compiler=COMPILER_OPTIONS).to_dict()
     with CompilePool(1) as pool:

@@ -26,15 +26,16 @@ def exported(tp2_export):
     return tp2_export
 
 
-def test_cold_export_compiles_each_bucket_once(exported):
+def test_cold_export_compiles_each_forward_once(exported):
     r = exported["cold_report"]
     assert r["status"] == "completed" and r["error"] is None
     assert [p["name"] for p in r["phases"]] == PHASES
     assert all(p["status"] in ("ok", "skipped") for p in r["phases"])
-    buckets = {f["bucket"] for f in r["forwards"]}
-    assert buckets == {"1x16", "2x16", "4x32", "8x64"}
-    # One artifact per bucket, shared by both ranks: not tp x buckets.
-    assert r["counts"] == {"forwards": 4, "compiled": 4, "reused": 0, "tuning_measured": 0}
+    # The default buckets (1x16, 2x16, 4x32, 8x64) as the default shape policy groups them: batch 1 static,
+    # the rest one range compiled for its largest shape; one artifact per forward, shared by both ranks.
+    assert [(f["shapes"], f["batch"], f["tokens"], f["hint"]) for f in r["forwards"]] == [
+        ("1x16", [1, 1], [16, 16], [1, 16]), ("2-8x16-64@8x64", [2, 8], [16, 64], [8, 64])]
+    assert r["counts"] == {"forwards": 2, "compiled": 2, "reused": 0, "tuning_measured": 0}
     host = r["hosts"][0]
     assert host["ranks"] == [0, 1] and host["workers"] >= 1
     assert all(f["compiled_by"] == host["name"] and f["compile_s"] > 0 for f in r["forwards"])
@@ -87,12 +88,12 @@ def test_memory_ledger_has_every_phase_boundary(exported):
 
 
 def test_progress_counts_all_forwards(exported):
-    assert "Compile forwards: 4/4 (all hosts" in exported["cold"].err
+    assert "Compile forwards: 2/2 (all hosts" in exported["cold"].err
 
 
 def test_warm_export_compiles_nothing(exported):
     r = exported["warm_report"]
-    assert r["counts"] == {"forwards": 4, "compiled": 0, "reused": 4, "tuning_measured": 0}
+    assert r["counts"] == {"forwards": 2, "compiled": 0, "reused": 2, "tuning_measured": 0}
     assert r["gate"]["decision"] == "nothing_to_do"
     assert {f["key"] for f in r["forwards"]} == {f["key"] for f in exported["cold_report"]["forwards"]}
     compile_phase = next(p for p in r["phases"] if p["name"] == "compile")
@@ -104,8 +105,9 @@ def test_verify_runs_all_ranks_against_unsharded(kiln, exported):
     v = kiln("verify", "--store", exported["store"], r["export_id"])
     assert v.code == 0, v.err[-3000:]
     assert f"signature ok: signed by {r['signing']['key_fingerprint']}" in v.out
-    assert "sha256 ok for 4 artifact(s)" in v.out and "runtime input checks on" in v.out
-    assert v.out.count("2 ranks together vs unsharded eager") == 4
+    assert "sha256 ok for 2 artifact(s)" in v.out and "runtime input checks on" in v.out
+    assert "  1x16: 2 ranks together vs unsharded eager at 1 shape(s)" in v.out
+    assert "  2-8x16-64@8x64: 2 ranks together vs unsharded eager at 2 shape(s)" in v.out  # 2x16 and 8x64
     assert "verify ok" in v.out
 
 
@@ -128,7 +130,7 @@ def test_verify_names_a_rank_that_died_and_ends_at_once(kiln, exported, tmp_path
              env={"KILN_FAULT_KILL_RANK": "1:running forward", "KILN_FAULT_DIR": str(tmp_path)})
     ended = time.time()
     assert v.code == 1, v.err[-3000:]
-    assert "kiln: rank 1 died with signal SIGKILL (-9) while running forward 1x16; the other rank was stopped." \
+    assert "kiln: rank 1 died with signal SIGKILL (-9) while running forward 1x16 at 1x16; the other rank was stopped." \
         in v.err, v.err[-3000:]
     assert "Traceback" not in v.err and "verify ok" not in v.out
     assert ended - float((tmp_path / "kill-rank-1").read_text()) < 30, "kiln verify went on waiting on a dead rank"
@@ -218,7 +220,7 @@ def test_verification_is_remembered_until_the_checkpoint_changes(kiln, kiln_main
     name = cold["hosts"][0]["name"]
     assert (cold["hosts"][0]["verify_memory"]["predicted_mib"] or 0) > 0  # checked against eager
     assert warm["hosts"][0]["verify_memory"] == {"predicted_mib": None, "peak_mib": None}  # nothing re-checked
-    assert set(warm["verify"][name]) == set(cold["verify"][name]) and len(cold["verify"][name]) == 2 * 4
+    assert set(warm["verify"][name]) == set(cold["verify"][name]) and len(cold["verify"][name]) == 2 * 2  # ranks x forwards
     # Same shapes (the tiny model's), other weights: the same forward keys, but every check runs again.
     ckpt = tmp_path / "other-weights"
     assert kiln_main("checkpoint", str(ckpt), "--seed", "7").code == 0
@@ -229,8 +231,9 @@ def test_verification_is_remembered_until_the_checkpoint_changes(kiln, kiln_main
     assert r["counts"]["compiled"] == 0 and {f["key"] for f in r["forwards"]} == {f["key"] for f in cold["forwards"]}
     assert (r["hosts"][0]["verify_memory"]["predicted_mib"] or 0) > 0, "a changed checkpoint was not checked again"
     checks = r["verify"][name]
-    assert len(checks) == 8 and all(c["diff"] <= c["limit"] for c in checks.values())
+    assert len(checks) == 4 and all(c["diff"] <= c["limit"] for c in checks.values())
     assert checks != warm["verify"][name]  # measured on the new weights, not remembered from the old
+    assert {c["at"] for c in checks.values()} <= {"1x16", "2x16", "8x64"}  # the worst corner of each range
 
 
 def test_a_stale_lease_of_a_dead_export_is_taken_over(kiln, exported, tmp_path):
@@ -241,7 +244,7 @@ def test_a_stale_lease_of_a_dead_export_is_taken_over(kiln, exported, tmp_path):
     from kiln.core.leases import new_lease
     from kiln.store import LocalStore
 
-    f = next(f for f in exported["cold_report"]["forwards"] if f["bucket"] == "1x16")
+    f = next(f for f in exported["cold_report"]["forwards"] if f["shapes"] == "1x16")
     store = LocalStore(tmp_path / "store")
     store.put_json(lease_key(f["key"], 0), new_lease("dead-export:host-x", time.time() - 3600, 60))
     run = kiln("export", "--model", "tiny", "--tp", "2", "--buckets", "1x16", "--store", f"file://{tmp_path / 'store'}",

@@ -36,7 +36,7 @@ def test_host_lost_mid_compile_hands_its_keys_to_the_others(kiln, kiln_env, pref
         report = tmp_path / "r.json"
         aws = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
         # Leases that outlive the test: only breaking the lost host's leases lets the others go on.
-        run = kiln("export", "--dask", cluster.address, "--tp", "2", "--buckets", "1x8,2x8,4x8,8x8",
+        run = kiln("export", "--dask", cluster.address, "--tp", "2", "--buckets", "1x8,2x8,4x8,8x8", "--shape-policy", "static",
                    "--store", s3_bucket, "--report", str(report), "--set", "lease_ttl_s=7200",
                    env={**aws, **signing_key_env, "PREFECT_API_URL": prefect_server})
         assert cluster.workers["host-b"].poll() is not None, "the fault did not fire"

@@ -91,7 +91,8 @@ def test_policy_borrow_lends_everything_to_host0(kiln, cluster_env, s3_bucket, t
 
 def test_lower_floor_gives_every_host_workers(kiln, cluster_env, s3_bucket, tmp_path):
     report = tmp_path / "r.json"
-    run = kiln("export", *INCIDENT, "--buckets", SPREAD_BUCKETS, "--set", "headroom_floor_mib=6144",
+    run = kiln("export", *INCIDENT, "--buckets", SPREAD_BUCKETS, "--shape-policy", "static",
+               "--set", "headroom_floor_mib=6144",
                "--store", s3_bucket,
                "--report", str(report), env=cluster_env)
     assert run.code == 0, run.err[-3000:]

@@ -59,20 +59,21 @@ def test_every_package_runs_with_torch_alone_and_matches_kiln(manifest, tmp_path
     from kiln.host.checkpoint import load_rank_weights
     from kiln.host.model import ShardedDecoder
     sys.path.insert(0, str(EXAMPLE.parent))
-    from torch_only import step_inputs
+    from torch_only import choose_forward, step_inputs
 
     cfg = ModelConfig(**m["model"]["config"])
     eager = ShardedDecoder(cfg, 1).eval()
     eager.load_state_dict(load_rank_weights(ckpt, cfg, 1, 0))
     got = [torch.load(tmp_path / "alone" / f"rank{r}.pt") for r in range(2)]
     ref = [torch.load(tmp_path / "kiln" / f"rank{r}.pt") for r in range(2)]
-    assert set(got[0]) == {f["bucket"] for f in m["forwards"]}
-    for f in m["forwards"]:
-        b = f["bucket"]
+    assert set(got[0]) == set(m["buckets"]) and len(m["forwards"]) < len(m["buckets"])  # ranges serve them
+    for b in m["buckets"]:
+        batch, tokens = map(int, b.split("x"))
+        f = choose_forward(m["forwards"], batch, tokens)
         # Both ranks hold the whole logits after the all-reduce; they agree with each other and with Kiln.
         assert torch.equal(got[0][b], got[1][b])
         assert float((got[0][b] - ref[0][b]).abs().max()) <= 1e-6, b
-        args = step_inputs(f, cfg.vocab_size)
+        args = step_inputs(f, cfg.vocab_size, batch, tokens)
         args[2] = torch.zeros(args[2].shape[:4] + (cfg.num_kv_heads, cfg.head_dim))  # all KV heads, empty
         with torch.no_grad():
             want = eager(*args)[0]

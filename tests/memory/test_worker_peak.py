@@ -12,8 +12,9 @@ pytestmark = pytest.mark.slow
 
 
 def spec(cfg, key):
-    return {"key": key, "bucket": "1x16", "graph": {"config": cfg.to_dict(), "tp": 2},
-            "inputs": {"batch": 1, "tokens": 16, "page_tokens": 16, "pages_per_seq": 4}, "compiler": COMPILER_OPTIONS}
+    return {"key": key, "shapes": "1x16", "graph": {"config": cfg.to_dict(), "tp": 2},
+            "inputs": {"batch": [1, 1], "tokens": [16, 16], "hint": [1, 16], "page_tokens": 16, "pages_per_seq": 4},
+            "compiler": COMPILER_OPTIONS}
 
 
 def test_ten_times_the_weights_costs_a_worker_about_nothing(tmp_path):

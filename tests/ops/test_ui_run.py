@@ -209,8 +209,8 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
     assert "- Recipe > Buckets: `1x8`" in data and "Headroom floor" not in data.split("Settings changed")[1]
     forwards = json.loads(arts["forwards"]["data"])
     # The unit in the header, numbers in the cells; the hashes last and short enough for a 1400 px page.
-    assert list(forwards[0]) == ["bucket", "origin", "size (MiB)", "target", "key", "sha256"]
-    assert [f["bucket"] for f in forwards] == ["1x8"] and forwards[0]["origin"].startswith("compiled by ")
+    assert list(forwards[0]) == ["shapes", "origin", "size (MiB)", "target", "key", "sha256"]
+    assert [f["shapes"] for f in forwards] == ["1x8"] and forwards[0]["origin"].startswith("compiled by ")
     assert float(forwards[0]["size (MiB)"]) > 0 and len(forwards[0]["sha256"]) == 13  # 12 hex and "…"
     manifest = arts["manifest"]["data"]  # the manifest's contents, not only its path
     assert "**Ranks:** 2" in manifest and "## Forwards and their interface" in manifest and "## Weights (" in manifest

@@ -1,9 +1,11 @@
 """What a user runs, against transformers: `kiln export --tp 2`, then `kiln run`, then the same greedy decode
 in transformers (`generate(do_sample=False)`) on the same checkpoint.
 
-One bucket (1x8) per export: the 12-token prompt is fed as a chunk of 8 and a
-padded chunk of 4, and every decode step is a padded 1x8 call, so chunked
-prefill, padding and the paged cache all take part.
+Two buckets (1x4, 1x8) per export, served by one forward over a range of
+tokens (1x4-8, compiled for 1x8: kiln.core.shape_ranges): the 12-token prompt is
+fed as a chunk of 8 and a chunk of 4, and every decode step is a padded 1x4
+call, so a range's smallest and largest shapes, chunked prefill, padding and
+the paged cache all take part.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ pytestmark = pytest.mark.slow
 
 PROMPT = [5, 17, 300, 42, 7, 99, 3, 250, 11, 8, 130, 64]
 NEW_TOKENS = 6
+BUCKETS = "1x4,1x8"
+"""One forward, 1x4-8@1x8: every step of every case runs on a range package."""
 E2E = {
     # case: why it is exported end to end (each feature alone is checked in eager mode too)
     "llama32-deep-biases": "Llama 3.2 shape (tied embeddings, llama3 rope scaling, head_dim 64) with attention_bias "
@@ -26,7 +30,7 @@ E2E = {
                          "(factor 4 over an original context of 16: cos and sin scaled by its attention factor)",
     "mistral-window": "Mistral: a sliding window of 6 over the paged cache",
     "qwen3-bias-window": "Qwen3: per-head q/k norms, 4 heads of 64 over hidden 128, sharded q/k/v/o biases, a window",
-    "qwen3-moe": "Qwen3-MoE: 64 experts, top 2 (a 1x8 step gathers the chosen ones), a dense layer between, each "
+    "qwen3-moe": "Qwen3-MoE: 64 experts, top 2 (every step of the 1x4-8 range gathers the chosen ones), a dense layer between, each "
                  "expert's columns sharded, the router replicated",
     "qwen2-moe": "Qwen2-MoE: a shared expert behind its sigmoid gate beside 8 experts (top 2), each sharded; q/k/v "
                  "biases",
@@ -56,7 +60,7 @@ def export_and_run(kiln, hf_root, prefect_server, tmp_path_factory):
         if case not in done:
             path = write_case(case, hf_root)
             out = tmp_path_factory.mktemp(case)
-            exported = kiln("export", "--model", str(path), "--tp", "2", "--buckets", "1x8", "--store", store,
+            exported = kiln("export", "--model", str(path), "--tp", "2", "--buckets", BUCKETS, "--store", store,
                             "--export-id", f"ref-{case}", "--report", str(out / "report.json"), env=env)
             assert exported.code == 0, exported.err[-3000:]
             ran = kiln("run", f"ref-{case}", "--store", store, "--tokens", ",".join(map(str, PROMPT)),
@@ -119,7 +123,7 @@ def test_verify_passes_on_a_real_checkpoint_export(kiln, export_and_run, prefect
 def test_a_verify_mismatch_is_final_not_retried(kiln, export_and_run, prefect_server):
     """A forward that differs from eager fails the same way every time: one try, no 30 s retry delay."""
     got = export_and_run("llama32-deep-biases")
-    failed = kiln("export", "--model", str(got["path"]), "--tp", "2", "--buckets", "1x8", "--store", got["store"],
+    failed = kiln("export", "--model", str(got["path"]), "--tp", "2", "--buckets", BUCKETS, "--store", got["store"],
                   "--set", "verify_atol=1e-12", "--export-id", "ref-mismatch", env={"PREFECT_API_URL": prefect_server})
     assert failed.code == 1
     assert "differs from eager" in failed.err and "not retried" in failed.err
@@ -211,7 +215,9 @@ def test_a_latent_attention_export_caches_latents(export_and_run, kiln, prefect_
                                      "sharded": False,
                                      "dims": ["layers", "entries", "num_pages", "page_tokens", "heads", "width"]}
     shapes = {a["name"]: a["shape"] for a in interface["inputs"] + interface["outputs"]}
-    assert shapes["kv_cache"] == [3, 1, "num_pages", 16, 1, 96] and shapes["new_kv"] == [3, 1, 1, 8, 1, 96]
+    # tokens is a range (1x4-8): named, with its bounds under dynamic_dims
+    assert shapes["kv_cache"] == [3, 1, "num_pages", 16, 1, 96] and shapes["new_kv"] == [3, 1, 1, "tokens", 1, 96]
+    assert interface["dynamic_dims"]["tokens"] == {"min": 4, "max": 8}
     verified = kiln("verify", "ref-deepseek-v3", "--store", got["store"], env={"PREFECT_API_URL": prefect_server})
     assert verified.code == 0 and "verify ok: 2 ranks match the unsharded model" in verified.out, verified.err[-3000:]
     torch_alone_is_kiln(manifest_path, root, manifest, tmp_path)

@@ -2,7 +2,7 @@
 
 The test builds the runner (CMake, against the wheel's libtorch), compiles one weightless tp 2 forward,
 writes a bf16 checkpoint in two shards (so the runner reads an index and casts to the float32 the
-package was compiled for) and a version 4 manifest from kiln.core.contract, runs two ranks of the runner
+package was compiled for) and a version 5 manifest from kiln.core.contract, runs two ranks of the runner
 over a TCPStore and compares each rank's logits with `ShardedDecoder(cfg, 1)` on the full weights.
 """
 
@@ -55,13 +55,14 @@ def runner() -> Path:
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory) -> dict:
-    """A tp 2 export of a 2-layer model (its layers one stacked scan): bf16 checkpoint (2 shards), one 1x8 package, a version 4 manifest."""
+    """A tp 2 export of a 2-layer model (its layers one stacked scan): bf16 checkpoint (2 shards), one 1x8 package, a version 5 manifest."""
     import torch
 
     from kiln.core.config import TINY
     from kiln.core.contract import PROCESS_GROUP, forward_interface, weight_layout
     from kiln.core.forward_keys import forward_spec
     from kiln.core.recipe import Bucket
+    from kiln.core.shape_ranges import static_shape
     from kiln.host.checkpoint import write_checkpoint
     from kiln.host.compiler import CompilePool, model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS
@@ -74,8 +75,7 @@ def export(tmp_path_factory) -> dict:
     tp = 2
     full = {n: t.to(torch.bfloat16) for n, t in random_state_dict(cfg, seed=3).items()}
     checkpoint = write_checkpoint(root / "model", cfg, full, num_shards=2)
-    inputs = {"batch": BATCH, "tokens": TOKENS, "page_tokens": PAGE_TOKENS, "pages_per_seq": PAGES_PER_SEQ}
-    spec = forward_spec(bucket=Bucket(BATCH, TOKENS), graph={"config": cfg.__dict__, "tp": tp,
+    spec = forward_spec(shapes=static_shape(Bucket(BATCH, TOKENS)), graph={"config": cfg.__dict__, "tp": tp,
                                                             "code": model_code_fingerprint()},
                         target="test", torch_version="test", page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ,
                         compiler=COMPILER_OPTIONS).to_dict()
@@ -85,14 +85,14 @@ def export(tmp_path_factory) -> dict:
         [result] = pool.run([(spec, str(forwards / f"{spec['key']}.pt2"))], lambda r: None)
     layout = weight_layout(cfg, tp)
     manifest = {
-        "version": 4, "export_id": "cpp-runner-test", "tp": tp,
+        "version": 5, "export_id": "cpp-runner-test", "tp": tp,
         "model": {"name": "test", "checkpoint": str(checkpoint), "config": dict(cfg.__dict__)},
         "recipe": {"page_tokens": PAGE_TOKENS, "max_context_tokens": PAGE_TOKENS * PAGES_PER_SEQ},
         "runtime": {"process_group": PROCESS_GROUP, "world_size": tp, "python_free": True},
         "weights": layout,
-        "forwards": [{"key": spec["key"], "bucket": f"{BATCH}x{TOKENS}", "target": "test", "object": f"forwards/{spec['key']}.pt2",
+        "forwards": [{"key": spec["key"], **static_shape(Bucket(BATCH, TOKENS)).to_dict(), "target": "test", "object": f"forwards/{spec['key']}.pt2",
                       "sha256": hashlib.sha256(Path(result.path).read_bytes()).hexdigest(), "python_free": True,
-                      "interface": forward_interface(cfg, tp, inputs), "constants": sorted(layout)}],
+                      "interface": forward_interface(cfg, tp, spec["inputs"]), "constants": sorted(layout)}],
     }
     (root / "store" / "exports" / "cpp").mkdir(parents=True)
     manifest_path = root / "store" / "exports" / "cpp" / "manifest.json"
@@ -177,7 +177,8 @@ def test_a_cuda_export_is_refused_by_name(runner, export, tmp_path):
 
 
 def test_cpp_runner_runs_what_kiln_export_wrote(runner, tp2_export, tmp_path):
-    """The manifest and packages of a real `kiln export --tp 2` are enough for the runner, for every bucket."""
+    """The manifest and packages of a real `kiln export --tp 2` are enough for the runner, at every corner of
+    every forward's range (the runner picks the forward by the consumer contract's rule)."""
     import torch
 
     from kiln.core.config import ModelConfig
@@ -190,20 +191,24 @@ def test_cpp_runner_runs_what_kiln_export_wrote(runner, tp2_export, tmp_path):
     cfg = ModelConfig(**manifest["model"]["config"])
     eager = ShardedDecoder(cfg, 1).eval()
     eager.load_state_dict(load_rank_weights(manifest["model"]["checkpoint"], cfg, 1, 0))
-    for f in manifest["forwards"]:
-        batch, tokens = map(int, f["bucket"].split("x"))
+    from kiln.core.shape_ranges import parse_shape_range
+
+    for f, (batch, tokens) in [(f, (c.batch, c.tokens)) for f in manifest["forwards"]
+                               for c in parse_shape_range(f["shapes"]).corners()]:
+        bucket = f"{batch}x{tokens}"
         ids = [(7 * i + 3) % cfg.vocab_size for i in range(batch * tokens)]
         port = _free_port()
-        out = tmp_path / f"{f['bucket']}-{{rank}}.f32"
+        out = tmp_path / f"{bucket}-{{rank}}.f32"
         procs = [subprocess.Popen([str(runner), "--manifest", str(root / r["manifest"]), "--packages",
-                                   str(root / "forwards"), "--bucket", f["bucket"], "--key", f["key"],
+                                   str(root / "forwards"), "--bucket", bucket,
                                    "--tokens", ",".join(map(str, ids)), "--rank", str(rank), "--world-size", "2",
                                    "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout-s", "120",
                                    "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env={**os.environ, "OMP_NUM_THREADS": "1"}) for rank in range(2)]
         for rank, p in enumerate(procs):
             _, err = p.communicate(timeout=300)
-            assert p.returncode == 0, f"{f['bucket']} rank {rank}: {err[-3000:]}"
+            assert p.returncode == 0, f"{bucket} rank {rank}: {err[-3000:]}"
+            assert f"forward {f['key']} ({f['shapes']}) for {bucket}" in err, err[-2000:]
         pages_per_seq = next(i for i in f["interface"]["inputs"] if i["name"] == "block_table")["shape"][1]
         page_tokens = manifest["recipe"]["page_tokens"]
         cache = torch.zeros(cfg.num_layers, 2, pages_per_seq * batch + 1, page_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -213,4 +218,4 @@ def test_cpp_runner_runs_what_kiln_export_wrote(runner, tp2_export, tmp_path):
                          table)[0].numpy()
         for rank in range(2):
             got = np.fromfile(str(out).format(rank=rank), dtype="<f4").reshape(want.shape)
-            assert float(np.abs(got - want).max()) < 1e-4 * max(1.0, float(np.abs(want).max())), (f["bucket"], rank)
+            assert float(np.abs(got - want).max()) < 1e-4 * max(1.0, float(np.abs(want).max())), (bucket, rank)

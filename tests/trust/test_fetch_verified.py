@@ -40,7 +40,7 @@ def setup(tmp_path, monkeypatch):
         plan, _ = trust.plan_signing(sign=True, block=None, store=store, home=home)
         store.delete(f"forwards/{KEY}.pt2")
         store.put_bytes(f"forwards/{KEY}.pt2", data)
-        fwd = {"key": KEY, "bucket": "1x8", "target": "t", "sha256": hashlib.sha256(data).hexdigest(),
+        fwd = {"key": KEY, "shapes": "1x8", "batch": [1, 1], "tokens": [8, 8], "hint": [1, 8], "target": "t", "sha256": hashlib.sha256(data).hexdigest(),
                "size_bytes": len(data), "object": f"forwards/{KEY}.pt2", "python_free": True,
                "interface": {"process_group": None}}
         m = build_manifest(export_id="e1", model={}, recipe={}, tp=1, buckets=["1x8"], forwards=[fwd], weights={},

@@ -65,7 +65,7 @@ def test_kiln_packages_inspect_as_python_free_with_native_collectives(tp2_export
     root = Path(tp2_export["store"].removeprefix("file://"))
     for f in tp2_export["cold_report"]["forwards"]:
         calls = package_calls(root / f["object"])
-        assert calls.python_free and calls.why is None, f["bucket"]
+        assert calls.python_free and calls.why is None, f["shapes"]
         assert "aoti_torch_cpu__c10d_functional_all_reduce_" in calls.ops
         assert f["python_free"] is True and f["ops"] == list(calls.ops)
 

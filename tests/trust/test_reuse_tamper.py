@@ -28,7 +28,7 @@ def test_a_forward_pointed_at_other_bytes_stops_the_export_before_anything_loads
                                                                                  tmp_path):
     root = tp2_store_copy["root"]
     store = LocalStore(root)
-    victim, donor = sorted(tp2_export["cold_report"]["forwards"], key=lambda f: f["bucket"])[:2]
+    victim, donor = sorted(tp2_export["cold_report"]["forwards"], key=lambda f: f["shapes"])[:2]
     link = root / victim["object"]
     link.unlink()
     os.symlink(os.readlink(root / donor["object"]), link)  # same directory: the relative target holds

@@ -15,7 +15,7 @@ from kiln.core.errors import BadInput, IntegrityError
 from kiln.core.signing import SigningPlan
 
 MANIFEST = {"version": 4, "export_id": "e1", "tp": 2, "signing": {"signed": True, "key_fingerprint": None},
-            "forwards": [{"key": "ab" * 16, "bucket": "1x8", "sha256": "0" * 64, "object": f"forwards/{'ab' * 16}.pt2", "python_free": True}],
+            "forwards": [{"key": "ab" * 16, "shapes": "1x8", "batch": [1, 1], "tokens": [8, 8], "hint": [1, 8], "sha256": "0" * 64, "object": f"forwards/{'ab' * 16}.pt2", "python_free": True}],
             "recipe": {"verify_atol": 0.001, "name": "caf\u00e9"}}
 
 

@@ -36,8 +36,8 @@ def store(tmp_path):
 
 def manifest(export_id="e1", plan: SigningPlan | None = None) -> dict:
     key = "ab" * 16
-    return {"version": 4, "export_id": export_id, "tp": 2,
-            "forwards": [{"key": key, "bucket": "1x8", "sha256": "0" * 64, "object": f"forwards/{key}.pt2", "python_free": True}],
+    return {"version": 5, "export_id": export_id, "tp": 2,
+            "forwards": [{"key": key, "shapes": "1x8", "batch": [1, 1], "tokens": [8, 8], "hint": [1, 8], "sha256": "0" * 64, "object": f"forwards/{key}.pt2", "python_free": True}],
             "signing": (plan or SigningPlan("off")).manifest_entry()}
 
 

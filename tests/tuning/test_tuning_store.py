@@ -31,7 +31,7 @@ T, V, B = "cpu-x86_64-avx512-test", "2.13.0+cpu", "ATEN,CPP"
 def make_job(tmp_path: Path, buckets: str = "1x16,2x8,4x8", tuning_mode: str = "cached") -> ExportJob:
     return ExportJob(export_id="t", model_name="tiny", checkpoint=str(tmp_path / "none"),
                      config=dataclasses.asdict(TINY), tp=2,
-                     recipe=Recipe(buckets=parse_buckets(buckets), tuning=tuning_mode),
+                     recipe=Recipe(buckets=parse_buckets(buckets), tuning=tuning_mode, shape_policy="static"),
                      store_url=f"file://{tmp_path / 'store'}")
 
 
@@ -48,12 +48,12 @@ def save(store, shapes, *, replace=False, cpp_ms=0.01):
 
 
 def specs(job, found) -> dict[str, dict]:
-    return {s.to_dict()["bucket"]: s.to_dict() for s in job.specs(
+    return {s.to_dict()["shapes"]: s.to_dict() for s in job.specs(
         target=T, torch_version=V, code="c", compiler=compiler_options(B), tuning=found)}
 
 
 def rows16(job):
-    return tuning_plan.export_shapes(job.model_config, job.tp, job.recipe.buckets)["1x16"]
+    return tuning_plan.export_shapes(job.model_config, job.tp, job.recipe.shapes)["1x16"]
 
 
 def test_lookup_gives_each_bucket_its_results_and_digest(tmp_path):

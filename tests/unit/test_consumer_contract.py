@@ -135,20 +135,22 @@ def test_a_fused_tensor_is_cut_into_its_projections_rows_then_the_ranks_share():
                                   "deepseek_v3: latent attention, grouped routing, shared experts"])
 def test_interface_matches_the_inputs_and_outputs_of_a_real_step(name):
     """Every input and output the interface names, in order, with its shape and dtype: the KV cache's layout
-    (per-head keys and values, or latent attention's one whole entry), seq_lens where the rope needs it."""
+    (per-head keys and values, or latent attention's one whole entry), seq_lens where the rope needs it; a
+    dimension the forward takes a range of (here batch 2-5) is named, with its bounds."""
     torch = pytest.importorskip("torch")
     from kiln.host.model import ShardedDecoder, example_inputs, solo_group
 
     cfg, tp = CONFIGS[name], 2
-    inputs = {"batch": 2, "tokens": 4, "page_tokens": 16, "pages_per_seq": 3}
+    inputs = {"batch": [2, 5], "tokens": [4, 4], "hint": [5, 4], "page_tokens": 16, "pages_per_seq": 3}
     face = forward_interface(cfg, tp, inputs)
+    assert face["dynamic_dims"] == {"num_pages": {"min": 2}, "batch": {"min": 2, "max": 5}}
     args = example_inputs(cfg, tp, 2, 4, page_tokens=16, pages_per_seq=3, num_pages=7)
     with solo_group(), torch.no_grad():
         outs = ShardedDecoder(cfg, tp).eval()(*args)
     assert len(face["inputs"]) == len(args) == (5 if cfg.length_dependent_rope else 4)
     assert face["kv_cache"]["sharded"] != cfg.latent
     for spec, t in zip(face["inputs"] + face["outputs"], list(args) + list(outs)):
-        shape = [7 if d == "num_pages" else d for d in spec["shape"]]
+        shape = [{"num_pages": 7, "batch": 2}.get(d, d) for d in spec["shape"]]
         assert (shape, spec["dtype"]) == (list(t.shape), str(t.dtype).removeprefix("torch.")), spec["name"]
     assert face["process_group"] == "0" and forward_interface(cfg, 1, inputs)["process_group"] is None
 
@@ -159,8 +161,8 @@ def _found(python_free=True):
                       "why": None if python_free else "it calls ops that have no C shim (1 proxy-executor call(s))"}}
 
 
-SPECS = {"k1": {"bucket": "1x8", "target": "t", "inputs": {"batch": 1, "tokens": 8, "page_tokens": 16,
-                                                            "pages_per_seq": 4}}}
+SPECS = {"k1": {"shapes": "1x8", "target": "t", "inputs": {"batch": [1, 1], "tokens": [8, 8], "hint": [1, 8],
+                                                            "page_tokens": 16, "pages_per_seq": 4}}}
 
 
 def test_outcome_refuses_a_missing_forward_and_one_that_needs_python():
@@ -174,6 +176,7 @@ def test_outcome_refuses_a_missing_forward_and_one_that_needs_python():
 def test_forward_records_carry_the_contract_and_who_compiled():
     [rec] = forward_records(SPECS, {"k1": _found()}, {"k1": {"compiled_by": "h0", "compile_s": 2.0}}, TINY, 2)
     assert rec["object"] == "forwards/k1.pt2" and rec["compiled_by"] == "h0" and rec["compile_attempts"] == 1
+    assert (rec["shapes"], rec["batch"], rec["tokens"], rec["hint"]) == ("1x8", [1, 1], [8, 8], [1, 8])
     assert rec["python_free"] and rec["interface"]["process_group"] == "0"
     assert rec["constants"] == sorted(constant_sources(TINY))
     [reused] = forward_records(SPECS, {"k1": _found()}, {}, TINY, 2)

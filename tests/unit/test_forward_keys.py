@@ -2,8 +2,9 @@
 
 from kiln.core.forward_keys import forward_spec
 from kiln.core.recipe import Bucket
+from kiln.core.shape_ranges import static_shape
 
-BASE = dict(bucket=Bucket(1, 16), graph={"config": {"h": 1}, "tp": 2, "code": "abc"}, target="avx2",
+BASE = dict(shapes=static_shape(Bucket(1, 16)), graph={"config": {"h": 1}, "tp": 2, "code": "abc"}, target="avx2",
             torch_version="2.13.0", page_tokens=16, pages_per_seq=16, compiler={"max_autotune": False})
 
 
@@ -17,7 +18,7 @@ def test_key_is_stable():
 
 def test_key_changes_with_what_changes_code():
     base = key()
-    assert key(bucket=Bucket(2, 16)) != base
+    assert key(shapes=static_shape(Bucket(2, 16))) != base
     assert key(target="avx512") != base
     assert key(torch_version="2.14.0") != base
     assert key(page_tokens=32) != base

@@ -14,6 +14,7 @@ from kiln.core.errors import KilnError
 from kiln.core.forward_keys import forward_spec
 from kiln.core.job import ExportJob
 from kiln.core.recipe import Bucket, Recipe
+from kiln.core.shape_ranges import static_shape
 from kiln.host import key_sources
 from kiln.host.inductor_options import INDUCTOR_ENV_UNKEYED, inductor_env
 from kiln.host.key_sources import KEY_SOURCES, code_fingerprint, keyed_code, model_code_fingerprint, source_files
@@ -24,7 +25,7 @@ _READ = key_sources._read
 
 def _key(code: str, env: dict | None = None) -> str:
     graph = {"config": {}, "tp": 1, "code": code, **({} if env is None else {"inductor_env": env})}
-    return forward_spec(bucket=Bucket(1, 8), graph=graph, target="cpu-x", torch_version="2.13.0", page_tokens=16,
+    return forward_spec(shapes=static_shape(Bucket(1, 8)), graph=graph, target="cpu-x", torch_version="2.13.0", page_tokens=16,
                         pages_per_seq=4, compiler={}).key
 
 
@@ -194,7 +195,7 @@ def test_a_worker_refuses_a_key_made_for_other_inductor_settings(monkeypatch):
 
     for name in list(inductor_env()):
         monkeypatch.delenv(name)
-    spec = {"key": "k1", "bucket": "1x8", "target": "cpu-test", "graph": {"inductor_env": {}}}
+    spec = {"key": "k1", "shapes": "1x8", "target": "cpu-test", "graph": {"inductor_env": {}}}
     _check_inductor_env(spec)
     _check_inductor_env({**spec, "graph": {}})  # a spec made by hand, for no settings
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere")

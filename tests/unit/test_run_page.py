@@ -14,7 +14,7 @@ SHA = "ab" * 32
 
 
 def fwd(bucket: str, compiled_by: str | None = None, compile_s: float | None = None) -> dict:
-    return {"bucket": bucket, "key": f"k{bucket}", "sha256": SHA, "size_bytes": 3 * 2**20 // 2, "target": "cpu",
+    return {"shapes": bucket, "key": f"k{bucket}", "sha256": SHA, "size_bytes": 3 * 2**20 // 2, "target": "cpu",
             "compiled_by": compiled_by, "compile_s": compile_s}
 
 
@@ -57,7 +57,7 @@ def test_changed_settings_and_the_manifest_in_words():
     assert run_page.changed_lines({"Recipe > Buckets": "1x8"}) == ["- Recipe > Buckets: `1x8`"]
     manifest = {"export_id": "e", "tp": 2, "runtime": {"world_size": 2, "process_group": "0", "python_free": True},
                 "signing": {"signed": True},
-                "forwards": [{"bucket": "1x8", "sha256": SHA, "interface": {
+                "forwards": [{"shapes": "1x8", "sha256": SHA, "interface": {
                     "inputs": [{"name": "tokens", "dtype": "int64", "shape": [1, 8]}],
                     "outputs": [{"name": "logits", "dtype": "float32", "shape": [1, 8, 32]}]}}],
                 "weights": {f"w{i}": {"source": f"w{i}", "split": None} for i in range(3)}}

@@ -7,6 +7,7 @@ import pytest
 from kiln.core.errors import BadInput
 from kiln.core.forward_keys import forward_spec
 from kiln.core.recipe import Bucket, Recipe, recipe_from_text
+from kiln.core.shape_ranges import static_shape
 from kiln.core.target import (CUDA_WRAPPER_MARCH, Target, cpu_target_of, cuda_target_of, device_of, host_device,
                               resolve_device)
 
@@ -59,7 +60,7 @@ def test_forward_keys_keep_a_hosts_cpu_and_cuda_targets_apart():
     cpu, cuda = cpu_target_of(machine="x86_64", cpu=SPR, torch_version="2.13.0"), h200(SPR)
 
     def key(t: Target) -> str:
-        return forward_spec(bucket=Bucket(1, 16), graph={"g": 1}, target=t.fingerprint, torch_version="2.13.0",
+        return forward_spec(shapes=static_shape(Bucket(1, 16)), graph={"g": 1}, target=t.fingerprint, torch_version="2.13.0",
                             page_tokens=16, pages_per_seq=16, compiler={"x": 1, **t.inductor_options}).key
     assert key(cpu) != key(cuda)
 

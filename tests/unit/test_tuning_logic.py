@@ -6,6 +6,7 @@ from kiln.core.config import TINY
 from kiln.core.forward_keys import forward_spec
 from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import Bucket
+from kiln.core.shape_ranges import parse_shape_range, static_shape
 from kiln.core.tuning_plan import (
     GemmShape,
     TuningMismatch,
@@ -45,8 +46,10 @@ def test_bucket_shapes_of_tiny_tp2():
 
 
 def test_buckets_with_equal_rows_share_shapes():
-    by_bucket = export_shapes(TINY, 2, (Bucket(1, 16), Bucket(2, 8), Bucket(4, 32)))
+    by_bucket = export_shapes(TINY, 2, (static_shape(Bucket(1, 16)), static_shape(Bucket(2, 8)),
+                                        parse_shape_range("2-4x8-32")))
     assert by_bucket["1x16"] == by_bucket["2x8"]
+    assert by_bucket["2-4x8-32@4x32"] == bucket_shapes(TINY, 2, Bucket(4, 32))  # a range is tuned at its hint
     assert len(distinct_shapes(by_bucket)) == 12
 
 
@@ -131,7 +134,7 @@ def test_merge_entries_unions_results():
 
 
 def test_forward_key_with_tuning():
-    base = dict(bucket=Bucket(1, 16), graph={"config": {}, "tp": 2, "code": "c"}, target=T, torch_version=V,
+    base = dict(shapes=static_shape(Bucket(1, 16)), graph={"config": {}, "tp": 2, "code": "c"}, target=T, torch_version=V,
                 page_tokens=16, pages_per_seq=16, compiler={"max_autotune": True})
     untuned = forward_spec(**base)
     assert forward_spec(**base, tuning=None).key == untuned.key

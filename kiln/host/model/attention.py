@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kiln.core.config import ModelConfig
 from kiln.host.model.collectives import linear_then_reduce
@@ -63,7 +64,9 @@ def grouped_query_attention(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps, cfg.norm_unit_offset)
     cos, sin = ctx.rotary(window)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-    if t <= IN_PLACE_TOKENS:  # decode: the cached pages read where they lie (fixed per bucket when traced)
+    # Decode: the cached pages read where they lie. Decided when traced; over a range of token counts only when
+    # every count of the range qualifies (statically_known_true adds no guard that would narrow the range).
+    if statically_known_true(t <= IN_PLACE_TOKENS):
         out = attend_in_place(cfg, q, k, v, kv, ctx.block_table, ctx.mask(window), attention_scale(cfg))
     else:
         group = heads // kv_heads

@@ -180,7 +180,13 @@ class ShardedDecoder(nn.Module):
             return x, torch.stack(entries)
         from torch._higher_order_ops.scan import scan
 
+        b, t = x.shape[0], x.shape[1]
+
         def body(carry, step):
+            # The outer batch and token sizes, closed over: over a range of shapes torch.export lifts them
+            # into the body as its SymInt inputs, which Inductor's scan -> while_loop lowering needs to size
+            # the body's outputs (without them it fails with KeyError on the outer size's symbol).
+            carry = carry.view(b, t, carry.shape[-1])
             return layer(cfg, tp, step["weights"], carry, step["kv"], step.get("window"), ctx)
 
         xs = {"weights": stacked, "kv": kv} if windows is None else {"weights": stacked, "kv": kv, "window": windows}

@@ -11,8 +11,9 @@ the up-projections are split by heads (q_b_proj or q_proj, kv_b_proj:
 column-parallel), o_proj is row-parallel and summed over the ranks.
 
 A step computes the attention one of two ways, the same math in another order,
-whichever multiplies less at its shapes (fixed per bucket when the graph is
-traced, `absorbs`):
+whichever multiplies less at its shapes (fixed when the graph is traced,
+`absorbs`; over a range of shapes, absorbed only where it multiplies less at
+every shape of the range):
 - expanded, as transformers does: every cached latent projected up to each
   head's keys and values (kv_b_proj), then attention over them: its cost
   grows with the context times kv_lora_rank x heads x (nope + v_head_dim);
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kiln.core.config import ModelConfig
 from kiln.host.model.attention import attend
@@ -86,4 +88,4 @@ def absorbs(cfg: ModelConfig, heads: int, tokens: int, keys: int) -> bool:
     r, nope, rope, v = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     expanded = keys * r * heads * (nope + v) + tokens * keys * heads * (nope + rope + v)
     absorbed = tokens * heads * r * (nope + v) + tokens * keys * heads * (2 * r + rope)
-    return absorbed < expanded
+    return statically_known_true(absorbed < expanded)  # over a range of shapes: only if it holds for all of it

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kiln.core.config import ModelConfig
 from kiln.core.contract import EXPERTS, SHARED_EXPERTS
@@ -78,7 +79,9 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
     experts (GATHER_BELOW; decode), only the chosen experts' weights are gathered and multiplied; otherwise
     (prefill) every expert runs over every token, weighted by its routing weight or 0: a gathered expert's
     weights are read, copied and read again, so for that many pairs reading every expert once costs less.
-    The choice is made per bucket when the graph is traced (its shapes are static).
+    The choice is made when the graph is traced: at a static shape by its size; over a range of shapes
+    (kiln.core.shape_ranges) it gathers only when every shape of the range would, without a guard that
+    would narrow the range.
 
     Prefill runs the experts one after another, each weighting its activations by its routing weights
     before its down projection, which adds into the sum (in the model's dtype, in expert order, as
@@ -91,7 +94,7 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
     x = h.reshape(b * t, hidden)
     weights, chosen = route(cfg, p, module, x)
     n, k = chosen.shape
-    if GATHER_BELOW * n * k <= cfg.num_experts:
+    if statically_known_true(GATHER_BELOW * n * k <= cfg.num_experts):  # over a range: only if all of it gathers
         flat = chosen.reshape(-1)
         rows = x.repeat_interleave(k, dim=0)[:, None, :]  # [n*k, 1, H]
         act = F.silu(torch.bmm(rows, gate_w[flat].transpose(1, 2))) * torch.bmm(rows, up_w[flat].transpose(1, 2))
