@@ -10,6 +10,7 @@ from kiln.core.errors import BadInput, IntegrityError
 from kiln.core.job import ExportJob
 from kiln.core.manifest import build_manifest, check_manifest, forwards_for_host, manifest_device
 from kiln.core.recipe import Recipe, parse_buckets
+from kiln.core.shape_ranges import parse_shape_range
 
 H200 = "cuda-sm_90-cu13.0-triton3.6.0-x86-64-v3"
 A100 = "cuda-sm_80-cu13.0-triton3.6.0-x86-64-v3"
@@ -35,9 +36,9 @@ def test_a_cuda_graph_names_its_device_and_a_cpu_graph_is_keyed_as_before():
         _specs("tpu", CPU)
 
 
-def _forward(bucket: str, target: str, key: str) -> dict:
-    return {"key": key, "bucket": bucket, "target": target, "object": f"forwards/{key}.pt2", "sha256": "a" * 64,
-            "python_free": True, "interface": {"process_group": "0"}}
+def _forward(shapes: str, target: str, key: str) -> dict:
+    return {"key": key, **parse_shape_range(shapes).to_dict(), "target": target, "object": f"forwards/{key}.pt2",
+            "sha256": "a" * 64, "python_free": True, "interface": {"process_group": "0"}}
 
 
 def _manifest(forwards: list[dict]) -> dict:
@@ -68,18 +69,18 @@ def test_a_cuda_export_on_a_host_without_a_gpu_is_refused_by_name():
     m = _manifest([_forward("1x8", H200, "a" * 16)])
     with pytest.raises(BadInput, match=f"compiled for CUDA \\(targets {H200}\\) and this host has no usable GPU"):
         forwards_for_host(m, "none", 0)
-    with pytest.raises(BadInput, match=f"no forward of bucket 1x8 for this host's target {A100} \\(it has {H200}\\)"):
+    with pytest.raises(BadInput, match=f"no forward of shapes 1x8 for this host's target {A100} \\(it has {H200}\\)"):
         forwards_for_host(m, A100, 1)
     assert [f["key"] for f in forwards_for_host(m, H200, 8)] == ["a" * 16]
 
 
-def test_a_bucket_with_a_forward_per_target_gives_this_hosts():
+def test_shapes_with_a_forward_per_target_give_this_hosts():
     other_cpu = "cpu-x86_64-avx512-89abcdef"
     m = _manifest([_forward("1x8", CPU, "a" * 16), _forward("1x8", other_cpu, "b" * 16),
                    _forward("2x4", CPU, "c" * 16)])
     assert [f["key"] for f in forwards_for_host(m, other_cpu, 0)] == ["b" * 16, "c" * 16]
-    with pytest.raises(BadInput, match="no forward of bucket 1x8 for this host's target cpu-aarch64"):
+    with pytest.raises(BadInput, match="no forward of shapes 1x8 for this host's target cpu-aarch64"):
         forwards_for_host(m, "cpu-aarch64-sve-00000000", 0)
-    # One forward per bucket on the CPU: it is taken (a CPU runs code for its own ISA or a lower one).
+    # One forward of the shapes on the CPU: it is taken (a CPU runs code for its own ISA or a lower one).
     single = _manifest([_forward("1x8", CPU, "a" * 16)])
     assert [f["key"] for f in forwards_for_host(single, other_cpu, 0)] == ["a" * 16]
