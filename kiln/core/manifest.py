@@ -4,8 +4,9 @@ The manifest is signed (kiln.core.signing; the signature lives beside it) and sa
 so in its `signing` entry: {'signed': bool, 'key_fingerprint': str | None}.
 `check_manifest` is the structural check that follows the signature check: every
 forward names a well-formed key, its object `forwards/<key>.pt2`, the shapes
-it takes (a range and its hint, kiln.core.shape_ranges) and a sha256, says whether it is Python-free, and no two keys or objects collide
-after normalisation.
+it takes (a range and its hint, kiln.core.shape_ranges) and a sha256, says
+whether it is Python-free, its target agrees with `runtime.device`, and no two
+keys or objects collide after normalisation.
 
 It is also a consumer contract (kiln.core.contract; docs/run-without-kiln.md):
 `runtime` names the process group the packages' collectives expect,
@@ -23,8 +24,8 @@ import re
 from kiln.core.errors import BadInput, IntegrityError
 from kiln.core.key_rules import check_no_collisions
 from kiln.core.layout import artifact_key
-from kiln.core.target import device_of
 from kiln.core.shape_ranges import parse_shape_range
+from kiln.core.target import device_of
 
 MANIFEST_VERSION = 5
 _KEY = re.compile(r"^[0-9a-f]{16,64}$")

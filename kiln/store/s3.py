@@ -56,7 +56,6 @@ import functools
 import hashlib
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
@@ -265,11 +264,16 @@ class S3Store(Store):
         # With checksums on, parts carry CRC32s the upload must declare (as boto3's upload_file does); S3
         # refuses checksummed parts of an upload created without one, and then wants them in the completion.
         crc32 = {"ChecksumAlgorithm": "CRC32"} if self.checksum_mode == "when_supported" else {}
-        with self._errors("multipart upload", key), ThreadPoolExecutor(1, thread_name_prefix="kiln-s3-head") as side:
-            # Compare with an existing object before uploading many MiB for nothing: the HEAD goes out with the
-            # upload's creation, not before it (one round trip fewer). The completion's If-None-Match, not
-            # this look, is what keeps the object created once.
-            existing = side.submit(self.stat, key)
+        with self._errors("multipart upload", key):
+            # Compare with an existing object before uploading many MiB for nothing. The HEAD goes out before
+            # the upload is created, not beside it: an upload created for an object that exists would have to
+            # be aborted, and one whose creation's answer was lost (botocore creates another on its retry)
+            # could not be, and stays billed (tests/faults/test_s3_proxy.py). The completion's If-None-Match,
+            # not this look, is what keeps the object created once.
+            if (info := self.stat(key)) is not None:
+                if info.sha256 != sha256:
+                    raise conflict(key, info.sha256, sha256)
+                return False
             upload_id = client.create_multipart_upload(
                 Bucket=self.bucket, Key=full, Metadata={"sha256": sha256}, **crc32
             )["UploadId"]
@@ -282,10 +286,6 @@ class S3Store(Store):
 
             completed = False
             try:
-                if (info := existing.result()) is not None:
-                    if info.sha256 != sha256:
-                        raise conflict(key, info.sha256, sha256)
-                    return False
                 parts, actual = upload_in_parts(path, self.part_size_bytes, self.max_concurrency, send_part)
                 if actual != sha256:
                     raise _file_mismatch(path, actual, sha256, key)
