@@ -21,6 +21,14 @@ TP = 2
 PAGE_TOKENS, PAGES_PER_SEQ = 16, 4
 
 
+CUSTOM_GROUP = None
+"""The group the custom op reduces over in a rank (its own: see `rank`); None while compiling."""
+
+HANG_S = 600
+"""A rank that has not finished after this long dumps every thread's stack into its log and exits 1: gloo's
+own default timeout is 30 minutes, longer than the bench waits."""
+
+
 def _custom_all_reduce():
     """The Python custom op Kiln's forwards used before native collectives (registered on import)."""
     import torch
@@ -30,7 +38,7 @@ def _custom_all_reduce():
     def all_reduce(x: torch.Tensor) -> torch.Tensor:
         out = x.clone()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(out)
+            dist.all_reduce(out, group=CUSTOM_GROUP)
         return out
 
     @all_reduce.register_fake
@@ -70,6 +78,13 @@ def compile_both(out: Path) -> dict:
 
 
 def rank(rank: int, port: int, out: Path, reps: int, steps: int) -> None:
+    """One rank. The custom op reduces over a group of its own and the timing barriers over another, so the
+    default group carries only the native package's collectives: a Python collective on the packages' group
+    between package calls can leave gloo waiting forever (kiln.host.model.collectives.host_group; the quick
+    bench hung here once in CI, at load, with the custom op on the default group)."""
+    import datetime
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
@@ -77,10 +92,14 @@ def rank(rank: int, port: int, out: Path, reps: int, steps: int) -> None:
     from kiln.host.loader import load_forward, sha256_of
     from kiln.host.model import example_inputs, host_group, random_state_dict, shard_state_dict
 
+    global CUSTOM_GROUP
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
     _custom_all_reduce()  # the custom-op package needs its op registered in the loading process
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP,
+                            timeout=datetime.timedelta(seconds=HANG_S))
     side = host_group()  # the timing barriers stay off the packages' group
+    CUSTOM_GROUP = host_group()
     weights = shard_state_dict(random_state_dict(TINY), TINY, TP, rank)
     packages = {name: load_forward(out / f"{name}.pt2", weights, sha256_of(out / f"{name}.pt2"))
                 for name in ("native", "custom")}
@@ -99,6 +118,7 @@ def rank(rank: int, port: int, out: Path, reps: int, steps: int) -> None:
                 dist.barrier(group=side)
                 samples[name].append((time.perf_counter() - start) / steps)
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
     if rank == 0:
         (out / "steps.json").write_text(json.dumps(samples))
 

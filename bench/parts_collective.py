@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
+from bench import collective_step
 from bench.context import Context
 from bench.figures import median, ratio
 from bench.runs import PYTHON, free_port
@@ -28,6 +30,20 @@ def packages(ctx: Context) -> dict:
     return ctx.once("collective-packages", make)
 
 
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
+    """Each process's exit code within `timeout_s` in all; any still running then is killed (None)."""
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            codes.append(None)
+    return codes
+
+
 def part_collective(ctx: Context) -> dict:
     w = ctx.work
     made = packages(ctx)
@@ -40,7 +56,7 @@ def part_collective(ctx: Context) -> dict:
                                str(reps), str(steps)], env=w.env(inductor="collective", kiln_home="collective/home"),
                               cwd=w.root, stdout=open(w.logs / f"collective-rank{r}.log", "wb"),
                               stderr=subprocess.STDOUT) for r in range(2)]
-    codes = [p.wait(timeout=1800) for p in procs]
+    codes = _wait_all(procs, collective_step.HANG_S + 120)
     if any(codes):
         raise RuntimeError(f"collective ranks exited {codes}; see {w.logs}/collective-rank*.log")
     samples = json.loads((out / "steps.json").read_text())
