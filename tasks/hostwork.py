@@ -82,7 +82,7 @@ def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
         local_keys=tuple(sorted(s.key for s in specs if local_path(host, s.key).exists())),
         store_keys=tuple(sorted(s.key for s in specs if store.exists(artifact_key(s.key)))),  # no listing
         cache=cache.cache_status(cache_dir(host)),
-        worker_peaks_mib=tuple(measured_peaks(store, specs)))
+        **measured_compiles(store, specs))
 
 
 def compile_records(job: ExportJob, keys: list[str]) -> dict[str, dict]:
@@ -147,6 +147,7 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     def upload(result: CompileResult) -> None:
         spec = by_key[result.key]
         store.put_json(worker_memory_key(spec, result.key), {"compile_peak_mib": result.peak_mib,
+                                                             "compile_s": round(result.compile_s, 3),
                                                              "shapes": spec["shapes"]}, overwrite=True)
         stored = publish(store, job, host.name, result, signer)
         leases.release(result.key)
@@ -203,17 +204,19 @@ def publish(store, job: ExportJob, host_name: str, result: CompileResult, signer
     return result.sha256
 
 
-def measured_peaks(store, specs: list) -> list[int]:
-    """Worker peaks (MiB) measured before for the graph and target of `specs` (one graph per host)."""
-    if not specs:
-        return []
-    peaks = []
-    for obj in store.list(worker_memory_prefix(specs[0].to_dict())):
+def measured_compiles(store, specs: list) -> dict:
+    """What compiles of the graph and target of `specs` (one graph per host) measured before: HostProbe's
+    {'worker_peaks_mib': peaks (MiB), 'compile_seconds': (shapes, seconds) of those that recorded them}."""
+    peaks, seconds = [], []
+    for obj in store.list(worker_memory_prefix(specs[0].to_dict())) if specs else ():
         try:
-            peaks.append(int(store.get_json(obj)["compile_peak_mib"]))
+            record = store.get_json(obj)
+            peaks.append(int(record["compile_peak_mib"]))
         except (IntegrityError, ObjectMissing, KeyError, TypeError, ValueError):
             continue  # an unreadable record is not a measurement
-    return peaks
+        if isinstance(record.get("compile_s"), (int, float)) and isinstance(record.get("shapes"), str):
+            seconds.append((record["shapes"], float(record["compile_s"])))
+    return {"worker_peaks_mib": tuple(peaks), "compile_seconds": tuple(seconds)}
 
 
 def trusted_digests(store, keys: list[str], trusted: dict, own: dict[str, str]) -> dict[str, str]:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, replace
 
@@ -16,6 +17,7 @@ from kiln.core.job import ExportJob
 from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import SETTING, SETTINGS, Recipe
 from kiln.core.contract import cache_layout
+from kiln.core.shape_ranges import parse_shape_range
 from kiln.core.sizing import check_peak_mib, device_required_mib, page_bytes, plan_kv, required_mib
 from kiln.core.target import device_of, resolve_device
 
@@ -51,7 +53,8 @@ def page_size(job: ExportJob) -> int:
 def planned_workers(job: ExportJob, probes: list[HostProbe]) -> dict[str, int]:
     """host -> compile workers the gate will start (0 everywhere when it would refuse)."""
     try:
-        plan = decide(host_reports(job, probes), job.recipe, needed_keys(probes), _store_keys(probes))
+        plan = decide(host_reports(job, probes), job.recipe, needed_keys(probes), _store_keys(probes),
+                      compile_s=compile_estimates(job, probes))
     except GateRefused:
         return {p.name: 0 for p in probes}
     return {name: hp.workers for name, hp in plan.hosts.items()}
@@ -101,6 +104,33 @@ def needed_keys(probes: list[HostProbe]) -> dict[str, list[str]]:
     return needed
 
 
+RANGE_COMPILE_FACTOR = 1.2
+"""How many times a static forward's compile one over a range of shapes takes, before either was measured for
+the graph: issue 38 measured 17-19 s for a tiny model's forward over batch and tokens against 46.7 s for three
+static ones (15.6 s each)."""
+
+
+def compile_estimates(job: ExportJob, probes: list[HostProbe]) -> dict[str, float]:
+    """key -> the seconds the gate expects each needed forward's compile to take: the median of the compiles
+    measured for its graph and target (HostProbe.compile_seconds) of its kind, static or over a range; without
+    one, the recipe's compile_s_estimate (times RANGE_COMPILE_FACTOR for a range)."""
+    def static(shapes: str) -> bool:
+        return parse_shape_range(shapes).static
+
+    measured: dict[tuple[str, bool], list[float]] = {}
+    for p in {p.target: p for p in probes}.values():  # hosts of one target read the same records
+        for shapes, seconds in p.compile_seconds:
+            measured.setdefault((p.target, static(shapes)), []).append(seconds)
+    out = {}
+    for p in probes:
+        for spec in p.specs:
+            kind = static(spec["shapes"])
+            seen = measured.get((p.target, kind))
+            out[spec["key"]] = statistics.median(seen) if seen else \
+                job.recipe.compile_s_estimate * (1.0 if kind else RANGE_COMPILE_FACTOR)
+    return out
+
+
 def _store_keys(probes: list[HostProbe]) -> set[str]:
     return {k for p in probes for k in p.store_keys}
 
@@ -109,7 +139,7 @@ def run_gate(job: ExportJob, probes: list[HostProbe], kv: dict | None = None) ->
     """The gate's plan; with `kv`, also refused when the KV plan cannot hold the largest bucket."""
     reports = host_reports(job, probes)
     plan = decide(reports, job.recipe, needed_keys(probes), _store_keys(probes),
-                  page_size_bytes=page_size(job), kv_pages_per_rank=kv["pages_per_rank"] if kv else None)
+                  compile_s=compile_estimates(job, probes), page_size_bytes=page_size(job), kv_pages_per_rank=kv["pages_per_rank"] if kv else None)
     check_rank_checks_fit(job, reports, probes)
     if kv is not None and kv["limiting_rank"] >= 0:
         largest = max(job.recipe.buckets, key=lambda b: (b.batch, b.tokens))

@@ -101,7 +101,8 @@ def decide(hosts: list[HostReport], recipe: Recipe, needed: dict[str, list[str]]
     """Plan the compile phase or refuse it.
 
     `needed` maps each target to the forward keys its ranks need; `store_keys`
-    are keys already in the store; `compile_s` holds measured seconds per key.
+    are keys already in the store; `compile_s` holds the seconds each key is expected to take to compile
+    (kiln.core.decisions.compile_estimates: measured for its graph, or the recipe's estimate).
     """
     if not hosts:
         raise GateRefused("no hosts reported; start at least one host (Dask worker) and try again.")

@@ -35,6 +35,9 @@ class HostProbe:
     """The host cache's status (kiln.host.cache.cache_status): path, error, free_mib."""
     worker_peaks_mib: tuple[int, ...] = ()
     """Compile worker peaks measured before for this graph and target (from the store)."""
+    compile_seconds: tuple[tuple[str, float], ...] = ()
+    """(forward shapes, compile seconds) of compiles measured before for this graph and target (from the store):
+    the gate's time estimate (kiln.core.decisions.compile_estimates)."""
     cpus_source: str = "host"
     """What set num_cpus: 'host' (the process's affinity), or the cgroup file whose quota allows fewer."""
     num_gpus: int = 0

@@ -110,8 +110,9 @@ class Recipe:
     kv_max_pages: int = setting(4096, "Upper bound on KV pages per rank, whatever the memory would allow.",
                                 unit="pages", gt=0, title="Most KV pages per rank", group="layout")
     compile_s_estimate: float = setting(
-        30.0, "Predicted seconds to compile one forward when nothing was measured yet.", unit="s", gt=0,
-        compiling_only=True, title="Compile time estimate per forward (s)", group="compile")
+        30.0, "Predicted seconds to compile one static forward before any compile of its graph was measured on "
+              "its target (one over a range of shapes: 1.2 times this); measured compiles replace it.", unit="s",
+        gt=0, compiling_only=True, title="Compile time estimate per forward (s)", group="compile")
     max_compile_attempts: int = setting(2, "Times one forward is tried when its compile worker dies; after that "
                                         "the export fails (a flow retry does not compile it again).", gt=0,
                                         compiling_only=True, title="Tries per forward", group="compile")

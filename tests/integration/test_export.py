@@ -270,3 +270,12 @@ def test_worker_peaks_are_measured_and_the_next_plan_uses_them(kiln_main, export
     planned = kiln_main("plan", "--model", "tiny", "--tp", "2", "--store", exported["store"], "--buckets", "16x16")
     assert planned.code == 0, planned.err[-2000:]
     assert f"{warm['worker_mib']} (measured)" in planned.out
+    # ... and its time from the static compiles measured for the graph (the recipe's 30 s only before any).
+    import statistics
+
+    from kiln.store import open_store
+
+    store = open_store(exported["store"])
+    records = [store.get_json(o) for o in store.list("memory/")]
+    static = [m["compile_s"] for m in records if "-" not in m["shapes"]]
+    assert static and f"about {statistics.median(static):.0f} s" in planned.out, planned.out

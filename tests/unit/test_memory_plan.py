@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from kiln.core.config import TINY
-from kiln.core.decisions import (describe, host_reports, measured_worker_mib, plan_kv_for, planned_workers,
-                                 run_gate)
+from kiln.core.decisions import (RANGE_COMPILE_FACTOR, compile_estimates, describe, host_reports,
+                                 measured_worker_mib, plan_kv_for, planned_workers, run_gate)
 from kiln.core.errors import GateRefused
 from kiln.core.gate import HostReport, decide
 from kiln.core.job import ExportJob
@@ -37,11 +37,11 @@ def test_gate_uses_the_measured_peak_when_known():
     assert "450 (measured)" in text and "1024 (estimate)" in text
 
 
-def probe(name, ranks, available, keys, peaks=()):
+def probe(name, ranks, available, keys, peaks=(), shapes=None, seconds=()):
     return HostProbe(name=name, ranks=tuple(ranks), num_cpus=8, target="t", unified=True,
                      memory={"host_available_mib": available, "device_free_mib": None},
-                     specs=tuple({"key": k} for k in keys), local_keys=(), store_keys=(), cache={},
-                     worker_peaks_mib=tuple(peaks))
+                     specs=tuple({"key": k, "shapes": (shapes or {}).get(k, "1x16")} for k in keys), local_keys=(),
+                     store_keys=(), cache={}, worker_peaks_mib=tuple(peaks), compile_seconds=tuple(seconds))
 
 
 def job(**recipe):
@@ -153,3 +153,21 @@ def test_a_rank_check_that_would_not_fit_is_refused_before_anything_compiles():
                                           r"\(2 forward\(s\) of a \d+ MiB shard in bfloat16\) but "
                                           f"{need - 1} MiB are available.*Nothing was compiled"):
         run_gate(j, [probe("h", (0, 1), need - 1, ["k1", "k2"])])
+
+
+def test_the_gate_expects_a_range_to_take_longer_and_then_what_was_measured():
+    shapes = {"s1": "1x1", "s2": "1x16", "r": "2-64x1@64x1"}
+    j = job(buckets=(Bucket(1, 1),), compile_s_estimate=30.0, headroom_floor_mib=1000, recipe_headroom_mib=500,
+            worker_host_mib=1000)
+    fresh = [probe("h", (0, 1), 2600, sorted(shapes), shapes=shapes)]  # memory for one worker: times add up
+    assert compile_estimates(j, fresh) == {"s1": 30.0, "s2": 30.0, "r": 30.0 * RANGE_COMPILE_FACTOR}
+    assert run_gate(j, fresh).predicted_s == pytest.approx(60 + 30 * RANGE_COMPILE_FACTOR)
+
+    # Compiles of this graph measured before (any shapes of a kind count for that kind): their median.
+    measured = [replace(fresh[0], compile_seconds=(("1x4", 10.0), ("1x1", 14.0), ("4x1", 11.0), ("2-8x1@8x1", 50.0)))]
+    assert compile_estimates(j, measured) == {"s1": 11.0, "s2": 11.0, "r": 50.0}
+    plan = run_gate(j, measured)
+    assert plan.predicted_s == pytest.approx(72.0) and "about 72 s" in plan.message
+    # Another target's measurements say nothing about this one's.
+    elsewhere = replace(fresh[0], name="g", target="u", specs=({"key": "u1", "shapes": "1x1"},))
+    assert compile_estimates(j, measured + [elsewhere]) == {"s1": 11.0, "s2": 11.0, "r": 50.0, "u1": 30.0}
