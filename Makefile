@@ -6,7 +6,7 @@ PYTHON ?= python3
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup lock test-setup postgres runner-deps runner export test test-fast bench bench-quick bench-tuning bench-1b docs clean
+.PHONY: setup lock test-setup postgres runner-deps runner export test test-fast bench bench-quick bench-tuning bench-1b bench-widths docs clean
 
 setup: $(VENV)/.installed
 
@@ -101,6 +101,9 @@ bench-tuning: setup
 # Memory at a real size: a Llama-3.2-1B-shaped checkpoint (~2.5 GB) exported at tp 2 and verified (~12 GiB).
 bench-1b: setup
 	$(BIN)/python bench/scale_1b.py
+
+bench-widths: setup
+	$(BIN)/python bench/real_width.py
 
 clean:
 	rm -rf .kiln report.json runner/build
