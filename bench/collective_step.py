@@ -4,8 +4,8 @@
 (decode) forward twice at tp 2: as Kiln does (torch's native all_reduce, a C
 shim in the package) and as Kiln did before (a Python `torch.library`
 custom op around `dist.all_reduce`, reached through AOTInductor's proxy
-executor). `python -m bench.collective_step rank R PORT DIR REPS STEPS` is one
-of two gloo ranks: it loads both packages with its weight shard and times
+executor). `python -m bench.collective_step rank R RENDEZVOUS DIR REPS STEPS` is one
+of two gloo ranks (RENDEZVOUS: a file neither has made yet, their FileStore): it loads both packages with its weight shard and times
 STEPS steps of each, REPS times, alternating which goes first; rank 0 writes
 DIR/steps.json with every sample.
 """
@@ -77,11 +77,12 @@ def compile_both(out: Path) -> dict:
     return info
 
 
-def rank(rank: int, port: int, out: Path, reps: int, steps: int) -> None:
+def rank(rank: int, rendezvous: str, out: Path, reps: int, steps: int) -> None:
     """One rank. The custom op reduces over a group of its own and the timing barriers over another, so the
     default group carries only the native package's collectives: a Python collective on the packages' group
     between package calls can leave gloo waiting forever (kiln.host.model.collectives.host_group; the quick
-    bench hung here once in CI, at load, with the custom op on the default group)."""
+    bench hung here once in CI, at load, with the custom op on the default group). The ranks meet in a file,
+    not on a port picked free beforehand that another process may take meanwhile."""
     import datetime
     import faulthandler
 
@@ -96,7 +97,7 @@ def rank(rank: int, port: int, out: Path, reps: int, steps: int) -> None:
     faulthandler.dump_traceback_later(HANG_S, exit=True)
     _custom_all_reduce()  # the custom-op package needs its op registered in the loading process
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP,
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=TP,
                             timeout=datetime.timedelta(seconds=HANG_S))
     side = host_group()  # the timing barriers stay off the packages' group
     CUSTOM_GROUP = host_group()
@@ -127,4 +128,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "compile":
         print(json.dumps(compile_both(Path(sys.argv[2]))))
     else:
-        rank(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
+        rank(int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))

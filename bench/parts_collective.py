@@ -14,7 +14,7 @@ import time
 from bench import collective_step
 from bench.context import Context
 from bench.figures import median, ratio
-from bench.runs import PYTHON, free_port
+from bench.runs import PYTHON
 
 
 def packages(ctx: Context) -> dict:
@@ -51,8 +51,8 @@ def part_collective(ctx: Context) -> dict:
     if not compiled["native"]["python_free"] or compiled["custom"]["python_free"]:
         raise RuntimeError(f"the two packages are not what this part compares: {compiled}")
     reps, steps = (3, 20) if ctx.s.quick else (max(5, ctx.s.reps), 100)
-    port = free_port()
-    procs = [subprocess.Popen([PYTHON, "-m", "bench.collective_step", "rank", str(r), str(port), str(out),
+    rendezvous = w.path("collective", f"rendezvous-{time.time_ns()}")
+    procs = [subprocess.Popen([PYTHON, "-m", "bench.collective_step", "rank", str(r), str(rendezvous), str(out),
                                str(reps), str(steps)], env=w.env(inductor="collective", kiln_home="collective/home"),
                               cwd=w.root, stdout=open(w.logs / f"collective-rank{r}.log", "wb"),
                               stderr=subprocess.STDOUT) for r in range(2)]
