@@ -90,7 +90,8 @@ def rank(rank: int, rendezvous: str, out: Path, reps: int, steps: int) -> None:
     import torch.distributed as dist
 
     from kiln.core.config import TINY
-    from kiln.host.loader import load_forward, sha256_of
+    from kiln.host.loader import load_forward
+    from kiln.store import sha256_file
     from kiln.host.model import example_inputs, host_group, random_state_dict, shard_state_dict
 
     global CUSTOM_GROUP
@@ -102,7 +103,7 @@ def rank(rank: int, rendezvous: str, out: Path, reps: int, steps: int) -> None:
     side = host_group()  # the timing barriers stay off the packages' group
     CUSTOM_GROUP = host_group()
     weights = shard_state_dict(random_state_dict(TINY), TINY, TP, rank)
-    packages = {name: load_forward(out / f"{name}.pt2", weights, sha256_of(out / f"{name}.pt2"))
+    packages = {name: load_forward(out / f"{name}.pt2", weights, sha256_file(out / f"{name}.pt2"))
                 for name in ("native", "custom")}
     args = example_inputs(TINY, TP, 1, 1, page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ,
                           num_pages=PAGES_PER_SEQ + 1, seed=rank)

@@ -43,7 +43,8 @@ def step(out: Path, reps: int, steps: int, counts: tuple[int, ...]) -> dict:
     import torch
 
     from kiln.core.config import TINY
-    from kiln.host.loader import load_forward, place_weights, sha256_of
+    from kiln.host.loader import load_forward, place_weights
+    from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group
 
     torch.set_num_threads(1)
@@ -53,7 +54,7 @@ def step(out: Path, reps: int, steps: int, counts: tuple[int, ...]) -> dict:
         packages, args = {}, {}
         for p in counts:
             path = out / f"pages-{p}.pt2"
-            packages[str(p)] = load_forward(path, weights, sha256_of(path))
+            packages[str(p)] = load_forward(path, weights, sha256_file(path))
             tokens, _, cache, table = example_inputs(TINY, TP, 1, 1, page_tokens=PAGE_TOKENS, pages_per_seq=p,
                                                      num_pages=p + 1)
             args[str(p)] = (tokens, torch.tensor([p * PAGE_TOKENS - 1]), cache, table)

@@ -71,7 +71,8 @@ def step(layers: int, out: Path, reps: int, steps: int) -> dict:
     """Seconds per decode step at `layers`, scanned and unrolled, the same weights bound to both."""
     import torch
 
-    from kiln.host.loader import load_forward, sha256_of
+    from kiln.host.loader import load_forward
+    from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group
 
     cfg = config(layers)
@@ -79,7 +80,7 @@ def step(layers: int, out: Path, reps: int, steps: int) -> dict:
     samples: dict[str, list[float]] = {"scan": [], "unrolled": []}
     with solo_group():  # one rank's partial sums, as the compile worker traced them
         weights = shard_state_dict(random_state_dict(cfg), cfg, TP, 0)
-        packages = {name: load_forward(p, weights, sha256_of(p))
+        packages = {name: load_forward(p, weights, sha256_file(p))
                     for name in samples for p in [out / f"{name}-{layers}.pt2"]}
         args = example_inputs(cfg, TP, 1, 1, page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ,
                               num_pages=PAGES_PER_SEQ + 1)

@@ -67,7 +67,8 @@ def compile_one(order: str, out: Path) -> dict:
 def step(out: Path, reps: int, steps: int) -> dict:
     import torch
 
-    from kiln.host.loader import load_forward, sha256_of
+    from kiln.host.loader import load_forward
+    from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group
 
     cfg = config()
@@ -75,7 +76,7 @@ def step(out: Path, reps: int, steps: int) -> dict:
     samples: dict[str, list[float]] = {order: [] for order in ORDERS}
     with solo_group():  # one rank's partial sums, as the compile worker traced them
         weights = shard_state_dict(random_state_dict(cfg), cfg, TP, 0)
-        packages = {order: load_forward(p, weights, sha256_of(p)) for order in ORDERS for p in [out / f"{order}.pt2"]}
+        packages = {order: load_forward(p, weights, sha256_file(p)) for order in ORDERS for p in [out / f"{order}.pt2"]}
         tok, _, cache, table = example_inputs(cfg, TP, 1, 1, page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ,
                                               num_pages=PAGES_PER_SEQ + 1)
         start = torch.tensor([CONTEXT_TOKENS - 1])  # the whole context cached: the step attends to all of it

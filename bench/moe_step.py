@@ -69,7 +69,8 @@ def step(out: Path, reps: int, steps: int, counts: tuple[int, ...], bucket: tupl
     import torch
 
     from bench.loader_peak import peak_growth_bytes
-    from kiln.host.loader import load_forward, sha256_of
+    from kiln.host.loader import load_forward
+    from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group
 
     torch.set_num_threads(1)
@@ -79,7 +80,7 @@ def step(out: Path, reps: int, steps: int, counts: tuple[int, ...], bucket: tupl
         for e in counts:
             cfg = config(e)
             path = out / f"{_name(e, bucket)}.pt2"
-            packages[str(e)] = load_forward(path, shard_state_dict(random_state_dict(cfg), cfg, TP, 0), sha256_of(path))
+            packages[str(e)] = load_forward(path, shard_state_dict(random_state_dict(cfg), cfg, TP, 0), sha256_file(path))
             args[str(e)] = example_inputs(cfg, TP, *bucket, page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ,
                                           num_pages=PAGES_PER_SEQ * bucket[0] + 1)
         with torch.no_grad():

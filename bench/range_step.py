@@ -63,7 +63,8 @@ def step(out: Path, reps: int, steps: int, pairs: dict[str, tuple[str, str]]) ->
 
     from kiln.core.config import TINY
     from kiln.core.shape_ranges import parse_shape_range
-    from kiln.host.loader import load_forward, sha256_of
+    from kiln.host.loader import load_forward
+    from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group
 
     torch.set_num_threads(1)
@@ -71,7 +72,7 @@ def step(out: Path, reps: int, steps: int, pairs: dict[str, tuple[str, str]]) ->
     with solo_group():
         weights = shard_state_dict(random_state_dict(TINY), TINY, TP, 0)
         for shape, (static, ranged) in pairs.items():
-            packages = {side: load_forward(p, weights, sha256_of(p))
+            packages = {side: load_forward(p, weights, sha256_file(p))
                         for side, name in (("static", static), ("range", ranged))
                         for p in [out / f"{spec(name)['key']}.pt2"]}
             b = parse_shape_range(shape).hint

@@ -56,12 +56,13 @@ def measure(out: Path, num_packages: int, quick: bool) -> dict:
     from kiln.core.recipe import Bucket
     from kiln.core.sizing import check_peak_mib
     from kiln.host.checkpoint import load_rank_weights
-    from kiln.host.loader import compare_with_eager, load_forward, sha256_of
+    from kiln.host.loader import compare_with_eager, load_forward
+    from kiln.store import sha256_file
     from kiln.host.model import example_inputs, solo_group
 
     cfg = config(quick)
     path = out / "forward.pt2"
-    sha = sha256_of(path)
+    sha = sha256_file(path)
     with solo_group(), torch.no_grad():
         _reset_peak()
         base = _status_bytes("VmRSS")

@@ -161,7 +161,8 @@ def _refuse_before_flow(params, job, hosts, on_feasible=None) -> None:
         return
     report, error = stopped
     if params.report:
-        report.write(params.report)
+        from flows.report_out import write_report
+        write_report(report, params.report)
     if isinstance(error, GateRefused):
         print("kiln: refused by the gate before starting Prefect (the probe and gate of `kiln plan`); no flow "
               "run was started and nothing was compiled.", file=sys.stderr)

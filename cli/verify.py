@@ -2,7 +2,7 @@
 
 In this order, and nothing is loaded before all of it passed: the manifest's
 signature against the trusted keys (blocks.trust), the manifest's structure, each
-artifact's sha256 on download, each package's members (kiln.core.package_check,
+artifact's sha256 on download, each package's members (kiln.host.package_check,
 inside the loader). Then all `tp` ranks run the compiled forwards together
 under gloo, with AOTInductor's runtime input checks on, and the combined output
 is compared with the unsharded eager model.
@@ -21,7 +21,7 @@ from kiln.core.home import kiln_home
 from kiln.core.layout import manifest_key
 from kiln.core.manifest import check_manifest, forwards_for_host, manifest_device
 from kiln.core.outcome import routing_note
-from kiln.core.package_check import check_package
+from kiln.host.package_check import check_package
 from kiln.core.recipe import Recipe
 from kiln.core.sizing import verify_peak_mib
 from kiln.host import weights

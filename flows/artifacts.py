@@ -27,7 +27,8 @@ from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 from prefect.context import FlowRunContext
 
-from kiln.core import ledger_plot, run_page
+from flows import report_out
+from kiln.core import run_page
 from kiln.core.job import ExportJob
 from kiln.core.report import Report
 from tasks.hostwork import store_of
@@ -98,7 +99,7 @@ def publish(report: Report, job: ExportJob, *, max_tries: int, picture: bytes | 
                  f"Forwards ({tries})")
         if picture:
             text, url = links.get(report.ledger_picture, (None, None))
-            _put("memory", report, ledger_plot.markdown(picture, text, url), f"Memory ledger, drawn ({tries})")
+            _put("memory", report, report_out.markdown(picture, text, url), f"Memory ledger, drawn ({tries})")
         if report.manifest:
             text, url = links[report.manifest]
             where = f"[{text}]({url})" if url else f"`{text}`"

@@ -23,7 +23,8 @@ from flows.compile_phase import run_compile_phase
 from flows.hosts import HostRunner
 from flows.logs import hide_expected_tracebacks
 from flows.params import ExportParams, default_host_names, prepare
-from kiln.core import decisions, ledger_plot, outcome, tuning_plan
+from flows.report_out import draw, ledger_key, write_report
+from kiln.core import decisions, outcome, tuning_plan
 from kiln.core.errors import GateRefused, KilnError
 from kiln.core.retry_rule import worth_retrying
 from kiln.core.gate import Plan
@@ -148,7 +149,7 @@ def _export(params: ExportParams, recipe: Recipe, outcome: "outcome_events.Expor
         finally:
             picture = _store_ledger_picture(report, job)
             if params.report:
-                report.write(params.report)
+                write_report(report, params.report)
             artifacts.publish(report, job, max_tries=recipe.flow_retries + 1, picture=picture, final=final,
                               changed=_changed_settings(params, recipe))
         _closing_line(report)
@@ -296,9 +297,9 @@ def _store_ledger_picture(report: Report, job: ExportJob) -> bytes | None:
     cache) leaves the store untouched: its picture is only shown in the run.
     """
     try:
-        png = ledger_plot.draw(list(report.hosts.values()), title=f"memory ledger of {report.export_id}")
+        png = draw(list(report.hosts.values()), title=f"memory ledger of {report.export_id}")
         if any(p["name"] == "compile" for p in report.phases):
-            key = ledger_plot.ledger_key(report.export_id, png)
+            key = ledger_key(report.export_id, png)
             phases.store_picture(job, key, png)
             report.ledger_picture = key
         return png

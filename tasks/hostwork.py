@@ -261,13 +261,13 @@ def stored_forwards(store, keys: list[str], digests: dict[str, str]) -> tuple[di
     `digests`: key -> the trusted sha256 of its forward (`trusted_digests`); a key the store holds
     with other bytes than those raises IntegrityError, and a stored key without a trusted digest
     counts as missing. 'calls' is the inspection record of those bytes
-    (kiln.core.package_check.package_calls), written by the host that compiled them; a package
+    (kiln.host.package_check.package_calls), written by the host that compiled them; a package
     without one (its compiler died between the two uploads, or an older Kiln made it) is downloaded,
     checked against the trusted digest and inspected here.
     """
     import tempfile
 
-    from kiln.core.package_check import check_package, package_calls
+    from kiln.host.package_check import check_package, package_calls
 
     found, missing = {}, []
     for key in keys:
@@ -298,13 +298,13 @@ def stored_forwards(store, keys: list[str], digests: dict[str, str]) -> tuple[di
 
 def fetch_missing(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
     """Copy every forward this host lacks (or holds with the wrong digest) from the store; verified."""
-    from kiln.host.loader import sha256_of
+    from kiln.store import sha256_file
 
     store = store_of(job)
     fetched = 0
     for f in forwards:
         path = local_path(host, f["key"])
-        if path.exists() and sha256_of(path) == f["sha256"]:
+        if path.exists() and sha256_file(path) == f["sha256"]:
             continue
         try:
             store.get_file(artifact_key(f["key"]), path, f["sha256"])

@@ -131,11 +131,3 @@ def sha256_bytes(data: bytes) -> str:
     """Hex sha256 of `data`."""
     return hashlib.sha256(data).hexdigest()
 
-
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of the file at `path`, read in 1 MiB chunks (constant memory)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 from kiln.core import run_page
 
 
@@ -34,7 +30,7 @@ class Report:
         self.manifest_doc: dict | None = None
         """The manifest written (its contents, for the run's page; not part of the JSON report)."""
         self.ledger_picture: str | None = None
-        """Store key of the memory ledger drawn as a PNG (kiln.core.ledger_plot)."""
+        """Store key of the memory ledger drawn as a PNG (flows.report_out)."""
         self.signing: dict = {"signed": None}
         self.warnings: list[str] = []
         """{'signed', 'key_fingerprint', 'source', 'signature', 'note'}: how the manifest is signed."""
@@ -80,13 +76,6 @@ class Report:
                 "counts": self.counts, "forwards": self.forwards, "kv_plan": self.kv_plan,
                 "verify": self.verify, "manifest": self.manifest, "ledger_picture": self.ledger_picture,
                 "signing": self.signing, "warnings": self.warnings}
-
-    def write(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, default=str))
-        os.replace(tmp, path)
 
     def summary(self) -> str:
         """The few lines `kiln export` prints at the end."""

@@ -10,7 +10,6 @@ statuses of every host into one BadInput naming each bad host and its path.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from kiln.core.errors import DISK_ERRNOS, BadInput
+from kiln.store import sha256_file
 
 CACHE_DIR_ENV = "KILN_CACHE_DIR"
 MIB = 2**20
@@ -120,11 +120,6 @@ def write_record(path: Path, record: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _hash_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def file_digest(path: Path, records: Path | None) -> str:
     """sha256 of the file at `path`, remembered in the directory `records` (None: not remembered).
 
@@ -134,12 +129,12 @@ def file_digest(path: Path, records: Path | None) -> str:
     file is read again; an unchanged file is not read at all.
     """
     if records is None:
-        return _hash_file(path)
+        return sha256_file(path)
     st = path.stat()
     record = records / f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{st.st_ctime_ns}.json"
     known = read_record(record)
     if known is not None and isinstance(known.get("sha256"), str):
         return known["sha256"]
-    digest = _hash_file(path)
+    digest = sha256_file(path)
     write_record(record, {"sha256": digest, "path": str(path)})
     return digest

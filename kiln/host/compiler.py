@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import os
 import shutil
 import time
@@ -27,12 +26,13 @@ from pathlib import Path
 from typing import Callable
 
 from kiln.core.errors import DiskError, KilnError
-from kiln.core.package_check import package_calls
+from kiln.host.package_check import package_calls
 from kiln.host import export_call, faults, worker_start
 from kiln.core.errors import DISK_ERRNOS
 from kiln.host.export_call import CONSTANTS_METADATA  # noqa: F401  (callers import it from here)
 from kiln.host.inductor_options import inductor_env
 from kiln.host.key_sources import model_code_fingerprint  # noqa: F401  (callers import it from here)
+from kiln.store import sha256_file
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class CompileResult:
     """GEMMs autotuned ('selections'), candidates benchmarked during this compile ('benchmarked'), and
     the tuning timings installed in the worker ('tuning_timings'); None when compiled without max-autotune."""
     calls: dict | None = None
-    """What the package's wrapper calls (kiln.core.package_check.PackageCalls.to_dict): whether it is Python-free."""
+    """What the package's wrapper calls (kiln.host.package_check.PackageCalls.to_dict): whether it is Python-free."""
     device: str = "cpu"
     """The device the forward was compiled for (kiln.host.inductor_options.forward_device)."""
     device_peak_mib: int = 0
@@ -147,7 +147,7 @@ def _compile_forward(spec: dict, out_path: str) -> CompileResult:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         export_call.compile_package(program, tmp, spec["compiler"])
         faults.point("compile", spec, "written")
-        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+        digest = sha256_file(tmp)
         os.replace(tmp, out_path)
     except (OSError, RuntimeError) as exc:
         # torch's zip writer reports a short write (full disk) as RuntimeError("... unexpected pos ..."):

@@ -26,12 +26,11 @@ from kiln.core.key_rules import (
     check_no_collisions,
     normalized_key,
     sha256_bytes,
-    sha256_file,
     validate_bucket,
     validate_key,
     validate_prefix,
 )
-from kiln.store.base import ObjectInfo, ObjectMissing, Store
+from kiln.store.base import ObjectInfo, ObjectMissing, Store, sha256_file
 from kiln.store.local import LocalStore
 
 __all__ = [

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from kiln.core.errors import IntegrityError, StoreConflict
+from kiln.core.key_rules import CHUNK_BYTES
 
 
 class ObjectMissing(KeyError):
@@ -188,6 +189,15 @@ def replaced_on_success(dest_path: str | Path) -> Iterator[BinaryIO]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of the file at `path`, read in CHUNK_BYTES chunks (constant memory): Kiln's one file hash."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_verified(key: str, chunks: Iterable[bytes], dest_path: str | Path, expected: str | None) -> None:

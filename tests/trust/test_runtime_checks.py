@@ -16,8 +16,9 @@ import zipfile
 import pytest
 
 from kiln.core.errors import IntegrityError
-from kiln.core.package_check import check_package
-from kiln.host.loader import load_forward, sha256_of
+from kiln.host.package_check import check_package
+from kiln.host.loader import load_forward
+from kiln.store import sha256_file
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +95,7 @@ def test_a_package_with_a_bad_member_is_refused_before_extraction(small_forward,
     monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda *a, **k: calls.append(a))
     # The sha256 matches (a manifest built from a bad artifact): the member check still refuses it.
     with pytest.raises(IntegrityError, match="is a symlink"):
-        load_forward(bad, {}, sha256_of(bad))
+        load_forward(bad, {}, sha256_file(bad))
     assert calls == []  # never handed to AOTInductor
 
 

@@ -41,8 +41,8 @@ def test_a_second_call_reads_no_file_and_a_rewrite_is_read_again(tmp_path, monke
     a = _checkpoint(tmp_path / "a", seed=0)
     digests = tmp_path / "digests"
     reads = []
-    real = cache._hash_file
-    monkeypatch.setattr(cache, "_hash_file", lambda p: reads.append(p.name) or real(p))
+    real = cache.sha256_file
+    monkeypatch.setattr(cache, "sha256_file", lambda p: reads.append(p.name) or real(p))
     first = checkpoint_fingerprint(a, digests)
     assert sorted(reads) == ["config.json", "model.safetensors"]
     reads.clear()

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ("kiln.core", "kiln.store", "kiln.host", "kiln.device_check", "blocks", "tasks", "flows", "bench", "cli")
 CORE_FORBIDDEN = {"prefect", "prefect_aws", "prefect_dask", "torch", "boto3", "botocore", "s3transfer", "dask",
-                  "distributed", "safetensors", "transformers"}
+                  "distributed", "safetensors", "transformers", "matplotlib"}
 
 
 def _module_name(path: Path) -> str:

@@ -20,7 +20,7 @@ from kiln.core.errors import (
     StoreError,
     VerifyMismatch,
 )
-from kiln.core.ledger_plot import draw, ledger_key, markdown
+from flows.report_out import draw, ledger_key, markdown
 from kiln.core.recipe import Recipe, recipe_from_text
 from kiln.core.retry_rule import worth_retrying
 from kiln.core.report import Report

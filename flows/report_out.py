@@ -1,17 +1,32 @@
-"""The memory ledger as a picture: per host, per phase boundary, host available and device free MiB.
+"""The export report's outputs: its JSON file (`write_report`) and its memory ledger as a picture (`draw`).
 
-Pure apart from matplotlib (Agg backend, no display): `draw` takes the report's
-host entries and returns PNG bytes. The flow stores them with the export
-(`ledger_key`) and links them from the run's summary.
+kiln.core.report builds the report, pure; writing and drawing are edges. `draw`
+(matplotlib, Agg backend, no display) takes the report's host entries and
+returns PNG bytes: per host, per phase boundary, host available and device free
+MiB. The flow stores them with the export (`ledger_key`) and links them from
+the run's summary.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import json
+import os
+from pathlib import Path
 
 from kiln.core.key_rules import sha256_bytes
 from kiln.core.layout import ledger_picture_key
+
+
+def write_report(report, path: str | os.PathLike) -> None:
+    """Write `report` (kiln.core.report.Report) as JSON at `path`, whole or not at all (a temporary file
+    renamed over it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report.to_dict(), indent=2, default=str))
+    os.replace(tmp, path)
 
 
 def ledger_key(export_id: str, png: bytes) -> str:
