@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     from kiln.core.forward_keys import forward_spec
     from kiln.core.recipe import Recipe, parse_buckets
     from kiln.host.checkpoint import inspect_checkpoint
-    from kiln.host.compiler import compile_forward, model_code_fingerprint
+    from kiln.host.compiler import compile_forward
+    from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS, inductor_env
     from kiln.host.probe import detect_target
 

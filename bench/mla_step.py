@@ -40,7 +40,7 @@ def _spec() -> dict:
     from kiln.core.forward_keys import forward_spec
     from kiln.core.recipe import Bucket
     from kiln.core.shape_ranges import static_shape
-    from kiln.host.compiler import model_code_fingerprint
+    from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS
 
     return forward_spec(shapes=static_shape(Bucket(1, 1)), graph={"config": config().to_dict(), "tp": TP,

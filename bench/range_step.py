@@ -34,7 +34,7 @@ def spec(name: str) -> dict:
     from kiln.core.config import TINY
     from kiln.core.forward_keys import forward_spec
     from kiln.core.shape_ranges import parse_shape_range
-    from kiln.host.compiler import model_code_fingerprint
+    from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS
 
     return forward_spec(shapes=parse_shape_range(name), graph={"config": TINY.to_dict(), "tp": TP,

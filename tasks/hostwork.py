@@ -23,7 +23,8 @@ from kiln.core.sizing import check_peak_mib
 from kiln.core.target import host_device
 from kiln.core.vouch import make_vouch
 from kiln.host import cache, faults, probe, tuner
-from kiln.host.compiler import CompilePool, CompileResult, model_code_fingerprint
+from kiln.host.compiler import CompilePool, CompileResult
+from kiln.host.key_sources import model_code_fingerprint
 from kiln.host.inductor_options import compiler_options, inductor_env
 from kiln.host.leasing import Leases, compile_leased
 from kiln.host.procs import PeakSampler, die_with_parent

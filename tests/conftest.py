@@ -247,7 +247,8 @@ def small_forward(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from kiln.core.config import TINY
     from kiln.core.forward_keys import forward_spec
     from kiln.core.shape_ranges import parse_shape_range
-    from kiln.host.compiler import CompilePool, model_code_fingerprint
+    from kiln.host.compiler import CompilePool
+    from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS
 
     cfg = TINY.replace(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,

@@ -32,8 +32,10 @@ class Report:
         self.ledger_picture: str | None = None
         """Store key of the memory ledger drawn as a PNG (flows.report_out)."""
         self.signing: dict = {"signed": None}
-        self.warnings: list[str] = []
         """{'signed', 'key_fingerprint', 'source', 'signature', 'note'}: how the manifest is signed."""
+        self.warnings: list[str] = []
+        """Recipe settings that had no effect on this export (kiln.core.decisions.settings_without_effect), one
+        sentence each: on the run's page and in the JSON."""
 
     @classmethod
     def of_job(cls, job, hosts, *, attempt: int = 1) -> "Report":

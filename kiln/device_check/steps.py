@@ -147,7 +147,7 @@ def compile_forwards(check: Check, forwards: dict) -> dict:
 
     from kiln.core.forward_keys import forward_spec
     from kiln.core.shape_ranges import static_shape
-    from kiln.host.compiler import model_code_fingerprint
+    from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import inductor_env
 
     jobs, names = [], {}

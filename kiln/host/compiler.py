@@ -29,9 +29,7 @@ from kiln.core.errors import DiskError, KilnError
 from kiln.host.package_check import package_calls
 from kiln.host import export_call, faults, worker_start
 from kiln.core.errors import DISK_ERRNOS
-from kiln.host.export_call import CONSTANTS_METADATA  # noqa: F401  (callers import it from here)
 from kiln.host.inductor_options import inductor_env
-from kiln.host.key_sources import model_code_fingerprint  # noqa: F401  (callers import it from here)
 from kiln.store import sha256_file
 
 

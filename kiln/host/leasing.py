@@ -127,10 +127,11 @@ class Leases:
         self.store.delete(layout.lease_key(key, generation))
 
 
-def compile_leased(pool: CompilePool, leases: Leases, store, jobs: list[tuple[dict, str]],
+def compile_leased(pool: CompilePool, ours: Leases, store, jobs: list[tuple[dict, str]],
                    upload: Callable[[CompileResult], None], *, poll_s: float = 2.0,
                    wait_s: float = 3 * 3600.0) -> set[str]:
-    """Compile in `pool` each job whose key is not stored, each under its lease; returns the keys waited for.
+    """Compile in `pool` each job whose key is not stored, each under its lease in `ours` (this host's); returns
+    the keys waited for.
 
     A key is leased when its compile is submitted to a worker (`upload` must release it) and its lease
     is renewed while it compiles; a key another export holds is skipped, then tried again every `poll_s`
@@ -144,11 +145,11 @@ def compile_leased(pool: CompilePool, leases: Leases, store, jobs: list[tuple[di
     def submit(spec: dict) -> bool:
         if store.exists(artifact_key(spec["key"])):
             return False
-        if not leases.acquire(spec["key"]):
+        if not ours.acquire(spec["key"]):
             waited.add(spec["key"])
             return False
         if store.exists(artifact_key(spec["key"])):  # stored between the first look and the lease: reuse it
-            leases.release(spec["key"])
+            ours.release(spec["key"])
             return False
         return True
 
@@ -156,29 +157,29 @@ def compile_leased(pool: CompilePool, leases: Leases, store, jobs: list[tuple[di
     moved_at = time.monotonic()
     try:
         while waiting:
-            done = {r.key for r in pool.run(waiting, upload, on_submit=submit, on_tick=leases.renew_due,
-                                            tick_s=leases.ttl_s / 6)}
+            done = {r.key for r in pool.run(waiting, upload, on_submit=submit, on_tick=ours.renew_due,
+                                            tick_s=ours.ttl_s / 6)}
             left = [j for j in waiting if j[0]["key"] not in done and not store.exists(artifact_key(j[0]["key"]))]
             if len(left) < len(waiting):
                 moved_at = time.monotonic()
             waiting = left
             if waiting and time.monotonic() - moved_at > wait_s:
-                raise _wait_expired(leases, [j[0]["key"] for j in waiting], wait_s)
+                raise _wait_expired(ours, [j[0]["key"] for j in waiting], wait_s)
             if waiting:
                 time.sleep(poll_s)  # another export holds these keys: wait for its uploads or its lease to go
     except BaseException:
         pool.stop()  # a worker still compiling a key must not outlive its lease
-        for key in list(leases.held):
+        for key in list(ours.held):
             try:
-                leases.release(key)
+                ours.release(key)
             except Exception as exc:  # the error that brought us here is the one to report
                 log.warning("could not release the compile lease of %s (it expires after lease_ttl_s): %s", key, exc)
         raise
     return waited
 
 
-def _wait_expired(leases: Leases, keys: list[str], wait_s: float) -> LeaseWaitExpired:
-    latest = leases.latest(keys[0])
+def _wait_expired(ours: Leases, keys: list[str], wait_s: float) -> LeaseWaitExpired:
+    latest = ours.latest(keys[0])
     holder = describe(latest[1]) if latest and latest[1] else "a holder whose lease is gone now"
     more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
     return LeaseWaitExpired(

@@ -38,7 +38,8 @@ def test_a_compiled_decode_step_reads_its_pages_in_place_as_eager_computes(tmp_p
     from kiln.core.forward_keys import forward_spec
     from kiln.core.recipe import Bucket
     from kiln.core.shape_ranges import static_shape
-    from kiln.host.compiler import CompilePool, model_code_fingerprint
+    from kiln.host.compiler import CompilePool
+    from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS
 
     # 4 query heads over 2 KV heads (grouped), a window of 7 on the second layer: 24 cached positions.

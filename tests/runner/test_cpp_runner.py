@@ -64,7 +64,8 @@ def export(tmp_path_factory) -> dict:
     from kiln.core.recipe import Bucket
     from kiln.core.shape_ranges import static_shape
     from kiln.host.checkpoint import write_checkpoint
-    from kiln.host.compiler import CompilePool, model_code_fingerprint
+    from kiln.host.compiler import CompilePool
+    from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS
     from kiln.host.model import random_state_dict
 
