@@ -6,7 +6,7 @@ PYTHON ?= python3
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup lock test-setup postgres runner-deps runner export test test-fast bench bench-quick bench-tuning bench-1b bench-widths docs clean
+.PHONY: setup lock test-setup postgres runner-deps runner runner-build export test test-fast bench bench-quick bench-tuning bench-1b bench-widths docs clean
 
 setup: $(VENV)/.installed
 
@@ -71,10 +71,14 @@ runner-deps:
 
 runner: setup runner-deps
 	@if command -v cmake >/dev/null 2>&1 && command -v c++ >/dev/null 2>&1 && ls $(RUNNER_HEADERS) >/dev/null 2>&1; then \
-		cmake -S runner -B runner/build -DCMAKE_BUILD_TYPE=Release \
-			-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null \
-		&& cmake --build runner/build -j2; \
+		$(MAKE) -s runner-build; \
 	fi
+
+# The build itself, against the venv's libtorch; tests/runner/ builds the runner with this target too.
+runner-build:
+	cmake -S runner -B runner/build -DCMAKE_BUILD_TYPE=Release \
+		-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null
+	cmake --build runner/build -j2
 
 export: setup
 	$(BIN)/kiln export --model tiny --tp 2 --report report.json

@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -37,19 +38,16 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def runner() -> Path:
-    """The runner, built as `make runner` builds it (`make test` leaves the build to this fixture; an
-    up-to-date build costs ~1 s)."""
-    import torch
-
+    """The runner, built by `make runner-build` as `make runner` builds it (`make test` leaves the build to this
+    fixture; an up-to-date build costs ~1 s)."""
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     missing += [pkg for pkg, header in HEADERS.items() if not (Path("/usr/include") / header).exists()]
     if missing:
         pytest.skip(f"cannot build the C++ runner without {', '.join(missing)} (make runner installs them via apt)")
-    for step in (["cmake", "-S", str(RUNNER_SRC), "-B", str(RUNNER_BUILD), "-DCMAKE_BUILD_TYPE=Release",
-                  f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
-                 ["cmake", "--build", str(RUNNER_BUILD), "-j2"]):
-        proc = subprocess.run(step, capture_output=True, text=True)
-        assert proc.returncode == 0, f"{' '.join(step)}:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+    step = ["make", "-s", "runner-build", f"BIN={Path(sys.executable).parent}"]  # this interpreter's libtorch
+    proc = subprocess.run(step, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{' '.join(step)}:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+    assert RUNNER.is_file(), f"{' '.join(step)} built no {RUNNER}"
     return RUNNER
 
 
