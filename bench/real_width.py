@@ -9,7 +9,11 @@ the published model's width (random init, norms randomised, bfloat16,
    compiled forward with eager at that width (exit 1 when it fails; exit 3
    when the gate says the check would not fit this machine's memory);
 2. `kiln run` on a 16-token prompt: the logits of its first new token;
-3. transformers on the same checkpoint and prompt, in float32 and in bfloat16.
+3. transformers on the same checkpoint and prompt, in float32 and in bfloat16;
+4. for a mixture of experts, the check must still catch a wrong forward at this
+   width: rank 1's compiled package bound to its weights with one expert's down
+   projection sign-flipped (the expert the check's inputs choose most in the last
+   layer), compared with eager on the right weights as the export's check does.
 
 Each family's line (JSON, appended to --out as it finishes) holds the export's
 exit code and check (diff, limit, ties), its compile seconds, and the first
@@ -126,9 +130,56 @@ def reference(path: Path, prompt: list[int], kiln_logits: list[float]) -> dict:
                            "bfloat16": int(logits["bfloat16"].argmax())}}
 
 
+def wrong_forward(path: Path, store_url: str, report: Path) -> dict:
+    """The export's check (rank 1 alone, as the flow checks a rank) of its compiled forward bound to weights with
+    one expert's down projection sign-flipped (in this process: run it in a child)."""
+    import collections
+
+    import torch
+
+    from kiln.core.config import ModelConfig
+    from kiln.core.contract import EXPERTS
+    from kiln.core.layout import artifact_key
+    from kiln.core.recipe import Bucket, Recipe
+    from kiln.host.checkpoint import read_config
+    from kiln.host.loader import compare_with_eager, eager_model, load_forward
+    from kiln.host.model import example_inputs, solo_group
+    from kiln.host.routing_ties import RouteProbe, probing
+    from kiln.host.weights import load_rank_weights
+    from kiln.store import open_store
+
+    forward = json.loads(report.read_text())["forwards"][0]
+    package = report.parent / "rank1.pt2"
+    open_store(store_url).get_file(artifact_key(forward["key"]), package, forward["sha256"])
+    cfg: ModelConfig = read_config(path)
+    recipe, tp, rank, bucket = Recipe(), 2, 1, Bucket(1, PROMPT_TOKENS)
+    check = dict(page_tokens=recipe.page_tokens, pages_per_seq=recipe.pages_per_seq, atol=recipe.verify_atol,
+                 half_ratio=recipe.verify_half_ratio)
+    with solo_group(), torch.no_grad():
+        weights = load_rank_weights(str(path), cfg, tp, rank)
+        args = example_inputs(cfg, tp, bucket.batch, bucket.tokens, page_tokens=recipe.page_tokens,
+                              pages_per_seq=recipe.pages_per_seq,
+                              num_pages=recipe.pages_per_seq * bucket.batch + 3, seed=1)  # compare_with_eager's
+        with probing(RouteProbe()) as seen:
+            eager_model(cfg, tp, weights)(*args)
+        expert = collections.Counter(seen.chosen[-1].flatten().tolist()).most_common(1)[0][0]
+        module, (_, _, down) = EXPERTS[cfg.architecture]
+        name = sorted(n for n in weights if n.endswith(f".{module}.experts.{down}.weight"))[-1]
+        flipped = dict(weights)
+        flipped[name] = weights[name].clone()
+        flipped[name][-cfg.num_experts + expert] *= -1  # the last layer of the last run of expert layers
+        right = compare_with_eager(load_forward(package, weights, forward["sha256"]), cfg, tp, rank, weights,
+                                   bucket, **check)
+        wrong = compare_with_eager(load_forward(package, flipped, forward["sha256"]), cfg, tp, rank, weights,
+                                   bucket, **check)
+    keep = ("diff", "own", "limit", "ties", "routings")
+    return {"sign_flip": {"expert": expert, "tensor": name, "right": {k: right.get(k) for k in keep},
+                          "wrong": {k: wrong.get(k) for k in keep}, "caught": wrong["diff"] > wrong["limit"]}}
+
+
 def _child(*args: str) -> dict:
     """Run this script's `args` step in a fresh process; its JSON answer."""
-    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "bench.real_width", *args], capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(args[:2])} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -170,12 +221,17 @@ def measure(name: str, work: Path) -> dict:
         return line
     (work / name / "prompt.json").write_text(json.dumps(prompt))
     line.update(_child("reference", str(path), str(work / name / "prompt.json"), str(out)))
+    if "Moe" in WIDTHS[name][1] or "Mixtral" in WIDTHS[name][1] or "Deepseek" in WIDTHS[name][1]:
+        line.update(_child("wrong", str(path), f"file://{store}", str(report)))
     return line
 
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "write":
         print(json.dumps(write_checkpoint(sys.argv[2], Path(sys.argv[3]))))
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "wrong":
+        print(json.dumps(wrong_forward(Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4]))))
         return 0
     if len(sys.argv) > 1 and sys.argv[1] == "reference":
         prompt = json.loads(Path(sys.argv[3]).read_text())
