@@ -274,12 +274,13 @@ def check_against_eager(got, cfg, tp: int, weights: dict, args, *, atol: float, 
     """judge's {'diff', 'own', 'limit'} of outputs `got` against the eager shard on `args`, with 'ties' (the
     (layer, token) routing choices the low dtype leaves open) and 'routings' (float32 references run).
 
-    In a low dtype the float32 references are routed as kiln.host.routing_ties says; one eager model is
-    alive at a time (the low-dtype one, then the float32 one, run once per reference).
+    In a low dtype the float32 references are routed as kiln.host.routing_ties says: R0 as eager chose, and
+    one that takes each tie the way `got` did (identified_routing); one eager model is alive at a time (the
+    low-dtype one, then the float32 one, run once per reference).
     """
     import torch
 
-    from kiln.host.routing_ties import RouteProbe, find_ties, forced_as, probing, swapped_routings, tie_count
+    from kiln.host.routing_ties import RouteProbe, find_ties, forced_as, identified_routing, probing, tie_count
 
     def cast(dtype):
         return tuple((a.to(getattr(torch, dtype)) if a.is_floating_point() else a).to(device) for a in args)
@@ -296,17 +297,19 @@ def check_against_eager(got, cfg, tp: int, weights: dict, args, *, atol: float, 
         with probing(RouteProbe(forced_as(low))) as forced:
             exact = model(*exact_args)
         ties = find_ties(low, forced, half_ratio=half_ratio)
-        runs = [0]
 
-        def alternatives():
-            for routing in swapped_routings(low, ties):
-                runs[0] += 1
-                with probing(RouteProbe(routing)):
-                    out = model(*exact_args)
-                yield out  # outside the probe: a generator left unfinished must not leave it set
+        def run(routing):
+            with probing(RouteProbe(routing)):
+                return model(*exact_args)
 
-        result = judge(got, eager, exact, alternatives(), atol=atol, half_ratio=half_ratio)
-    return {**result, "ties": tie_count(ties), "routings": 1 + runs[0]}
+        alternatives, runs = [], 0
+        if tie_count(ties):
+            moe_layers = [layer for layer in range(cfg.num_layers) if cfg.is_moe(layer)]
+            routing, runs = identified_routing(run, got, low, ties, moe_layers)
+            alternatives.append(run(routing))
+            runs += 1
+        result = judge(got, eager, exact, alternatives, atol=atol, half_ratio=half_ratio)
+    return {**result, "ties": tie_count(ties), "routings": 1 + runs}
 
 
 def compare_with_eager(compiled, cfg, tp: int, rank: int, weights: dict, bucket, *, page_tokens: int,

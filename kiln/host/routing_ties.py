@@ -17,33 +17,37 @@ The checker therefore (kiln.host.loader.check_against_eager):
    score minus the best unchosen one) is at most (1 + half_ratio) x the
    largest difference between that token's scores in the two runs: the
    compiled forward, allowed half_ratio x eager's error, may choose either;
-4. runs float32 again with some of those choices taken the other way: per
+4. reads, layer by layer, which way the checked forward took each tie
+   (`identified_routing`): a tied token's candidates are R0's choice and each
    swap of SWAPS (a chosen expert among the two weakest replaced by an
    unchosen one among the three best, where their scores are within that
    token's slack: in bfloat16 scores are often exactly equal, and two topk
-   implementations need not break such ties alike) and per set of layers
-   whose ties swap (every subset while there are at most 3, else each layer
-   alone and all together), at most MAX_ROUTINGS runs; the other ties forced
-   as in R0 and every other token routed by its own float32 scores (a swap
-   changes the hidden states after it, so later choices are recomputed);
-5. holds each output position (sequence, token) to the limit against the
-   nearest of these references.
+   implementations need not break such ties alike). One float32 run per
+   candidate, earlier layers as already read, gives every token's output of
+   the next layer's new cache entries (the last expert layer: the logits),
+   which depend on that token's choice in this layer alone: each tied token
+   takes the candidate nearest to the checked forward there;
+5. runs float32 routed as read (every tie forced that way, every other token
+   routed by its own float32 scores, as a choice changes the hidden states
+   after it) and holds each output position (sequence, token) to the limit
+   against the nearer of R0 and that reference.
 
 A token's choice is thus allowed to differ only where the dtype itself leaves
-it open, and then only between experts within its slack: a forward that is wrong anywhere else
-(a weight, a routing term) is still compared with every reference and fails.
-Ties of DeepSeek's group choice (which groups are open) are not swapped.
+it open, and then only between experts within its slack: a forward that is
+wrong anywhere else (a weight, a routing term) is far from every candidate,
+and fails. Reading the choices token by token, where a fixed set of swapped
+references took every tied token of a layer the same way, is what lets a
+real-width bfloat16 Qwen3-MoE pass (24 ties in 32 choices: its compiled
+forward broke them in a mix no such reference held). Ties of DeepSeek's group
+choice (which groups are open) are not swapped.
 """
 
 from __future__ import annotations
 
 import contextlib
-from itertools import combinations
+from collections.abc import Callable
 
 import torch
-
-MAX_ROUTINGS = 12
-"""At most this many swapped float32 references per check (beyond R0)."""
 
 
 class RouteProbe:
@@ -120,25 +124,44 @@ def swapped(scores: torch.Tensor, chosen: torch.Tensor, slack: torch.Tensor, w: 
     return torch.where(applies[:, None], chosen.scatter(1, drop, best.indices[:, j:j + 1]), chosen), applies
 
 
-def swapped_routings(low: RouteProbe, ties: list[tuple[torch.Tensor, torch.Tensor]]):
-    """The forced routings of the swapped references (step 4 above): per swap of SWAPS, per set of layers
-    swapped; at most MAX_ROUTINGS, none that would change no choice."""
-    tied_layers = [layer for layer, (tied, _) in enumerate(ties) if bool(tied.any())]
-    layer_sets = [set(c) for r in range(1, len(tied_layers) + 1) for c in combinations(tied_layers, r)]
-    if len(layer_sets) > 3:  # all together first: with many such layers the cap leaves out later single ones
-        layer_sets = [set(tied_layers)] + [{layer} for layer in tied_layers]
-    made = 0
-    for w, j in SWAPS:
-        for layers in layer_sets:
-            forced, changed = [], False
-            for layer, (chosen, (tied, slack)) in enumerate(zip(low.chosen, ties)):
-                if layer in layers:
-                    experts, applies = swapped(low.scores[layer], chosen, slack, w, j)
-                    chosen, changed = experts, changed or bool((applies & tied).any())
-                forced.append((chosen, tied))
-            if changed and made < MAX_ROUTINGS:
-                made += 1
-                yield forced
+def identified_routing(run: Callable[[list], tuple], got: tuple, low: RouteProbe,
+                       ties: list[tuple[torch.Tensor, torch.Tensor]], moe_layers: list[int]) -> tuple[list, int]:
+    """(The forced routing that takes each tie the way the checked outputs `got` did (step 4 above), the float32
+    runs it took). `run(forced)` is one float32 reference run; `moe_layers[e]` is the decoder layer of expert
+    layer e. A layer without ties costs no run."""
+    forced = [(chosen, tied) for chosen, (tied, _) in zip(low.chosen, ties)]
+    runs = 0
+    for e, (tied, slack) in enumerate(ties):
+        if not bool(tied.any()):
+            continue
+        best, best_gap = low.chosen[e], None
+        for w, j in ((None, None), *SWAPS):
+            candidate = low.chosen[e] if w is None else swapped(low.scores[e], low.chosen[e], slack, w, j)[0]
+            if w is not None and bool((candidate == low.chosen[e]).all()):
+                continue  # this swap applies to no token: nothing to tell apart
+            trial = list(forced)
+            trial[e] = (candidate, tied)
+            runs += 1
+            gap = _layer_gap(run(trial), got, moe_layers[e])
+            if best_gap is None:
+                best, best_gap = candidate, gap
+                continue
+            nearer = tied & (gap < best_gap)
+            best = torch.where(nearer[:, None], candidate, best)
+            best_gap = torch.where(nearer, gap, best_gap)
+        forced[e] = (best, tied)
+    return forced, runs
+
+
+def _layer_gap(out: tuple, got: tuple, layer: int) -> torch.Tensor:
+    """[tokens]: per token, the largest |difference| between `out` and `got` in what decoder layer `layer`'s
+    expert choice alone decides at that token: the next layer's new cache entries (output 1: [layers,
+    entries, b, t, heads, width]), or after the last layer the logits (output 0: [b, t, vocab])."""
+    if layer + 1 < out[1].shape[0]:
+        diff = (out[1][layer + 1].float() - got[1][layer + 1].float()).abs().amax(dim=(0, 3, 4))  # [b, t]
+    else:
+        diff = (out[0].float() - got[0].float()).abs().amax(dim=-1)
+    return diff.reshape(-1)
 
 
 def tie_count(ties: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
