@@ -68,6 +68,15 @@ def _experts_moved(weights, moves: dict[int, int]):
     return out
 
 
+def _inputs(bucket):
+    """The inputs compare_with_eager checks at (its seed)."""
+    from kiln.host.model import example_inputs
+
+    return example_inputs(CFG, 1, bucket.batch, bucket.tokens, page_tokens=CHECK["page_tokens"],
+                          pages_per_seq=CHECK["pages_per_seq"], num_pages=CHECK["pages_per_seq"] * bucket.batch + 3,
+                          seed=1)
+
+
 def _check(forward, weights, bucket=Bucket(1, 16)):
     return compare_with_eager(forward, CFG, 1, 0, weights, bucket, **CHECK)
 
@@ -85,6 +94,31 @@ def test_the_same_forward_passes_without_any_swap(weights):
     result = _check(_eager(CFG, weights), weights)
     assert result["diff"] <= result["limit"] and result["diff"] <= result["own"] * 1.01, result
     assert moe.ROUTE_PROBE is None  # the checker's probe is gone once it has answered: nothing traced sees it
+
+
+def test_ties_broken_each_their_own_way_pass_the_check(weights):
+    """A forward that breaks the tie one way at some tokens and the other way at others, in every expert layer
+    (as a compiled topk may, rounding differently token by token): the check reads each token's choice."""
+    from kiln.host.routing_ties import RouteProbe, probing
+
+    args = _inputs(Bucket(1, 16))
+    with probing(RouteProbe()) as seen:
+        _eager(CFG, weights)(*args)
+    mixed = []
+    for chosen in seen.chosen:
+        other = chosen.clone()
+        other[chosen == 1], other[chosen == 2] = 2, 1
+        odd = torch.arange(chosen.shape[0]) % 2 == 1
+        mixed.append((torch.where(odd[:, None], other, chosen), torch.ones(chosen.shape[0], dtype=torch.bool)))
+    assert sum(int(((m != c).any(dim=1)).sum()) for (m, _), c in zip(mixed, seen.chosen)) >= 4, "few ties taken"
+    base = _eager(CFG, weights)
+
+    def forward(*a):
+        with probing(RouteProbe(mixed)):
+            return base(*a)
+
+    result = _check(forward, weights)
+    assert result["diff"] <= result["limit"] and result["ties"] > 0, result
 
 
 @pytest.mark.parametrize("wrong", ["a tie broken towards an expert outside the slack",
