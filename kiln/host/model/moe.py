@@ -137,8 +137,9 @@ def _every_expert(cfg: ModelConfig, x: torch.Tensor, weights: torch.Tensor, chos
     dense = torch.zeros(chosen.shape[0], cfg.num_experts, dtype=weights.dtype, device=x.device)
     dense = dense.scatter(1, chosen, weights).t().contiguous()  # [E, n]
 
-    def body(mixed, expert):
-        act = (F.silu(F.linear(x, expert["gate"])) * F.linear(x, expert["up"]) * expert["weight"][:, None])
-        return torch.addmm(mixed, act.to(x.dtype), expert["down"].t()), ()
+    def body(carry, expert):
+        mixed, rows = carry
+        act = (F.silu(F.linear(rows, expert["gate"])) * F.linear(rows, expert["up"]) * expert["weight"][:, None])
+        return (torch.addmm(mixed, act.to(rows.dtype), expert["down"].t()), rows.clone()), ()
 
-    return scan(body, torch.zeros_like(x), {"gate": gate_w, "up": up_w, "down": down_w, "weight": dense})[0]
+    return scan(body, (torch.zeros_like(x), x), {"gate": gate_w, "up": up_w, "down": down_w, "weight": dense})[0][0]
