@@ -84,9 +84,10 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
     over a range of shapes (kiln.core.shape_ranges) it gathers only when every shape of the range would,
     without a guard that would narrow the range.
 
-    torch 2.13 traces `_grouped_mm` in bfloat16 only, so a step in another dtype that does not gather runs
-    every expert over every token, weighted by its routing weight or 0, as one scan over the experts
-    (`_every_expert`): one expert's body in the graph, one expert's [n, I/tp] activations at a time.
+    torch 2.13 traces `_grouped_mm` only in bfloat16 over rows of whole 16 bytes (`groups_trace`), so any
+    other step that does not gather runs every expert over every token, weighted by its routing weight or 0,
+    as one scan over the experts (`_every_expert`): one expert's body in the graph, one expert's [n, I/tp]
+    activations at a time, its compute every expert's.
     """
     module, names = EXPERTS[cfg.architecture]
     gate_w, up_w, down_w = (p[f"{module}.experts.{n}.weight"] for n in names)  # [E, I/tp, H], [E, I/tp, H], [E, H, I/tp]
@@ -100,8 +101,9 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
         act = F.silu(torch.bmm(rows, gate_w[flat].transpose(1, 2))) * torch.bmm(rows, up_w[flat].transpose(1, 2))
         out = torch.bmm(act, down_w[flat].transpose(1, 2)).reshape(n, k, hidden)  # [n, k, H]
         mixed = (out * weights[..., None]).to(h.dtype).sum(dim=1)
-    elif x.dtype == torch.bfloat16 and gate_w.dtype == torch.bfloat16:
-        mixed = (_grouped(x, chosen, gate_w, up_w, down_w).reshape(n, k, hidden) * weights[..., None]).to(h.dtype).sum(dim=1)
+    elif groups_trace(x, gate_w):
+        out = _grouped(x, chosen, gate_w, up_w, down_w).reshape(n, k, hidden)
+        mixed = (out * weights[..., None]).to(h.dtype).sum(dim=1)
     else:
         mixed = _every_expert(cfg, x, weights, chosen, gate_w, up_w, down_w)
     if cfg.shared_expert_intermediate_size:  # every token also runs the shared expert(s): this rank's part
@@ -110,6 +112,12 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
                           * F.linear(x, p[f"{shared_module}.up_proj.weight"]), p[f"{shared_module}.down_proj.weight"])
         mixed = mixed + (shared if gate is None else torch.sigmoid(F.linear(x, p[f"{gate}.weight"])) * shared)
     return reduce(mixed, tp).reshape(b, t, hidden)
+
+
+def groups_trace(x: torch.Tensor, gate_w: torch.Tensor) -> bool:
+    """Whether torch.export traces `_grouped_mm` over these tokens [n, H] and experts [E, I/tp, H]: its meta
+    function (torch 2.13) takes bfloat16 alone, each row a whole number of 16 bytes (H and I/tp multiples of 8)."""
+    return (x.dtype == gate_w.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0 and gate_w.shape[1] % 8 == 0)
 
 
 def _grouped(x: torch.Tensor, chosen: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor,
