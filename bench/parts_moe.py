@@ -56,6 +56,6 @@ def part_moe(ctx: Context) -> dict:
             "notes": f"Qwen3-MoE layers at the tiny model's width in {DTYPE}, 2 layers, top {TOP_K}, one rank's shard "
                      f"of tp 2, bucket 1x1 and {prefill}; {many} experts over {few}, alternating, one thread; prefill "
                      f"compiled at {', '.join(map(str, COMPILE_EXPERTS))} experts, each in a fresh process and "
-                     "Inductor cache, one after another; a step's peak is its growth of VmHWM over the resident memory before "
-                     "it (weights excluded), with glibc's mmap threshold fixed at 64 KiB so each step's activations "
-                     "are its own"}
+                     "Inductor cache, one after another; a step's peak is its growth of VmHWM over the resident "
+                     "memory before it (weights excluded), with glibc's mmap threshold fixed at 64 KiB so each step's "
+                     "activations are its own"}
