@@ -85,11 +85,15 @@ def test_kiln_computes_what_transformers_computes(case, hf_root):
         assert float((without - got).abs().max()) > 1e-2, f"{case}: the feature does not change these logits"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", ["mixtral", "qwen3-moe", "qwen2-moe", "deepseek-v3"])
-def test_a_step_of_few_tokens_gathers_its_experts_and_computes_what_every_expert_would(case, hf_root):
-    """The two ways a mixture-of-experts layer computes (kiln.host.model.mixture_of_experts): one token alone
-    takes the gathered path, the same token among many the every-expert path; same output."""
+def test_a_step_of_few_tokens_gathers_its_experts_and_computes_what_a_wide_step_would(case, dtype, hf_root):
+    """The ways a mixture-of-experts layer computes (kiln.host.model.mixture_of_experts): one token alone
+    takes the gathered path, the same token among many the wide path (in float32 every expert over every
+    token, in bfloat16 the grouped multiplies over the pairs sorted by expert); same output."""
+    from kiln.core.contract import EXPERTS
     from kiln.host.model import GATHER_BELOW, mixture_of_experts
+    from kiln.host.model.moe import groups_trace
 
     path = write_case(case, hf_root)
     cfg = inspect_checkpoint(path)
@@ -98,15 +102,18 @@ def test_a_step_of_few_tokens_gathers_its_experts_and_computes_what_every_expert
                if cfg.is_moe(start))
     model = ShardedDecoder(cfg, 1).eval()
     model.load_state_dict({k: v for k, v in weights.items() if k in model.state_dict()}, strict=True)
-    layer = {n: w[0] for n, w in model.model.runs[run].stacked().items()}
+    layer = {n: w[0].to(getattr(torch, dtype)) for n, w in model.model.runs[run].stacked().items()}
     many = cfg.num_experts // cfg.experts_per_token + 1
     assert GATHER_BELOW * cfg.experts_per_token <= cfg.num_experts < many * cfg.experts_per_token
-    h = torch.randn(1, many, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    h = torch.randn(1, many, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(getattr(torch, dtype))
+    module, names = EXPERTS[cfg.architecture]
+    assert groups_trace(h[0], layer[f"{module}.experts.{names[0]}.weight"]) == (dtype == "bfloat16")
     with torch.no_grad():
-        alone = mixture_of_experts(cfg, 1, layer, h[:, :1])
-        among = mixture_of_experts(cfg, 1, layer, h)
-    assert float((alone - among[:, :1]).abs().max()) < 1e-5
-    assert float(alone.abs().max()) > 1e-2
+        alone = mixture_of_experts(cfg, 1, layer, h[:, :1]).float()
+        among = mixture_of_experts(cfg, 1, layer, h).float()
+    scale = float(alone.abs().max())
+    assert float((alone - among[:, :1]).abs().max()) < (1e-5 if dtype == "float32" else 2e-2 * scale)
+    assert scale > 1e-2
 
 
 def test_deepseek_routing_correction_matters(hf_root):
