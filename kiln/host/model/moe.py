@@ -145,8 +145,8 @@ def _every_expert(cfg: ModelConfig, x: torch.Tensor, weights: torch.Tensor, chos
     dense = torch.zeros(chosen.shape[0], cfg.num_experts, dtype=weights.dtype, device=x.device)
     dense = dense.scatter(1, chosen, weights).t().contiguous()  # [E, n]
 
-    def body(carry, expert):
-        mixed, rows = carry
+    def body(carry, expert):  # the tokens ride in the carry: Inductor (torch 2.13) fails on a tensor closed over
+        mixed, rows = carry   # from the layer scan outside ("shape [b, t, H] is invalid for input of size H")
         act = (F.silu(F.linear(rows, expert["gate"])) * F.linear(rows, expert["up"]) * expert["weight"][:, None])
         return (torch.addmm(mixed, act.to(rows.dtype), expert["down"].t()), rows.clone()), ()
 
