@@ -4,8 +4,9 @@
 decode; PREFILL for the prefill figures) of one rank (tp 2) of a Qwen3-MoE model of the tiny model's width in
 DTYPE (default DTYPE) whose every layer routes each token to the top 2 of EXPERTS experts, and writes
 OUT_DIR/<name>.pt2 and OUT_DIR/<name>.json: {'compile_s', 'size_bytes', 'experts', 'bucket', 'dtype',
-'python_free'}, <name> being `package_name`. Run each compile in a fresh process with a fresh Inductor cache. The module compiles
-with whatever `kiln` is on the path, so the same command run against another checkout compiles its code.
+'python_free'}, <name> being `package_name`. Run each compile in a fresh process with a fresh Inductor
+cache. The module compiles with whatever `kiln` is on the path, so the same command run against another
+checkout compiles its code.
 
 `python -m bench.moe_step step OUT_JSON REPS STEPS PKG...` loads the packages (.pt2 paths, each with its
 .json beside it) with random weights and times STEPS steps of each, REPS times, rotating which goes first,
