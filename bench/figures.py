@@ -71,8 +71,12 @@ FIGURES: dict[str, tuple[str, str]] = {
     "moe_prefill_peak_ratio": ("moe", "prefill step (4x32) of a mixture of experts, top 2 of 32 experts / top 2 of "
                                       "4: peak memory beyond the weights (median): all experts' activations at once "
                                       "would grow with the experts"),
-    "moe_prefill_step_ratio": ("moe", "the same prefill step's time, 32 experts / 4: every expert runs over every "
-                                      "token (fewer reads than gathering at that many pairs), ~8 by design"),
+    "moe_prefill_step_ratio": ("moe", "the same prefill step's time, 32 experts / 4 (median, alternating): each "
+                                      "expert runs over its own tokens only, but 256 pairs reach every expert, so "
+                                      "the step reads 8x the weights; every expert over every token gave ~5"),
+    "moe_prefill_compile_ratio": ("moe", "prefill forward (4x32) compile s, top 2 of 128 experts / top 2 of 4 (each in "
+                                         "a fresh process and Inductor cache): one grouped multiply whatever the "
+                                         "experts; one expert's code per expert would grow with them"),
     "mla_step_ratio": ("mla", "decode step of latent attention over 1024 cached tokens: the latents read as they are "
                               "(absorbed) / projected up to every head's keys and values first (expanded, "
                               "transformers' order) (median s per step, alternating)"),
@@ -119,6 +123,7 @@ TARGETS: dict[str, Target] = {
     "scan_step_ratio": Target("<=", 1.05),
     "moe_step_ratio": Target("<=", 1.5),
     "moe_prefill_peak_ratio": Target("<=", 1.5),
+    "moe_prefill_compile_ratio": Target("<=", 1.2),
     "rank_peak_ratio": Target("<=", 1.2),
     "rank_check_predicted_ratio": Target(">=", 1.0),
     "mla_step_ratio": Target("<=", 0.25),

@@ -1,19 +1,19 @@
-"""The decode step of a mixture of experts against its expert count: the compute follows the chosen experts.
+"""A mixture of experts' compiles and steps against its expert count: the compute follows the chosen experts.
 
-`python -m bench.moe_step compile EXPERTS OUT_DIR [BUCKET]` compiles the BUCKET forward (default 1x1, decode;
-PREFILL for the prefill figure) of one rank (tp 2) of a Qwen3-MoE model of the tiny model's width whose every
-layer routes each token to the top 2 of EXPERTS experts, and writes OUT_DIR/experts-<EXPERTS>[-<BUCKET>].json:
-{'compile_s', 'size_bytes'}. Run each compile in a fresh process with a fresh Inductor cache.
+`python -m bench.moe_step compile EXPERTS OUT_DIR [BUCKET [DTYPE]]` compiles the BUCKET forward (default 1x1,
+decode; PREFILL for the prefill figures) of one rank (tp 2) of a Qwen3-MoE model of the tiny model's width in
+DTYPE (default DTYPE) whose every layer routes each token to the top 2 of EXPERTS experts, and writes
+OUT_DIR/<name>.pt2 and OUT_DIR/<name>.json: {'compile_s', 'size_bytes', 'experts', 'bucket', 'dtype',
+'python_free'}, <name> being `package_name`. Run each compile in a fresh process with a fresh Inductor
+cache. The module compiles with whatever `kiln` is on the path, so the same command run against another
+checkout compiles its code.
 
-`python -m bench.moe_step step OUT_DIR REPS STEPS E1 E2` loads the two packages with random weights and
-times STEPS decode steps of each, REPS times, alternating which goes first; it writes OUT_DIR/step.json:
-{'E1': [s per step, ...], 'E2': [...]}.
-
-`python -m bench.moe_step prefill OUT_DIR REPS E1 E2` does the same with the PREFILL packages, one step per
-sample, and also records each step's peak memory: the growth of the process's peak resident memory (VmHWM,
-reset just before the step) over what it held before it, i.e. what the step allocates beyond the weights. It
-writes OUT_DIR/prefill.json: {'E1': {'s': [...], 'peak_bytes': [...]}, ...}. Run it with
-MALLOC_MMAP_THRESHOLD_ fixed (PEAK_ENV), so freed activations leave the process and every step's peak is its own.
+`python -m bench.moe_step step OUT_JSON REPS STEPS PKG...` loads the packages (.pt2 paths, each with its
+.json beside it) with random weights and times STEPS steps of each, REPS times, rotating which goes first,
+and records each step's peak memory: the growth of the process's peak resident memory (VmHWM, reset just
+before a step) over what it held before it, i.e. what the step allocates beyond the weights. It writes
+OUT_JSON: {PKG: {'s': [s per step, ...], 'peak_bytes': [...]}, ...}. Run it with MALLOC_MMAP_THRESHOLD_ fixed
+(PEAK_ENV), so freed activations leave the process and every step's peak is its own.
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ import time
 from pathlib import Path
 
 EXPERTS = (4, 32)
-"""The expert counts compared (top 2 of each): evaluating every expert would make the 32-expert step ~8x."""
+"""The expert counts whose steps are compared (top 2 of each): evaluating every expert would make the
+32-expert step ~8x."""
+COMPILE_EXPERTS = (4, 32, 128)
+"""The expert counts whose prefill compiles are compared."""
+DTYPE = "bfloat16"
+"""The models' dtype: that of real MoE checkpoints, and the one prefill's grouped multiplies trace in."""
 TOP_K = 2
 LAYERS = 2
 TP = 2
@@ -36,36 +41,34 @@ PEAK_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
 threshold also stops glibc raising it), so one step's activations do not stay resident into the next."""
 
 
-def config(experts: int):
+def config(experts: int, dtype: str = DTYPE):
     """The tiny model's width (hidden 384, 24 heads, 12 KV heads), Qwen3-MoE layers of `experts` experts."""
     from kiln.core.config import TINY
 
-    return TINY.replace(architecture="qwen3_moe", qk_norm=True, num_layers=LAYERS, num_experts=experts,
+    return TINY.replace(architecture="qwen3_moe", dtype=dtype, qk_norm=True, num_layers=LAYERS, num_experts=experts,
                         experts_per_token=TOP_K, moe_intermediate_size=TINY.intermediate_size,
                         norm_topk_prob=True, moe_layers=tuple(range(LAYERS)))
 
 
-def _name(experts: int, bucket: tuple[int, int]) -> str:
-    return f"experts-{experts}" if bucket == (1, 1) else f"experts-{experts}-{bucket[0]}x{bucket[1]}"
+def package_name(experts: int, bucket: tuple[int, int] = (1, 1), dtype: str = DTYPE) -> str:
+    return f"experts-{experts}-{bucket[0]}x{bucket[1]}-{dtype}"
 
 
-def _spec(experts: int, bucket: tuple[int, int]) -> dict:
+def compile_one(experts: int, out: Path, bucket: tuple[int, int] = (1, 1), dtype: str = DTYPE) -> dict:
     from bench.specs import bench_spec
-
-    return bench_spec(config(experts), tp=TP, bucket=bucket, page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ)
-
-
-def compile_one(experts: int, out: Path, bucket: tuple[int, int] = (1, 1)) -> dict:
     from kiln.host.compiler import _warm, compile_forward
 
     _warm()
     out.mkdir(parents=True, exist_ok=True)
-    result = compile_forward(_spec(experts, bucket), str(out / f"{_name(experts, bucket)}.pt2"))
-    return {"compile_s": result.compile_s, "size_bytes": result.size_bytes}
+    spec = bench_spec(config(experts, dtype), tp=TP, bucket=bucket, page_tokens=PAGE_TOKENS,
+                      pages_per_seq=PAGES_PER_SEQ)
+    result = compile_forward(spec, str(out / f"{package_name(experts, bucket, dtype)}.pt2"))
+    return {"compile_s": result.compile_s, "size_bytes": result.size_bytes, "experts": experts,
+            "bucket": list(bucket), "dtype": dtype, "python_free": (result.calls or {}).get("python_free")}
 
 
-def step(out: Path, reps: int, steps: int, counts: tuple[int, ...], bucket: tuple[int, int] = (1, 1)) -> dict:
-    """{experts: {'s': [seconds per step, ...], 'peak_bytes': [one step's peak growth, ...]}}."""
+def step(packages: list[Path], reps: int, steps: int) -> dict:
+    """{package path: {'s': [seconds per step, ...], 'peak_bytes': [one step's peak growth, ...]}}."""
     import torch
 
     from bench.loader_peak import peak_growth_bytes
@@ -74,25 +77,27 @@ def step(out: Path, reps: int, steps: int, counts: tuple[int, ...], bucket: tupl
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group
 
     torch.set_num_threads(1)
-    samples: dict[str, dict[str, list]] = {str(e): {"s": [], "peak_bytes": []} for e in counts}
+    samples: dict[str, dict[str, list]] = {str(path): {"s": [], "peak_bytes": []} for path in packages}
     with solo_group():
-        packages, args = {}, {}
-        for e in counts:
-            cfg = config(e)
-            path = out / f"{_name(e, bucket)}.pt2"
-            packages[str(e)] = load_forward(path, shard_state_dict(random_state_dict(cfg), cfg, TP, 0), sha256_file(path))
-            args[str(e)] = example_inputs(cfg, TP, *bucket, page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ,
-                                          num_pages=PAGES_PER_SEQ * bucket[0] + 1)
+        loaded, args = {}, {}
+        for path in packages:
+            info = json.loads(path.with_suffix(".json").read_text())
+            cfg, bucket = config(info["experts"], info["dtype"]), tuple(info["bucket"])
+            loaded[str(path)] = load_forward(path, shard_state_dict(random_state_dict(cfg), cfg, TP, 0),
+                                             sha256_file(path))
+            args[str(path)] = example_inputs(cfg, TP, *bucket, page_tokens=PAGE_TOKENS,
+                                             pages_per_seq=PAGES_PER_SEQ, num_pages=PAGES_PER_SEQ * bucket[0] + 1)
         with torch.no_grad():
-            for name, p in packages.items():
+            for name, p in loaded.items():
                 p(*args[name])  # warm
+            names = list(samples)
             for i in range(reps):
-                for name in (list(samples) if i % 2 == 0 else list(samples)[::-1]):
+                for name in names[i % len(names):] + names[:i % len(names)]:
                     start = time.perf_counter()
                     for _ in range(steps):
-                        packages[name](*args[name])
+                        loaded[name](*args[name])
                     samples[name]["s"].append((time.perf_counter() - start) / steps)
-                    samples[name]["peak_bytes"].append(peak_growth_bytes(lambda: packages[name](*args[name])))
+                    samples[name]["peak_bytes"].append(peak_growth_bytes(lambda: loaded[name](*args[name])))
     return samples
 
 
@@ -100,12 +105,9 @@ if __name__ == "__main__":
     if sys.argv[1] == "compile":
         experts, out = int(sys.argv[2]), Path(sys.argv[3])
         bucket = tuple(int(n) for n in sys.argv[4].split("x")) if len(sys.argv) > 4 else (1, 1)
-        (out / f"{_name(experts, bucket)}.json").write_text(json.dumps(compile_one(experts, out, bucket)))
-    elif sys.argv[1] == "prefill":
-        out = Path(sys.argv[2])
-        counts = tuple(int(e) for e in sys.argv[4:])
-        (out / "prefill.json").write_text(json.dumps(step(out, int(sys.argv[3]), 1, counts, PREFILL)))
+        dtype = sys.argv[5] if len(sys.argv) > 5 else DTYPE
+        (out / f"{package_name(experts, bucket, dtype)}.json").write_text(
+            json.dumps(compile_one(experts, out, bucket, dtype)))
     else:
-        out = Path(sys.argv[2])
-        counts = tuple(int(e) for e in sys.argv[5:])
-        (out / "step.json").write_text(json.dumps(step(out, int(sys.argv[3]), int(sys.argv[4]), counts)))
+        Path(sys.argv[2]).write_text(json.dumps(step([Path(p) for p in sys.argv[5:]], int(sys.argv[3]),
+                                                     int(sys.argv[4]))))

@@ -86,10 +86,14 @@ def test_kiln_computes_what_transformers_computes(case, hf_root):
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen3-moe", "qwen2-moe", "deepseek-v3"])
-def test_a_step_of_few_tokens_gathers_its_experts_and_computes_what_every_expert_would(case, hf_root):
-    """The two ways a mixture-of-experts layer computes (kiln.host.model.mixture_of_experts): one token alone
-    takes the gathered path, the same token among many the every-expert path; same output."""
+def test_each_way_of_computing_the_experts_computes_the_same(case, hf_root):
+    """The ways a mixture-of-experts layer computes (kiln.host.model.mixture_of_experts): in float32 one
+    token alone gathers its experts, the same token among many runs every expert over every token; in
+    bfloat16 both run the grouped multiplies over the pairs sorted by expert, whose every pair matches its
+    gathered expert's output (the same routing: float32 and bfloat16 may route a near tie apart)."""
+    from kiln.core.contract import EXPERTS
     from kiln.host.model import GATHER_BELOW, mixture_of_experts
+    from kiln.host.model.moe import _gathered, _grouped, groups_trace, route
 
     path = write_case(case, hf_root)
     cfg = inspect_checkpoint(path)
@@ -99,14 +103,26 @@ def test_a_step_of_few_tokens_gathers_its_experts_and_computes_what_every_expert
     model = ShardedDecoder(cfg, 1).eval()
     model.load_state_dict({k: v for k, v in weights.items() if k in model.state_dict()}, strict=True)
     layer = {n: w[0] for n, w in model.model.runs[run].stacked().items()}
+    half = {n: w.to(torch.bfloat16) for n, w in layer.items()}
     many = cfg.num_experts // cfg.experts_per_token + 1
     assert GATHER_BELOW * cfg.experts_per_token <= cfg.num_experts < many * cfg.experts_per_token
     h = torch.randn(1, many, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    module, names = EXPERTS[cfg.architecture]
+    gate = f"{module}.experts.{names[0]}.weight"
+    assert not groups_trace(h[0], layer[gate]) and groups_trace(h[0].bfloat16(), half[gate])
+    projections = [half[f"{module}.experts.{name}.weight"] for name in names]
     with torch.no_grad():
         alone = mixture_of_experts(cfg, 1, layer, h[:, :1])
         among = mixture_of_experts(cfg, 1, layer, h)
-    assert float((alone - among[:, :1]).abs().max()) < 1e-5
+        _, chosen = route(cfg, half, module, h[0].bfloat16())
+        pairs = _grouped(h[0].bfloat16(), chosen, *projections).float()
+        gathered = _gathered(h[0].bfloat16(), chosen, *projections).float()
+        grouped_alone = mixture_of_experts(cfg, 1, half, h[:, :1].bfloat16()).float()
+        grouped_among = mixture_of_experts(cfg, 1, half, h.bfloat16()).float()
     assert float(alone.abs().max()) > 1e-2
+    assert float((alone - among[:, :1]).abs().max()) < 1e-5
+    assert float((pairs - gathered).abs().max()) < 1e-2 * float(gathered.abs().max())
+    assert float((grouped_alone - grouped_among[:, :1]).abs().max()) < 2e-2 * float(grouped_alone.abs().max())
 
 
 def test_deepseek_routing_correction_matters(hf_root):

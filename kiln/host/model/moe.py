@@ -25,7 +25,9 @@ from kiln.core.contract import EXPERTS, SHARED_EXPERTS
 from kiln.host.model.collectives import reduce
 
 GATHER_BELOW = 3
-"""A step gathers its chosen experts when GATHER_BELOW x its (token, expert) pairs are at most the experts."""
+"""Outside bfloat16, a step gathers its chosen experts when GATHER_BELOW x its (token, expert) pairs are at
+most the experts (a gathered expert's weights are read, copied and read again; for more pairs reading every
+expert once costs less)."""
 
 ROUTE_PROBE = None
 """The checker's routing probe (kiln.host.routing_ties.RouteProbe), None otherwise: when set, each router
@@ -75,18 +77,20 @@ def _route_groups(cfg: ModelConfig, p: dict[str, torch.Tensor], module: str,
 def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
     """The layer's MLP output [b, t, hidden], summed over the ranks.
 
-    The compute follows the chosen experts: when a step routes few (token, expert) pairs against the
-    experts (GATHER_BELOW; decode), only the chosen experts' weights are gathered and multiplied; otherwise
-    (prefill) every expert runs over every token, weighted by its routing weight or 0: a gathered expert's
-    weights are read, copied and read again, so for that many pairs reading every expert once costs less.
-    The choice is made when the graph is traced: at a static shape by its size; over a range of shapes
+    The compute follows the chosen experts. In bfloat16 (`groups_trace`) a step sorts its (token, expert)
+    pairs by expert and runs one grouped matrix multiply per projection (`torch._grouped_mm`, each expert
+    over its own rows, its weights read in place): its compute is its pairs', its graph one op whatever the
+    experts, its memory its pairs' [n * k, I/tp] activations. That holds for decode too, where it reads
+    only the chosen experts' weights (measured, eager, one thread: about half the time of gathering them).
+
+    torch 2.13 traces `_grouped_mm` only in bfloat16 over rows of whole 16 bytes, so in any other dtype a
+    step of few pairs against the experts (GATHER_BELOW; decode) gathers the chosen experts' weights and
+    multiplies each pair by its own, and a wider step (prefill) runs every expert over every token,
+    weighted by its routing weight or 0, as one scan over the experts (`_every_expert`): one expert's body
+    in the graph, one expert's [n, I/tp] activations at a time, its compute every expert's. The choice is
+    made when the graph is traced: at a static shape by its size; over a range of shapes
     (kiln.core.shape_ranges) it gathers only when every shape of the range would, without a guard that
     would narrow the range.
-
-    Prefill runs the experts one after another, each weighting its activations by its routing weights
-    before its down projection, which adds into the sum (in the model's dtype, in expert order, as
-    transformers' experts add theirs), so a step holds one expert's [tokens, I/tp] activations at a time:
-    its memory does not grow with the experts (computing all of them at once held [tokens, experts, hidden]).
     """
     module, names = EXPERTS[cfg.architecture]
     gate_w, up_w, down_w = (p[f"{module}.experts.{n}.weight"] for n in names)  # [E, I/tp, H], [E, I/tp, H], [E, H, I/tp]
@@ -94,21 +98,68 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
     x = h.reshape(b * t, hidden)
     weights, chosen = route(cfg, p, module, x)
     n, k = chosen.shape
-    if statically_known_true(GATHER_BELOW * n * k <= cfg.num_experts):  # over a range: only if all of it gathers
-        flat = chosen.reshape(-1)
-        rows = x.repeat_interleave(k, dim=0)[:, None, :]  # [n*k, 1, H]
-        act = F.silu(torch.bmm(rows, gate_w[flat].transpose(1, 2))) * torch.bmm(rows, up_w[flat].transpose(1, 2))
-        out = torch.bmm(act, down_w[flat].transpose(1, 2)).reshape(n, k, hidden)  # [n, k, H]
-        mixed = (out * weights[..., None]).to(h.dtype).sum(dim=1)
+    if groups_trace(x, gate_w):
+        out = _grouped(x, chosen, gate_w, up_w, down_w)
+    elif statically_known_true(GATHER_BELOW * n * k <= cfg.num_experts):  # over a range: only if all of it gathers
+        out = _gathered(x, chosen, gate_w, up_w, down_w)
     else:
-        dense = torch.zeros(n, cfg.num_experts, dtype=weights.dtype, device=x.device).scatter(1, chosen, weights)
-        mixed = torch.zeros_like(x)
-        for e in range(cfg.num_experts):  # addmm: a pointwise sum would fuse into one kernel holding every output
-            act = (F.silu(F.linear(x, gate_w[e])) * F.linear(x, up_w[e]) * dense[:, e, None]).to(h.dtype)  # [n, I/tp]
-            mixed = torch.addmm(mixed, act, down_w[e].t())
+        out = None
+    if out is None:
+        mixed = _every_expert(cfg, x, weights, chosen, gate_w, up_w, down_w)
+    else:
+        mixed = (out.reshape(n, k, hidden) * weights[..., None]).to(h.dtype).sum(dim=1)
     if cfg.shared_expert_intermediate_size:  # every token also runs the shared expert(s): this rank's part
         shared_module, gate = SHARED_EXPERTS[cfg.architecture]
         shared = F.linear(F.silu(F.linear(x, p[f"{shared_module}.gate_proj.weight"]))
                           * F.linear(x, p[f"{shared_module}.up_proj.weight"]), p[f"{shared_module}.down_proj.weight"])
         mixed = mixed + (shared if gate is None else torch.sigmoid(F.linear(x, p[f"{gate}.weight"])) * shared)
     return reduce(mixed, tp).reshape(b, t, hidden)
+
+
+def groups_trace(x: torch.Tensor, gate_w: torch.Tensor) -> bool:
+    """Whether torch.export traces `_grouped_mm` over these tokens [n, H] and experts [E, I/tp, H]: its meta
+    function (torch 2.13) takes bfloat16 alone, each row a whole number of 16 bytes (H and I/tp multiples of 8)."""
+    return (x.dtype == gate_w.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0 and gate_w.shape[1] % 8 == 0)
+
+
+def _gathered(x: torch.Tensor, chosen: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor,
+              down_w: torch.Tensor) -> torch.Tensor:
+    """Each (token, expert) pair's expert output [n * k, H], token-major, unweighted: its expert's weights
+    gathered and multiplied by the pair alone."""
+    flat = chosen.reshape(-1)
+    rows = x.repeat_interleave(chosen.shape[1], dim=0)[:, None, :]  # [n*k, 1, H]
+    act = F.silu(torch.bmm(rows, gate_w[flat].transpose(1, 2))) * torch.bmm(rows, up_w[flat].transpose(1, 2))
+    return torch.bmm(act, down_w[flat].transpose(1, 2))[:, 0]
+
+
+def _grouped(x: torch.Tensor, chosen: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor,
+             down_w: torch.Tensor) -> torch.Tensor:
+    """Each (token, expert) pair's expert output [n * k, H], in the pairs' order (token-major), unweighted."""
+    flat = chosen.reshape(-1)  # [n*k]
+    order = torch.argsort(flat, stable=True)  # the pairs sorted by expert
+    per_expert = torch.zeros(gate_w.shape[0], dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(per_expert, 0, dtype=torch.int32)  # where each expert's rows end
+    rows = x[order // chosen.shape[1]]  # [n*k, H], grouped by expert
+    act = (F.silu(torch._grouped_mm(rows, gate_w.transpose(1, 2), offs=offs))
+           * torch._grouped_mm(rows, up_w.transpose(1, 2), offs=offs))
+    out = torch._grouped_mm(act, down_w.transpose(1, 2), offs=offs)
+    return torch.empty_like(out).index_copy(0, order, out)  # back in the pairs' order
+
+
+def _every_expert(cfg: ModelConfig, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                  gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+    """Every expert over every token [n, H], one scan over the experts: each weights its activations by its
+    routing weights (0 where not chosen) before its down projection, which adds into the sum (addmm: a
+    pointwise sum would fuse into one kernel holding every expert's output)."""
+    from torch._higher_order_ops.scan import scan
+
+    dense = torch.zeros(chosen.shape[0], cfg.num_experts, dtype=weights.dtype, device=x.device)
+    dense = dense.scatter(1, chosen, weights).t().contiguous()  # [E, n]
+
+    def body(carry, expert):  # the tokens ride in the carry: Inductor (torch 2.13) fails on a tensor closed over
+        mixed, rows = carry   # from the layer scan outside ("shape [b, t, H] is invalid for input of size H")
+        act = (F.silu(F.linear(rows, expert["gate"])) * F.linear(rows, expert["up"]) * expert["weight"][:, None])
+        return (torch.addmm(mixed, act.to(rows.dtype), expert["down"].t()), rows.clone()), ()
+
+    return scan(body, (torch.zeros_like(x), x), {"gate": gate_w, "up": up_w, "down": down_w, "weight": dense})[0][0]
