@@ -17,6 +17,7 @@ from prefect_aws import AwsCredentials, MinIOCredentials
 from pydantic import Field
 
 from kiln.core.errors import BadInput
+from kiln.core.job import CHECKSUM_MODES
 from kiln.core.recipe import Recipe, recipe_form, recipe_of_form
 
 
@@ -28,8 +29,8 @@ class KilnStore(Block):
 
     url: str = Field(..., description="file://DIR or s3://BUCKET/PREFIX")
     endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, Ceph, ...); empty for AWS itself.")
-    checksum_mode: Literal["when_required", "when_supported"] = Field(
-        "when_required", description="boto3 request/response checksums; some S3-compatible servers reject them.")
+    checksum_mode: Literal[CHECKSUM_MODES] = Field(
+        CHECKSUM_MODES[0], description="boto3 request/response checksums; some S3-compatible servers reject them.")
     credentials: AwsCredentials | MinIOCredentials | None = Field(
         None, description="Credentials; empty: the standard AWS chain of each host.")
 

@@ -14,7 +14,9 @@ import os
 import sys
 from contextlib import contextmanager
 
+from kiln.core.config import BUNDLED_MODEL, DTYPE_BYTES
 from kiln.core.errors import BadInput, GateRefused, KilnError
+from kiln.core.job import CHECKSUM_MODES, DEFAULT_TP
 from kiln.core.recipe import SETTING, SETTINGS
 from kiln.host.procs import Reaper
 
@@ -70,14 +72,14 @@ def _recipe_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="'tiny', a Hugging Face-layout checkpoint directory, or "
+    p.add_argument("--model", default=BUNDLED_MODEL, help="'tiny', a Hugging Face-layout checkpoint directory, or "
                    "s3://BUCKET/PREFIX holding one (each host reads its ranks' slices; at --s3-endpoint)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--tp", type=int, default=DEFAULT_TP, help=f"tensor-parallel degree (default {DEFAULT_TP})")
+    p.add_argument("--dtype", choices=list(DTYPE_BYTES),
                    help="compile and run in this dtype (default: the checkpoint's config.json dtype)")
     p.add_argument("--store", help="file://DIR or s3://BUCKET/PREFIX (default: KILN_HOME/store)")
     p.add_argument("--s3-endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL)")
-    p.add_argument("--s3-checksum", choices=["when_required", "when_supported"], default="when_required",
+    p.add_argument("--s3-checksum", choices=CHECKSUM_MODES, default=CHECKSUM_MODES[0],
                    help="boto3 checksum mode (some S3-compatible servers reject when_supported)")
     p.add_argument("--store-block", help="name of a 'Kiln Store' Prefect block")
     p.add_argument("--recipe-block", help="name of a 'Kiln Recipe' Prefect block")
@@ -226,7 +228,7 @@ def cmd_announce(args) -> int:
     if params.export_id:
         check_export_id(params.export_id)
     model = params.model
-    if model != "tiny":
+    if model != BUNDLED_MODEL:
         from pathlib import Path
 
         from kiln.host import weights

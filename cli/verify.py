@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 
 from blocks.trust import read_verified_manifest, trusted_keys
-from kiln.core.config import ModelConfig
+from kiln.core.config import BUNDLED_MODEL, ModelConfig
 from kiln.core.errors import BadInput, MemoryShort, VerifyMismatch
 from kiln.core.forward_keys import check_export_id
 from kiln.core.home import kiln_home
@@ -78,7 +78,7 @@ def open_export(store_url: str | None, export_id: str, dest: str, *, model: str 
     manifest = check_manifest(raw, export_id=export_id)
     if model:
         checkpoint = model.rstrip("/") if weights.is_s3(model) else str(Path(model).resolve())
-    elif manifest["model"]["name"] == "tiny":
+    elif manifest["model"]["name"] == BUNDLED_MODEL:
         checkpoint = str(tiny_checkpoint(home))
     else:
         checkpoint = manifest["model"].get("checkpoint", "")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from prefect.events import emit_event
 
 from kiln.core import events
+from kiln.core.config import BUNDLED_MODEL
 from kiln.core.errors import GateRefused, KilnError
 from kiln.core.retry_rule import worth_retrying
 
@@ -45,8 +46,8 @@ class ExportOutcome:
         ctx = FlowRunContext.get()
         run = ctx.flow_run if ctx else None
         attempt = run.run_count if run else 1
-        model = getattr(self.params, "model", None) or str(self.parameters.get("model", "tiny"))
-        if self.job is not None and model != "tiny":
+        model = getattr(self.params, "model", None) or str(self.parameters.get("model", BUNDLED_MODEL))
+        if self.job is not None and model != BUNDLED_MODEL:
             model = self.job.checkpoint  # absolute: `--model` takes it again from anywhere
         export_id = getattr(self.params, "export_id", None) or (f"flow-run-{run.id}" if run else "unnamed")
         final = error is None or self.recipe is None or attempt > self.recipe.flow_retries or \

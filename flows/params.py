@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kiln.core.errors import BadInput
 from kiln.core.forward_keys import check_export_id
 from kiln.core.home import kiln_home
-from kiln.core.job import ExportJob, HostSpec, place_ranks
+from kiln.core.config import BUNDLED_MODEL, DTYPE_BYTES
+from kiln.core.job import CHECKSUM_MODES, DEFAULT_TP, ExportJob, HostSpec, place_ranks
 from kiln.core.layout import manifest_key
 from kiln.core.recipe import SETTING, Recipe, recipe_form, recipe_of_form
 from kiln.core.settings import GROUPS, form_value, worded_text
@@ -58,15 +59,15 @@ class ExportParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field("tiny", min_length=1, title="Model",
+    model: str = Field(BUNDLED_MODEL, min_length=1, title="Model",
                        description="'tiny' (a small bundled test model), the directory of a Hugging Face "
                                    "checkpoint on the hosts (config.json and safetensors files), or "
                                    "s3://BUCKET/PREFIX holding one (read in place at the S3 endpoint).")
-    tp: int = Field(2, ge=1, le=1024, title="Tensor-parallel ranks",
+    tp: int = Field(DEFAULT_TP, ge=1, le=1024, title="Tensor-parallel ranks",
                     description="How many ranks share the model, each holding a slice of every layer: from 1 "
                                 "to 1024, and it must divide the model's attention heads, KV heads and MLP "
                                 "evenly (the run fails at once naming the values that do).")
-    dtype: Literal["checkpoint", "float32", "bfloat16", "float16"] = Field(
+    dtype: Literal[("checkpoint", *DTYPE_BYTES)] = Field(
         "checkpoint", title="Number format",
         description="The number format to compile and run in: 'checkpoint' keeps the one the checkpoint was "
                     "saved in.")
@@ -83,8 +84,8 @@ class ExportParams(BaseModel):
     s3_endpoint: str = Field("", title="S3 endpoint",
                              description="The S3 server's URL (e.g. http://127.0.0.1:9000). Empty: the "
                                          "serving machine's AWS_ENDPOINT_URL, or AWS itself.")
-    s3_checksum: Literal["when_required", "when_supported"] = Field(
-        "when_required", title="S3 checksums",
+    s3_checksum: Literal[CHECKSUM_MODES] = Field(
+        CHECKSUM_MODES[0], title="S3 checksums",
         description="When uploads send a checksum; some S3-compatible servers refuse 'when_supported'.")
     store_block: _BLOCK = Field(
         "", title="Store block",
@@ -148,7 +149,7 @@ def model_name(params: ExportParams) -> str:
     """The model's short name: 'tiny', the checkpoint directory's name or the S3 prefix's last part."""
     if params.model.startswith("s3://"):
         return params.model.rstrip("/").rsplit("/", 1)[-1]
-    return "tiny" if params.model == "tiny" else Path(params.model).expanduser().resolve().name
+    return BUNDLED_MODEL if params.model == BUNDLED_MODEL else Path(params.model).expanduser().resolve().name
 
 
 def export_params(*, recipe: dict | None = None, **fields) -> ExportParams:
@@ -216,7 +217,7 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     recipe = recipe or build_recipe(params)
     home = kiln_home()
     name = model_name(params)
-    if params.model == "tiny":
+    if params.model == BUNDLED_MODEL:
         checkpoint = str(tiny_checkpoint(home))
     elif weights.is_s3(params.model):
         checkpoint = params.model.rstrip("/")  # read where it is: each host reads its ranks' slices

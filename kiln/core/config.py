@@ -18,6 +18,8 @@ from kiln.core.errors import BadInput
 from kiln.core.v4_fields import V4Fields, check_model, module_shapes, tp_counts
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+BUNDLED_MODEL = "tiny"
+"""The model name that means Kiln's own small test model (TINY), not a checkpoint."""
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",

@@ -10,6 +10,12 @@ from kiln.core.forward_keys import ForwardSpec, forward_spec
 from kiln.core.recipe import Recipe
 from kiln.core.signing import SigningPlan
 
+DEFAULT_TP = 2
+"""Tensor-parallel ranks when none are given (the CLI, the run form)."""
+CHECKSUM_MODES = ("when_required", "when_supported")
+"""When S3 uploads send a checksum (boto3's request_checksum_calculation); the first is the default, which
+S3-compatible servers accept."""
+
 
 @dataclass(frozen=True)
 class HostSpec:
@@ -33,7 +39,7 @@ class ExportJob:
     recipe: Recipe
     store_url: str
     s3_endpoint: str | None = None
-    checksum_mode: str = "when_required"
+    checksum_mode: str = CHECKSUM_MODES[0]
     store_block: str | None = None
     """A 'Kiln Store' Prefect block each host loads itself, so secrets never travel in task parameters."""
     assume_available: dict[str, int] = field(default_factory=dict)

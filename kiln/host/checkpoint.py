@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kiln.core.config import TINY, ModelConfig
+from kiln.core.config import BUNDLED_MODEL, TINY, ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.hf_config import from_hf, to_hf
 from kiln.core.safetensors_header import TensorEntry, index_weight_map
@@ -196,7 +196,7 @@ def random_checkpoint(path: Path | str, cfg: ModelConfig, *, seed: int = 0, num_
 
 def tiny_checkpoint(home: Path | str) -> Path:
     """The bundled tiny model, written once under `home`/models/tiny (seeded, so always the same)."""
-    path = Path(home) / "models" / "tiny"
+    path = Path(home) / "models" / BUNDLED_MODEL
     if (path / "config.json").exists():
         return path
     tmp = path.with_name(f"tiny.tmp-{os.getpid()}")

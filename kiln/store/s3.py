@@ -73,6 +73,7 @@ from botocore.exceptions import (
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from kiln.core.errors import BadInput, IntegrityError, StoreError
+from kiln.core.job import CHECKSUM_MODES
 from kiln.core.key_rules import (
     sha256_bytes,
     validate_bucket,
@@ -88,7 +89,6 @@ from kiln.store.s3_parts import byte_ranges, fetch_in_order, upload_in_parts, wr
 MIB = 1024 * 1024
 REQUEST_RETRIES = {"mode": "standard", "max_attempts": 8}
 """botocore's retries of one S3 request (the store's and an S3 checkpoint's): the only level that retries it."""
-CHECKSUM_MODES = ("when_required", "when_supported")
 _MIN_PART_BYTES = 5 * MIB  # S3's minimum size of every part but the last
 _CONFLICT_ATTEMPTS = 8  # 409s and create/delete races: back off and try again
 READ_ATTEMPTS = 5
@@ -124,7 +124,7 @@ class S3Store(Store):
         access_key: str | None = None,
         secret_key: str | None = None,
         session_token: str | None = None,
-        checksum_mode: str = "when_required",
+        checksum_mode: str = CHECKSUM_MODES[0],
         max_attempts: int = REQUEST_RETRIES["max_attempts"],
         read_attempts: int = READ_ATTEMPTS,
         multipart_threshold_bytes: int = 8 * MIB,
