@@ -240,20 +240,3 @@ def layer_state(cfg: "ModelConfig", kind: str, capacity_tokens: int) -> dict[str
         i = cfg.v4.index_head_dim
         out.update({"index_entries": (entries, i), "index_ring_kv": (rows, 2 * i), "index_ring_gate": (rows, 2 * i)})
     return out
-
-
-def cache_values_per_token(cfg: "ModelConfig") -> float:
-    """Cached values each token adds, summed over the layers, once a sequence is long (the entries; the
-    window and rings are a fixed amount per sequence): head_dim / rate per compressed layer, plus a CSA
-    layer's index_head_dim / rate. DeepSeek-V3's is (kv_lora_rank + qk_rope_head_dim) per layer."""
-    out = 0.0
-    for kind in cfg.v4.layer_types:
-        if kind != SLIDING:
-            out += (cfg.head_dim + (cfg.v4.index_head_dim if kind == CSA else 0)) / cfg.v4.rate_of(kind)
-    return out
-
-
-def cache_values_per_sequence(cfg: "ModelConfig") -> int:
-    """Cached values each sequence holds whatever its length: every layer's window and rings."""
-    return sum(rows * width for kind in cfg.v4.layer_types
-               for name, (rows, width) in layer_state(cfg, kind, 0).items() if "entries" not in name)
