@@ -225,6 +225,22 @@ def cache_layout(cfg: ModelConfig, tp: int, context_tokens: int | None = None) -
     return CacheLayout(entries=("keys", "values"), heads=cfg.num_kv_heads // tp, width=cfg.head_dim, sharded=True)
 
 
+def slot_context(cfg: ModelConfig, slot_values: int) -> int:
+    """A context whose DeepSeek-V4 slot is `slot_values` wide (every such context has the same states: the
+    layout's rows, all a model needs to read a slot); ValueError when no context has a slot that wide."""
+    fixed = cache_layout(cfg, 1, 0).slot_values
+    per_token = cache_layout(cfg, 1, 0).values_per_token(cfg.num_layers)
+    context = int((slot_values - fixed) // per_token) if per_token else 0
+    while context >= 0:  # a slot's rows round its context up to whole entries: it is at most this
+        width = cache_layout(cfg, 1, context).slot_values
+        if width == slot_values:
+            return context
+        if width < slot_values:
+            break
+        context -= 1
+    raise ValueError(f"no context has a DeepSeek-V4 slot of {slot_values} values (kiln.core.contract.cache_layout)")
+
+
 def _v4_states(cfg: ModelConfig, context_tokens: int) -> list[CacheState]:
     """DeepSeek-V4's state tensors, run by run (kiln.core.v4_fields.layer_state of the run's kind)."""
     out, offset = [], 0

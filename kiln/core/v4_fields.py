@@ -194,15 +194,23 @@ def tp_counts(cfg: "ModelConfig") -> list[tuple[str, int]]:
             ("expert intermediate size", cfg.moe_intermediate_size)]
 
 
-def export_refusal(cfg: "ModelConfig") -> str:
-    """Why Kiln does not export DeepSeek-V4 yet: what is missing, for the refusal before anything starts."""
-    return ("DeepSeek-V4 (model_type deepseek_v4) is computed by Kiln in eager mode only (a prompt, and steps "
-            "over its compressed cache, checked against transformers): its compressed KV cache (per layer the "
-            "sliding window, the compressor's entries and pending tokens, a CSA layer's indexer keys; "
-            "kiln.core.v4_fields.layer_state) is not yet in the compiled forward's contract "
-            "(kiln.core.contract.cache_layout), nor in the KV plan, kiln run, kiln verify or the runners, so no "
-            "compiled step could carry it from one call to the next. Kiln refuses the export rather than compile "
-            "a step that forgets it; run DeepSeek-V4 with transformers until Kiln's compiled cache lands.")
+def export_refusal(recipe: "Recipe") -> str | None:
+    """Why Kiln does not export DeepSeek-V4 with `recipe`, or None. Its compiled step carries the compressed
+    cache as a slot per sequence (kiln.core.contract.cache_layout) that every token of a step rewrites, so:
+    - a step is never padded in tokens (kiln.core.decode.prefill_steps): a bucket of 1 token serves decoding
+      and finishes any prompt;
+    - static shapes only so far: a forward over a range of batches or tokens is not yet checked for V4."""
+    why = []
+    if not any(b.tokens == 1 for b in recipe.buckets):
+        why.append("a bucket of 1 token (each decode step's: a step of DeepSeek-V4's compressed cache takes no "
+                   "padding), e.g. --set buckets=1x1," + ",".join(map(str, recipe.buckets)))
+    ranges = [str(r) for r in recipe.shapes if not r.static]
+    if ranges:
+        why.append(f"static shapes (forwards {', '.join(ranges)} are ranges, not yet checked for DeepSeek-V4): "
+                   "--set shape_policy=static, and only static forward_shapes")
+    if not why:
+        return None
+    return "DeepSeek-V4 (model_type deepseek_v4) exports need " + "; and ".join(why) + "."
 
 
 def shard_slice(name: str, cfg: "ModelConfig", tp: int, rank: int) -> tuple[int, int, int] | None:

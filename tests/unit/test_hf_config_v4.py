@@ -207,3 +207,25 @@ def test_the_kv_plan_counts_a_v4_slot_over_its_pages_and_v4_caches_less_than_v3(
     latent = cache_layout(v3, 1).values_per_token(v3.num_layers)
     assert (v4, latent) == (20 * (512 + 128) / 4 + 23 * 512 / 128, 43 * 576)
     assert latent / v4 > 7
+
+
+def test_a_slot_width_gives_back_a_context_with_the_same_states():
+    from kiln.core.contract import slot_context
+
+    cfg = from_hf(V3_LIKE)
+    for context in (0, 1, 7, 8, 64, 100):
+        layout = cache_layout(cfg, 1, context)
+        assert cache_layout(cfg, 1, slot_context(cfg, layout.slot_values)).states == layout.states
+    with pytest.raises(ValueError, match="no context"):
+        slot_context(cfg, cache_layout(cfg, 1, 8).slot_values + 1)
+
+
+def test_a_v4_export_needs_a_one_token_bucket_and_static_shapes():
+    from kiln.core.recipe import parse_buckets
+    from kiln.core.v4_fields import export_refusal
+
+    assert export_refusal(Recipe(buckets=parse_buckets("1x1,1x8"), shape_policy="static")) is None
+    why = export_refusal(Recipe(buckets=parse_buckets("1x8,2x8"), shape_policy="static"))
+    assert "a bucket of 1 token" in why and "--set buckets=1x1,1x8,2x8" in why and "static" not in why.split(";")[0][-9:]
+    why = export_refusal(Recipe(buckets=parse_buckets("1x1,2x1,4x1")))
+    assert "1 token" not in why and "2-4x1" in why and "--set shape_policy=static" in why
