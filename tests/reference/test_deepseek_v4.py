@@ -148,7 +148,7 @@ V4_EXPORT = ("--buckets", "1x1,1x8", "--shape-policy", "static", "--set", "max_c
 def test_kiln_export_and_run_decode_what_transformers_generates(v4_path, kiln, prefect_server, tmp_path):
     """`kiln export` at tp 1 and tp 2, `kiln run` of each, against transformers' generate(): ids equal, logits
     within 1e-4 in float32, over a 20-token prompt and 12 steps (past the window of 8, across CSA windows of 4
-    and HCA windows of 8); then `kiln verify` of the tp 2 export."""
+    and HCA windows of 8); then `kiln verify` of the tp 2 export and the torch-only example's step of it."""
     from hf_models import reference_generate
 
     store, env = f"file://{tmp_path / 'store'}", {"PREFECT_API_URL": prefect_server}
@@ -172,6 +172,14 @@ def test_kiln_export_and_run_decode_what_transformers_generates(v4_path, kiln, p
     verified = kiln("verify", "v4-tp2", "--store", store, env=env)
     assert verified.code == 0, verified.err[-3000:]
     assert "verify ok: 2 ranks match the unsharded model" in verified.out
+    # The torch-only consumer (examples/torch_only.py) gives the forwards their slots from the manifest alone.
+    from torch_only_harness import run_torch_only, run_with_kiln
+
+    manifest, packages = tmp_path / "store" / "exports" / "v4-tp2" / "manifest.json", tmp_path / "store" / "forwards"
+    run_torch_only(manifest, packages, str(v4_path), tmp_path / "torch-only")
+    run_with_kiln(manifest, packages, tmp_path / "with-kiln")
+    alone, kiln_step = (torch.load(tmp_path / d / "rank0.pt") for d in ("torch-only", "with-kiln"))
+    assert sorted(alone) == ["1x1", "1x8"] and all(torch.equal(alone[b], kiln_step[b]) for b in alone)
 
 
 def test_tp_3_is_refused_naming_the_counts_and_the_tp_values_that_work(v4_path, kiln_main):
