@@ -199,15 +199,17 @@ def export_refusal(recipe: "Recipe") -> str | None:
     cache as a slot per sequence (kiln.core.contract.cache_layout) that every token of a step rewrites, so:
     - a step is never padded in tokens (kiln.core.decode.prefill_steps): a bucket of 1 token serves decoding
       and finishes any prompt;
-    - static shapes only so far: a forward over a range of batches or tokens is not yet checked for V4."""
+    - static shapes only so far: over a range of batches Inductor's lowering of the scanned step fails
+      (KeyError on the batch's symbol), over a range of tokens torch.export specializes it (the windows a
+      step may complete, ceil(tokens / rate), differ across the range)."""
     why = []
     if not any(b.tokens == 1 for b in recipe.buckets):
         why.append("a bucket of 1 token (each decode step's: a step of DeepSeek-V4's compressed cache takes no "
                    "padding), e.g. --set buckets=1x1," + ",".join(map(str, recipe.buckets)))
     ranges = [str(r) for r in recipe.shapes if not r.static]
     if ranges:
-        why.append(f"static shapes (forwards {', '.join(ranges)} are ranges, not yet checked for DeepSeek-V4): "
-                   "--set shape_policy=static, and only static forward_shapes")
+        why.append(f"static shapes (forwards {', '.join(ranges)} are ranges, which its step does not compile "
+                   "over yet): --set shape_policy=static, and only static forward_shapes")
     if not why:
         return None
     return "DeepSeek-V4 (model_type deepseek_v4) exports need " + "; and ".join(why) + "."
