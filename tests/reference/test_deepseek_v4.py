@@ -294,6 +294,29 @@ def test_sequences_at_different_positions_step_together(v4_path):
     assert float((together[:, -1] - torch.stack(alone)).abs().max()) <= 1e-5
 
 
+def test_the_compiled_step_reads_and_writes_each_sequence_slot(v4_path):
+    """forward(tokens, start_pos, kv_cache, slots), the step Kiln compiles, is `step` over the states its slots
+    hold (kiln.core.contract.cache_layout), returning each sequence's slot after the step; two sequences at
+    other positions in slots 2 and 0 of 3."""
+    from kiln.core.contract import cache_layout
+    from kiln.host.model.deepseek_v4 import pack, unpack
+
+    cfg = inspect_checkpoint(v4_path)
+    model = DeepseekV4Decoder(cfg, 1).eval()
+    model.load_state_dict(load_rank_weights(v4_path, cfg, 1, 0), strict=True)
+    layout = cache_layout(cfg, 1, 48)
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(3, layout.slot_values, generator=gen)
+    slots, start, tokens = torch.tensor([2, 0]), torch.tensor([17, 32]), _tokens(cfg, 16).view(2, 8)
+    assert torch.equal(pack(layout, unpack(layout, cache)), cache)
+    with torch.no_grad():
+        logits, new_kv = model(tokens, start, cache, slots)
+        want, after = model.step(tokens, start, unpack(layout, cache[slots]))
+    assert new_kv.shape == (2, layout.slot_values)
+    assert torch.equal(logits, want) and torch.equal(new_kv, pack(layout, after))
+    assert not torch.equal(new_kv, cache[slots])
+
+
 def test_a_random_checkpoint_written_by_kiln_reads_back(tmp_path):
     """`kiln checkpoint`'s writer (random weights, config.json by to_hf) makes a V4 checkpoint that reads back as
     the same config, with tid2eid as expert ids, and runs."""

@@ -30,7 +30,7 @@ from kiln.host.model.compressed_attention import attention
 from kiln.host.model.compressor import rms_norm32
 from kiln.host.model.decoder import Holder, LayerRun, keep_float32
 from kiln.host.model.hyper_connections import expand, hyper_head, mix_weights
-from kiln.core.v4_fields import HASH_MOE, layer_state
+from kiln.core.v4_fields import HASH_MOE
 
 Cache = list[dict[str, torch.Tensor]]
 """Per run of layers, its state tensors by name, each [layers, batch, rows, width]."""
@@ -93,11 +93,10 @@ class DeepseekV4Decoder(nn.Module):
             self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def new_cache(self, batch: int, capacity_tokens: int) -> Cache:
-        """An empty cache for `batch` sequences of up to `capacity_tokens` tokens, in the model's dtype."""
-        cfg, dtype = self.cfg, self.model.embed_tokens.weight.dtype
-        return [{name: torch.zeros(run.stop - run.start, batch, *shape, dtype=dtype)
-                 for name, shape in layer_state(cfg, cfg.v4.layer_types[run.start], capacity_tokens).items()}
-                for run in self.model.runs]
+        """An empty cache for `batch` sequences of up to `capacity_tokens` tokens, in the model's dtype: the
+        states of zero slots (kiln.core.contract.cache_layout)."""
+        layout, weight = cache_layout(self.cfg, self.tp, capacity_tokens), self.model.embed_tokens.weight
+        return unpack(layout, torch.zeros(batch, layout.slot_values, dtype=weight.dtype, device=weight.device))
 
     def _apply(self, fn, recurse=True):
         """A cast keeps the tensors the contract holds in float32 so (kiln.core.v4_fields.FLOAT32_SUFFIXES)."""
