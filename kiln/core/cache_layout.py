@@ -14,6 +14,7 @@ holds and which rows grow with the context. The KV plan's page size is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 
 from kiln.core import v4_fields
 from kiln.core.config import ModelConfig
@@ -157,10 +158,11 @@ def slot_context(cfg: ModelConfig, slot_values: int) -> int:
 
 def _v4_states(cfg: ModelConfig, context_tokens: int) -> list[CacheState]:
     """DeepSeek-V4's state tensors, run by run (kiln.core.v4_fields.layer_state of the run's kind)."""
-    from kiln.core.contract import layer_runs  # the contract imports this module
-
     out, offset = [], 0
-    for j, (start, stop) in enumerate(layer_runs(cfg)):
+    # The runs of consecutive layers of one kind: kiln.core.contract.layer_runs of a V4 model.
+    for j, (_, layers) in enumerate(groupby(range(cfg.num_layers), key=cfg.v4.kind)):
+        layers = list(layers)
+        start, stop = layers[0], layers[-1] + 1
         kind = cfg.v4.layer_types[start]
         for name, (rows, width) in v4_fields.layer_state(cfg, kind, context_tokens).items():
             grows = cfg.v4.rate_of(kind) if name.endswith("entries") else None

@@ -167,6 +167,7 @@ def test_the_slot_cache_lists_every_state_of_every_run_in_order():
                    (2, "index_ring_kv", (1, 8, 32), None), (2, "index_ring_gate", (1, 8, 32), None),
                    (3, "window", (3, 8, 32), None), (3, "entries", (3, 8, 32), 8), (3, "ring_kv", (3, 8, 32), None),
                    (3, "ring_gate", (3, 8, 32), None)]
+    assert {s.run: s.layers for s in layout.states} == {j: b - a for j, (a, b) in enumerate(layer_runs(cfg))}
     offsets = [s.offset for s in layout.states]
     assert offsets == [sum(s.values for s in layout.states[:i]) for i in range(len(offsets))]
     assert layout.slot_values == layout.values_per_sequence() + 64 * layout.values_per_token(cfg.num_layers)
