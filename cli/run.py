@@ -20,7 +20,7 @@ import traceback
 
 from cli.verify import open_export
 from kiln.core.contract import cache_layout
-from kiln.core.decode import check_request, pick_bucket, prefill_steps, refills_cache
+from kiln.core.decode import check_request, prefill_steps, refills_cache, step_bucket
 from kiln.core.errors import KilnError
 from kiln.core.manifest import manifest_device
 from kiln.core.recipe import Bucket, parse_buckets
@@ -97,9 +97,11 @@ def _decode(forwards: dict, cfg, tp: int, job: dict, torch, dist, side,
     (kiln.host.verify_ranks.RankLink)."""
     page_tokens, pages_per_seq = job["page_tokens"], job["pages_per_seq"]
     dtype = getattr(torch, cfg.dtype)
-    # Sequence 0 owns pages 0..pages_per_seq-1; padding rows of a wider bucket read the same pages, write none.
-    cache = torch.zeros(cache_layout(cfg, tp).shape(cfg.num_layers, pages_per_seq + 1, page_tokens), dtype=dtype,
-                        device=device)
+    layout = cache_layout(cfg, tp, page_tokens * pages_per_seq)
+    # Sequence 0 owns pages 0..pages_per_seq-1 (a slot cache: slot 0, of 2, the fewest a forward takes);
+    # padding rows of a wider bucket read the same pages or slot, write none.
+    cache = torch.zeros(layout.shape(cfg.num_layers, pages_per_seq + 1 if layout.paged else 2, page_tokens),
+                        dtype=dtype, device=device)
     pages = torch.arange(pages_per_seq, device=device)
     buckets = list(parse_buckets(job["buckets"]))
     sequence = list(job["prompt"])
@@ -110,7 +112,8 @@ def _decode(forwards: dict, cfg, tp: int, job: dict, torch, dist, side,
         tokens[0, :count] = torch.tensor(sequence[start:start + count])
         start_pos = torch.zeros(bucket.batch, dtype=torch.int64, device=device)
         start_pos[0] = start
-        table = pages[None].expand(bucket.batch, -1).contiguous()
+        table = pages[None].expand(bucket.batch, -1).contiguous() if layout.paged \
+            else torch.zeros(bucket.batch, dtype=torch.int64, device=device)
         # A rope that goes by the sequence's length sees what transformers sees in one call: the whole prompt's
         # length while the prompt is fed, a decoded token's position + 1 after.
         lengths = [torch.full((bucket.batch,), length, dtype=torch.int64, device=device)] \
@@ -119,12 +122,14 @@ def _decode(forwards: dict, cfg, tp: int, job: dict, torch, dist, side,
         link.doing(f"running forward {shapes} as {bucket} on positions {start}..{start + count - 1}")
         with torch.no_grad():
             logits, new_kv = forwards[shapes](tokens, start_pos, cache, table, *lengths)
-        for i in range(count):  # write the real tokens' cache entries (keys and values, or latents) into their pages
+        if not layout.paged:  # the sequence's slot after the step replaces it
+            cache[0] = new_kv[0]
+        for i in range(count if layout.paged else 0):  # the real tokens' entries (keys and values, or latents)
             pos = start + i
             cache[:, :, pos // page_tokens, pos % page_tokens] = new_kv[:, :, 0, i]
         return logits[0, count - 1].float().cpu()
 
-    for s in prefill_steps(buckets, len(sequence)):
+    for s in prefill_steps(buckets, len(sequence), padded=layout.paged):
         last = step(s.start, s.count, s.bucket, len(job["prompt"]))
     for n in range(job["max_new_tokens"]):
         choice = torch.tensor([int(last.argmax())])
@@ -138,5 +143,5 @@ def _decode(forwards: dict, cfg, tp: int, job: dict, torch, dist, side,
             for s in prefill_steps(buckets, len(sequence)):
                 last = step(s.start, s.count, s.bucket, len(sequence))
         else:
-            last = step(len(sequence) - 1, 1, pick_bucket(buckets, 1), len(sequence))
+            last = step(len(sequence) - 1, 1, step_bucket(buckets, 1, padded=layout.paged), len(sequence))
     return generated, logits_out

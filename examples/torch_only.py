@@ -7,7 +7,8 @@ default world group is the process group the packages' collectives name
 the checkpoint's safetensors files (a short reader below), cuts and stacks
 them as `weights` says (the decoder layers' tensors are stacked along a
 leading layer dimension), binds them to each package before its first call,
-and runs one prefill step with an empty paged KV cache at each of the export's
+and runs one prefill step with an empty paged KV cache (DeepSeek-V4: an empty
+slot of its compressed state per sequence, `slots` naming it) at each of the export's
 buckets, on the forward whose range of shapes holds it (`choose_forward`: the
 contract's rule for choosing among several), on the device the manifest names
 (`runtime.device`: 'cpu', or 'cuda' with rank R on GPU R mod the GPUs visible):
@@ -107,11 +108,17 @@ def step_inputs(forward: dict, vocab: int, batch: int, tokens: int,
     """One prefill step of `batch` x `tokens` from position 0 with an empty cache on `device`, shaped as the
     forward's interface says (a dimension named there is dynamic: 'batch' and 'tokens' are the step's)."""
     spec = {i["name"]: i for i in forward["interface"]["inputs"]}
+    ids = (torch.arange(batch * tokens) * 7 + 3).remainder(vocab).reshape(batch, tokens)
+    if "slots" in spec:  # a slot cache (DeepSeek-V4's): one slot of state per sequence, sequence b's is slot b
+        slot_values = spec["kv_cache"]["shape"][1]
+        inputs = [ids, torch.zeros(batch, dtype=torch.int64),
+                  torch.zeros(batch + 1, slot_values, dtype=getattr(torch, spec["kv_cache"]["dtype"])),
+                  torch.arange(batch)]
+        return [t.to(device) for t in inputs]
     pages_per_seq = spec["block_table"]["shape"][1]
     num_pages = pages_per_seq * batch + 1
     kv_shape = [num_pages if d == "num_pages" else d for d in spec["kv_cache"]["shape"]]
-    inputs = [(torch.arange(batch * tokens) * 7 + 3).remainder(vocab).reshape(batch, tokens),
-              torch.zeros(batch, dtype=torch.int64),
+    inputs = [ids, torch.zeros(batch, dtype=torch.int64),
               torch.zeros(kv_shape, dtype=getattr(torch, spec["kv_cache"]["dtype"])),
               torch.arange(batch * pages_per_seq).remainder(num_pages).reshape(batch, pages_per_seq)]
     if "seq_lens" in spec:  # a rope that goes by the sequence's length: these prompts are `tokens` long

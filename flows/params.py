@@ -227,8 +227,8 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     if params.dtype != "checkpoint":
         cfg = cfg.replace(dtype=params.dtype)
     cfg.check_tp(params.tp)
-    if cfg.v4 is not None:  # eager only: no compiled step carries its compressed cache yet
-        raise BadInput(export_refusal(cfg))
+    if cfg.v4 is not None and export_refusal(recipe):  # its slot cache: static shapes, no padded steps
+        raise BadInput(export_refusal(recipe))
     names = host_names or []
     unknown = sorted(set(params.assumed()) - set(names))
     if unknown and host_names is not None:

@@ -323,7 +323,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> register_gloo_group(const std::string& gr
 }
 
 // The forward's inputs per its interface: the ids, start positions, an empty (zero) KV cache of
-// pages_per_seq*batch + 1 pages, sequence b's pages b*pages_per_seq .. (b+1)*pages_per_seq - 1, and, for a
+// pages_per_seq*batch + 1 pages, sequence b's pages b*pages_per_seq .. (b+1)*pages_per_seq - 1 (a slot
+// cache, DeepSeek-V4's: batch + 1 empty slots, sequence b's slot b), and, for a
 // rope that goes by the sequence's length, each sequence's length: start position + the bucket's tokens.
 // A dimension named in the interface is dynamic: 'batch' and 'tokens' are the bucket's, the page count ours.
 std::vector<at::Tensor> make_inputs(const json& interface, const Args& a) {
@@ -338,6 +339,7 @@ std::vector<at::Tensor> make_inputs(const json& interface, const Args& a) {
       if (!d.is_string()) shape.push_back(d.get<int64_t>());
       else if (d == "batch") shape.push_back(a.batch);
       else if (d == "tokens") shape.push_back(a.seq_tokens);
+      else if (d == "num_slots") shape.push_back(a.batch + 1);  // a slot cache's (DeepSeek-V4's) slot count
       else shape.push_back(pages_per_seq * a.batch + 1);
     }
     auto dtype = kiln_dtype(in.at("dtype"));
@@ -353,6 +355,8 @@ std::vector<at::Tensor> make_inputs(const json& interface, const Args& a) {
       inputs.push_back(torch::zeros(shape, dtype));
     } else if (name == "block_table") {
       inputs.push_back(torch::arange(shape[0] * shape[1], at::kLong).reshape(shape));
+    } else if (name == "slots") {  // a slot cache (DeepSeek-V4's): sequence b's state is slot b
+      inputs.push_back(torch::arange(shape[0], at::kLong));
     } else if (name == "seq_lens") {  // a rope that goes by the sequence's length: the step's whole prompt
       inputs.push_back(torch::full(shape, a.start_pos + a.seq_tokens, at::kLong));
     } else {

@@ -16,7 +16,13 @@ What a cached token holds is the cache layout (`cache_layout`): per-head keys
 and values (entries 2, heads kv_heads/tp, width head_dim), or, for latent
 attention, one entry of the token's latent and rotary key that every head
 reads (entries 1, heads 1, width kv_lora_rank + qk_rope_head_dim, the same on
-every rank).
+every rank). DeepSeek-V4's cache is not per-token entries but state that is
+rewritten as tokens arrive (a sliding window, compressors' rings, compressed
+entries and a CSA layer's indexer keys): a slot per sequence
+(kv_cache[num_slots, slot_values], one `slots[batch]` input naming each
+sequence's slot instead of a block table, new_kv[batch, slot_values] each
+sequence's slot after the step), whose `states` the layout lists with their
+shapes and which of them grow with tokens.
 
 The decoder layers are compiled once per forward, not once per layer: each run
 of same-shaped layers (`layer_runs`) is a scan over its weights stacked along
@@ -50,14 +56,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.core import v4_fields
+from kiln.core.cache_layout import (DYNAMIC_PAGES, DYNAMIC_SLOTS, CacheLayout, CacheState, cache_layout,
+                                    slot_context)
 from kiln.core.config import ModelConfig
 from kiln.core.errors import BadInput
 
 PROCESS_GROUP = "0"
 """The group name the packages' collectives are compiled with: the default world group on every rank."""
 
-DYNAMIC_PAGES = "num_pages"
-"""The name of the kv_cache's dynamic dimension in interface shapes."""
 
 LAYOUT = "scan-1"
 """The package layout: decoder layers as one scan per run over stacked constants. In every forward key, so
@@ -100,43 +106,6 @@ def constant_dtype(cfg: ModelConfig, name: str) -> str:
     if cfg.router == "sigmoid_groups" and name.endswith((".gate.weight", ".gate.e_score_correction_bias")):
         return "float32"
     return cfg.dtype
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """What the KV cache holds per layer and token: `entries` tensors of [heads, width] each."""
-
-    entries: tuple[str, ...]
-    """What each entry is: ('keys', 'values'), or ('latent_and_rope_key',) for latent attention."""
-    heads: int
-    """Heads per rank in an entry: kv_heads/tp, or 1 (one latent every head reads)."""
-    width: int
-    """Values per head: head_dim, or kv_lora_rank + qk_rope_head_dim (the latent, then the rotated key)."""
-    sharded: bool
-    """Each rank caches its own heads (True), or every rank caches the same whole entry (latent attention)."""
-
-    def shape(self, num_layers: int, num_pages: int | str, page_tokens: int) -> list:
-        """The kv_cache input's shape: [layers, entries, num_pages, page_tokens, heads, width]."""
-        return [num_layers, len(self.entries), num_pages, page_tokens, self.heads, self.width]
-
-    def new_shape(self, num_layers: int, batch: int, tokens: int) -> list:
-        """The new_kv output's shape, the step's own entries: [layers, entries, batch, tokens, heads, width]."""
-        return [num_layers, len(self.entries), batch, tokens, self.heads, self.width]
-
-    def to_dict(self) -> dict:
-        return {"entries": list(self.entries), "heads": self.heads, "width": self.width, "sharded": self.sharded,
-                "dims": ["layers", "entries", DYNAMIC_PAGES, "page_tokens", "heads", "width"]}
-
-
-def cache_layout(cfg: ModelConfig, tp: int) -> CacheLayout:
-    """The KV cache layout of one rank of `cfg` at `tp` (see the module docstring); BadInput for DeepSeek-V4,
-    whose compressed cache is not in the contract yet (kiln.core.v4_fields.export_refusal)."""
-    if cfg.v4 is not None:
-        raise BadInput(v4_fields.export_refusal(cfg))
-    if cfg.latent:
-        return CacheLayout(entries=("latent_and_rope_key",), heads=1, width=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                           sharded=False)
-    return CacheLayout(entries=("keys", "values"), heads=cfg.num_kv_heads // tp, width=cfg.head_dim, sharded=True)
 
 
 def is_shared_expert(name: str) -> bool:
@@ -410,11 +379,23 @@ def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:
     its bounds in 'dynamic_dims'; a static one is its size."""
     ranges = {name: inputs[name] for name in ("batch", "tokens")}
     b, t = (name if lo < hi else lo for name, (lo, hi) in ranges.items())
-    layout = cache_layout(cfg, tp)
-    kv = layout.shape(cfg.num_layers, DYNAMIC_PAGES, inputs["page_tokens"])
+    layout = cache_layout(cfg, tp, inputs["page_tokens"] * inputs["pages_per_seq"])
 
     def arg(name: str, dtype: str, shape: list) -> dict:
         return {"name": name, "dtype": dtype, "shape": shape}
+
+    dynamic = {name: {"min": lo, "max": hi} for name, (lo, hi) in ranges.items() if lo < hi}
+    if not layout.paged:  # DeepSeek-V4: one slot of state per sequence, the step's slots read and rewritten
+        return {
+            "inputs": [arg("tokens", "int64", [b, t]), arg("start_pos", "int64", [b]),
+                       arg("kv_cache", cfg.dtype, layout.shape(cfg.num_layers, DYNAMIC_SLOTS, 0)),
+                       arg("slots", "int64", [b])],
+            "outputs": [arg("logits", cfg.dtype, [b, t, cfg.vocab_size]),
+                        arg("new_kv", cfg.dtype, layout.new_shape(cfg.num_layers, b, t))],
+            "kv_cache": layout.to_dict(), "process_group": PROCESS_GROUP if tp > 1 else None,
+            "dynamic_dims": {DYNAMIC_SLOTS: {"min": 2}, **dynamic},
+        }
+    kv = layout.shape(cfg.num_layers, DYNAMIC_PAGES, inputs["page_tokens"])
 
     lengths = [arg("seq_lens", "int64", [b])] if cfg.length_dependent_rope else []
     rope = {}
@@ -430,6 +411,5 @@ def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:
                     arg("new_kv", cfg.dtype, layout.new_shape(cfg.num_layers, b, t))],
         "kv_cache": layout.to_dict(), **rope,
         "process_group": PROCESS_GROUP if tp > 1 else None,
-        "dynamic_dims": {DYNAMIC_PAGES: {"min": 2},
-                         **{name: {"min": lo, "max": hi} for name, (lo, hi) in ranges.items() if lo < hi}},
+        "dynamic_dims": {DYNAMIC_PAGES: {"min": 2}, **dynamic},
     }

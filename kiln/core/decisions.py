@@ -18,7 +18,7 @@ from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import SETTING, SETTINGS, Recipe
 from kiln.core.contract import cache_layout
 from kiln.core.shape_ranges import parse_shape_range
-from kiln.core.sizing import check_peak_mib, device_required_mib, page_bytes, plan_kv, required_mib
+from kiln.core.sizing import check_peak_mib, device_required_mib, plan_kv, required_mib
 from kiln.core.target import device_of, resolve_device
 
 
@@ -45,9 +45,8 @@ def measured_worker_mib(recipe, peaks_mib: list[int]) -> int | None:
 
 def page_size(job: ExportJob) -> int:
     cfg = job.model_config
-    layout = cache_layout(cfg, job.tp)
-    return page_bytes(num_layers=cfg.num_layers, kv_heads_per_rank=layout.heads, head_dim=layout.width,
-                      page_tokens=job.recipe.page_tokens, dtype_bytes=cfg.dtype_bytes, entries=len(layout.entries))
+    layout = cache_layout(cfg, job.tp, job.recipe.max_context_tokens)
+    return layout.page_bytes(cfg.num_layers, job.recipe.page_tokens, job.recipe.pages_per_seq, cfg.dtype_bytes)
 
 
 def planned_workers(job: ExportJob, probes: list[HostProbe]) -> dict[str, int]:

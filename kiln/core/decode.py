@@ -3,7 +3,9 @@
 A step processes `n` new tokens of one sequence in a bucket of `tokens >= n`
 (padded at the end: later positions never affect earlier ones under the
 causal mask) or, when no bucket is that wide, the prompt is cut into chunks
-of the widest bucket (chunked prefill). Decode steps feed one token each in
+of the widest bucket (chunked prefill). A slot cache (DeepSeek-V4's: state
+that every token of a step rewrites) takes no padding: its prompt is cut
+into chunks that fill their buckets exactly. Decode steps feed one token each in
 the narrowest bucket.
 
 A model whose rotary frequencies go by the sequence's length takes it as
@@ -41,13 +43,30 @@ def pick_bucket(buckets: list[Bucket], count: int) -> Bucket:
     return min(fits, key=lambda b: (b.tokens, b.batch))
 
 
-def prefill_steps(buckets: list[Bucket], prompt_len: int) -> list[Step]:
-    """The steps that feed a prompt of `prompt_len` tokens, chunked by the widest bucket."""
+def step_bucket(buckets: list[Bucket], count: int, *, padded: bool = True) -> Bucket:
+    """The bucket a step of `count` tokens runs in: pick_bucket's, or with `padded` False (a slot cache) the
+    narrowest of exactly `count` tokens; ValueError when there is none."""
+    if padded:
+        return pick_bucket(buckets, count)
+    exact = [b for b in buckets if b.tokens == count]
+    if not exact:
+        raise ValueError(f"no bucket takes exactly {count} tokens, and a slot cache (DeepSeek-V4's) takes no "
+                         "padding: export with a bucket of 1 token (every decode step's)")
+    return min(exact, key=lambda b: b.batch)
+
+
+def prefill_steps(buckets: list[Bucket], prompt_len: int, *, padded: bool = True) -> list[Step]:
+    """The steps that feed a prompt of `prompt_len` tokens, chunked by the widest bucket. `padded` False (a
+    slot cache, DeepSeek-V4's, whose state every token of a step rewrites: padding would be fed as tokens):
+    each step fills its bucket's tokens exactly, the widest bucket that fits what is left (a one-token
+    bucket, as every export's decode bucket, finishes any prompt)."""
     widest = max(b.tokens for b in buckets)
     steps, start = [], 0
     while start < prompt_len:
         count = min(widest, prompt_len - start)
-        steps.append(Step(start, count, pick_bucket(buckets, count)))
+        if not padded:
+            count = max((b.tokens for b in buckets if b.tokens <= count), default=count)
+        steps.append(Step(start, count, step_bucket(buckets, count, padded=padded)))
         start += count
     return steps
 

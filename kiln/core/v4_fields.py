@@ -194,15 +194,25 @@ def tp_counts(cfg: "ModelConfig") -> list[tuple[str, int]]:
             ("expert intermediate size", cfg.moe_intermediate_size)]
 
 
-def export_refusal(cfg: "ModelConfig") -> str:
-    """Why Kiln does not export DeepSeek-V4 yet: what is missing, for the refusal before anything starts."""
-    return ("DeepSeek-V4 (model_type deepseek_v4) is computed by Kiln in eager mode only (a prompt, and steps "
-            "over its compressed cache, checked against transformers): its compressed KV cache (per layer the "
-            "sliding window, the compressor's entries and pending tokens, a CSA layer's indexer keys; "
-            "kiln.core.v4_fields.layer_state) is not yet in the compiled forward's contract "
-            "(kiln.core.contract.cache_layout), nor in the KV plan, kiln run, kiln verify or the runners, so no "
-            "compiled step could carry it from one call to the next. Kiln refuses the export rather than compile "
-            "a step that forgets it; run DeepSeek-V4 with transformers until Kiln's compiled cache lands.")
+def export_refusal(recipe: "Recipe") -> str | None:
+    """Why Kiln does not export DeepSeek-V4 with `recipe`, or None. Its compiled step carries the compressed
+    cache as a slot per sequence (kiln.core.contract.cache_layout) that every token of a step rewrites, so:
+    - a step is never padded in tokens (kiln.core.decode.prefill_steps): a bucket of 1 token serves decoding
+      and finishes any prompt;
+    - static shapes only so far: over a range of batches Inductor's lowering of the scanned step fails
+      (KeyError on the batch's symbol), over a range of tokens torch.export specializes it (the windows a
+      step may complete, ceil(tokens / rate), differ across the range)."""
+    why = []
+    if not any(b.tokens == 1 for b in recipe.buckets):
+        why.append("a bucket of 1 token (each decode step's: a step of DeepSeek-V4's compressed cache takes no "
+                   "padding), e.g. --set buckets=1x1," + ",".join(map(str, recipe.buckets)))
+    ranges = [str(r) for r in recipe.shapes if not r.static]
+    if ranges:
+        why.append(f"static shapes (forwards {', '.join(ranges)} are ranges, which its step does not compile "
+                   "over yet): --set shape_policy=static, and only static forward_shapes")
+    if not why:
+        return None
+    return "DeepSeek-V4 (model_type deepseek_v4) exports need " + "; and ".join(why) + "."
 
 
 def shard_slice(name: str, cfg: "ModelConfig", tp: int, rank: int) -> tuple[int, int, int] | None:
@@ -240,20 +250,3 @@ def layer_state(cfg: "ModelConfig", kind: str, capacity_tokens: int) -> dict[str
         i = cfg.v4.index_head_dim
         out.update({"index_entries": (entries, i), "index_ring_kv": (rows, 2 * i), "index_ring_gate": (rows, 2 * i)})
     return out
-
-
-def cache_values_per_token(cfg: "ModelConfig") -> float:
-    """Cached values each token adds, summed over the layers, once a sequence is long (the entries; the
-    window and rings are a fixed amount per sequence): head_dim / rate per compressed layer, plus a CSA
-    layer's index_head_dim / rate. DeepSeek-V3's is (kv_lora_rank + qk_rope_head_dim) per layer."""
-    out = 0.0
-    for kind in cfg.v4.layer_types:
-        if kind != SLIDING:
-            out += (cfg.head_dim + (cfg.v4.index_head_dim if kind == CSA else 0)) / cfg.v4.rate_of(kind)
-    return out
-
-
-def cache_values_per_sequence(cfg: "ModelConfig") -> int:
-    """Cached values each sequence holds whatever its length: every layer's window and rings."""
-    return sum(rows * width for kind in cfg.v4.layer_types
-               for name, (rows, width) in layer_state(cfg, kind, 0).items() if "entries" not in name)

@@ -40,6 +40,8 @@ KEY_SOURCES = (
     "kiln.host.model",  # the graph's code (a package of model files works too)
     "kiln.core.config",  # the derived sizes the model reads (head_dim, shard sizes)
     "kiln.core.contract",  # parameter shapes, shard slices, the process group
+    "kiln.core.cache_layout",  # the KV cache's layout (DeepSeek-V4's slot: the states a step unpacks)
+    "kiln.core.v4_fields",  # DeepSeek-V4's tensors, shard slices and cache states
     "kiln.host.export_call",  # torch.export, dynamic shapes, constants metadata, the Inductor call
     "kiln.host.inductor_options",  # the Inductor options of every forward, which Inductor variables are keyed
     "kiln.host.tuner:install",  # how tuned kernel choices reach Inductor (not the tuner's store I/O)

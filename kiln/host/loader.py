@@ -217,9 +217,12 @@ def _position_diff(got, want, scales):
 
 
 def _per_position(diff):
-    """Logits [b, t, vocab] -> [b, t]; new cache entries [layers, entries, b, t, heads, width] -> [b, t]."""
+    """Logits [b, t, vocab] -> [b, t]; new cache entries [layers, entries, b, t, heads, width] -> [b, t]; a slot
+    cache's new slots [b, slot_values] -> [b, 1] (a sequence's whole state, every position's)."""
     if diff.dim() == 3:
         return diff.amax(dim=-1)
+    if diff.dim() == 2:
+        return diff.amax(dim=-1, keepdim=True)
     if diff.dim() == 6:
         return diff.amax(dim=(0, 1, 4, 5))
     raise KilnError(f"no token positions known for an output of shape {list(diff.shape)}")
@@ -237,10 +240,10 @@ def eager_model(cfg, tp: int, weights: dict, *, device: str = "cpu"):
     cfg.dtype, never a second one in a converted state dict."""
     import torch
 
-    from kiln.host.model import ShardedDecoder
+    from kiln.host.model import decoder_of
 
     with torch.device("meta"):
-        model = ShardedDecoder(cfg, tp, scan=False).to(getattr(torch, cfg.dtype)).eval()
+        model = decoder_of(cfg, tp, scan=False).to(getattr(torch, cfg.dtype)).eval()
     model = model.to_empty(device=device)
     params = model.state_dict()
     if set(params) != set(weights):

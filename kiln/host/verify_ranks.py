@@ -102,7 +102,7 @@ def _check_together(rank: int, tp: int, port: int, job: dict, link: RankLink) ->
     if rank == 0:
         link.doing("loading the unsharded model's weights")
         full = load_rank_weights(job["checkpoint"], cfg, 1, 0, s3_endpoint=job.get("s3_endpoint"))
-    layout = cache_layout(cfg, tp)
+    layout = cache_layout(cfg, tp, job["page_tokens"] * job["pages_per_seq"])
     diffs = {}
     for name, art in sorted(job["artifacts"].items()):
         link.doing(f"loading forward {name}")
@@ -136,13 +136,14 @@ def _check_together(rank: int, tp: int, port: int, job: dict, link: RankLink) ->
 
 
 def _same(parts: list):
-    """The one cache entry every rank computed alike (latent attention's); IntegrityError when they differ."""
+    """The cache every rank computed alike (latent attention's entries, DeepSeek-V4's slots); IntegrityError
+    when they differ."""
     import torch
 
     for rank, part in enumerate(parts[1:], start=1):
         if not torch.equal(part, parts[0]):
-            raise IntegrityError(f"rank {rank}'s new latent cache entries differ from rank 0's; every rank must "
-                                 "compute the same latent (its projection is replicated).")
+            raise IntegrityError(f"rank {rank}'s new replicated cache differs from rank 0's; every rank must "
+                                 "compute the same (its projections are replicated).")
     return parts[0]
 
 

@@ -20,7 +20,8 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralCon
            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
            "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
            "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
-           "phi3": ("Phi3Config", "Phi3ForCausalLM"), "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
+           "phi3": ("Phi3Config", "Phi3ForCausalLM"), "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+           "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM")}
 
 BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)

@@ -68,7 +68,7 @@ def kiln_logits(cfg, weights, tokens, scan=True):
     model = DeepseekV4Decoder(cfg, 1, scan=scan).eval()
     model.load_state_dict(weights, strict=True)
     with torch.no_grad():
-        return model(tokens).float()
+        return model.prompt(tokens).float()
 
 
 def reference_logits(path, tokens, dtype="float32"):
@@ -124,16 +124,62 @@ def test_bfloat16_stays_within_transformers_own_error(tmp_path):
     model = DeepseekV4Decoder(cfg, 1, scan=False).to(torch.bfloat16).eval()
     model.load_state_dict(load_rank_weights(path, cfg, 1, 0), strict=True)
     with torch.no_grad():
-        ours = float((model(tokens).float() - exact).abs().max())
+        ours = float((model.prompt(tokens).float() - exact).abs().max())
     assert ours <= 2 * theirs, f"Kiln bfloat16 is off by {ours:.2e}; transformers' own by {theirs:.2e}"
 
 
-def test_export_is_refused_by_name_before_anything_starts(v4_path, kiln_main, tmp_path):
+def test_an_export_without_a_one_token_bucket_or_with_ranges_is_refused_by_name(v4_path, kiln_main, tmp_path):
+    """A step of V4's slot cache takes no padding (every token rewrites its state) and ranges are not checked
+    for V4 yet: the default buckets (no 1-token bucket, ranges) are refused before anything starts."""
     store = tmp_path / "store"
     run = kiln_main("export", "--model", str(v4_path), "--tp", "2", "--store", f"file://{store}")
     assert run.code == 2, run.err[-2000:]
-    assert "DeepSeek-V4" in run.err and "compressed KV cache" in run.err and "Traceback" not in run.err
+    assert "DeepSeek-V4" in run.err and "a bucket of 1 token" in run.err and "shape_policy=static" in run.err
+    assert "Traceback" not in run.err
     assert not store.exists() or not any(store.rglob("*.json"))
+
+
+V4_EXPORT = ("--buckets", "1x1,1x8", "--shape-policy", "static", "--set", "max_context_tokens=64",
+             "--set", "page_tokens=16")
+"""Two static forwards: the 20-token prompt is fed as 8 + 8 + 1 x 4 (no padding), then 1 token per step."""
+
+
+@pytest.mark.slow
+def test_kiln_export_and_run_decode_what_transformers_generates(v4_path, kiln, prefect_server, tmp_path):
+    """`kiln export` at tp 1 and tp 2, `kiln run` of each, against transformers' generate(): ids equal, logits
+    within 1e-4 in float32, over a 20-token prompt and 12 steps (past the window of 8, across CSA windows of 4
+    and HCA windows of 8); then `kiln verify` of the tp 2 export and the torch-only example's step of it."""
+    from hf_models import reference_generate
+
+    store, env = f"file://{tmp_path / 'store'}", {"PREFECT_API_URL": prefect_server}
+    prompt, new_tokens = _tokens(inspect_checkpoint(v4_path), 20)[0].tolist(), 12
+    want = reference_generate(v4_path, prompt, new_tokens)
+    assert len(set(want["generated"])) > 3, "greedy decoding repeats itself: the check would show little"
+    for tp in (1, 2):
+        report = tmp_path / f"report{tp}.json"
+        exported = kiln("export", "--model", str(v4_path), "--tp", str(tp), *V4_EXPORT, "--store", store,
+                        "--export-id", f"v4-tp{tp}", "--report", str(report), env=env)
+        assert exported.code == 0, exported.err[-3000:]
+        ran = kiln("run", f"v4-tp{tp}", "--store", store, "--tokens", ",".join(map(str, prompt)),
+                   "--max-new-tokens", str(new_tokens), "--json", str(tmp_path / f"run{tp}.json"), env=env)
+        assert ran.code == 0, ran.err[-3000:]
+        got = json.loads((tmp_path / f"run{tp}.json").read_text())
+        assert got["generated"] == want["generated"], f"tp {tp}"
+        diff = max(abs(x - y) for a, b in zip(got["logits"], want["logits"]) for x, y in zip(a, b))
+        compile_s = [f.get("compile_s") for f in json.loads(report.read_text())["forwards"]]
+        print(f"tp {tp}: max |logit diff| vs transformers {diff:.2e}; compile s per forward {compile_s}")
+        assert diff <= 1e-4, f"tp {tp}: {diff}"
+    verified = kiln("verify", "v4-tp2", "--store", store, env=env)
+    assert verified.code == 0, verified.err[-3000:]
+    assert "verify ok: 2 ranks match the unsharded model" in verified.out
+    # The torch-only consumer (examples/torch_only.py) gives the forwards their slots from the manifest alone.
+    from torch_only_harness import run_torch_only, run_with_kiln
+
+    manifest, packages = tmp_path / "store" / "exports" / "v4-tp2" / "manifest.json", tmp_path / "store" / "forwards"
+    run_torch_only(manifest, packages, str(v4_path), tmp_path / "torch-only")
+    run_with_kiln(manifest, packages, tmp_path / "with-kiln")
+    alone, kiln_step = (torch.load(tmp_path / d / "rank0.pt") for d in ("torch-only", "with-kiln"))
+    assert sorted(alone) == ["1x1", "1x8"] and all(torch.equal(alone[b], kiln_step[b]) for b in alone)
 
 
 def test_tp_3_is_refused_naming_the_counts_and_the_tp_values_that_work(v4_path, kiln_main):
@@ -246,6 +292,29 @@ def test_sequences_at_different_positions_step_together(v4_path):
         both = [{n: torch.cat((a[n], b[n]), dim=1) for n in a} for a, b in zip(*caches)]
         together, _ = model.step(torch.tensor([[7], [8]]), torch.tensor([40, 17]), both)
     assert float((together[:, -1] - torch.stack(alone)).abs().max()) <= 1e-5
+
+
+def test_the_compiled_step_reads_and_writes_each_sequence_slot(v4_path):
+    """forward(tokens, start_pos, kv_cache, slots), the step Kiln compiles, is `step` over the states its slots
+    hold (kiln.core.contract.cache_layout), returning each sequence's slot after the step; two sequences at
+    other positions in slots 2 and 0 of 3."""
+    from kiln.core.contract import cache_layout
+    from kiln.host.model.deepseek_v4 import pack, unpack
+
+    cfg = inspect_checkpoint(v4_path)
+    model = DeepseekV4Decoder(cfg, 1).eval()
+    model.load_state_dict(load_rank_weights(v4_path, cfg, 1, 0), strict=True)
+    layout = cache_layout(cfg, 1, 48)
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(3, layout.slot_values, generator=gen)
+    slots, start, tokens = torch.tensor([2, 0]), torch.tensor([17, 32]), _tokens(cfg, 16).view(2, 8)
+    assert torch.equal(pack(layout, unpack(layout, cache)), cache)
+    with torch.no_grad():
+        logits, new_kv = model(tokens, start, cache, slots)
+        want, after = model.step(tokens, start, unpack(layout, cache[slots]))
+    assert new_kv.shape == (2, layout.slot_values)
+    assert torch.equal(logits, want) and torch.equal(new_kv, pack(layout, after))
+    assert not torch.equal(new_kv, cache[slots])
 
 
 def test_a_random_checkpoint_written_by_kiln_reads_back(tmp_path):

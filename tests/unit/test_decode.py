@@ -25,6 +25,16 @@ def test_long_prompts_are_chunked_by_the_widest_bucket():
     assert steps == [Step(0, 8, Bucket(1, 8)), Step(8, 4, Bucket(1, 8))]
 
 
+def test_a_slot_cache_is_fed_in_chunks_that_fill_their_buckets():
+    """DeepSeek-V4's state takes every token of a step: no padding, each chunk the widest bucket that fits."""
+    buckets = [Bucket(1, 1), Bucket(2, 16), Bucket(1, 16), Bucket(1, 4)]
+    assert prefill_steps(buckets, 23, padded=False) == [Step(0, 16, Bucket(1, 16)), Step(16, 4, Bucket(1, 4)),
+                                                        Step(20, 1, Bucket(1, 1)), Step(21, 1, Bucket(1, 1)),
+                                                        Step(22, 1, Bucket(1, 1))]
+    with pytest.raises(ValueError, match="exactly 3 tokens.*bucket of 1 token"):
+        prefill_steps([Bucket(1, 4)], 3, padded=False)
+
+
 def test_requests_that_cannot_run_are_bad_input():
     check_request([1, 2], 3, vocab_size=10, context_tokens=4)  # 2 + 3 - 1 = 4 tokens of context
     with pytest.raises(BadInput, match="max_context_tokens"):

@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 
 from kiln.core.config import ModelConfig
-from kiln.core.contract import cache_layout, constant_shapes, layer_runs
+from kiln.core.contract import cache_layout, constant_shapes, forward_interface, layer_runs
+from kiln.core.decisions import page_size
 from kiln.core.errors import BadInput
 from kiln.core.hf_config import from_hf, to_hf
 from kiln.core.job import ExportJob
@@ -121,18 +122,16 @@ def test_tp_splits_heads_groups_and_experts_and_names_what_works():
     assert shapes["model.runs.0.attn.wkv.weight"][1:] == (32, 64)  # the one key=value head, whole
 
 
-def test_runs_are_layers_of_one_kind_and_the_cache_is_refused_by_name():
+def test_runs_are_layers_of_one_kind():
     cfg = from_hf({**SMALL, "layer_types": [SLIDING, CSA, CSA, HCA, HCA, HCA],
                    "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe", "moe", "moe"]})
     assert layer_runs(cfg) == [(0, 1), (1, 2), (2, 3), (3, 6)]
-    with pytest.raises(BadInput, match="compressed KV cache"):
-        cache_layout(cfg, 1)
 
 
 def test_the_cache_a_layer_keeps_and_what_a_token_adds():
     """kiln.core.v4_fields.layer_state: a window of sliding_window rows on every layer; a compressed layer's
     entries (one per rate tokens) and the projections a coming entry needs; a CSA layer's indexer too."""
-    from kiln.core.v4_fields import cache_values_per_sequence, cache_values_per_token, layer_state
+    from kiln.core.v4_fields import layer_state
 
     cfg = from_hf({**SMALL, "layer_types": [SLIDING, CSA, CSA, HCA, HCA, HCA],
                    "compress_rates": {CSA: 4, HCA: 8}})
@@ -142,5 +141,92 @@ def test_the_cache_a_layer_keeps_and_what_a_token_adds():
     assert layer_state(cfg, CSA, 100) == {"window": (8, 32), "entries": (25, 32), "ring_kv": (8, 64),
                                           "ring_gate": (8, 64), "index_entries": (25, 16),
                                           "index_ring_kv": (8, 32), "index_ring_gate": (8, 32)}
-    assert cache_values_per_token(cfg) == 2 * (32 + 16) / 4 + 3 * 32 / 8
-    assert cache_values_per_sequence(cfg) == 6 * 8 * 32 + 2 * (2 * 8 * 64 + 2 * 8 * 32) + 3 * 2 * 8 * 32
+    layout = cache_layout(cfg, 1, 96)
+    assert layout.values_per_token(cfg.num_layers) == 2 * (32 + 16) / 4 + 3 * 32 / 8
+    assert layout.values_per_sequence() == 6 * 8 * 32 + 2 * (2 * 8 * 64 + 2 * 8 * 32) + 3 * 2 * 8 * 32
+
+
+V3_LIKE = {**SMALL, "layer_types": [SLIDING, CSA, CSA, HCA, HCA, HCA], "compress_rates": {CSA: 4, HCA: 8},
+           "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe", "moe", "moe"]}
+
+
+def test_the_slot_cache_lists_every_state_of_every_run_in_order():
+    """contract.cache_layout of DeepSeek-V4: one slot per sequence holding each run's state tensors
+    [layers, rows, width] back to back; the compressed entries grow one row per rate tokens, the window
+    and rings are fixed; every rank holds the same (replicated)."""
+    cfg = from_hf(V3_LIKE)
+    layout = cache_layout(cfg, 2, 64)
+    assert not layout.paged and not layout.sharded and layout.capacity_tokens == 64
+    got = [(s.run, s.name, (s.layers, s.rows, s.width), s.tokens_per_row) for s in layout.states]
+    assert got == [(0, "window", (1, 8, 32), None),
+                   (1, "window", (1, 8, 32), None), (1, "entries", (1, 16, 32), 4), (1, "ring_kv", (1, 8, 64), None),
+                   (1, "ring_gate", (1, 8, 64), None), (1, "index_entries", (1, 16, 16), 4),
+                   (1, "index_ring_kv", (1, 8, 32), None), (1, "index_ring_gate", (1, 8, 32), None),
+                   (2, "window", (1, 8, 32), None), (2, "entries", (1, 16, 32), 4), (2, "ring_kv", (1, 8, 64), None),
+                   (2, "ring_gate", (1, 8, 64), None), (2, "index_entries", (1, 16, 16), 4),
+                   (2, "index_ring_kv", (1, 8, 32), None), (2, "index_ring_gate", (1, 8, 32), None),
+                   (3, "window", (3, 8, 32), None), (3, "entries", (3, 8, 32), 8), (3, "ring_kv", (3, 8, 32), None),
+                   (3, "ring_gate", (3, 8, 32), None)]
+    assert {s.run: s.layers for s in layout.states} == {j: b - a for j, (a, b) in enumerate(layer_runs(cfg))}
+    offsets = [s.offset for s in layout.states]
+    assert offsets == [sum(s.values for s in layout.states[:i]) for i in range(len(offsets))]
+    assert layout.slot_values == layout.values_per_sequence() + 64 * layout.values_per_token(cfg.num_layers)
+    assert layout.shape(6, 5, 16) == [5, layout.slot_values] and layout.new_shape(6, 3, 16) == [3, layout.slot_values]
+    assert cache_layout(cfg, 1, 64) == layout  # replicated: the same at every tp
+    assert cache_layout(cfg, 1, 128).slot_values == layout.slot_values + 64 * (2 * (32 + 16) // 4 + 3 * 32 // 8)
+    with pytest.raises(ValueError, match="context_tokens"):
+        cache_layout(cfg, 1)
+
+
+def test_a_v4_forward_interface_names_its_slots_and_states():
+    cfg = from_hf(V3_LIKE)
+    spec = {"batch": [1, 4], "tokens": [16, 16], "page_tokens": 16, "pages_per_seq": 4}
+    face = forward_interface(cfg, 2, spec)
+    slot = cache_layout(cfg, 2, 64).slot_values
+    assert [(a["name"], a["shape"]) for a in face["inputs"]] == [
+        ("tokens", ["batch", 16]), ("start_pos", ["batch"]), ("kv_cache", ["num_slots", slot]), ("slots", ["batch"])]
+    assert [(a["name"], a["shape"]) for a in face["outputs"]] == [("logits", ["batch", 16, 256]),
+                                                                 ("new_kv", ["batch", slot])]
+    assert face["dynamic_dims"] == {"num_slots": {"min": 2}, "batch": {"min": 1, "max": 4}}
+    cache = face["kv_cache"]
+    assert cache["slot_values"] == slot and cache["sharded"] is False and cache["capacity_tokens"] == 64
+    assert [s["name"] for s in cache["states"] if s["tokens_per_row"]] == ["entries", "index_entries"] * 2 + ["entries"]
+
+
+def test_the_kv_plan_counts_a_v4_slot_over_its_pages_and_v4_caches_less_than_v3():
+    """The plan's page of a slot cache is a slot over pages_per_seq (pages / pages_per_seq are slots); what a
+    token adds at DeepseekV4Config's defaults against DeepSeek-V3's latent over as many layers."""
+    cfg = from_hf(V3_LIKE)
+    recipe = Recipe(page_tokens=16, max_context_tokens=64)
+    job = ExportJob(export_id="k", model_name="m", checkpoint="/none", config=cfg.to_dict(), tp=1, recipe=recipe,
+                    store_url="file:///none")
+    slot = cache_layout(cfg, 1, 64).slot_values * 4  # float32
+    assert page_size(job) == -(-slot // 4) and page_size(job) * 4 >= slot
+    full = from_hf({"model_type": "deepseek_v4"})
+    v4 = cache_layout(full, 1, 4096).values_per_token(full.num_layers)
+    v3 = from_hf({"model_type": "deepseek_v3", "num_hidden_layers": full.num_layers})
+    latent = cache_layout(v3, 1).values_per_token(v3.num_layers)
+    assert (v4, latent) == (20 * (512 + 128) / 4 + 23 * 512 / 128, 43 * 576)
+    assert latent / v4 > 7
+
+
+def test_a_slot_width_gives_back_a_context_with_the_same_states():
+    from kiln.core.contract import slot_context
+
+    cfg = from_hf(V3_LIKE)
+    for context in (0, 1, 7, 8, 64, 100):
+        layout = cache_layout(cfg, 1, context)
+        assert cache_layout(cfg, 1, slot_context(cfg, layout.slot_values)).states == layout.states
+    with pytest.raises(ValueError, match="no context"):
+        slot_context(cfg, cache_layout(cfg, 1, 8).slot_values + 1)
+
+
+def test_a_v4_export_needs_a_one_token_bucket_and_static_shapes():
+    from kiln.core.recipe import parse_buckets
+    from kiln.core.v4_fields import export_refusal
+
+    assert export_refusal(Recipe(buckets=parse_buckets("1x1,1x8"), shape_policy="static")) is None
+    why = export_refusal(Recipe(buckets=parse_buckets("1x8,2x8"), shape_policy="static"))
+    assert "a bucket of 1 token" in why and "--set buckets=1x1,1x8,2x8" in why and "static" not in why.split(";")[0][-9:]
+    why = export_refusal(Recipe(buckets=parse_buckets("1x1,2x1,4x1")))
+    assert "1 token" not in why and "2-4x1" in why and "--set shape_policy=static" in why

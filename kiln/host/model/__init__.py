@@ -14,7 +14,9 @@ accepts. The shared layers, each as its transformers counterpart computes it:
   (a package needs neither Python nor Kiln to run);
 and one module per family's decoder layer: `llama` (Llama, Mistral, Qwen2,
 Qwen3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE), `gemma` (Gemma 2 and 3),
-`deepseek` (DeepSeek-V3). `decoder` holds the module that scans them, `step`
+`deepseek` (DeepSeek-V3), and `deepseek_v4` (DeepSeek-V4: its own decoder over a
+slot cache, with `compressed_attention`, `compressor`, `hyper_connections`
+and `clipped_experts`; `decoder_of` picks the decoder of a config). `decoder` holds the module that scans them, `step`
 what every layer of a step shares, `shards` a rank's constants and example
 inputs.
 
@@ -25,12 +27,20 @@ and the output head are replicated.
 
 from kiln.host.model.collectives import all_reduce, host_group, solo_group
 from kiln.host.model.decoder import ShardedDecoder, layer_of
+from kiln.host.model.deepseek_v4 import DeepseekV4Decoder
 from kiln.host.model.moe import GATHER_BELOW, mixture_of_experts
 from kiln.host.model.rotary import rope_inv_freq
 from kiln.host.model.step import FULL_ATTENTION
 from kiln.host.model.shards import (example_inputs, expected_shapes, random_state_dict, rank_constants,
                                      shard_state_dict)
 
-__all__ = ["FULL_ATTENTION", "GATHER_BELOW", "ShardedDecoder", "all_reduce", "example_inputs", "expected_shapes",
+
+
+def decoder_of(cfg, tp: int = 1, *, scan: bool = True):
+    """One rank's decoder module of `cfg`: DeepSeek-V4's (its slot cache) or ShardedDecoder (every paged family)."""
+    return (DeepseekV4Decoder if cfg.v4 is not None else ShardedDecoder)(cfg, tp, scan=scan)
+
+
+__all__ = ["DeepseekV4Decoder", "FULL_ATTENTION", "GATHER_BELOW", "ShardedDecoder", "decoder_of", "all_reduce", "example_inputs", "expected_shapes",
            "host_group", "layer_of", "mixture_of_experts", "random_state_dict", "rank_constants",
            "rope_inv_freq", "shard_state_dict", "solo_group"]

@@ -45,6 +45,14 @@ def layer_of(cfg: ModelConfig) -> Layer:
     return gemma.layer if cfg.sandwich_norms else llama.layer
 
 
+def keep_float32(module: nn.Module, cfg: ModelConfig) -> nn.Module:
+    """`module` with the parameters the contract keeps in float32 (constant_dtype) cast back to it."""
+    for name, param in module.named_parameters():
+        if constant_dtype(cfg, name) == "float32" and param.dtype != torch.float32:
+            param.data = param.data.to(torch.float32)
+    return module
+
+
 class Holder(nn.Module):
     """A bare container, so stacked tensors keep their checkpoint suffix as their module path."""
 
@@ -130,10 +138,7 @@ class ShardedDecoder(nn.Module):
         """Every cast (`.to(dtype)`, `.half()`, ...) leaves the tensors the contract keeps in float32 so
         (constant_dtype: DeepSeek-V3's router), as transformers keeps them."""
         super()._apply(fn, recurse)
-        for name, param in self.named_parameters():
-            if constant_dtype(self.cfg, name) == "float32" and param.dtype != torch.float32:
-                param.data = param.data.to(torch.float32)
-        return self
+        return keep_float32(self, self.cfg)
 
     def _windows(self, device) -> torch.Tensor | None:
         """[layers] int64: each layer's window, FULL_ATTENTION (a value no distance reaches) on full-attention

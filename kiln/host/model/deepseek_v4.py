@@ -1,6 +1,6 @@
 """The DeepSeek-V4 decoder of one rank, as transformers' DeepseekV4ForCausalLM computes it: a step of new
-tokens over its compressed cache (`step`), or a prompt from position 0 in one call (`forward`). Eager only:
-kiln.core.v4_fields.export_refusal says what a compiled step still lacks.
+tokens over its compressed cache (`step`), a prompt from position 0 in one call (`prompt`), or the compiled
+step over each sequence's slot of the contract's cache (`forward`, kiln.core.contract.cache_layout).
 
     streams = embed(tokens) copied to hc_mult streams
     each layer:  post, comb, x = mix(streams)          (kiln.host.model.hyper_connections)
@@ -24,13 +24,13 @@ import torch
 from torch import nn
 
 from kiln.core.config import ModelConfig
-from kiln.core.contract import layer_runs
+from kiln.core.contract import CacheLayout, cache_layout, layer_runs, slot_context
 from kiln.host.model.clipped_experts import experts
 from kiln.host.model.compressed_attention import attention
 from kiln.host.model.compressor import rms_norm32
-from kiln.host.model.decoder import Holder, LayerRun
+from kiln.host.model.decoder import Holder, LayerRun, keep_float32
 from kiln.host.model.hyper_connections import expand, hyper_head, mix_weights
-from kiln.core.v4_fields import HASH_MOE, layer_state
+from kiln.core.v4_fields import HASH_MOE
 
 Cache = list[dict[str, torch.Tensor]]
 """Per run of layers, its state tensors by name, each [layers, batch, rows, width]."""
@@ -63,9 +63,26 @@ class Inner(nn.Module):
         self.hc_head.hc_scale = nn.Parameter(torch.ones(1))
 
 
+def unpack(layout: CacheLayout, slots: torch.Tensor) -> Cache:
+    """The cache (per run, each state [layers, b, rows, width]) held in `slots` [b, slot_values]."""
+    out: Cache = []
+    for s in layout.states:
+        if s.run == len(out):
+            out.append({})
+        flat = slots[:, s.offset:s.offset + s.values]
+        out[s.run][s.name] = flat.reshape(slots.shape[0], s.layers, s.rows, s.width).movedim(1, 0)
+    return out
+
+
+def pack(layout: CacheLayout, cache: Cache) -> torch.Tensor:
+    """[b, slot_values]: each sequence's slot holding `cache`, in the layout's order."""
+    return torch.cat([cache[s.run][s.name].movedim(0, 1).flatten(1) for s in layout.states], dim=1)
+
+
 class DeepseekV4Decoder(nn.Module):
-    """One tensor-parallel rank of DeepSeek-V4: forward(tokens [b, t]) -> logits [b, t, vocab] of the prompt
-    fed from position 0. `scan=False` unrolls the runs in Python; both compute the same."""
+    """One tensor-parallel rank of DeepSeek-V4: forward(tokens, start_pos, kv_cache, slots), the compiled step
+    over a slot cache, and its parts: `step` over a cache of per-run tensors, `prompt` from position 0.
+    `scan=False` unrolls the runs in Python; both compute the same."""
 
     def __init__(self, cfg: ModelConfig, tp: int = 1, *, scan: bool = True):
         super().__init__()
@@ -76,13 +93,26 @@ class DeepseekV4Decoder(nn.Module):
             self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def new_cache(self, batch: int, capacity_tokens: int) -> Cache:
-        """An empty cache for `batch` sequences of up to `capacity_tokens` tokens, in the model's dtype."""
-        cfg, dtype = self.cfg, self.model.embed_tokens.weight.dtype
-        return [{name: torch.zeros(run.stop - run.start, batch, *shape, dtype=dtype)
-                 for name, shape in layer_state(cfg, cfg.v4.layer_types[run.start], capacity_tokens).items()}
-                for run in self.model.runs]
+        """An empty cache for `batch` sequences of up to `capacity_tokens` tokens, in the model's dtype: the
+        states of zero slots (kiln.core.contract.cache_layout)."""
+        layout, weight = cache_layout(self.cfg, self.tp, capacity_tokens), self.model.embed_tokens.weight
+        return unpack(layout, torch.zeros(batch, layout.slot_values, dtype=weight.dtype, device=weight.device))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _apply(self, fn, recurse=True):
+        """A cast keeps the tensors the contract holds in float32 so (kiln.core.v4_fields.FLOAT32_SUFFIXES)."""
+        super()._apply(fn, recurse)
+        return keep_float32(self, self.cfg)
+
+    def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, kv_cache: torch.Tensor,
+                slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compiled step (kiln.core.contract.forward_interface): (logits [b, t, vocab], new_kv [b,
+        slot_values]) of `tokens` [b, t] at positions start_pos[b].. over the slots kv_cache[slots[b]]
+        [num_slots, slot_values] (kiln.core.contract.cache_layout): each sequence's slot after the step."""
+        layout = cache_layout(self.cfg, self.tp, slot_context(self.cfg, kv_cache.shape[1]))
+        logits, after = self.step(tokens, start_pos, unpack(layout, kv_cache[slots]))
+        return logits, pack(layout, after)
+
+    def prompt(self, tokens: torch.Tensor) -> torch.Tensor:
         """logits [b, t, vocab] of the prompts `tokens` [b, t] fed from position 0 in one call."""
         return self.step(tokens, 0, self.new_cache(tokens.shape[0], tokens.shape[1]))[0]
 

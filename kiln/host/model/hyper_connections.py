@@ -30,7 +30,7 @@ def mix_weights(cfg: ModelConfig, fn: torch.Tensor, base: torch.Tensor, scale: t
     v4, n = cfg.v4, cfg.v4.hc_mult
     b, t = streams.shape[:2]
     flat = unweighted_rms_norm(streams.reshape(b, t, -1).float(), cfg.rms_norm_eps)
-    pre_w, post_w, comb_w = F.linear(flat, fn.float()).split([n, n, n * n], dim=-1)
+    pre_w, post_w, comb_w = F.linear(flat, fn).split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.split([n, n, n * n])
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + v4.hc_eps
     post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
@@ -56,5 +56,7 @@ def hyper_head(cfg: ModelConfig, fn: torch.Tensor, base: torch.Tensor, scale: to
     """The final collapse [b, t, hidden] of `streams` [b, t, n, hidden] (the hyper-head: sigmoid weights of the
     normed streams, plus hc_eps)."""
     flat = unweighted_rms_norm(streams.flatten(2).float(), cfg.rms_norm_eps)
-    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + cfg.v4.hc_eps
+    # fn, scale and base are float32 already (the contract keeps them so): no op of theirs alone, which a
+    # weightless package would fold at compile time from the placeholders instead of the rank's weights.
+    pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + cfg.v4.hc_eps
     return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)

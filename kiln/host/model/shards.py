@@ -67,12 +67,17 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
 def example_inputs(cfg: ModelConfig, tp: int, batch: int, tokens: int, *, page_tokens: int,
                    pages_per_seq: int, num_pages: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Inputs of one rank for a (batch, tokens) bucket; the cache holds random context. A model whose rope
-    depends on the sequence's length also takes seq_lens: here each sequence's context and new tokens."""
+    depends on the sequence's length also takes seq_lens: here each sequence's context and new tokens.
+    DeepSeek-V4's: num_pages random slots, and each sequence's slot instead of a block table."""
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, cfg.dtype)
     tok = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=gen)
     max_start = pages_per_seq * page_tokens
     start = torch.randint(0, max_start + 1, (batch,), generator=gen)
-    cache = torch.randn(cache_layout(cfg, tp).shape(cfg.num_layers, num_pages, page_tokens), generator=gen).to(dtype)
+    layout = cache_layout(cfg, tp, max_start)
+    cache = torch.randn(layout.shape(cfg.num_layers, num_pages, page_tokens), generator=gen).to(dtype)
+    if not layout.paged:  # DeepSeek-V4: a slot per sequence (num_pages slots), the step within its context
+        start = torch.randint(0, max(1, max_start - tokens + 1), (batch,), generator=gen)
+        return tok, start, cache, torch.randint(0, num_pages, (batch,), generator=gen)
     table = torch.randint(0, num_pages, (batch, pages_per_seq), generator=gen)
     return (tok, start, cache, table, start + tokens) if cfg.length_dependent_rope else (tok, start, cache, table)
