@@ -25,7 +25,7 @@ from kiln.core.errors import KilnError
 from kiln.core.manifest import manifest_device
 from kiln.core.recipe import Bucket, parse_buckets
 from kiln.core.shape_ranges import choose_forward, parse_shape_range
-from kiln.host.verify_ranks import RankLink, rank_device, spawn_ranks
+from kiln.host.verify_ranks import RankLink, join_ranks, rank_device, spawn_ranks
 
 
 def run_export(store_url: str | None, export_id: str, *, prompt: list[int], max_new_tokens: int,
@@ -51,7 +51,7 @@ def run_export(store_url: str | None, export_id: str, *, prompt: list[int], max_
     return out
 
 
-def _rank_main(rank: int, tp: int, port: int, job: dict, link: RankLink) -> None:
+def _rank_main(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) -> None:
     from kiln.host.procs import die_with_parent
 
     die_with_parent()
@@ -67,7 +67,7 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, link: RankLink) -> None
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
         link.doing("joining the gloo group")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+        join_ranks(rank, tp, rendezvous)
         cfg = ModelConfig(**job["config"])
         link.doing("loading weights")
         device = rank_device(job["device"], rank)

@@ -24,20 +24,20 @@ from pathlib import Path
 from kiln.core.errors import KilnError
 
 
-def _rank_main(rank: int, tp: int, port: int, job: dict, link) -> None:
+def _rank_main(rank: int, tp: int, rendezvous: str, job: dict, link) -> None:
     from kiln.host.procs import die_with_parent
 
     die_with_parent()
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
     try:
-        link.report("ok", _rank(rank, tp, port, job, link))
+        link.report("ok", _rank(rank, tp, rendezvous, job, link))
     except KilnError as exc:
         link.report("refused", str(exc))
     except BaseException:
         link.report("error", traceback.format_exc())
 
 
-def _rank(rank: int, tp: int, port: int, job: dict, link) -> dict:
+def _rank(rank: int, tp: int, rendezvous: str, job: dict, link) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -46,11 +46,12 @@ def _rank(rank: int, tp: int, port: int, job: dict, link) -> dict:
     from kiln.host.checkpoint import load_rank_weights
     from kiln.host.loader import eager_outputs, load_forward, place_weights, scaled_diff
     from kiln.host.model import host_group
+    from kiln.host.verify_ranks import join_ranks
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // tp))
     device = job["device"]
     link.doing("joining the gloo group")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    join_ranks(rank, tp, rendezvous)
     side = host_group()
     cfg = ModelConfig(**job["config"])
     link.doing("loading weights")

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from queue import Empty
@@ -32,10 +33,12 @@ DEATH_GRACE_S = 2.0
 """How long a rank's error waits for another rank's death to show: a peer's gloo error follows a death."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def join_ranks(rank: int, tp: int, rendezvous: str) -> None:
+    """Join the gloo group of spawn_ranks' `tp` ranks as `rank`, meeting in the file `rendezvous` (a FileStore:
+    no port picked free beforehand, which another process could take before rank 0 listens on it)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=tp)
 
 
 class RankLink:
@@ -62,14 +65,14 @@ def _said(doing) -> str:
     return doing.value.decode(errors="replace")
 
 
-def _rank_main(rank: int, tp: int, port: int, job: dict, link: RankLink) -> None:
+def _rank_main(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) -> None:
     from kiln.host.procs import PeakSampler, die_with_parent
 
     die_with_parent()
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"  # a wrong shape raises instead of crashing or lying
     try:
         with PeakSampler(interval_s=0.1) as sampler:
-            diffs = _check_together(rank, tp, port, job, link)
+            diffs = _check_together(rank, tp, rendezvous, job, link)
         link.report("ok", {"diffs": diffs, "peak_mib": sampler.peak_mib})
     except KilnError as exc:  # e.g. a refused artifact: its message says it all
         link.report("refused", str(exc))
@@ -77,7 +80,7 @@ def _rank_main(rank: int, tp: int, port: int, job: dict, link: RankLink) -> None
         link.report("error", traceback.format_exc())
 
 
-def _check_together(rank: int, tp: int, port: int, job: dict, link: RankLink) -> dict:
+def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -91,7 +94,7 @@ def _check_together(rank: int, tp: int, port: int, job: dict, link: RankLink) ->
 
     torch.set_num_threads(1)
     link.doing("joining the gloo group")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    join_ranks(rank, tp, rendezvous)
     side = host_group()
     cfg = ModelConfig(**job["config"])
     device = rank_device(job.get("device", "cpu"), rank)
@@ -177,7 +180,8 @@ def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[
 
 def spawn_ranks(target, tp: int, job: dict, *, timeout_s: float = 600,
                 poll_s: float = POLL_S) -> dict[int, object]:
-    """Run `target(rank, tp, port, job, link)` in `tp` spawned processes under one gloo group.
+    """Run `target(rank, tp, rendezvous, job, link)` in `tp` spawned processes, which join one gloo group with
+    join_ranks(rank, tp, rendezvous).
 
     Each rank says what it starts with `link.doing(...)` and posts its result with `link.report(...)`
     (RankLink). Returns rank -> payload of every rank's 'ok', or raises, having stopped every rank still
@@ -190,8 +194,9 @@ def spawn_ranks(target, tp: int, job: dict, *, timeout_s: float = 600,
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     doing = [ctx.RawArray("c", DOING_BYTES) for _ in range(tp)]
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, tp, port, job, RankLink(r, queue, doing[r])), daemon=False)
+    meeting = tempfile.mkdtemp(prefix="kiln-ranks-")
+    rendezvous = os.path.join(meeting, "store")
+    procs = [ctx.Process(target=target, args=(r, tp, rendezvous, job, RankLink(r, queue, doing[r])), daemon=False)
              for r in range(tp)]
     for p in procs:
         p.start()
@@ -225,6 +230,7 @@ def spawn_ranks(target, tp: int, job: dict, *, timeout_s: float = 600,
         finished = True
     finally:
         _stop(procs, gently=finished)
+        shutil.rmtree(meeting, ignore_errors=True)
     return results
 
 

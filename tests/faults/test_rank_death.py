@@ -20,7 +20,7 @@ from kiln.core.errors import RankDied, RanksTimedOut
 from kiln.host.verify_ranks import spawn_ranks
 
 
-def _rank(rank: int, tp: int, port: int, job: dict, link) -> None:
+def _rank(rank: int, tp: int, rendezvous: str, job: dict, link) -> None:
     """Rank 1 ends as job['how'] says while 'running forward 1x16'; rank 0 waits (as in gloo) or, with
     job['echo'], reports the error a peer's death causes in gloo once rank 1 is gone."""
     Path(job["dir"], f"rank-{rank}.started").touch()
