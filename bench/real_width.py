@@ -226,6 +226,14 @@ def measure(name: str, work: Path) -> dict:
     return line
 
 
+def _code() -> str:
+    """The commit measured, with '+changes' when the working tree differs from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=ROOT).stdout.strip()
+    return head.stdout.strip() + ("+changes" if dirty else "")
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "write":
         print(json.dumps(write_checkpoint(sys.argv[2], Path(sys.argv[3]))))
@@ -251,12 +259,12 @@ def main() -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kiln-real-width-"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.families:
+        code = _code()  # what this family's export runs, before any of it starts
         try:
             line = measure(name, work)
         except RuntimeError as exc:
             line = {"family": name, "error": str(exc)}
-        line["code"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                      cwd=ROOT).stdout.strip()
+        line["code"] = code
         with args.out.open("a") as f:
             f.write(json.dumps(line) + "\n")
         print(json.dumps(line), flush=True)
