@@ -59,7 +59,7 @@ def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
     """
     import torch
 
-    from kiln.host.trust import export_signer
+    from blocks.trust import export_signer
     from kiln.core.home import kiln_home
 
     export_signer(job.signing, kiln_home(), host.name)  # every host may compile, so every host needs the key
@@ -135,7 +135,7 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     """
     import torch
 
-    from kiln.host.trust import export_signer
+    from blocks.trust import export_signer
     from kiln.core.home import kiln_home
 
     signer = export_signer(job.signing, kiln_home(), host.name)  # before any compile: a host without the key stops
