@@ -8,9 +8,6 @@ a thin Prefect task on the host it concerns.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from kiln.core import layout, tuning_plan
@@ -27,7 +24,7 @@ from kiln.host.compiler import CompilePool, CompileResult
 from kiln.host.key_sources import model_code_fingerprint
 from kiln.host.inductor_options import compiler_options, inductor_env
 from kiln.host.leasing import Leases, compile_leased
-from kiln.host.procs import PeakSampler, die_with_parent
+from kiln.host.procs import ChildDied, PeakSampler, call_in_spawned
 from kiln.store import ObjectMissing, open_store
 
 log = logging.getLogger(__name__)
@@ -417,22 +414,20 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     memory["predicted_mib"] = check_memory(job, max(len(fs) for fs in todo.values()),
                                            probe.host_memory()["host_available_mib"], f"host {host.name}")
     memory["peak_mib"] = 0
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), max_tasks_per_child=1,
-                             initializer=die_with_parent) as ex:
-        for rank, fs in todo.items():
-            try:
-                result = ex.submit(_check_rank, job, host, rank, fs).result()
-            except BrokenProcessPool:
-                raise CheckCrashed(
-                    f"host {host.name}: the check of rank {rank} died (its process crashed loading or running a "
-                    f"forward of shapes {', '.join(f['shapes'] for f in fs)}, or was killed); a crash is final, "
-                    "not retried") from None
-            found = result["checks"]
-            memory["peak_mib"] = max(memory["peak_mib"], result["peak_mib"])
-            diffs.update(found)
-            for f in fs:
-                check = found[f"rank{rank}/{f['shapes']}"]
-                if check["diff"] <= check["limit"]:
-                    remember_check(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v3.json",
-                                   {**check, "verified_at": _mtime_iso(None)})
+    for rank, fs in todo.items():
+        try:
+            result = call_in_spawned(_check_rank, job, host, rank, fs)
+        except ChildDied:
+            raise CheckCrashed(
+                f"host {host.name}: the check of rank {rank} died (its process crashed loading or running a "
+                f"forward of shapes {', '.join(f['shapes'] for f in fs)}, or was killed); a crash is final, "
+                "not retried") from None
+        found = result["checks"]
+        memory["peak_mib"] = max(memory["peak_mib"], result["peak_mib"])
+        diffs.update(found)
+        for f in fs:
+            check = found[f"rank{rank}/{f['shapes']}"]
+            if check["diff"] <= check["limit"]:
+                remember_check(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v3.json",
+                               {**check, "verified_at": _mtime_iso(None)})
     return {"checks": diffs, "memory": memory}
