@@ -14,8 +14,9 @@ Prefect task threads, which end long before the process does.
 that process once its answer is in: a process that hangs on its way out (an
 interpreter's teardown after loading native code) cannot hold the caller up.
 ProcessPoolExecutor's `max_tasks_per_child` could: its manager thread joins
-each retired worker before it starts the next, and a rank check once waited
-there for 15 minutes (the in-flow check of a gemma2 export in CI).
+each retired worker before it starts the next (and CPython gh-115634 is a
+deadlock in that replacement). The in-flow check of a gemma2 export once
+waited 15 minutes in CI after its rank 0 had passed.
 
 `PeakSampler` samples the resident memory of a process and its children
 (the compiler's g++ processes included) on a thread while work runs, from a
