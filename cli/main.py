@@ -102,7 +102,7 @@ def cmd_export(args) -> int:
 
 
 def _export(params, api) -> int:
-    from blocks.trust import DEV_KEY_NAME
+    from kiln.host.trust import DEV_KEY_NAME
     from flows.params import default_host_names, prepare
     from kiln.core.home import kiln_home
     dev_key = kiln_home() / "keys" / f"{DEV_KEY_NAME}.key"
@@ -283,7 +283,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_keygen(args) -> int:
-    from blocks.trust import keygen
+    from kiln.host.trust import keygen
     key, pub, fp = keygen(args.dir, args.name)
     print(f"wrote {key} (private, mode 0600) and {pub} (public); fingerprint {fp}")
     print("sign exports:  export KILN_SIGNING_KEY=\"$(cat " + str(key) + ")\"   "

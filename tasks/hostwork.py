@@ -56,7 +56,7 @@ def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
     """
     import torch
 
-    from blocks.trust import export_signer
+    from kiln.host.trust import export_signer
     from kiln.core.home import kiln_home
 
     export_signer(job.signing, kiln_home(), host.name)  # every host may compile, so every host needs the key
@@ -132,7 +132,7 @@ def compile_on_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: 
     """
     import torch
 
-    from blocks.trust import export_signer
+    from kiln.host.trust import export_signer
     from kiln.core.home import kiln_home
 
     signer = export_signer(job.signing, kiln_home(), host.name)  # before any compile: a host without the key stops

@@ -91,7 +91,7 @@ def compile_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int
 
 
 def _trusted(job: ExportJob, keys: list[str], own: dict[str, str]) -> dict[str, str]:
-    from blocks.trust import export_trusted_keys
+    from kiln.host.trust import export_trusted_keys
     from kiln.core.home import kiln_home
 
     return hostwork.trusted_digests(hostwork.store_of(job), keys, export_trusted_keys(job.signing, kiln_home()), own)
@@ -129,7 +129,7 @@ def verify_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
 @io_task("manifest")
 def write_manifest(job: ExportJob, manifest: dict) -> dict:
     """Sign (the key is loaded here, never passed in) and write the manifest last; the report's signing entry."""
-    from blocks.trust import write_signed_manifest
+    from kiln.host.trust import write_signed_manifest
     from kiln.core.home import kiln_home
 
     store = hostwork.store_of(job)

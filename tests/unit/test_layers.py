@@ -2,7 +2,7 @@
 importing a module configures nothing.
 
 Layers, bottom to top: kiln.core (pure decisions) < kiln.store (object stores) < kiln.host (what runs
-on one host: torch) < blocks (Prefect blocks, signing keys) < tasks (Prefect tasks and their
+on one host: torch) < blocks (Prefect block classes) < tasks (Prefect tasks and their
 bodies) < flows < bench < cli (`kiln bench` runs the bench). Every import counts, also one inside a function.
 """
 
