@@ -97,7 +97,7 @@ def cmd_export(args) -> int:
     params = _params(args)
     # One host and no server named: Prefect's embedded API starts now, while the rest imports and checks.
     with embedded_api(start=not (params.hosts or params.dask)) as api:
-        from cli.export import export_with
+        from cli.start_export import export_with
         return export_with(params, api)
 
 
