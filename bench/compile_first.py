@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.core.recipe import SETTINGS, parse_buckets
     from kiln.core.settings import parse_assignments
     from kiln.core.sizing import required_mib, worker_capacity
-    from tasks import hostwork
+    from kiln.host.host_compile import compile_on_host
+    from kiln.host.host_probe import probe_host
+    from tasks.phases import store_of
 
     params = export_params(model=args.model, hosts=args.hosts, tp=args.tp, store=args.store,
                            recipe={"buckets": parse_buckets(args.buckets), **parse_assignments(SETTINGS, args.set)},
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                           export_id=f"bench-compile-first-{int(time.time())}")
     job, hosts = prepare(params, host_names=default_host_names(params))
     t_probe = time.perf_counter()
-    probes = [hostwork.probe_host(job, h) for h in hosts]
+    probes = [probe_host(job, h, store_of(job)) for h in hosts]
     reports = decisions.host_reports(job, probes)
     errors: dict[str, str] = {}
     compiled: dict[str, int] = {}
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                                  f"needs {need} MiB")
             continue
         # Each host compiles what its ranks need, whatever the others do (no gate, no lending).
-        done = hostwork.compile_on_host(job, host, probe.specs, workers)
+        done = compile_on_host(store_of(job), job, host, probe.specs, workers)
         compiled[host.name] = len(done["forwards"])
     t_check = time.perf_counter()
     # The outcome all-gather, after compiling: any host's error fails the export.

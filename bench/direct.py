@@ -3,7 +3,7 @@
 `python -m bench.direct --model DIR --tp N --buckets ... --store URL --json FILE`
 
 Kiln's overhead is `kiln export` against this: both probe, plan KV, run the
-gate, compile in the same `CompilePool` (through `tasks.hostwork`), check the
+gate, compile in the same `CompilePool` (through `kiln.host`'s host work), check the
 outcome, fetch and verify every rank against eager, and write the manifest to
 the same kind of store; this script does it in one process on one host, with
 no flow, no tasks, no API server and no artifacts.
@@ -29,14 +29,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
 
-    from blocks.trust import write_signed_manifest
+    from kiln.host.trust import write_signed_manifest
     from flows.params import ExportParams, default_host_names, prepare
     from kiln.core import decisions, outcome
     from kiln.core.contract import weight_layout
     from kiln.core.home import kiln_home
     from kiln.core.manifest import build_manifest
     from kiln.host import probe
-    from tasks import hostwork
+    from kiln.host import host_compile, host_probe, rank_check, share
+    from tasks.phases import store_of
 
     phases: dict[str, float] = {}
     ledger: list[dict] = []
@@ -44,14 +45,14 @@ def main(argv: list[str] | None = None) -> None:
                           export_id=f"bench-direct-{int(time.time())}")
     job, hosts = prepare(params, host_names=default_host_names(params))
     (host,) = hosts
-    store = hostwork.store_of(job)
+    store = store_of(job)
 
     def phase(name: str, started: float) -> None:
         phases[name] = time.perf_counter() - started
         ledger.append({"phase": name, **probe.memory_snapshot()})
 
     t = time.perf_counter()
-    probes = [hostwork.probe_host(job, host)]
+    probes = [host_probe.probe_host(job, host, store)]
     phase("probe", t)
     t = time.perf_counter()
     decision = decisions.decide_export(job, probes)
@@ -63,17 +64,17 @@ def main(argv: list[str] | None = None) -> None:
     specs = {s["key"]: s for s in probes[0].specs}
     t = time.perf_counter()
     hp = plan.hosts[host.name]
-    done = hostwork.compile_on_host(job, host, [specs[k] for k in hp.compile], hp.workers)
+    done = host_compile.compile_on_host(store, job, host, [specs[k] for k in hp.compile], hp.workers)
     compiled = {e["key"]: e for e in done["forwards"]}
     phase("compile", t)
     t = time.perf_counter()
-    found, missing = hostwork.stored_forwards(store, sorted(specs), {k: e["sha256"] for k, e in compiled.items()})
+    found, missing = share.stored_forwards(store, sorted(specs), {k: e["sha256"] for k, e in compiled.items()})
     stored = outcome.check_outcome(found, missing, specs)
     phase("outcome-check", t)
     forwards = outcome.forward_records(specs, stored, compiled, job.model_config, job.tp)
     t = time.perf_counter()
-    hostwork.fetch_missing(job, host, forwards)
-    diffs = hostwork.check_ranks(job, host, forwards)["checks"]
+    share.fetch_missing(store, job, host, forwards)
+    diffs = rank_check.check_ranks(job, host, forwards)["checks"]
     if any(c["diff"] > c["limit"] for c in diffs.values()):
         raise SystemExit(f"a compiled forward differs from eager: {diffs}")
     phase("share-verify", t)

@@ -193,6 +193,6 @@ def part_overhead(ctx: Context) -> dict:
                     "export_phases_s": {p["name"]: p["duration_s"] for p in cold["report"]["phases"]},
                     "export_milestones_s": cold["milestones_s"],
                     "embedded_api_startup_s": fixed},
-            "notes": "the plain script (bench/direct.py) runs the same phases through tasks.hostwork (same "
+            "notes": "the plain script (bench/direct.py) runs the same phases through kiln.host (same "
                      "CompilePool, same local store, same verify of every rank) in one process without Prefect; "
                      f"both sides cold. {COLD_NOTE}."}

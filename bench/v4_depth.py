@@ -1,11 +1,11 @@
-"""DeepSeek-V4's compile time against depth: one run of layers of one kind is one scanned body.
+"""DeepSeek-V4's compile time against depth: each segment of layers is one scanned body (kiln.core.layer_runs).
 
 `python -m bench.v4_depth OUT_DIR [LAYERS,...]` compiles the 1x8 forward of a small DeepSeek-V4 (the
-reference test's width: hidden 128, 4 heads of 64, 8 experts, hc_mult 3) whose every layer is a CSA
-layer with top-k experts (one run), at each depth (default 4 and 16), each in a fresh process with a
-fresh Inductor cache, and writes OUT_DIR/v4-depth.json: {layers: {'compile_s', 'peak_mib'}}. A model whose
-layer kinds alternate is a run per layer: its compile time grows with depth (not measured here).
-Not part of bench.suite.
+reference test's width: hidden 128, 4 heads of 64, 8 experts, hc_mult 3) with the config's default
+schedule (transformers' DeepseekV4Config: two HCA layers, then HCA and CSA in turn; the first three layers
+hash-routed), at each depth (default 4, 16 and 32), each in a fresh process with a fresh Inductor cache, and
+writes OUT_DIR/v4-depth.json: {layers: {'compile_s', 'peak_mib', 'segments'}}. From 16 layers on, the
+alternating layers are one segment whose body runs an HCA and a CSA layer. Not part of bench.suite.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEPTHS = (4, 16)
+DEPTHS = (4, 16, 32)
 V4 = dict(model_type="deepseek_v4", vocab_size=512, hidden_size=128, moe_intermediate_size=48, num_attention_heads=4,
           head_dim=64, q_lora_rank=48, num_experts_per_tok=2, n_routed_experts=8, routed_scaling_factor=1.5,
           compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, hc_mult=3,
@@ -29,20 +29,21 @@ def compile_one(layers: int, out: Path) -> dict:
     """Compile the 1x8 forward at `layers` in this process, as a compile worker does."""
     from kiln.core.forward_keys import forward_spec
     from kiln.core.hf_config import from_hf
+    from kiln.core.layer_runs import segments
     from kiln.core.recipe import Bucket
     from kiln.core.shape_ranges import static_shape
     from kiln.host.compiler import _warm, compile_forward, model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS
 
     _warm()
-    cfg = from_hf({**V4, "num_hidden_layers": layers, "layer_types": ["compressed_sparse_attention"] * layers,
-                   "mlp_layer_types": ["moe"] * layers})
+    cfg = from_hf({**V4, "num_hidden_layers": layers})
     spec = forward_spec(shapes=static_shape(Bucket(1, 8)), graph={"config": cfg.to_dict(), "tp": 1,
                                                                   "code": model_code_fingerprint()},
                         target="bench", torch_version="bench", page_tokens=16, pages_per_seq=4,
                         compiler=COMPILER_OPTIONS).to_dict()
     result = compile_forward(spec, str(out / f"v4-{layers}.pt2"))
-    return {"compile_s": result.compile_s, "peak_mib": result.peak_mib}
+    return {"compile_s": result.compile_s, "peak_mib": result.peak_mib,
+            "segments": [[s.start, s.stop, s.period] for s in segments(cfg)]}
 
 
 if __name__ == "__main__":

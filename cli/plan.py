@@ -11,23 +11,28 @@ from kiln.core.errors import BadInput, KilnError
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.probe_result import HostProbe
 from kiln.core.report import Report
-from kiln.host import probe
+from kiln.host import host_probe, probe
 from kiln.host.weights import check_job_caches
-from tasks import hostwork
+from tasks.phases import store_of
+
+
+def _probe(job: ExportJob, host: HostSpec) -> HostProbe:
+    """One host's probe, where this runs (on its Dask worker for --dask)."""
+    return host_probe.probe_host(job, host, store_of(job))
 
 
 def _probe_all(params: ExportParams) -> tuple:
     """Probe every host: on its Dask worker for --dask; here otherwise (--hosts N stands for this machine)."""
     if not params.dask:
         job, hosts = prepare(params, host_names=default_host_names(params), signing=False)
-        return job, [hostwork.probe_host(job, h) for h in hosts]
+        return job, [_probe(job, h) for h in hosts]
     from distributed import Client
 
     from flows.hosts import RESOURCE_PREFIX, HostRunner
     with HostRunner(dask_address=params.dask) as runner:
         job, hosts = prepare(params, host_names=runner.host_names, signing=False)
         with Client(params.dask, timeout=10, set_as_default=False) as client:
-            futures = [client.submit(hostwork.probe_host, job, h, pure=False,
+            futures = [client.submit(_probe, job, h, pure=False,
                                      resources={f"{RESOURCE_PREFIX}{h.name}": 1}) for h in hosts]
             return job, client.gather(futures)
 
@@ -71,7 +76,7 @@ def refusal_before_flow(job: ExportJob, hosts: list[HostSpec],
 
     ledger("start")
     start = probe_start = time.perf_counter()
-    probes = [hostwork.probe_host(job, h) for h in hosts]
+    probes = [_probe(job, h) for h in hosts]
     report.record_probes(probes)
     try:
         check_job_caches(job, probes)

@@ -1,7 +1,7 @@
 """`kiln verify`: re-check a finished export from its manifest.
 
 In this order, and nothing is loaded before all of it passed: the manifest's
-signature against the trusted keys (blocks.trust), the manifest's structure, each
+signature against the trusted keys (kiln.host.trust), the manifest's structure, each
 artifact's sha256 on download, each package's members (kiln.host.package_check,
 inside the loader). Then all `tp` ranks run the compiled forwards together
 under gloo, with AOTInductor's runtime input checks on, and the combined output
@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from blocks.trust import read_verified_manifest, trusted_keys
+from kiln.host.trust import read_verified_manifest, trusted_keys
 from kiln.core.config import BUNDLED_MODEL, ModelConfig
 from kiln.core.errors import BadInput, MemoryShort, VerifyMismatch
 from kiln.core.forward_keys import check_export_id

@@ -1,9 +1,11 @@
-"""The export's phases as Prefect tasks (phases.py) and their bodies on one host (hostwork.py).
+"""The export's phases as Prefect tasks (phases.py).
 
-Purpose: one task per phase or per host's share of one; hostwork.py holds the
-store I/O, the compile pool calls and the checks that run on the host.
+Purpose: one task per phase or per host's share of one. Their bodies are the
+library's: kiln.host.host_probe, host_compile, share and rank_check on a host,
+kiln.core for the decisions; a task opens the export's store (`store_of`, a
+Kiln Store block or a URL) and passes it in.
 
-Contracts: thin tasks: decorators, retries, a call into kiln.core or hostwork.
+Contracts: thin tasks: decorators, retries, a call into kiln.core or kiln.host.
 Retries only on I/O (transient_only), only for errors that can heal and that no lower level retried
 (kiln.core.retry_rule: a store error has spent its per-request retries).
 

@@ -23,8 +23,16 @@ from kiln.core.job import ExportJob, HostSpec
 from kiln.core.layout import artifact_key, manifest_key
 from kiln.core.probe_result import HostProbe
 from kiln.core.retry_rule import mark_retried_in_task, retry_in_task
-from kiln.host import faults, tuner
-from tasks import hostwork
+from kiln.host import faults, host_compile, host_probe, rank_check, share, tuner
+from kiln.store import open_store
+
+def store_of(job: ExportJob):
+    """The export's store: its Kiln Store block's, or its URL's."""
+    if job.store_block:
+        from blocks.kiln_blocks import load_store_block
+        return load_store_block(job.store_block).open()
+    return open_store(job.store_url, s3_endpoint=job.s3_endpoint, checksum_mode=job.checksum_mode)
+
 
 IO_RETRY_DELAYS_S = [2, 5, 10]
 """Backoff of the I/O tasks: three tries more, 17 s in all, for transient errors no lower level retried."""
@@ -63,7 +71,7 @@ def io_task(name: str):
 @io_task("probe")
 def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
     faults.point("probe")
-    return hostwork.probe_host(job, host)
+    return host_probe.probe_host(job, host, store_of(job))
 
 
 @task(name="tune", cache_policy=None)
@@ -87,14 +95,14 @@ def decide(job: ExportJob, probes: list[HostProbe]) -> decisions.Decision:
 def compile_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int) -> dict:
     """No task retries: a retry would compile its whole share again. A flow retry probes the store
     and compiles only what is missing."""
-    return hostwork.compile_on_host(job, host, specs, workers)
+    return host_compile.compile_on_host(store_of(job), job, host, specs, workers)
 
 
 def _trusted(job: ExportJob, keys: list[str], own: dict[str, str]) -> dict[str, str]:
-    from blocks.trust import export_trusted_keys
+    from kiln.host.trust import export_trusted_keys
     from kiln.core.home import kiln_home
 
-    return hostwork.trusted_digests(hostwork.store_of(job), keys, export_trusted_keys(job.signing, kiln_home()), own)
+    return share.trusted_digests(store_of(job), keys, export_trusted_keys(job.signing, kiln_home()), own)
 
 
 @io_task("check-reused")
@@ -110,18 +118,18 @@ def outcome_check(job: ExportJob, forwards: dict[str, dict], own: dict[str, str]
     digest this export's compiling host returned), and its package Python-free
     (kiln.core.outcome.check_outcome); returns key -> {'sha256', 'size_bytes', 'calls'}."""
     digests = _trusted(job, sorted(forwards), own)
-    found, missing = hostwork.stored_forwards(hostwork.store_of(job), sorted(forwards), digests)
+    found, missing = share.stored_forwards(store_of(job), sorted(forwards), digests)
     return outcome.check_outcome(found, missing, forwards)
 
 
 @io_task("share")
 def share_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> int:
-    return hostwork.fetch_missing(job, host, forwards)
+    return share.fetch_missing(store_of(job), job, host, forwards)
 
 
 @task(name="verify", cache_policy=None)
 def verify_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
-    result = hostwork.check_ranks(job, host, forwards)
+    result = rank_check.check_ranks(job, host, forwards)
     outcome.check_verified(result["checks"], host.name, job.model_config.dtype)
     return result
 
@@ -129,10 +137,10 @@ def verify_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
 @io_task("manifest")
 def write_manifest(job: ExportJob, manifest: dict) -> dict:
     """Sign (the key is loaded here, never passed in) and write the manifest last; the report's signing entry."""
-    from blocks.trust import write_signed_manifest
+    from kiln.host.trust import write_signed_manifest
     from kiln.core.home import kiln_home
 
-    store = hostwork.store_of(job)
+    store = store_of(job)
     entry = write_signed_manifest(store, job.export_id, manifest, job.signing, kiln_home())
     return {**entry, "manifest": manifest_key(job.export_id)}
 
@@ -144,20 +152,20 @@ def write_manifest(job: ExportJob, manifest: dict) -> dict:
 @io_task("missing-forwards")
 def missing_forwards(job: ExportJob, keys: list[str]) -> list[str]:
     """The keys whose forward is not in the store (after hosts were lost mid-compile)."""
-    store = hostwork.store_of(job)
+    store = store_of(job)
     return sorted(k for k in keys if not store.exists(artifact_key(k)))
 
 
 @io_task("break-leases")
 def break_leases(job: ExportJob, keys: list[str], hosts: set[str]) -> int:
-    """Drop the compile leases lost `hosts` of this export held on `keys` (tasks.hostwork.break_leases)."""
-    return hostwork.break_leases(job, keys, hosts)
+    """Drop the compile leases lost `hosts` of this export held on `keys` (kiln.host.host_compile.break_leases)."""
+    return host_compile.break_leases(store_of(job), job, keys, hosts)
 
 
 def compile_records(job: ExportJob, keys: list[str]) -> dict[str, dict]:
     """key -> this export's compile record (who compiled it, how long); keys another export compiled are absent."""
-    return hostwork.compile_records(job, keys)
+    return host_compile.compile_records(store_of(job), job, keys)
 
 
 def store_picture(job: ExportJob, key: str, png: bytes) -> None:
-    hostwork.store_of(job).put_bytes(key, png)
+    store_of(job).put_bytes(key, png)

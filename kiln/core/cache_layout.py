@@ -14,10 +14,10 @@ holds and which rows grow with the context. The KV plan's page size is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import groupby
 
 from kiln.core import v4_fields
 from kiln.core.config import ModelConfig
+from kiln.core.layer_runs import layer_runs
 
 DYNAMIC_PAGES = "num_pages"
 """The name of the kv_cache's dynamic dimension in interface shapes."""
@@ -31,7 +31,7 @@ class CacheState:
     values into each sequence's slot."""
 
     run: int
-    """The run of layers (layer_runs) whose layers hold it, stacked in layer order."""
+    """The run of layers (kiln.core.layer_runs) whose layers hold it, stacked in layer order."""
     kind: str
     """The run's attention kind (kiln.core.v4_fields.LAYER_KINDS)."""
     name: str
@@ -43,6 +43,8 @@ class CacheState:
     """Rows grow one per this many tokens (the compressed entries: the rate); None: a fixed number of rows,
     rewritten as tokens arrive (the window and the compressors' rings)."""
     offset: int
+    model_layers: tuple[int, ...] = ()
+    """The decoder layers stacked along its first dimension, in order (a run's, kiln.core.layer_runs)."""
 
     @property
     def values(self) -> int:
@@ -50,7 +52,7 @@ class CacheState:
 
     def to_dict(self) -> dict:
         return {"run": self.run, "kind": self.kind, "name": self.name, "shape": [self.layers, self.rows, self.width],
-                "tokens_per_row": self.tokens_per_row, "offset": self.offset}
+                "tokens_per_row": self.tokens_per_row, "offset": self.offset, "model_layers": list(self.model_layers)}
 
 
 @dataclass(frozen=True)
@@ -159,14 +161,11 @@ def slot_context(cfg: ModelConfig, slot_values: int) -> int:
 def _v4_states(cfg: ModelConfig, context_tokens: int) -> list[CacheState]:
     """DeepSeek-V4's state tensors, run by run (kiln.core.v4_fields.layer_state of the run's kind)."""
     out, offset = [], 0
-    # The runs of consecutive layers of one kind: kiln.core.contract.layer_runs of a V4 model.
-    for j, (_, layers) in enumerate(groupby(range(cfg.num_layers), key=cfg.v4.kind)):
-        layers = list(layers)
-        start, stop = layers[0], layers[-1] + 1
-        kind = cfg.v4.layer_types[start]
+    for j, layers in enumerate(layer_runs(cfg)):
+        kind = cfg.v4.layer_types[layers[0]]
         for name, (rows, width) in v4_fields.layer_state(cfg, kind, context_tokens).items():
             grows = cfg.v4.rate_of(kind) if name.endswith("entries") else None
-            out.append(CacheState(run=j, kind=kind, name=name, layers=stop - start, rows=rows, width=width,
-                                  tokens_per_row=grows, offset=offset))
+            out.append(CacheState(run=j, kind=kind, name=name, layers=len(layers), rows=rows, width=width,
+                                  tokens_per_row=grows, offset=offset, model_layers=tuple(layers)))
             offset += out[-1].values
     return out

@@ -25,16 +25,17 @@ sequence's slot after the step), whose `states` the layout lists with their
 shapes and which of them grow with tokens.
 
 The decoder layers are compiled once per forward, not once per layer: each run
-of same-shaped layers (`layer_runs`) is a scan over its weights stacked along
-a leading layer dimension (LAYOUT names this package layout and goes into every
-forward key). So the package's constants are of two kinds, and
+of same-shaped layers (kiln.core.layer_runs: consecutive layers of one kind,
+or, where kinds alternate, every period-th layer of a segment that repeats a
+pattern) is scanned over its weights stacked along a leading layer dimension
+(LAYOUT names this package layout and goes into every forward key). So the package's constants are of two kinds, and
 `weight_layout` states both:
 - a plain constant is one checkpoint tensor (the embedding, the final norm,
   the output head), named as in the checkpoint;
 - a stacked constant `model.runs.<j>.<suffix>` (e.g.
   `model.runs.0.self_attn.q_proj.weight`) is the checkpoint tensors
   `model.layers.<i>.<suffix>` of the run's layers, each cut for the rank,
-  stacked in layer order along a new leading dimension.
+  stacked in layer order (`sources` lists them) along a new leading dimension.
 Each entry lists its `sources` (checkpoint tensor, full shape, and how rank r
 cuts it: `dim`, `offsets[r]`, `length`, or whole) and `stack` (the number of
 sources stacked, or None for a plain constant). Nothing is computed from the
@@ -60,14 +61,16 @@ from kiln.core.cache_layout import (DYNAMIC_PAGES, DYNAMIC_SLOTS, CacheLayout, C
                                     slot_context)
 from kiln.core.config import ModelConfig
 from kiln.core.errors import BadInput
+from kiln.core.layer_runs import layer_runs
 
 PROCESS_GROUP = "0"
 """The group name the packages' collectives are compiled with: the default world group on every rank."""
 
 
-LAYOUT = "scan-1"
-"""The package layout: decoder layers as one scan per run over stacked constants. In every forward key, so
-a package of another layout (e.g. the unrolled one, with a constant per layer) is never loaded as this one."""
+LAYOUT = "scan-2"
+"""The package layout: decoder layers as one scan per segment over stacked constants, a run's layers
+interleaved with another run's where kinds alternate (kiln.core.layer_runs; scan-1's runs were consecutive).
+In every forward key, so a package of another layout (e.g. the unrolled one, with a constant per layer) is never loaded as this one."""
 
 LAYER_PREFIX = "model.layers."
 RUN_PREFIX = "model.runs."
@@ -226,21 +229,6 @@ def _latent_attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, .
     return out
 
 
-def layer_runs(cfg: ModelConfig) -> list[tuple[int, int]]:
-    """[start, stop) of each run of same-shaped decoder layers; each run is one scan in the graph.
-
-    Per-layer differences that keep the shapes (the sliding window) are data scanned with the weights,
-    so the Llama-family layers are one run; dense and mixture-of-experts layers are runs of their own."""
-    runs: list[tuple[int, int]] = []
-    kind = cfg.v4.kind if cfg.v4 is not None else cfg.is_moe  # DeepSeek-V4: its attention and routing kinds
-    for i in range(cfg.num_layers):
-        if runs and kind(i) == kind(runs[-1][0]):
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
-
-
 _EXPERT = ".experts."
 
 
@@ -296,7 +284,7 @@ def _constant_parts(cfg: ModelConfig) -> dict[str, list[str]]:
     plain = [n for n in full if not n.startswith(LAYER_PREFIX)]
     out[plain[0]] = [plain[0]]  # the embedding comes first, as in the module
     runs = layer_runs(cfg)
-    run_of = {i: j for j, (start, stop) in enumerate(runs) for i in range(start, stop)}
+    run_of = {i: j for j, run in enumerate(runs) for i in run}
     stacked: list[dict[str, list[str]]] = [{} for _ in runs]
     for name in full:  # layer by layer, each layer's experts in order
         if name.startswith(LAYER_PREFIX):

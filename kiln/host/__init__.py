@@ -4,7 +4,8 @@ Purpose: the side effects of one host, with torch: measure the host, compile
 forwards in worker processes (forked from a preloaded server), load packages
 and check them against eager, read checkpoints, keep the host cache.
 
-Contracts: imports kiln.core and kiln.store only; the decisions come from
+Contracts: imports kiln.core and kiln.store only (of Prefect, only trust.py's
+Secret block, where a signing key may be kept); the decisions come from
 kiln.core and are passed in. Every process started here dies with its parent
 (procs.die_with_parent) and never compiles in a thread.
 

@@ -15,9 +15,13 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kiln.core.errors import DISK_ERRNOS, BadInput
+from kiln.core.errors import BadInput
 from kiln.store import sha256_file
+
+if TYPE_CHECKING:
+    from kiln.core.job import HostSpec
 
 CACHE_DIR_ENV = "KILN_CACHE_DIR"
 MIB = 2**20
@@ -31,6 +35,16 @@ def cache_root(host_name: str, configured: str = "") -> Path:
         return Path(os.environ[CACHE_DIR_ENV]).expanduser().resolve() / host_name
     from kiln.core.home import kiln_home
     return kiln_home() / "cache" / host_name
+
+
+def cache_dir(host: "HostSpec") -> Path:
+    """The host's local cache, resolved where this runs (on the host itself)."""
+    return cache_root(host.name, host.cache_dir)
+
+
+def local_path(host: "HostSpec", key: str) -> Path:
+    """Where the host keeps forward `key`."""
+    return cache_dir(host) / "forwards" / f"{key}.pt2"
 
 
 def _free_mib(path: Path) -> int | None:

@@ -2,7 +2,7 @@
 
 The I/O side of kiln.core.leases (the decisions) and kiln.core.holders (is a
 holder provably gone). `compile_leased` drives a CompilePool under these
-leases; `tasks.hostwork.compile_on_host` calls it on each host.
+leases; `kiln.host.host_compile.compile_on_host` calls it on each host.
 """
 
 from __future__ import annotations

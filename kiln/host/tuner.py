@@ -26,13 +26,11 @@ own counters of benchmarked candidates, not autotune calls.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import shutil
 import socket
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from typing import TYPE_CHECKING
 
 from kiln.core import tuning_plan
@@ -41,7 +39,7 @@ from kiln.core.tuning_plan import GemmShape
 from kiln.core.target import device_of
 from kiln.host import probe
 from kiln.host.inductor_options import compiler_options
-from kiln.host.procs import die_with_parent
+from kiln.host.procs import call_in_spawned
 from kiln.store import Store, open_store, sha256_bytes
 
 if TYPE_CHECKING:  # not at run time: kiln.core.job brings kiln.core.signing (cryptography) into every
@@ -219,10 +217,7 @@ def _save(store: Store, run: dict, decision: tuning_plan.TuningDecision, *, targ
 
 def measure(shapes: tuple[GemmShape, ...], *, target: str, torch_version: str, backends: str) -> dict:
     """Benchmark `shapes` over `backends` in a spawned process; returns its run (see `_measure_in_child`)."""
-    ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1, initializer=die_with_parent) as ex:
-        return ex.submit(_measure_in_child, [s.to_dict() for s in shapes], target, torch_version,
-                         backends).result()
+    return call_in_spawned(_measure_in_child, [s.to_dict() for s in shapes], target, torch_version, backends)
 
 
 def _measure_in_child(shapes: list[dict], target: str, torch_version: str, backends: str) -> dict:

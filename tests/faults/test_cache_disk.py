@@ -21,8 +21,8 @@ from kiln.core.errors import DiskError
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.layout import artifact_key
 from kiln.core.recipe import Recipe
+from kiln.host.share import fetch_missing
 from kiln.store import LocalStore
-from tasks.hostwork import fetch_missing
 
 
 def _mount(*args: str) -> None:
@@ -122,6 +122,6 @@ def test_a_disk_that_fills_up_while_downloading_names_the_path(tmp_path, mounts)
                     store_url=store.url)
     host = HostSpec("h", (0,), cache_dir=str(cache))
     with pytest.raises(DiskError) as err:
-        fetch_missing(job, host, [{"key": key, "sha256": hashlib.sha256(data).hexdigest()}])
+        fetch_missing(store, job, host, [{"key": key, "sha256": hashlib.sha256(data).hexdigest()}])
     assert "No space left on device" in str(err.value) and str(cache) in str(err.value) and key in str(err.value)
     assert not [p for p in cache.rglob("*") if p.is_file()]  # the partial download was removed

@@ -25,12 +25,13 @@ from kiln.host.model.deepseek_v4 import DeepseekV4Decoder
 CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 V4 = dict(vocab_size=512, hidden_size=128, moe_intermediate_size=48, num_hidden_layers=6, num_attention_heads=4,
           head_dim=64, q_lora_rank=48, num_experts_per_tok=2, n_routed_experts=8, routed_scaling_factor=1.5,
-          layer_types=[SLIDING, CSA, CSA, CSA, HCA, HCA], mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 4,
+          layer_types=[SLIDING, CSA, HCA, CSA, HCA, CSA], mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 4,
           compress_rates={CSA: 4, HCA: 8}, hc_mult=3, hc_sinkhorn_iters=6, sliding_window=8, o_groups=2,
           o_lora_rank=32, index_n_heads=4, index_head_dim=32, index_topk=3, partial_rotary_factor=0.25,
           swiglu_limit=0.6, max_position_embeddings=256, initializer_range=0.1, compress_rope_theta=1000.0)
-"""Runs of one kind: (sliding, hash), (CSA, hash), (CSA, top-k) x 2, (HCA, top-k) x 2. swiglu_limit low enough
-that these weights reach it; a compress rope base of its own."""
+"""Layers of kinds (sliding, hash), (CSA, hash), then (HCA, top-k) and (CSA, top-k) in turn, as the published
+schedule alternates them: the last four are one segment (kiln.core.layer_runs), a scan whose body runs an HCA
+and a CSA layer. swiglu_limit low enough that these weights reach it; a compress rope base of its own."""
 PROMPT = 40
 
 
@@ -144,30 +145,42 @@ V4_EXPORT = ("--buckets", "1x1,1x8", "--shape-policy", "static", "--set", "max_c
 """Two static forwards: the 20-token prompt is fed as 8 + 8 + 1 x 4 (no padding), then 1 token per step."""
 
 
+@pytest.fixture(scope="module")
+def v4_exports(v4_path, kiln, prefect_server, tmp_path_factory) -> dict:
+    """`kiln export` of the V4 checkpoint at tp 1 and tp 2 into one store: {'store', 'root', 'env', 'compile_s':
+    tp -> seconds per forward}."""
+    root = tmp_path_factory.mktemp("v4-exports")
+    store, env = f"file://{root / 'store'}", {"PREFECT_API_URL": prefect_server}
+    compile_s = {}
+    for tp in (1, 2):
+        report = root / f"report{tp}.json"
+        exported = kiln("export", "--model", str(v4_path), "--tp", str(tp), *V4_EXPORT, "--store", store,
+                        "--export-id", f"v4-tp{tp}", "--report", str(report), env=env)
+        assert exported.code == 0, exported.err[-3000:]
+        compile_s[tp] = [f.get("compile_s") for f in json.loads(report.read_text())["forwards"]]
+    return {"store": store, "root": root, "env": env, "compile_s": compile_s}
+
+
 @pytest.mark.slow
-def test_kiln_export_and_run_decode_what_transformers_generates(v4_path, kiln, prefect_server, tmp_path):
+def test_kiln_export_and_run_decode_what_transformers_generates(v4_path, v4_exports, kiln, tmp_path):
     """`kiln export` at tp 1 and tp 2, `kiln run` of each, against transformers' generate(): ids equal, logits
     within 1e-4 in float32, over a 20-token prompt and 12 steps (past the window of 8, across CSA windows of 4
     and HCA windows of 8); then `kiln verify` of the tp 2 export and the torch-only example's step of it."""
     from hf_models import reference_generate
 
-    store, env = f"file://{tmp_path / 'store'}", {"PREFECT_API_URL": prefect_server}
+    store, env = v4_exports["store"], v4_exports["env"]
     prompt, new_tokens = _tokens(inspect_checkpoint(v4_path), 20)[0].tolist(), 12
     want = reference_generate(v4_path, prompt, new_tokens)
     assert len(set(want["generated"])) > 3, "greedy decoding repeats itself: the check would show little"
     for tp in (1, 2):
-        report = tmp_path / f"report{tp}.json"
-        exported = kiln("export", "--model", str(v4_path), "--tp", str(tp), *V4_EXPORT, "--store", store,
-                        "--export-id", f"v4-tp{tp}", "--report", str(report), env=env)
-        assert exported.code == 0, exported.err[-3000:]
         ran = kiln("run", f"v4-tp{tp}", "--store", store, "--tokens", ",".join(map(str, prompt)),
                    "--max-new-tokens", str(new_tokens), "--json", str(tmp_path / f"run{tp}.json"), env=env)
         assert ran.code == 0, ran.err[-3000:]
         got = json.loads((tmp_path / f"run{tp}.json").read_text())
         assert got["generated"] == want["generated"], f"tp {tp}"
         diff = max(abs(x - y) for a, b in zip(got["logits"], want["logits"]) for x, y in zip(a, b))
-        compile_s = [f.get("compile_s") for f in json.loads(report.read_text())["forwards"]]
-        print(f"tp {tp}: max |logit diff| vs transformers {diff:.2e}; compile s per forward {compile_s}")
+        print(f"tp {tp}: max |logit diff| vs transformers {diff:.2e}; compile s per forward "
+              f"{v4_exports['compile_s'][tp]}")
         assert diff <= 1e-4, f"tp {tp}: {diff}"
     verified = kiln("verify", "v4-tp2", "--store", store, env=env)
     assert verified.code == 0, verified.err[-3000:]
@@ -175,11 +188,36 @@ def test_kiln_export_and_run_decode_what_transformers_generates(v4_path, kiln, p
     # The torch-only consumer (examples/torch_only.py) gives the forwards their slots from the manifest alone.
     from torch_only_harness import run_torch_only, run_with_kiln
 
-    manifest, packages = tmp_path / "store" / "exports" / "v4-tp2" / "manifest.json", tmp_path / "store" / "forwards"
+    root = v4_exports["root"]
+    manifest, packages = root / "store" / "exports" / "v4-tp2" / "manifest.json", root / "store" / "forwards"
     run_torch_only(manifest, packages, str(v4_path), tmp_path / "torch-only")
     run_with_kiln(manifest, packages, tmp_path / "with-kiln")
     alone, kiln_step = (torch.load(tmp_path / d / "rank0.pt") for d in ("torch-only", "with-kiln"))
     assert sorted(alone) == ["1x1", "1x8"] and all(torch.equal(alone[b], kiln_step[b]) for b in alone)
+
+
+@pytest.mark.slow
+def test_the_cpp_runner_steps_the_v4_export_as_kiln_computes(v4_path, v4_exports, tmp_path):
+    """The C++ runner's 1x8 prefill of the tp 2 export (two ranks, each sequence's slot from the manifest's
+    cache layout) gives Kiln's eager logits on every rank, within 1e-4 in float32."""
+    import numpy as np
+    from cpp_runner_harness import build_runner, run_ranks
+
+    runner = build_runner()
+    cfg = inspect_checkpoint(v4_path)
+    tokens = _tokens(cfg, 8)
+    root = v4_exports["root"]
+    out = tmp_path / "logits-{rank}.f32"
+    results = run_ranks(runner, root / "store" / "exports" / "v4-tp2" / "manifest.json", root / "store" / "forwards",
+                        "1x8", tokens[0].tolist(), out)
+    for rank, (code, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank}: {stderr[-3000:]}"
+    want = kiln_logits(cfg, load_rank_weights(v4_path, cfg, 1, 0), tokens).numpy()
+    for rank in range(2):
+        got = np.fromfile(str(out).format(rank=rank), dtype="<f4").reshape(want.shape)
+        diff = float(np.abs(got - want).max())
+        print(f"C++ runner rank {rank}: max |logit diff| vs eager {diff:.2e}")
+        assert diff <= 1e-4, f"rank {rank}: {diff}"
 
 
 def test_tp_3_is_refused_naming_the_counts_and_the_tp_values_that_work(v4_path, kiln_main):

@@ -12,7 +12,8 @@ import pytest
 import torch
 from hf_models import CASES, CLASSES, transformers, write_case
 
-from kiln.core.contract import cache_layout, layer_runs
+from kiln.core.contract import cache_layout
+from kiln.core.layer_runs import layer_runs
 from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights
 from kiln.host.model import ShardedDecoder
 
@@ -98,8 +99,7 @@ def test_each_way_of_computing_the_experts_computes_the_same(case, hf_root):
     path = write_case(case, hf_root)
     cfg = inspect_checkpoint(path)
     weights = load_rank_weights(path, cfg, 1, 0)
-    run = next(j for j, (start, _) in enumerate(layer_runs(cfg))
-               if cfg.is_moe(start))
+    run = next(j for j, layers in enumerate(layer_runs(cfg)) if cfg.is_moe(layers[0]))
     model = ShardedDecoder(cfg, 1).eval()
     model.load_state_dict({k: v for k, v in weights.items() if k in model.state_dict()}, strict=True)
     layer = {n: w[0] for n, w in model.model.runs[run].stacked().items()}

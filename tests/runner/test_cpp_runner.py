@@ -11,44 +11,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cpp_runner_harness import build_runner, free_port, run_ranks
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-RUNNER_SRC = REPO / "runner"
-RUNNER_BUILD = RUNNER_SRC / "build"
-RUNNER = RUNNER_BUILD / "kiln_runner"
-HEADERS = {"nlohmann-json3-dev": "nlohmann/json.hpp", "libgloo-dev": "gloo/context.h", "libssl-dev": "openssl/evp.h"}
 BATCH, TOKENS, PAGE_TOKENS, PAGES_PER_SEQ = 1, 8, 16, 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def runner() -> Path:
-    """The runner, built by `make runner-build` as `make runner` builds it (`make test` leaves the build to this
-    fixture; an up-to-date build costs ~1 s)."""
-    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
-    missing += [pkg for pkg, header in HEADERS.items() if not (Path("/usr/include") / header).exists()]
-    if missing:
-        pytest.skip(f"cannot build the C++ runner without {', '.join(missing)} (make runner installs them via apt)")
-    step = ["make", "-s", "runner-build", f"BIN={Path(sys.executable).parent}"]  # this interpreter's libtorch
-    proc = subprocess.run(step, cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, f"{' '.join(step)}:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
-    assert RUNNER.is_file(), f"{' '.join(step)} built no {RUNNER}"
-    return RUNNER
+    """The runner, built by `make runner-build` (`make test` leaves the build to this fixture)."""
+    return build_runner()
 
 
 @pytest.fixture(scope="module")
@@ -100,24 +78,7 @@ def export(tmp_path_factory) -> dict:
 
 
 def _run_ranks(runner: Path, export: dict, tokens: list[int], out: Path, world_size: int = 2) -> list:
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two ranks on a 2-core machine
-    procs = [subprocess.Popen([str(runner), "--manifest", str(export["manifest"]), "--packages", str(export["forwards"]),
-                               "--bucket", f"{BATCH}x{TOKENS}", "--tokens", ",".join(map(str, tokens)),
-                               "--rank", str(rank), "--world-size", str(world_size), "--master-addr", "127.0.0.1",
-                               "--master-port", str(port), "--timeout-s", "120", "--out", str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for rank in range(world_size)]
-    results = []
-    for proc in procs:
-        try:
-            stdout, stderr = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        results.append((proc.returncode, stderr))
-    return results
+    return run_ranks(runner, export["manifest"], export["forwards"], f"{BATCH}x{TOKENS}", tokens, out, world_size)
 
 
 def _eager_logits(export: dict, tokens: list[int]):
@@ -196,7 +157,7 @@ def test_cpp_runner_runs_what_kiln_export_wrote(runner, tp2_export, tmp_path):
                                for c in parse_shape_range(f["shapes"]).corners()]:
         bucket = f"{batch}x{tokens}"
         ids = [(7 * i + 3) % cfg.vocab_size for i in range(batch * tokens)]
-        port = _free_port()
+        port = free_port()
         out = tmp_path / f"{bucket}-{{rank}}.f32"
         procs = [subprocess.Popen([str(runner), "--manifest", str(root / r["manifest"]), "--packages",
                                    str(root / "forwards"), "--bucket", bucket,

@@ -64,7 +64,7 @@ def test_probe_asks_for_its_own_forwards_without_listing_them_all(tmp_path, monk
     from kiln.core.config import TINY
     from kiln.core.job import ExportJob, HostSpec
     from kiln.core.recipe import Recipe, parse_buckets
-    from tasks import hostwork
+    from kiln.host.host_probe import probe_host
 
     job = ExportJob(export_id="e1", model_name="tiny", checkpoint=str(tmp_path / "none"),
                     config=dataclasses.asdict(TINY), tp=1,
@@ -73,11 +73,10 @@ def test_probe_asks_for_its_own_forwards_without_listing_them_all(tmp_path, monk
     raw = open_store(job.store_url)
     raw.put_bytes(artifact_key("other-model-forward"), b"x")
     store = Counted(raw)
-    monkeypatch.setattr(hostwork, "store_of", lambda _job: store)
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
-    first = hostwork.probe_host(job, HostSpec("h", (0,)))
+    first = probe_host(job, HostSpec("h", (0,)), store)
     assert first.store_keys == () and len(first.specs) == 2
     raw.put_bytes(artifact_key(first.specs[1]["key"]), b"x")
-    again = hostwork.probe_host(job, HostSpec("h", (0,)))
+    again = probe_host(job, HostSpec("h", (0,)), store)
     assert again.store_keys == (first.specs[1]["key"],)
     assert not [p for p in store.listed if p.startswith("forwards")]

@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from blocks import trust
+from kiln.host import trust
 from cli.verify import fetch_verified_export
 from kiln.core.errors import IntegrityError
 from kiln.core.manifest import build_manifest

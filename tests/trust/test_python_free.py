@@ -74,7 +74,7 @@ def test_the_outcome_check_inspects_a_package_that_has_no_record(tp2_export, tp2
     """A host that died between uploading a package and its record: the outcome check inspects the bytes."""
     from kiln.core import layout
     from kiln.core.layout import inspection_key
-    from tasks import hostwork
+    from kiln.host import share
 
     store = LocalStore(tp2_store_copy["root"])
     keys = sorted(f["key"] for f in tp2_export["cold_report"]["forwards"])
@@ -83,7 +83,7 @@ def test_the_outcome_check_inspects_a_package_that_has_no_record(tp2_export, tp2
     store.put_json(inspection_key(keys[1]), {**before[keys[1]], "sha256": "0" * 64, "python_free": False},
                    overwrite=True)  # a record of other bytes is not this package's
     digests = {k: store.stat(layout.artifact_key(k)).sha256 for k in keys}
-    found, missing = hostwork.stored_forwards(store, keys + ["f" * 32], digests)
+    found, missing = share.stored_forwards(store, keys + ["f" * 32], digests)
     assert missing == ["f" * 32]
     assert all(found[k]["calls"]["python_free"] for k in keys)
     assert {k: store.get_json(inspection_key(k)) for k in keys} == before

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from blocks import trust
+from kiln.host import trust
 from kiln.core import signing
 from kiln.core.errors import BadInput, IntegrityError, KilnError
 from kiln.core.manifest import check_manifest

@@ -1,4 +1,4 @@
-"""Vouches (kiln/core/vouch.py) and the store reads that rely on them (tasks/hostwork.py): a stored forward's
+"""Vouches (kiln/core/vouch.py) and the store reads that rely on them (kiln/host/share.py, kiln/host/host_compile.py): a stored forward's
 digest is trusted only when a trusted key vouched for it, and a second compile of a key is reuse. Local store
 in a tmp directory; no compile (the 'packages' are arbitrary bytes: nothing here loads them)."""
 
@@ -14,7 +14,7 @@ from kiln.core import layout, signing
 from kiln.core.errors import IntegrityError, StoreConflict
 from kiln.core.vouch import check_vouch, make_vouch
 from kiln.store import LocalStore
-from tasks import hostwork
+from kiln.host import host_compile, share
 
 KEY = "0123456789abcdef0123456789abcdef"
 
@@ -69,31 +69,31 @@ def test_stored_forwards_are_trusted_only_when_vouched(tmp_path, signer, trusted
     store = LocalStore(tmp_path / "store")
     good = put_forward(store, KEY, b"vouched package", tmp_path)
     store.put_json(layout.vouch_key(KEY, good), make_vouch(KEY, good, export_id="e1", compiled_by="h", signer=signer))
-    assert hostwork.trusted_digests(store, [KEY, "f" * 32], trusted, {}) == {KEY: good}  # absent: left out
+    assert share.trusted_digests(store, [KEY, "f" * 32], trusted, {}) == {KEY: good}  # absent: left out
 
     # The tamper: the key now names other bytes, with their own correct digest in the store's records.
     store.delete(layout.artifact_key(KEY))
     evil = put_forward(store, KEY, b"someone else's native code", tmp_path)
     with pytest.raises(IntegrityError) as err:
-        hostwork.trusted_digests(store, [KEY], trusted, {})
+        share.trusted_digests(store, [KEY], trusted, {})
     assert KEY in str(err.value) and evil in str(err.value) and "delete the object" in str(err.value)
     # Copying a real vouch of another key (or of other bytes) next to the evil bytes does not help.
     store.put_json(layout.vouch_key(KEY, evil), make_vouch("e" * 32, evil, export_id="e1", compiled_by="h",
                                                            signer=signer))
     with pytest.raises(IntegrityError):
-        hostwork.trusted_digests(store, [KEY], trusted, {})
+        share.trusted_digests(store, [KEY], trusted, {})
     # An unsigned export trusts no stored digest but the ones its own hosts reported.
-    assert hostwork.trusted_digests(store, [KEY], {}, {KEY: evil}) == {KEY: evil}
+    assert share.trusted_digests(store, [KEY], {}, {KEY: evil}) == {KEY: evil}
     with pytest.raises(IntegrityError, match="this export is unsigned"):
-        hostwork.trusted_digests(store, [KEY], {}, {KEY: good})
+        share.trusted_digests(store, [KEY], {}, {KEY: good})
 
 
 def test_the_outcome_check_refuses_bytes_changed_after_they_were_trusted(tmp_path):
     store = LocalStore(tmp_path / "store")
     put_forward(store, KEY, b"one", tmp_path)
     with pytest.raises(IntegrityError, match="changed behind this export"):
-        hostwork.stored_forwards(store, [KEY], {KEY: sha(b"two")})
-    assert hostwork.stored_forwards(store, [KEY], {})[1] == [KEY]  # no trusted digest: not there
+        share.stored_forwards(store, [KEY], {KEY: sha(b"two")})
+    assert share.stored_forwards(store, [KEY], {})[1] == [KEY]  # no trusted digest: not there
 
 
 @dataclass
@@ -115,15 +115,15 @@ def test_a_second_compile_of_a_key_is_reuse_not_an_error(tmp_path, signer, trust
     first, second = tmp_path / "first.pt2", tmp_path / "second.pt2"
     first.write_bytes(b"compile one")
     second.write_bytes(b"compile two")
-    a = hostwork.publish(store, Job("e1"), "h0", Result(KEY, first, sha(b"compile one")), signer)
-    b = hostwork.publish(store, Job("e2"), "h1", Result(KEY, second, sha(b"compile two")), signer)
+    a = host_compile.publish(store, Job("e1"), "h0", Result(KEY, first, sha(b"compile one")), signer)
+    b = host_compile.publish(store, Job("e2"), "h1", Result(KEY, second, sha(b"compile two")), signer)
     assert a == b == sha(b"compile one")
-    assert hostwork.trusted_digests(store, [KEY], trusted, {}) == {KEY: a}
+    assert share.trusted_digests(store, [KEY], trusted, {}) == {KEY: a}
     # The same bytes again (a retry that found its own upload): stored, no conflict.
-    assert hostwork.publish(store, Job("e1"), "h0", Result(KEY, first, a), signer) == a
+    assert host_compile.publish(store, Job("e1"), "h0", Result(KEY, first, a), signer) == a
     # Unsigned: no vouch, and the conflict is still reuse.
     other = "1" * 32
-    assert hostwork.publish(store, Job("e3"), "h0", Result(other, second, sha(b"compile two")), None) \
+    assert host_compile.publish(store, Job("e3"), "h0", Result(other, second, sha(b"compile two")), None) \
         == sha(b"compile two")
     assert store.list(layout.vouch_key(other, "")[:-5]) == []
 

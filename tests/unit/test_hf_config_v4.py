@@ -10,11 +10,12 @@ import dataclasses
 import pytest
 
 from kiln.core.config import ModelConfig
-from kiln.core.contract import cache_layout, constant_shapes, forward_interface, layer_runs
+from kiln.core.contract import cache_layout, constant_shapes, forward_interface
 from kiln.core.decisions import page_size
 from kiln.core.errors import BadInput
 from kiln.core.hf_config import from_hf, to_hf
 from kiln.core.job import ExportJob
+from kiln.core.layer_runs import layer_runs
 from kiln.core.recipe import Recipe
 from kiln.core.v4_fields import CSA, HCA, SLIDING, V4Fields
 
@@ -125,7 +126,7 @@ def test_tp_splits_heads_groups_and_experts_and_names_what_works():
 def test_runs_are_layers_of_one_kind():
     cfg = from_hf({**SMALL, "layer_types": [SLIDING, CSA, CSA, HCA, HCA, HCA],
                    "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe", "moe", "moe"]})
-    assert layer_runs(cfg) == [(0, 1), (1, 2), (2, 3), (3, 6)]
+    assert layer_runs(cfg) == [range(0, 1), range(1, 2), range(2, 3), range(3, 6)]
 
 
 def test_the_cache_a_layer_keeps_and_what_a_token_adds():
@@ -167,7 +168,7 @@ def test_the_slot_cache_lists_every_state_of_every_run_in_order():
                    (2, "index_ring_kv", (1, 8, 32), None), (2, "index_ring_gate", (1, 8, 32), None),
                    (3, "window", (3, 8, 32), None), (3, "entries", (3, 8, 32), 8), (3, "ring_kv", (3, 8, 32), None),
                    (3, "ring_gate", (3, 8, 32), None)]
-    assert {s.run: s.layers for s in layout.states} == {j: b - a for j, (a, b) in enumerate(layer_runs(cfg))}
+    assert {s.run: s.model_layers for s in layout.states} == {j: tuple(r) for j, r in enumerate(layer_runs(cfg))}
     offsets = [s.offset for s in layout.states]
     assert offsets == [sum(s.values for s in layout.states[:i]) for i in range(len(offsets))]
     assert layout.slot_values == layout.values_per_sequence() + 64 * layout.values_per_token(cfg.num_layers)

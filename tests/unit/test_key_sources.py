@@ -155,22 +155,24 @@ def test_inductor_env_is_the_inductor_variables_that_change_code():
 
 
 def _probe_keys(monkeypatch, tmp_path) -> list[str]:
-    """The forward keys tasks.hostwork.probe_host reports, torch and the machine stubbed (no torch import)."""
-    from tasks import hostwork
+    """The forward keys kiln.host.host_probe.probe_host reports, torch and the machine stubbed (no torch import)."""
+    from kiln.host import host_probe
+    from kiln.store import open_store
     from kiln.core.gpus import GpuReading
     from kiln.core.job import HostSpec
     from kiln.core.target import cpu_target_of
 
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(__version__="2.13.0"))
-    monkeypatch.setattr(hostwork.probe, "memory_snapshot",
+    monkeypatch.setattr(host_probe.probe, "memory_snapshot",
                         lambda reading=None: {"host_total_mib": 1024, "host_available_mib": 512})
-    monkeypatch.setattr(hostwork.probe, "gpu_reading", lambda: GpuReading((), "none"))
-    monkeypatch.setattr(hostwork.probe, "detect_target", lambda device, reading=None: cpu_target_of(
+    monkeypatch.setattr(host_probe.probe, "gpu_reading", lambda: GpuReading((), "none"))
+    monkeypatch.setattr(host_probe.probe, "detect_target", lambda device, reading=None: cpu_target_of(
         machine="x86_64", cpu="cpu-test", torch_version="2.13.0"))
-    monkeypatch.setattr(hostwork.probe, "num_cpus", lambda: 2)
+    monkeypatch.setattr(host_probe.probe, "num_cpus", lambda: 2)
     job = ExportJob(export_id="e", model_name="m", checkpoint="/none", config=TINY.to_dict(), tp=1,
                     recipe=Recipe(), store_url=str(tmp_path / "store"))
-    probe = hostwork.probe_host(job, HostSpec(name="h", ranks=(0,), cache_dir=str(tmp_path / "cache")))
+    probe = host_probe.probe_host(job, HostSpec(name="h", ranks=(0,), cache_dir=str(tmp_path / "cache")),
+                                  open_store(job.store_url))
     return [s["key"] for s in probe.specs]
 
 

@@ -17,11 +17,13 @@ this rank, or latent attention's latent and rotary key. Sequence b's first
 start_pos[b] tokens of context live in the pages block_table[b]; the step returns
 the new tokens' entries for the caller to write into the cache.
 
-The layers are not unrolled: each run of same-shaped layers (kiln.core.contract.layer_runs)
-is one `torch._higher_order_ops.scan` over its tensors stacked along a leading layer
+The layers are not unrolled: each segment of layers (kiln.core.layer_runs) is one
+`torch._higher_order_ops.scan` over its runs' tensors stacked along a leading layer
 dimension, the cache's layer slices and each layer's window, so AOTInductor compiles
-one layer body per run and a bucket's compile time does not grow with depth. The
-step's new cache entries are the scan's stacked outputs.
+one layer body per run and a bucket's compile time does not grow with depth. A
+segment whose kinds alternate (dense and mixture-of-experts layers in turn) runs one
+layer of each of its runs per iteration. The step's new cache entries are the
+scan's stacked outputs, put back in layer order.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.core.config import ModelConfig
-from kiln.core.contract import RUN_PREFIX, constant_dtype, constant_shapes, is_expert, layer_runs
+from kiln.core.contract import RUN_PREFIX, constant_dtype, constant_shapes, is_expert
+from kiln.core.layer_runs import Segment, layer_runs, segments
 from kiln.host.model import deepseek, gemma, llama
 from kiln.host.model.llama import Layer
 from kiln.host.model.norms import RMSNorm, softcap
@@ -70,12 +73,13 @@ class LayerRun(nn.Module):
     """Run `index` of same-shaped decoder layers of one rank, each tensor stacked along a leading layer dimension.
 
     Its state dict names are the checkpoint suffixes (`self_attn.q_proj.weight`, shape [layers, ...]), so
-    the package constant `model.runs.<index>.<suffix>` stacks the checkpoint tensors `model.layers.<i>.<suffix>`.
+    the package constant `model.runs.<index>.<suffix>` stacks the checkpoint tensors `model.layers.<i>.<suffix>`
+    of its layers (kiln.core.layer_runs).
     """
 
     def __init__(self, cfg: ModelConfig, tp: int, index: int):
         super().__init__()
-        self.start, self.stop = layer_runs(cfg)[index]
+        self.layers = layer_runs(cfg)[index]
         prefix = f"{RUN_PREFIX}{index}."
         shapes = constant_shapes(cfg, tp)
         self.suffixes = [n.removeprefix(prefix) for n in shapes if n.startswith(prefix)]
@@ -98,8 +102,17 @@ class LayerRun(nn.Module):
         for suffix in self.suffixes:
             module, _, leaf = suffix.rpartition(".")
             w = getattr(self.get_submodule(module) if module else self, leaf)
-            out[suffix] = w.view(self.stop - self.start, -1, *w.shape[1:]) if is_expert(suffix) else w
+            out[suffix] = w.view(len(self.layers), -1, *w.shape[1:]) if is_expert(suffix) else w
         return out
+
+
+def segment_runs(cfg: ModelConfig, runs: nn.ModuleList) -> list[tuple[Segment, list[LayerRun]]]:
+    """Each segment of `cfg`'s layers with its runs (kiln.core.layer_runs: run j is runs[j]), in phase order."""
+    out, j = [], 0
+    for segment in segments(cfg):
+        out.append((segment, list(runs[j:j + segment.period])))
+        j += segment.period
+    return out
 
 
 class Inner(nn.Module):
@@ -113,8 +126,8 @@ class Inner(nn.Module):
 class ShardedDecoder(nn.Module):
     """One tensor-parallel rank of the decoder; constant names as kiln.core.contract states them.
 
-    Each run of layers is one `scan` over its stacked tensors, the KV cache's layer slices and each layer's
-    window, so the compiled graph holds one layer body per run whatever the depth. `scan=False` unrolls the
+    Each segment of layers is one `scan` over its runs' stacked tensors, the KV cache's layer slices and each
+    layer's window, so the compiled graph holds one layer body per run whatever the depth. `scan=False` unrolls the
     same layers in Python (the eager reference and the depth bench's comparison); both compute the same.
     With tied embeddings there is no lm_head: the output head reads the embedding matrix, so the package
     asks for one tensor, not two copies.
@@ -164,35 +177,56 @@ class ShardedDecoder(nn.Module):
         if self.cfg.embed_scale:  # Gemma: sqrt(hidden), rounded to the dtype first as transformers does
             x = x * self.embed_multiplier
         new_entries = []
-        for run in self.model.runs:
-            x, entries = self._run(run, x, kv_cache[run.start:run.stop],
-                                   None if windows is None else windows[run.start:run.stop], ctx)
+        for segment, runs in segment_runs(self.cfg, self.model.runs):
+            x, entries = self._segment(segment, runs, x, kv_cache[segment.start:segment.stop],
+                                       None if windows is None else windows[segment.start:segment.stop], ctx)
             new_entries.append(entries)
         x = self.model.norm(x)
         logits = F.linear(x, self.model.embed_tokens.weight) if self.cfg.tie_word_embeddings else self.lm_head(x)
         return softcap(logits, self.cfg.final_softcap), torch.cat(new_entries)
 
-    def _run(self, run: LayerRun, x, kv, windows, ctx: StepContext):
-        """One run of layers: (x after them, their new cache entries [layers, E, b, t, heads, width])."""
-        cfg, tp, layer = self.cfg, self.tp, self.layer
-        stacked = run.stacked()
+    def _segment(self, segment: Segment, runs: list[LayerRun], x, kv, windows, ctx: StepContext):
+        """One segment of layers: (x after them, their new cache entries [layers, E, b, t, heads, width] in
+        layer order). `kv` and `windows` are the segment's layer slices; run k takes every period-th."""
+        cfg, tp, layer, period = self.cfg, self.tp, self.layer, segment.period
+        phases = []
+        for k, run in enumerate(runs):
+            phase = {"weights": run.stacked(), "kv": every(kv, k, period)}
+            if windows is not None:
+                phase["window"] = every(windows, k, period)
+            phases.append(phase)
         if not self.scan:
             entries = []
-            for i in range(run.stop - run.start):
-                x, entry = layer(cfg, tp, {n: w[i] for n, w in stacked.items()}, x, kv[i],
-                                 None if windows is None else windows[i], ctx)
-                entries.append(entry)
+            for i in range(segment.repeats):
+                for phase in phases:
+                    x, entry = layer(cfg, tp, {n: w[i] for n, w in phase["weights"].items()}, x, phase["kv"][i],
+                                     phase["window"][i] if "window" in phase else None, ctx)
+                    entries.append(entry)
             return x, torch.stack(entries)
         from torch._higher_order_ops.scan import scan
 
         b, t = x.shape[0], x.shape[1]
 
-        def body(carry, step):
+        def body(carry, steps):
             # The outer batch and token sizes, closed over: over a range of shapes torch.export lifts them
             # into the body as its SymInt inputs, which Inductor's scan -> while_loop lowering needs to size
             # the body's outputs (without them it fails with KeyError on the outer size's symbol).
             carry = carry.view(b, t, carry.shape[-1])
-            return layer(cfg, tp, step["weights"], carry, step["kv"], step.get("window"), ctx)
+            out = []
+            for step in steps:
+                carry, entry = layer(cfg, tp, step["weights"], carry, step["kv"], step.get("window"), ctx)
+                out.append(entry)
+            return carry, out
 
-        xs = {"weights": stacked, "kv": kv} if windows is None else {"weights": stacked, "kv": kv, "window": windows}
-        return scan(body, x, xs)
+        x, entries = scan(body, x, phases)
+        return x, interleave(entries)
+
+
+def every(stacked: torch.Tensor, k: int, period: int) -> torch.Tensor:
+    """Phase k of a segment's layer slices: its layers k, k + period, ..."""
+    return stacked if period == 1 else stacked[k::period]
+
+
+def interleave(phases: list[torch.Tensor]) -> torch.Tensor:
+    """The phases' per-layer outputs [repeats, ...] each, back in layer order [repeats x period, ...]."""
+    return phases[0] if len(phases) == 1 else torch.stack(phases, dim=1).flatten(0, 1)

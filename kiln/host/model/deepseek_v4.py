@@ -13,9 +13,10 @@ The attention is kiln.host.model.compressed_attention (sliding, CSA or HCA by th
 kiln.host.model.clipped_experts (hash-routed or top-k). The cache (`new_cache`) holds, per run, each state
 tensor of kiln.core.v4_fields.layer_state stacked over the run's layers: [layers, batch, rows, width].
 Layers are not unrolled: each run of layers of one
-kind (kiln.core.contract.layer_runs: same attention kind and routing, so the same tensors) is one scan over
-its stacked tensors, as kiln.host.model.decoder scans every other family's, so the code compiled per run does
-not grow with its depth. Constant names are the checkpoint's, as kiln.core.contract states them.
+kind (kiln.core.layer_runs: same attention kind and routing, so the same tensors) stacks its tensors, and each
+segment of runs is one scan, as kiln.host.model.decoder scans every other family's, so the code compiled does
+not grow with depth. The default schedule alternates CSA and HCA layers: that segment's scan runs a CSA and
+an HCA layer per iteration. Constant names are the checkpoint's, as kiln.core.contract states them.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import torch
 from torch import nn
 
 from kiln.core.config import ModelConfig
-from kiln.core.contract import CacheLayout, cache_layout, layer_runs, slot_context
+from kiln.core.contract import CacheLayout, cache_layout, slot_context
+from kiln.core.layer_runs import Segment, layer_runs
 from kiln.host.model.clipped_experts import experts
 from kiln.host.model.compressed_attention import attention
 from kiln.host.model.compressor import rms_norm32
-from kiln.host.model.decoder import Holder, LayerRun, keep_float32
+from kiln.host.model.decoder import Holder, LayerRun, keep_float32, segment_runs
 from kiln.host.model.hyper_connections import expand, hyper_head, mix_weights
 from kiln.core.v4_fields import HASH_MOE
 
@@ -123,30 +125,39 @@ class DeepseekV4Decoder(nn.Module):
         start = torch.as_tensor(start, dtype=torch.int64, device=tokens.device).expand(tokens.shape[0])
         x = self.model.embed_tokens(tokens)
         streams = x.unsqueeze(2).expand(-1, -1, cfg.v4.hc_mult, -1).contiguous()
-        after = []
-        for run, state in zip(self.model.runs, cache):
-            streams, state = self._run(run, streams, tokens, start, state)
-            after.append(state)
+        after, j = [], 0
+        for segment, runs in segment_runs(cfg, self.model.runs):
+            streams, states = self._segment(segment, runs, streams, tokens, start, cache[j:j + len(runs)])
+            after += states
+            j += len(runs)
         hc = self.model.hc_head
         x = rms_norm32(hyper_head(cfg, hc.hc_fn, hc.hc_base, hc.hc_scale, streams), self.model.norm.weight,
                        cfg.rms_norm_eps)
         head = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.head.weight
         return torch.nn.functional.linear(x, head), after
 
-    def _run(self, run: LayerRun, streams: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor,
-             state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        cfg, tp, kind = self.cfg, self.tp, self.cfg.v4.kind(run.start)
-        stacked = run.stacked()
+    def _segment(self, segment: Segment, runs: list[LayerRun], streams: torch.Tensor, tokens: torch.Tensor,
+                 start: torch.Tensor, states: Cache) -> tuple[torch.Tensor, Cache]:
+        """(streams after the segment's layers, each of its runs' state after the step)."""
+        cfg, tp = self.cfg, self.tp
+        kinds = [cfg.v4.kind(run.layers[0]) for run in runs]
+        phases = [{"weights": run.stacked(), "state": state} for run, state in zip(runs, states)]
         if not self.scan:
-            states = []
-            for i in range(run.stop - run.start):
-                streams, one = layer(cfg, tp, kind, {n: w[i] for n, w in stacked.items()}, streams, tokens, start,
-                                     {n: s[i] for n, s in state.items()})
-                states.append(one)
-            return streams, {n: torch.stack([one[n] for one in states]) for n in state}
+            after: Cache = [{n: [] for n in state} for state in states]
+            for i in range(segment.repeats):
+                for kind, phase, out in zip(kinds, phases, after):
+                    streams, one = layer(cfg, tp, kind, {n: w[i] for n, w in phase["weights"].items()}, streams,
+                                         tokens, start, {n: s[i] for n, s in phase["state"].items()})
+                    for n, s in one.items():
+                        out[n].append(s)
+            return streams, [{n: torch.stack(s) for n, s in out.items()} for out in after]
         from torch._higher_order_ops.scan import scan
 
-        def body(carry, xs):
-            return layer(cfg, tp, kind, xs["weights"], carry, tokens, start, xs["state"])
+        def body(carry, steps):
+            out = []
+            for kind, step in zip(kinds, steps):
+                carry, state = layer(cfg, tp, kind, step["weights"], carry, tokens, start, step["state"])
+                out.append(state)
+            return carry, out
 
-        return scan(body, streams, {"weights": stacked, "state": state})
+        return scan(body, streams, phases)

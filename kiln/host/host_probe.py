@@ -1,0 +1,67 @@
+"""A host's probe for the gate: its memory, CPUs, GPUs and target, its forward specs, which of them it holds
+or the store holds, and what compiles of its graph measured before. Runs on the host it probes."""
+
+from __future__ import annotations
+
+from kiln.core import tuning_plan
+from kiln.core.job import ExportJob, HostSpec
+from kiln.core.errors import IntegrityError
+from kiln.core.layout import artifact_key, worker_memory_prefix
+from kiln.core.probe_result import HostProbe
+from kiln.core.target import host_device
+from kiln.host import cache, probe, tuner
+from kiln.host.cache import cache_dir, local_path
+from kiln.host.inductor_options import compiler_options, inductor_env
+from kiln.host.key_sources import model_code_fingerprint
+from kiln.store import ObjectMissing
+
+
+def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
+    """Memory, CPUs, GPUs, target, this host's forward specs and which of them are local or stored.
+
+    The target is for the recipe's device as this host alone sees it (auto: cuda where it has a GPU; cuda
+    on a host without one probes as cpu, and kiln.core.decisions.check_devices refuses the export naming
+    every such host). With tuning on, each spec carries the stored tuning results of its GEMMs (verified)
+    and its key their digest. `store`: the export's store (opened by the caller).
+    """
+    import torch
+
+    from kiln.core.home import kiln_home
+    from kiln.host.trust import export_signer
+
+    export_signer(job.signing, kiln_home(), host.name)  # every host may compile, so every host needs the key
+    reading = probe.gpu_reading()
+    snap = probe.memory_snapshot(reading)
+    cpus, cpus_source = probe.cpus_and_source()
+    num_gpus = probe.usable_gpus(reading)
+    device = host_device(job.recipe.device, num_gpus) if num_gpus else "cpu"
+    target_of_host = probe.detect_target(device, reading)
+    target = target_of_host.fingerprint
+    backends = tuning_plan.gemm_backends(job.recipe.tuning, device)
+    tuned = None if backends is None else tuner.lookup(store, job, target, torch.__version__, backends)
+    specs = job.specs(target=target, torch_version=torch.__version__, code=model_code_fingerprint(),
+                      compiler={**compiler_options(backends), **target_of_host.inductor_options}, tuning=tuned,
+                      inductor_env=inductor_env(), device=device)
+    return HostProbe(
+        name=host.name, ranks=tuple(host.ranks), memory=snap, num_cpus=cpus, cpus_source=cpus_source,
+        unified=reading.unified if job.recipe.unified_memory is None else job.recipe.unified_memory,
+        target=target, device=device, num_gpus=num_gpus, specs=tuple(s.to_dict() for s in specs),
+        local_keys=tuple(sorted(s.key for s in specs if local_path(host, s.key).exists())),
+        store_keys=tuple(sorted(s.key for s in specs if store.exists(artifact_key(s.key)))),  # no listing
+        cache=cache.cache_status(cache_dir(host)),
+        **measured_compiles(store, specs))
+
+
+def measured_compiles(store, specs: list) -> dict:
+    """What compiles of the graph and target of `specs` (one graph per host) measured before: HostProbe's
+    {'worker_peaks_mib': peaks (MiB), 'compile_seconds': (shapes, seconds) of those that recorded them}."""
+    peaks, seconds = [], []
+    for obj in store.list(worker_memory_prefix(specs[0].to_dict())) if specs else ():
+        try:
+            record = store.get_json(obj)
+            peaks.append(int(record["compile_peak_mib"]))
+        except (IntegrityError, ObjectMissing, KeyError, TypeError, ValueError):
+            continue  # an unreadable record is not a measurement
+        if isinstance(record.get("compile_s"), (int, float)) and isinstance(record.get("shapes"), str):
+            seconds.append((record["shapes"], float(record["compile_s"])))
+    return {"worker_peaks_mib": tuple(peaks), "compile_seconds": tuple(seconds)}

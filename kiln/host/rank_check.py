@@ -1,0 +1,133 @@
+"""The in-flow check of each rank: load each forward with the rank's weights, in a process of its own, and
+compare it with eager at its range's corners; a check passed before for the same bytes is remembered."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from kiln.core.errors import CheckCrashed, MemoryShort
+from kiln.core.job import ExportJob, HostSpec
+from kiln.core.sizing import check_peak_mib
+from kiln.host import cache, faults, probe
+from kiln.host.cache import cache_dir, local_path
+from kiln.host.procs import ChildDied, PeakSampler, call_in_spawned
+
+log = logging.getLogger(__name__)
+
+
+def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[str, dict]:
+    """Load each forward with each of this host's rank weights and compare with eager.
+
+    Returns {'checks': 'rank<r>/<shapes>' -> {'diff', 'limit', 'at', ...} (the worst of the forward's range's
+    corners, kiln.host.loader.compare_at_corners), 'memory':
+    {'predicted_mib', 'peak_mib'} of the largest rank check}. A check that would not fit in the
+    host's available memory is refused (MemoryShort) before its process starts.
+
+    Each rank runs in its own spawned process, as it would when serving:
+    loading native code must not be able to take the orchestrating process
+    down, and AOTInductor crashes when one process loads a package twice.
+    A check passed before on this host for the same artifact bytes, rank and
+    checkpoint content is remembered in the host's cache and not run again.
+    A check whose process dies raises CheckCrashed, which is never retried.
+    """
+    from kiln.host.loader import limit_of
+    from kiln.host.weights import fingerprint
+
+    weights = fingerprint(job.checkpoint, s3_endpoint=job.s3_endpoint, digests=cache_dir(host) / "digests")
+    record = cache_dir(host) / "verified"
+    diffs: dict[str, dict] = {}
+    todo: dict[int, list[dict]] = {}
+    for rank in host.ranks:
+        for f in forwards:
+            # v3: 'own' is eager's error against float32 routed as eager was (kiln.host.routing_ties).
+            seen = record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v3.json"
+            check = cache.read_record(seen)
+            # The measured figures are remembered (an unreadable record counts as none); the limit is this export's.
+            if check is not None and isinstance(check.get("diff"), (int, float)):
+                check["remembered"] = check.pop("verified_at", None) or _mtime_iso(seen)
+                check["limit"] = limit_of(check.get("own"), atol=job.recipe.verify_atol,
+                                          half_ratio=job.recipe.verify_half_ratio)
+                diffs[f"rank{rank}/{f['shapes']}"] = check
+            else:
+                todo.setdefault(rank, []).append(f)
+    memory = {"predicted_mib": None, "peak_mib": None}
+    if not todo:
+        return {"checks": diffs, "memory": memory}
+    memory["predicted_mib"] = check_memory(job, max(len(fs) for fs in todo.values()),
+                                           probe.host_memory()["host_available_mib"], f"host {host.name}")
+    memory["peak_mib"] = 0
+    for rank, fs in todo.items():
+        try:
+            result = call_in_spawned(_check_rank, job, host, rank, fs)
+        except ChildDied:
+            raise CheckCrashed(
+                f"host {host.name}: the check of rank {rank} died (its process crashed loading or running a "
+                f"forward of shapes {', '.join(f['shapes'] for f in fs)}, or was killed); a crash is final, "
+                "not retried") from None
+        found = result["checks"]
+        memory["peak_mib"] = max(memory["peak_mib"], result["peak_mib"])
+        diffs.update(found)
+        for f in fs:
+            check = found[f"rank{rank}/{f['shapes']}"]
+            if check["diff"] <= check["limit"]:
+                remember_check(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v3.json",
+                               {**check, "verified_at": _mtime_iso(None)})
+    return {"checks": diffs, "memory": memory}
+
+
+def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict]) -> dict:
+    from kiln.core.shape_ranges import parse_shape_range
+    from kiln.core.target import device_of
+    from kiln.host.loader import compare_at_corners, load_forward, place_weights
+    from kiln.host.verify_ranks import rank_device
+    from kiln.host.model import solo_group
+    from kiln.host.weights import load_rank_weights
+
+    faults.point("check", rank)
+    cfg = job.model_config
+    diffs: dict[str, dict] = {}
+    # One rank alone: its collectives sum over itself, in the compiled forward and in eager alike.
+    # The export's forwards share one device (kiln.core.manifest); rank r takes GPU r mod GPUs on a GPU host.
+    device = rank_device(device_of(forwards[0]["target"]), rank) if forwards else "cpu"
+    with PeakSampler(interval_s=0.1) as sampler, solo_group():
+        # One copy of the rank's weights on its device, bound by every forward's package (kiln.host.loader).
+        weights = place_weights(load_rank_weights(job.checkpoint, cfg, job.tp, rank, s3_endpoint=job.s3_endpoint,
+                                                  cache_dir=cache_dir(host)), device)
+        for f in forwards:
+            compiled = load_forward(local_path(host, f["key"]), weights, f["sha256"], device=device)
+            diffs[f"rank{rank}/{f['shapes']}"] = compare_at_corners(
+                compiled, cfg, job.tp, rank, weights, parse_shape_range(f["shapes"]),
+                page_tokens=job.recipe.page_tokens, pages_per_seq=job.recipe.pages_per_seq,
+                atol=job.recipe.verify_atol, half_ratio=job.recipe.verify_half_ratio, device=device)
+    return {"checks": diffs, "peak_mib": sampler.peak_mib}
+
+
+def check_memory(job: ExportJob, num_forwards: int, available_mib: int, what: str) -> int:
+    """Predicted peak MiB of one rank's check; MemoryShort (before anything starts) when it cannot fit."""
+    cfg = job.model_config
+    need = check_peak_mib(shard_bytes=cfg.weight_bytes_per_rank(job.tp), num_forwards=num_forwards,
+                          half=cfg.dtype != "float32", process_base_mib=job.recipe.process_base_mib)
+    if need > available_mib:
+        raise MemoryShort(f"{what}: checking one rank against eager needs about {need} MiB ({num_forwards} "
+                          f"forward(s) of a {cfg.weight_bytes_per_rank(job.tp) // 2**20} MiB shard in {cfg.dtype}) "
+                          f"but {available_mib} MiB are available; free memory there, or use a larger tp (a "
+                          "smaller shard).")
+    return need
+
+
+def remember_check(path: Path, check: dict) -> None:
+    """Keep a passed check in the host's cache; a write that fails only costs running it again next time."""
+    try:
+        cache.write_record(path, check)
+    except OSError as exc:
+        log.warning("could not remember a passed check in %s (%s): the next export will run it again",
+                    path, exc.strerror or exc)
+
+
+def _mtime_iso(path) -> str:
+    """UTC time (seconds) of `path`'s last change, or now for None."""
+    import datetime as dt
+
+    when = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc) if path else dt.datetime.now(dt.timezone.utc)
+    return when.isoformat(timespec="seconds")

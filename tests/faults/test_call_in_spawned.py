@@ -1,0 +1,65 @@
+"""kiln.host.procs.call_in_spawned, which runs each rank check and each tuning measurement: the answer comes
+back, so does the error, a death is named, and a process that hangs on its way out after answering does not
+hold the caller (the in-flow check of a gemma2 export once waited 15 minutes on ProcessPoolExecutor's
+max_tasks_per_child, which joins each retired worker before it starts the next).
+
+The calls here are stand-ins without torch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from kiln.core.errors import BadInput
+from kiln.host.procs import ChildDied, call_in_spawned
+
+
+def _add(a: int, b: int) -> dict:
+    return {"sum": a + b, "pid": os.getpid()}
+
+
+def _refuse(what: str) -> None:
+    raise BadInput(f"{what} is wrong")
+
+
+def _die(how: str) -> None:
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(3)
+
+
+def _answer_then_hang_at_exit() -> int:
+    """Answers, then the interpreter's teardown waits for a non-daemon thread that never ends."""
+    threading.Thread(target=time.sleep, args=(600,), daemon=False).start()
+    return os.getpid()
+
+
+def test_the_answer_comes_back_from_another_process():
+    got = call_in_spawned(_add, 2, 3)
+    assert got["sum"] == 5 and got["pid"] != os.getpid()
+
+
+def test_the_error_comes_back_with_its_type():
+    with pytest.raises(BadInput, match="the bucket is wrong"):
+        call_in_spawned(_refuse, "the bucket")
+
+
+@pytest.mark.parametrize("how, code", [("kill", -signal.SIGKILL), ("exit", 3)])
+def test_a_process_that_dies_without_answering_is_named(how, code):
+    with pytest.raises(ChildDied) as caught:
+        call_in_spawned(_die, how)
+    assert caught.value.exit_code == code and f"exit code {code}" in str(caught.value)
+
+
+def test_a_process_stuck_on_its_way_out_is_killed_after_the_grace():
+    start = time.monotonic()
+    pid = call_in_spawned(_answer_then_hang_at_exit, exit_grace_s=1.0)
+    took = time.monotonic() - start
+    assert 1.0 <= took < 60  # it waited out the grace (the process would not exit), then went on
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # gone (killed and reaped), not left running
