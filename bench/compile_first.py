@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.core.sizing import required_mib, worker_capacity
     from kiln.host.host_compile import compile_on_host
     from kiln.host.host_probe import probe_host
-    from tasks.phases import store_of
+    from tasks.store import store_of
 
     params = export_params(model=args.model, hosts=args.hosts, tp=args.tp, store=args.store,
                            recipe={"buckets": parse_buckets(args.buckets), **parse_assignments(SETTINGS, args.set)},

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     from kiln.core.manifest import build_manifest
     from kiln.host import probe
     from kiln.host import host_compile, host_probe, rank_check, share
-    from tasks.phases import store_of
+    from tasks.store import store_of
 
     phases: dict[str, float] = {}
     ledger: list[dict] = []

@@ -13,7 +13,7 @@ from kiln.core.probe_result import HostProbe
 from kiln.core.report import Report
 from kiln.host import host_probe, probe
 from kiln.host.weights import check_job_caches
-from tasks.phases import store_of
+from tasks.store import store_of
 
 
 def _probe(job: ExportJob, host: HostSpec) -> HostProbe:

@@ -31,7 +31,7 @@ from flows import report_out
 from kiln.core import run_page
 from kiln.core.job import ExportJob
 from kiln.core.report import Report
-from tasks.phases import store_of
+from tasks.store import store_of
 
 KINDS = ("summary", "forwards", "memory", "manifest")
 

@@ -22,7 +22,7 @@ from kiln.core import decisions, layout, outcome
 from kiln.core.gate import HostReport, Plan
 from kiln.core.job import ExportJob, HostSpec
 from tasks import phases
-from tasks.phases import store_of
+from tasks.store import store_of
 
 
 def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: dict[str, dict],

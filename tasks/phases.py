@@ -24,15 +24,7 @@ from kiln.core.layout import artifact_key, manifest_key
 from kiln.core.probe_result import HostProbe
 from kiln.core.retry_rule import mark_retried_in_task, retry_in_task
 from kiln.host import faults, host_compile, host_probe, rank_check, share, tuner
-from kiln.store import open_store
-
-def store_of(job: ExportJob):
-    """The export's store: its Kiln Store block's, or its URL's."""
-    if job.store_block:
-        from blocks.kiln_blocks import load_store_block
-        return load_store_block(job.store_block).open()
-    return open_store(job.store_url, s3_endpoint=job.s3_endpoint, checksum_mode=job.checksum_mode)
-
+from tasks.store import store_of
 
 IO_RETRY_DELAYS_S = [2, 5, 10]
 """Backoff of the I/O tasks: three tries more, 17 s in all, for transient errors no lower level retried."""
