@@ -32,7 +32,8 @@ def compile_one(layers: int, out: Path) -> dict:
     from kiln.core.layer_runs import segments
     from kiln.core.recipe import Bucket
     from kiln.core.shape_ranges import static_shape
-    from kiln.host.compiler import _warm, compile_forward, model_code_fingerprint
+    from kiln.host.compiler import _warm, compile_forward
+    from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS
 
     _warm()
