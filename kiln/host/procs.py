@@ -10,14 +10,6 @@ next export's gate measures. Not the kernel's PR_SET_PDEATHSIG: that fires
 when the *thread* that started the process ends, and Kiln starts workers from
 Prefect task threads, which end long before the process does.
 
-`call_in_spawned(fn, ...)` runs one call in a fresh spawned process and stops
-that process once its answer is in: a process that hangs on its way out (an
-interpreter's teardown after loading native code) cannot hold the caller up.
-ProcessPoolExecutor's `max_tasks_per_child` could: its manager thread joins
-each retired worker before it starts the next (and CPython gh-115634 is a
-deadlock in that replacement). The in-flow check of a gemma2 export once
-waited 15 minutes in CI after its rank 0 had passed.
-
 `PeakSampler` samples the resident memory of a process and its children
 (the compiler's g++ processes included) on a thread while work runs, from a
 few /proc files per process (not a walk of every process on the host), and
@@ -29,11 +21,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import pickle
 import signal
 import threading
 import time
-import traceback
 
 import psutil
 
@@ -175,60 +165,6 @@ def _reset_own_peak() -> bool:
         return True
     except OSError:
         return False
-
-
-EXIT_GRACE_S = 30.0
-"""How long a process that has answered gets to exit before call_in_spawned kills it."""
-
-
-class ChildDied(RuntimeError):
-    """call_in_spawned's process ended without an answer (a crash, a kill): final, never retried."""
-
-    def __init__(self, exit_code: int | None):
-        super().__init__(f"the process ended without an answer (exit code {exit_code})")
-        self.exit_code = exit_code
-
-
-def call_in_spawned(fn, *args, exit_grace_s: float = EXIT_GRACE_S):
-    """fn(*args) in a fresh spawned process that dies with this one (die_with_parent): its return value, or
-    the exception it raised, raised here (one that cannot be pickled as a RuntimeError with its traceback).
-    ChildDied when the process ends without an answer. The process is killed if it has not exited
-    `exit_grace_s` after answering."""
-    ctx = multiprocessing.get_context("spawn")
-    answers, answer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_answer, args=(answer, fn, args), daemon=False)
-    proc.start()
-    answer.close()  # the child's end: when the child dies, recv() below sees EOF
-    try:
-        try:
-            ok, value = answers.recv()
-        except EOFError:
-            proc.join(5)
-            raise ChildDied(proc.exitcode) from None
-    finally:
-        answers.close()
-        proc.join(exit_grace_s)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-    if ok:
-        return value
-    raise value
-
-
-def _answer(conn, fn, args) -> None:
-    """In call_in_spawned's process: call, then send (True, result) or (False, exception)."""
-    die_with_parent()
-    try:
-        answer = (True, fn(*args))
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
-        answer = (False, exc)
-        try:
-            pickle.dumps(exc)
-        except Exception:  # noqa: BLE001 - an exception that cannot travel goes as its traceback
-            answer = (False, RuntimeError("".join(traceback.format_exception(exc))))
-    conn.send(answer)
-    conn.close()
 
 
 class PeakSampler:

@@ -11,7 +11,8 @@ from kiln.core.job import ExportJob, HostSpec
 from kiln.core.sizing import check_peak_mib
 from kiln.host import cache, faults, probe
 from kiln.host.cache import cache_dir, local_path
-from kiln.host.procs import ChildDied, PeakSampler, call_in_spawned
+from kiln.host.procs import PeakSampler
+from kiln.host.spawned import ChildDied, call_in_spawned
 
 log = logging.getLogger(__name__)
 

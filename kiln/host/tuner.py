@@ -39,7 +39,7 @@ from kiln.core.tuning_plan import GemmShape
 from kiln.core.target import device_of
 from kiln.host import probe
 from kiln.host.inductor_options import compiler_options
-from kiln.host.procs import call_in_spawned
+from kiln.host.spawned import call_in_spawned
 from kiln.store import Store, open_store, sha256_bytes
 
 if TYPE_CHECKING:  # not at run time: kiln.core.job brings kiln.core.signing (cryptography) into every

@@ -1,4 +1,4 @@
-"""kiln.host.procs.call_in_spawned, which runs each rank check and each tuning measurement: the answer comes
+"""kiln.host.spawned.call_in_spawned, which runs each rank check and each tuning measurement: the answer comes
 back, so does the error, a death is named, and a process that hangs on its way out after answering does not
 hold the caller (the in-flow check of a gemma2 export once waited 15 minutes on ProcessPoolExecutor's
 max_tasks_per_child, which joins each retired worker before it starts the next).
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from kiln.core.errors import BadInput
-from kiln.host.procs import ChildDied, call_in_spawned
+from kiln.host.spawned import ChildDied, RemoteTraceback, call_in_spawned
 
 
 def _add(a: int, b: int) -> dict:
@@ -44,9 +44,11 @@ def test_the_answer_comes_back_from_another_process():
     assert got["sum"] == 5 and got["pid"] != os.getpid()
 
 
-def test_the_error_comes_back_with_its_type():
-    with pytest.raises(BadInput, match="the bucket is wrong"):
+def test_the_error_comes_back_with_its_type_and_where_it_was_raised():
+    with pytest.raises(BadInput, match="the bucket is wrong") as caught:
         call_in_spawned(_refuse, "the bucket")
+    assert isinstance(caught.value.__cause__, RemoteTraceback)
+    assert "in _refuse" in str(caught.value.__cause__)  # the child's frames, not this process's
 
 
 @pytest.mark.parametrize("how, code", [("kill", -signal.SIGKILL), ("exit", 3)])
