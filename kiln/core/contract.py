@@ -28,8 +28,8 @@ The decoder layers are compiled once per forward, not once per layer: each run
 of same-shaped layers (kiln.core.layer_runs: consecutive layers of one kind,
 or, where kinds alternate, every period-th layer of a segment that repeats a
 pattern) is scanned over its weights stacked along a leading layer dimension
-(LAYOUT names this package layout and goes into every forward key). So the package's constants are of two kinds, and
-`weight_layout` states both:
+(LAYOUT names this package layout and goes into every forward key). So the
+package's constants are of two kinds, and `weight_layout` states both:
 - a plain constant is one checkpoint tensor (the embedding, the final norm,
   the output head), named as in the checkpoint;
 - a stacked constant `model.runs.<j>.<suffix>` (e.g.
@@ -70,7 +70,8 @@ PROCESS_GROUP = "0"
 LAYOUT = "scan-2"
 """The package layout: decoder layers as one scan per segment over stacked constants, a run's layers
 interleaved with another run's where kinds alternate (kiln.core.layer_runs; scan-1's runs were consecutive).
-In every forward key, so a package of another layout (e.g. the unrolled one, with a constant per layer) is never loaded as this one."""
+In every forward key, so a package of another layout (e.g. the unrolled one, with a constant per layer) is
+never loaded as this one."""
 
 LAYER_PREFIX = "model.layers."
 RUN_PREFIX = "model.runs."
