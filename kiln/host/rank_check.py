@@ -41,8 +41,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     todo: dict[int, list[dict]] = {}
     for rank in host.ranks:
         for f in forwards:
-            # v3: 'own' is eager's error against float32 routed as eager was (kiln.host.routing_ties).
-            seen = record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v3.json"
+            seen = _record_path(record, f, job.tp, rank, weights)
             check = cache.read_record(seen)
             # The measured figures are remembered (an unreadable record counts as none); the limit is this export's.
             if check is not None and isinstance(check.get("diff"), (int, float)):
@@ -72,9 +71,15 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
         for f in fs:
             check = found[f"rank{rank}/{f['shapes']}"]
             if check["diff"] <= check["limit"]:
-                remember_check(record / f"{f['sha256']}-tp{job.tp}-rank{rank}-{weights}.v3.json",
+                remember_check(_record_path(record, f, job.tp, rank, weights),
                                {**check, "verified_at": _mtime_iso(None)})
     return {"checks": diffs, "memory": memory}
+
+
+def _record_path(record: Path, forward: dict, tp: int, rank: int, weights: str) -> Path:
+    """Where a passed check of `forward`'s bytes with rank `rank`'s weights (fingerprint `weights`) is kept.
+    v3: 'own' is eager's error against float32 routed as eager was (kiln.host.routing_ties)."""
+    return record / f"{forward['sha256']}-tp{tp}-rank{rank}-{weights}.v3.json"
 
 
 def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict]) -> dict:
