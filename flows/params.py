@@ -200,7 +200,7 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     """Validate every input and build the job; raises BadInput before anything is written to the store.
 
     A blip while it reads an S3 checkpoint or checks the store is not bad input: each request is retried
-    by botocore (kiln.store.s3.REQUEST_RETRIES), and what outlasts that is StoreError(transient=True).
+    by botocore (kiln.store.s3_client.REQUEST_RETRIES), and what outlasts that is StoreError(transient=True).
 
     `host_names` None means the hosts are not known yet (a Dask cluster not yet
     asked): host checks are skipped and no hosts are returned. Hosts on this

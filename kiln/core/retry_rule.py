@@ -23,7 +23,7 @@ What can heal when the same call is tried again (`transient`):
 
 One level per failure, each with its budget (attempts never multiply):
 1. A request to S3 (the store, an S3 checkpoint): botocore's retries, standard
-   mode, `kiln.store.s3.REQUEST_RETRIES` (8 tries, random backoff doubling up
+   mode, `kiln.store.s3_client.REQUEST_RETRIES` (8 tries, random backoff doubling up
    to 20 s), plus Kiln's own re-GET of a body that breaks off
    (`READ_ATTEMPTS`, 5). What the store raises after that (a StoreError,
    transient or not, or a botocore error) has spent its budget:

@@ -22,8 +22,8 @@ counted by the cache checks). `identity()` is what a manifest records. Bad input
 (a missing config.json, a prefix with no safetensors, an object that is
 missing, refused or replaced, a corrupt header, shapes config.json does not
 imply) is BadInput naming the object. A blip is not bad input: each request
-is retried by botocore (kiln.store.s3.REQUEST_RETRIES) and a body that breaks
-off is fetched again (kiln.store.s3.READ_ATTEMPTS); what outlasts that (5xx,
+is retried by botocore (kiln.store.s3_client.REQUEST_RETRIES) and a body that breaks
+off is fetched again (kiln.store.s3_client.READ_ATTEMPTS); what outlasts that (5xx,
 throttling, read timeouts, closed connections) is StoreError(transient=True)
 and is not retried again by a task or the flow (kiln.core.retry_rule).
 Compile workers need none of this: they compile weightless.
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -185,24 +184,17 @@ class S3Checkpoint:
         from botocore.exceptions import BotoCoreError, ClientError
         from urllib3.exceptions import HTTPError as Urllib3Error
 
-        from kiln.store.s3 import BODY_ERRORS, READ_ATTEMPTS
+        from kiln.store.s3_client import read_body
         args = {"IfMatch": f'"{self.objects[name][1]}"'} if name in self.objects else {}
         if first is not None:
             args["Range"] = f"bytes={first}-{last}"
-        for attempt in range(1, READ_ATTEMPTS + 1):
-            try:
-                body = self._client.get_object(Bucket=self.bucket, Key=self.prefix + name, **args)["Body"]
-                try:
-                    got = _drain(body, first or 0, None if first is None else last - first + 1, sink)
-                    break
-                except BODY_ERRORS:
-                    body.close()
-                    if attempt == READ_ATTEMPTS:
-                        raise
-            except (ClientError, BotoCoreError, Urllib3Error) as exc:
-                raise read_failure(exc, f"read {self._name(name)}", "check it exists, is readable with these "
-                                   "credentials and was not replaced during the export.") from None
-            time.sleep(min(0.1 * 2**attempt, 2.0))
+        try:
+            _, got = read_body(lambda: self._client.get_object(Bucket=self.bucket, Key=self.prefix + name, **args),
+                               lambda body: _drain(body, first or 0, None if first is None else last - first + 1,
+                                                   sink))
+        except (ClientError, BotoCoreError, Urllib3Error) as exc:
+            raise read_failure(exc, f"read {self._name(name)}", "check it exists, is readable with these "
+                               "credentials and was not replaced during the export.") from None
         if first is not None and got != last - first + 1:
             raise BadInput(f"{self._name(name)}: asked for bytes {first}-{last}, got {got} bytes; the object "
                            "is shorter than its safetensors header says (truncated) or the server ignores Range.")
@@ -372,11 +364,5 @@ def read_failure(exc: Exception, what: str, fix: str) -> BadInput | StoreError:
 
 
 def _client(endpoint_url: str | None, max_concurrency: int):
-    import boto3
-    from botocore.config import Config
-
-    from kiln.store.s3 import REQUEST_RETRIES
-    return boto3.session.Session().client(
-        "s3", endpoint_url=endpoint_url, config=Config(
-            retries=dict(REQUEST_RETRIES), s3={"addressing_style": "path"},
-            max_pool_connections=max(10, max_concurrency)))
+    from kiln.store.s3_client import client_config, make_client
+    return make_client(client_config(max_concurrency=max_concurrency), endpoint_url=endpoint_url)

@@ -32,27 +32,23 @@ in the thread that fetched it while the ranges are hashed in order; the file
 is verified and fsynced before it replaces the destination.
 
 Downloads are verified by hashing on the client, in order, before the file
-replaces anything: servers may accept a wrong transport checksum (moto
-does; SeaweedFS refuses it with BadDigest), and the digest is what guards loading native code. botocore retries
-requests, but not a response body that breaks off while it is read
-(connection reset, truncated): each range (get_file) or whole GET
-(get_bytes) is requested again for that, up to `read_attempts` times, and a
-partial body is never kept (a short read is an error, not a smaller
-object). A multipart completion whose answer was lost is recognised by the
-object it created.
+replaces anything: servers may accept a wrong transport checksum (moto does;
+SeaweedFS refuses it with BadDigest), and the digest is what guards loading
+native code. A partial body is never kept (a short read is an error, not a
+smaller object). A multipart completion whose answer was lost is recognised
+by the object it created.
 
-Retries are per request and only here (kiln.core.retry_rule): botocore's
-standard mode with `max_attempts` tries (REQUEST_RETRIES: 8, a random backoff
-doubling up to 20 s, within botocore's retry quota), plus the body re-reads
-above (READ_ATTEMPTS: 5). A StoreError raised after that has spent the budget: `transient` says
-whether it may heal later, and no task or flow retries it again. `check`
-tries twice with short timeouts, so a wrong endpoint fails in seconds, except
-that an answer meaning "later" (5xx, throttling) gets the full budget.
+Retries are per request and only in kiln.store.s3_client (kiln.core.retry_rule):
+botocore's, `max_attempts` tries of each request, and `read_attempts` GETs of
+a body that breaks off. A StoreError raised after that has spent the budget:
+`transient` says whether it may heal later, and no task or flow retries it
+again. `check` tries twice with short timeouts, so a wrong endpoint fails in
+seconds, except that an answer meaning "later" (5xx, throttling) gets the full
+budget.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import time
 from collections.abc import Callable, Iterator
@@ -60,16 +56,8 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
-import botocore.session
 from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    ConnectionClosedError,
-    IncompleteReadError,
-    ReadTimeoutError,
-    ResponseStreamingError,
-)
+from botocore.exceptions import BotoCoreError, ClientError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from kiln.core.errors import BadInput, IntegrityError, StoreError
@@ -83,18 +71,22 @@ from kiln.core.key_rules import (
 )
 from kiln.core.retry_rule import transient
 from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, replaced_on_success
-from kiln.store.s3_errors import MISSING_KEY, blip, error_code, explain_check_error, lost_race
+from kiln.store.s3_client import (
+    BODY_ERRORS,
+    QUICK_CHECK,
+    READ_ATTEMPTS,
+    REQUEST_RETRIES,
+    check_bucket,
+    client_config,
+    make_client,
+    read_body,
+)
+from kiln.store.s3_errors import MISSING_KEY, error_code, lost_race
 from kiln.store.s3_parts import byte_ranges, fetch_in_order, upload_in_parts, write_at
 
 MIB = 1024 * 1024
-REQUEST_RETRIES = {"mode": "standard", "max_attempts": 8}
-"""botocore's retries of one S3 request (the store's and an S3 checkpoint's): the only level that retries it."""
 _MIN_PART_BYTES = 5 * MIB  # S3's minimum size of every part but the last
 _CONFLICT_ATTEMPTS = 8  # 409s and create/delete races: back off and try again
-READ_ATTEMPTS = 5
-"""GETs of one object or range whose body breaks off while it is read, before the read fails."""
-BODY_ERRORS = (ResponseStreamingError, IncompleteReadError, ReadTimeoutError, ConnectionClosedError, Urllib3Error)
-"""A response body that breaks off while it is read; botocore does not retry these (READ_ATTEMPTS does)."""
 
 
 class S3Store(Store):
@@ -154,13 +146,8 @@ class S3Store(Store):
         }
         self.multipart_threshold_bytes = multipart_threshold_bytes
         self.part_size_bytes = part_size_bytes
-        self._config = Config(
-            retries={**REQUEST_RETRIES, "max_attempts": max_attempts},
-            request_checksum_calculation=checksum_mode,
-            response_checksum_validation=checksum_mode,
-            s3={"addressing_style": "path"},
-            max_pool_connections=max(10, max_concurrency),  # one connection per part in flight
-        )
+        self._config = client_config(max_concurrency=max_concurrency, max_attempts=max_attempts,
+                                     checksum_mode=checksum_mode)
         self._client_cache: Any = None
 
     # Clients hold sockets and do not pickle; a store sent to another process builds its own.
@@ -172,11 +159,7 @@ class S3Store(Store):
         return f"s3://{self.bucket}/{self.prefix.rstrip('/')}".rstrip("/")
 
     def _make_client(self, config: Config) -> Any:
-        # A session per store keeps credential chains apart; the parsed API models are shared.
-        session = botocore.session.get_session()
-        session.register_component("data_loader", _api_model_loader())
-        return session.create_client("s3", region_name=self.region, endpoint_url=self.endpoint_url, config=config,
-                                     **self._credentials)
+        return make_client(config, region=self.region, endpoint_url=self.endpoint_url, **self._credentials)
 
     @property
     def _client(self) -> Any:
@@ -185,25 +168,8 @@ class S3Store(Store):
         return self._client_cache
 
     def check(self) -> None:
-        bucket = self.bucket
-        # Few retries and short timeouts so a wrong endpoint fails in seconds, not minutes.
-        quick_retries = {"mode": "standard", "max_attempts": 2}
-        quick = self._config.merge(Config(connect_timeout=2, read_timeout=5, retries=quick_retries))
-        endpoint = self.endpoint_url or "the default AWS endpoint"
-        try:
-            client = self._make_client(quick)
-            endpoint = client.meta.endpoint_url
-            try:
-                client.head_bucket(Bucket=bucket)
-            except ClientError as e:
-                if not blip(e):
-                    raise
-                # It answered "later" (5xx, throttling): the endpoint is right and busy; the store's own budget.
-                self._client.head_bucket(Bucket=bucket)
-        except Exception as e:
-            if (explained := explain_check_error(e, bucket, endpoint)) is not None:
-                raise explained from None
-            raise
+        check_bucket(self.bucket, self.endpoint_url, quick=lambda: self._make_client(self._config.merge(QUICK_CHECK)),
+                     patient=lambda: self._client)
 
     # -- helpers -------------------------------------------------------------
 
@@ -338,17 +304,9 @@ class S3Store(Store):
 
     def _read_retrying(self, key: str, **get_args: str) -> tuple[dict, bytes]:
         """GET `key` with `get_args` and read the whole body; GET again when the body breaks off (bounded)."""
-        for attempt in range(1, self.read_attempts + 1):
-            with self._errors("get", key):
-                resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key), **get_args)
-                try:
-                    return resp, resp["Body"].read()
-                except BODY_ERRORS:
-                    resp["Body"].close()
-                    if attempt == self.read_attempts:
-                        raise
-            time.sleep(min(0.1 * 2**attempt, 2.0))
-        raise AssertionError("unreachable")
+        with self._errors("get", key):
+            return read_body(lambda: self._client.get_object(Bucket=self.bucket, Key=self._full(key), **get_args),
+                             lambda body: body.read(), self.read_attempts)
 
     def _first_range(self, key: str) -> tuple[dict, int]:
         """GET `key`'s first range, headers only (its body not read yet): (response, the object's size).
@@ -430,12 +388,6 @@ class S3Store(Store):
                 self._client.delete_object(Bucket=self.bucket, Key=self._full(key))
         except ObjectMissing:
             pass  # AWS answers 204 for a missing key; some S3 clones answer 404
-
-
-@functools.cache
-def _api_model_loader() -> Any:
-    """botocore's loader of API models, one per process: a fresh session parses S3's model again (~0.1 s)."""
-    return botocore.session.get_session().get_component("data_loader")
 
 
 def _file_mismatch(path: str | Path, actual: str, expected: str, key: str) -> IntegrityError:

@@ -2,7 +2,7 @@
 
 A burst is a blip, not bad input: `prepare` (flows/params.py) reads the checkpoint from S3 and checks the
 store through the fault proxy (tests/s3_fault_proxy.py, moto behind it), each request is retried by botocore
-(kiln.store.s3.REQUEST_RETRIES) and prepare succeeds. No compile: the job is built and nothing runs.
+(kiln.store.s3_client.REQUEST_RETRIES) and prepare succeeds. No compile: the job is built and nothing runs.
 """
 
 from __future__ import annotations

@@ -67,9 +67,9 @@ def test_a_missing_or_replaced_checkpoint_object_is_bad_input():
 
 
 def test_a_body_that_keeps_breaking_off_is_read_again_then_a_transient_error(monkeypatch):
-    from kiln.host import s3_checkpoint
     from kiln.host.s3_checkpoint import S3Checkpoint
-    from kiln.store.s3 import READ_ATTEMPTS
+    from kiln.store import s3_client
+    from kiln.store.s3_client import READ_ATTEMPTS
 
     class Body:
         def read(self, amt=None):
@@ -85,7 +85,7 @@ def test_a_body_that_keeps_breaking_off_is_read_again_then_a_transient_error(mon
             Client.gets += 1
             return {"Body": Body()}
 
-    monkeypatch.setattr(s3_checkpoint.time, "sleep", lambda s: None)  # the backoff between GETs
+    monkeypatch.setattr(s3_client.time, "sleep", lambda s: None)  # the backoff between GETs
     ck = S3Checkpoint.__new__(S3Checkpoint)  # no listing: only _get is under test
     ck.url, ck.bucket, ck.prefix, ck.objects, ck._client = "s3://b/ckpt", "b", "ckpt/", {}, Client()
     with pytest.raises(StoreError) as info:
