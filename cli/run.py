@@ -19,7 +19,7 @@ import os
 import traceback
 
 from cli.verify import open_export
-from kiln.core.contract import cache_layout
+from kiln.core.cache_layout import cache_layout
 from kiln.core.decode import check_request, prefill_steps, refills_cache, step_bucket
 from kiln.core.errors import KilnError
 from kiln.core.manifest import manifest_device

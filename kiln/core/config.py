@@ -11,11 +11,11 @@ tensor-parallel degree can split the model.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from kiln.core.errors import BadInput
-from kiln.core.v4_fields import V4Fields, check_model, module_shapes, tp_counts
+from kiln.core.param_counts import params_per_rank
+from kiln.core.v4_fields import V4Fields, check_model, tp_counts
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 BUNDLED_MODEL = "tiny"
@@ -368,47 +368,12 @@ class ModelConfig:
                     f"--tp {tp} does not divide the model's {count} {what}; "
                     f"use a tp that divides {', '.join(w for w, _ in counts)}: {', '.join(map(str, ok))}.")
 
-    def _latent_attention_params(self, tp: int) -> int:
-        """One layer's latent attention: replicated down-projections and their norms, sharded up-projections."""
-        h, heads = self.hidden_size, self.num_heads // tp
-        bias = self.o_bias  # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj
-        latent = self.kv_lora_rank + self.qk_rope_head_dim
-        q = (h * self.q_lora_rank + self.q_lora_rank * (1 + bias) + self.q_lora_rank * heads * self.head_dim
-             if self.q_lora_rank else h * heads * self.head_dim)
-        kv = h * latent + latent * bias + self.kv_lora_rank
-        kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
-        return q + kv + heads * self.v_head_dim * h + h * bias
-
-    def _param_counts(self, tp: int) -> int:
-        if self.v4 is not None:  # every tensor, those tp_counts split divided by tp (a bound from above)
-            split = ("wq_b.weight", "attn_sink", "wo_a.weight", "wo_b.weight", ".w1.weight", ".w2.weight", ".w3.weight")
-            return sum(math.prod(s) // (tp if n.endswith(split) and "indexer" not in n else 1)
-                       for n, s in module_shapes(self).items())
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attn = self.hidden_size * (2 * q + 2 * kv) // tp
-        attn += ((q + 2 * kv) // tp if self.qkv_bias else 0) + (self.hidden_size if self.o_bias else 0)
-        if self.latent:
-            attn = self._latent_attention_params(tp)
-        mlp = 3 * self.hidden_size * self.intermediate_size // tp
-        mlp += 2 * self.intermediate_size // tp + self.hidden_size if self.mlp_bias else 0
-        norms = (4 if self.sandwich_norms else 2) * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
-        per_layer = attn + norms
-        moe = self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size // tp + self.hidden_size)
-        moe += self.num_experts if self.router == "sigmoid_groups" else 0  # the choice's correction bias
-        if self.shared_expert_intermediate_size:  # with Qwen2-MoE's gate (hidden_size); DeepSeek's has none
-            moe += 3 * self.hidden_size * self.shared_expert_intermediate_size // tp
-            moe += self.hidden_size if self.architecture == "qwen2_moe" else 0
-        dense = self.num_layers - len(self.moe_layers)
-        layers = self.num_layers * per_layer + len(self.moe_layers) * moe + dense * mlp
-        heads = 1 if self.tie_word_embeddings else 2
-        return layers + heads * self.vocab_size * self.hidden_size + self.hidden_size
-
     def num_params(self) -> int:
-        return self._param_counts(1)
+        return params_per_rank(self, 1)
 
     def weight_bytes_per_rank(self, tp: int) -> int:
         """Bytes of one rank's weights: sharded attention and MLP, replicated embeddings and norms."""
-        return self._param_counts(tp) * self.dtype_bytes
+        return params_per_rank(self, tp) * self.dtype_bytes
 
 
 TINY = ModelConfig(vocab_size=1024, hidden_size=384, num_layers=2, num_heads=24,

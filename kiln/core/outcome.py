@@ -9,7 +9,8 @@ each with the consumer contract of kiln.core.contract (interface and constants).
 from __future__ import annotations
 
 from kiln.core.config import ModelConfig
-from kiln.core.contract import constant_sources, forward_interface
+from kiln.core.contract import constant_sources
+from kiln.core.interface import forward_interface
 from kiln.core.errors import ForwardsMissing, IntegrityError, NotPythonFree, VerifyMismatch
 from kiln.core.layout import artifact_key
 

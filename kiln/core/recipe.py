@@ -12,7 +12,6 @@ the edge, by the setting it names.
 from __future__ import annotations
 
 import dataclasses
-import re
 import typing
 from dataclasses import dataclass
 from typing import Literal

@@ -336,7 +336,7 @@ def test_the_compiled_step_reads_and_writes_each_sequence_slot(v4_path):
     """forward(tokens, start_pos, kv_cache, slots), the step Kiln compiles, is `step` over the states its slots
     hold (kiln.core.contract.cache_layout), returning each sequence's slot after the step; two sequences at
     other positions in slots 2 and 0 of 3."""
-    from kiln.core.contract import cache_layout
+    from kiln.core.cache_layout import cache_layout
     from kiln.host.model.deepseek_v4 import pack, unpack
 
     cfg = inspect_checkpoint(v4_path)

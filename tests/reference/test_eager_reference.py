@@ -12,7 +12,7 @@ import pytest
 import torch
 from hf_models import CASES, CLASSES, transformers, write_case
 
-from kiln.core.contract import cache_layout
+from kiln.core.cache_layout import cache_layout
 from kiln.core.layer_runs import layer_runs
 from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights
 from kiln.host.model import ShardedDecoder

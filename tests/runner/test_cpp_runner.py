@@ -35,7 +35,8 @@ def export(tmp_path_factory) -> dict:
     import torch
 
     from kiln.core.config import TINY
-    from kiln.core.contract import PROCESS_GROUP, forward_interface, weight_layout
+    from kiln.core.contract import PROCESS_GROUP, weight_layout
+    from kiln.core.interface import forward_interface
     from kiln.core.forward_keys import forward_spec
     from kiln.core.recipe import Bucket
     from kiln.core.shape_ranges import static_shape

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 import pytest
 
 from kiln.core.config import TINY
-from collections import Counter
-
-from kiln.core.contract import FUSED, constant_sources, forward_interface, parameter_shapes, shard_slice, weight_layout
+from kiln.core.contract import FUSED, constant_sources, parameter_shapes, shard_slice, weight_layout
 from kiln.core.errors import IntegrityError, KilnError, NotPythonFree
+from kiln.core.interface import forward_interface
 from kiln.core.outcome import check_digests, check_outcome, forward_records
+from kiln.core.param_counts import params_per_rank
 
 CONFIGS = {
     "tiny": TINY,
@@ -57,6 +60,17 @@ def test_constants_are_the_torch_modules_own(name):
     fused = FUSED.get(cfg.architecture, {})
     holds = {n: len(fused.get(n.split(".", 3)[-1], ("one",))) for n in parameter_shapes(cfg)}
     assert Counter(s for group in constant_sources(cfg).values() for s in group) == Counter(holds)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_the_parameter_count_is_a_ranks_constants(name):
+    """kiln.core.param_counts counts what a rank binds: the contract's constants (held to the torch module's
+    state dict above), element for element."""
+    cfg = CONFIGS[name]
+    for tp in (1, 2):
+        constants = sum(math.prod(w["shape"]) for w in weight_layout(cfg, tp).values())
+        assert params_per_rank(cfg, tp) == constants
+        assert cfg.weight_bytes_per_rank(tp) == constants * cfg.dtype_bytes
 
 
 @pytest.mark.parametrize("name", CONFIGS)

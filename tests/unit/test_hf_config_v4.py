@@ -9,11 +9,13 @@ import dataclasses
 
 import pytest
 
+from kiln.core.cache_layout import cache_layout
 from kiln.core.config import ModelConfig
-from kiln.core.contract import cache_layout, constant_shapes, forward_interface
+from kiln.core.contract import constant_shapes
 from kiln.core.decisions import page_size
 from kiln.core.errors import BadInput
 from kiln.core.hf_config import from_hf, to_hf
+from kiln.core.interface import forward_interface
 from kiln.core.job import ExportJob
 from kiln.core.layer_runs import layer_runs
 from kiln.core.recipe import Recipe
@@ -212,7 +214,7 @@ def test_the_kv_plan_counts_a_v4_slot_over_its_pages_and_v4_caches_less_than_v3(
 
 
 def test_a_slot_width_gives_back_a_context_with_the_same_states():
-    from kiln.core.contract import slot_context
+    from kiln.core.cache_layout import slot_context
 
     cfg = from_hf(V3_LIKE)
     for context in (0, 1, 7, 8, 64, 100):

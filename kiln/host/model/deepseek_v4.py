@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kiln.core.cache_layout import CacheLayout, cache_layout, slot_context
 from kiln.core.config import ModelConfig
-from kiln.core.contract import CacheLayout, cache_layout, slot_context
 from kiln.core.layer_runs import Segment, layer_runs
 from kiln.host.model.clipped_experts import experts
 from kiln.host.model.compressed_attention import attention

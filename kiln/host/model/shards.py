@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 import torch
 
+from kiln.core.cache_layout import cache_layout
 from kiln.core.config import ModelConfig
-from kiln.core.contract import cache_layout, constant_dtype, constant_shapes, parameter_shapes, rank_reads
+from kiln.core.contract import constant_dtype, constant_shapes, parameter_shapes, rank_reads
 
 
 def rank_constants(cfg: ModelConfig, tp: int, rank: int,

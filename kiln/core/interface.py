@@ -1,0 +1,76 @@
+"""A forward's inputs and outputs, as a program that is not Kiln calls it. Pure.
+
+Every forward of an export is one step of the decoder (kiln.host.model) over a
+paged KV cache:
+
+    inputs:  tokens[batch, tokens] int64, start_pos[batch] int64,
+             kv_cache[layers, entries, num_pages, page_tokens, heads, width] <dtype>,
+             block_table[batch, pages_per_seq] int64
+             [, seq_lens[batch] int64: only when the rope depends on the sequence's length]
+    outputs: logits[batch, tokens, vocab] <dtype>, new_kv[layers, entries, batch, tokens, heads, width] <dtype>
+
+`num_pages` is always dynamic; `batch` and `tokens` are where the forward
+takes a range of them (kiln.core.shape_ranges). A dynamic dimension is named in
+the shapes as a string, with its bounds under the interface's `dynamic_dims`.
+What a cached token holds is the cache layout (`cache_layout`): per-head keys
+and values (entries 2, heads kv_heads/tp, width head_dim), or, for latent
+attention, one entry of the token's latent and rotary key that every head
+reads (entries 1, heads 1, width kv_lora_rank + qk_rope_head_dim, the same on
+every rank). DeepSeek-V4's cache is not per-token entries but state that is
+rewritten as tokens arrive (a sliding window, compressors' rings, compressed
+entries and a CSA layer's indexer keys): a slot per sequence
+(kv_cache[num_slots, slot_values], one `slots[batch]` input naming each
+sequence's slot instead of a block table, new_kv[batch, slot_values] each
+sequence's slot after the step), whose `states` the layout lists with their
+shapes and which of them grow with tokens.
+
+The weights a forward binds are kiln.core.contract's.
+"""
+
+from __future__ import annotations
+
+from kiln.core.cache_layout import DYNAMIC_PAGES, DYNAMIC_SLOTS, cache_layout
+from kiln.core.config import ModelConfig
+from kiln.core.contract import PROCESS_GROUP
+
+
+def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:
+    """{'inputs', 'outputs', 'process_group', 'dynamic_dims', ...} of one forward; `inputs` is a spec's input
+    dims. A dimension the forward takes over a range is named ('batch', 'tokens', like the page count) with
+    its bounds in 'dynamic_dims'; a static one is its size."""
+    ranges = {name: inputs[name] for name in ("batch", "tokens")}
+    b, t = (name if lo < hi else lo for name, (lo, hi) in ranges.items())
+    layout = cache_layout(cfg, tp, inputs["page_tokens"] * inputs["pages_per_seq"])
+
+    def arg(name: str, dtype: str, shape: list) -> dict:
+        return {"name": name, "dtype": dtype, "shape": shape}
+
+    dynamic = {name: {"min": lo, "max": hi} for name, (lo, hi) in ranges.items() if lo < hi}
+    if not layout.paged:  # DeepSeek-V4: one slot of state per sequence, the step's slots read and rewritten
+        return {
+            "inputs": [arg("tokens", "int64", [b, t]), arg("start_pos", "int64", [b]),
+                       arg("kv_cache", cfg.dtype, layout.shape(cfg.num_layers, DYNAMIC_SLOTS, 0)),
+                       arg("slots", "int64", [b])],
+            "outputs": [arg("logits", cfg.dtype, [b, t, cfg.vocab_size]),
+                        arg("new_kv", cfg.dtype, layout.new_shape(cfg.num_layers, b, t))],
+            "kv_cache": layout.to_dict(), "process_group": PROCESS_GROUP if tp > 1 else None,
+            "dynamic_dims": {DYNAMIC_SLOTS: {"min": 2}, **dynamic},
+        }
+    kv = layout.shape(cfg.num_layers, DYNAMIC_PAGES, inputs["page_tokens"])
+
+    lengths = [arg("seq_lens", "int64", [b])] if cfg.length_dependent_rope else []
+    rope = {}
+    if cfg.rope_type == "longrope":  # kiln.core.decode: seq_lens, and the cache rebuilt at the switch
+        rope = {"rope": {"type": "longrope", "long_after_tokens": cfg.rope_original_max_position,
+                         "refill_cache_at_length": cfg.rope_original_max_position + 1}}
+    elif cfg.rope_type == "dynamic":
+        rope = {"rope": {"type": "dynamic", "grows_after_tokens": cfg.rope_max_position}}
+    return {
+        "inputs": [arg("tokens", "int64", [b, t]), arg("start_pos", "int64", [b]), arg("kv_cache", cfg.dtype, kv),
+                   arg("block_table", "int64", [b, inputs["pages_per_seq"]]), *lengths],
+        "outputs": [arg("logits", cfg.dtype, [b, t, cfg.vocab_size]),
+                    arg("new_kv", cfg.dtype, layout.new_shape(cfg.num_layers, b, t))],
+        "kv_cache": layout.to_dict(), **rope,
+        "process_group": PROCESS_GROUP if tp > 1 else None,
+        "dynamic_dims": {DYNAMIC_PAGES: {"min": 2}, **dynamic},
+    }

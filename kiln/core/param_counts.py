@@ -1,0 +1,52 @@
+"""How many parameters a model has per tensor-parallel rank: what its weights weigh, before any is read.
+
+Pure arithmetic over a `ModelConfig`'s fields (kiln.core.config), counted the
+way kiln.host.model holds them; the gate, the KV plan and the memory sizing
+read it through `ModelConfig.weight_bytes_per_rank`. A unit test holds it to
+the torch module's own parameter count.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kiln.core.v4_fields import module_shapes
+
+
+def _latent_attention(cfg, tp: int) -> int:
+    """One layer's latent attention: replicated down-projections and their norms, sharded up-projections."""
+    h, heads = cfg.hidden_size, cfg.num_heads // tp
+    bias = cfg.o_bias  # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj
+    latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    q = (h * cfg.q_lora_rank + cfg.q_lora_rank * (1 + bias) + cfg.q_lora_rank * heads * cfg.head_dim
+         if cfg.q_lora_rank else h * heads * cfg.head_dim)
+    kv = h * latent + latent * bias + cfg.kv_lora_rank
+    kv += cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return q + kv + heads * cfg.v_head_dim * h + h * bias
+
+
+def params_per_rank(cfg, tp: int) -> int:
+    """Parameters one of `tp` ranks holds: attention and MLP (experts too) sharded, embeddings and norms whole;
+    DeepSeek-V4's tensors by their shapes, those that tp splits divided by tp (a bound from above)."""
+    if cfg.v4 is not None:  # the tensors kiln.core.v4_fields.tp_counts splits, divided by tp
+        split = ("wq_b.weight", "attn_sink", "wo_a.weight", "wo_b.weight", ".w1.weight", ".w2.weight", ".w3.weight")
+        return sum(math.prod(s) // (tp if n.endswith(split) and "indexer" not in n else 1)
+                   for n, s in module_shapes(cfg).items())
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attn = cfg.hidden_size * (2 * q + 2 * kv) // tp
+    attn += ((q + 2 * kv) // tp if cfg.qkv_bias else 0) + (cfg.hidden_size if cfg.o_bias else 0)
+    if cfg.latent:
+        attn = _latent_attention(cfg, tp)
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size // tp
+    mlp += 2 * cfg.intermediate_size // tp + cfg.hidden_size if cfg.mlp_bias else 0
+    norms = (4 if cfg.sandwich_norms else 2) * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    per_layer = attn + norms
+    moe = cfg.num_experts * (3 * cfg.hidden_size * cfg.moe_intermediate_size // tp + cfg.hidden_size)
+    moe += cfg.num_experts if cfg.router == "sigmoid_groups" else 0  # the choice's correction bias
+    if cfg.shared_expert_intermediate_size:  # with Qwen2-MoE's gate (hidden_size); DeepSeek's has none
+        moe += 3 * cfg.hidden_size * cfg.shared_expert_intermediate_size // tp
+        moe += cfg.hidden_size if cfg.architecture == "qwen2_moe" else 0
+    dense = cfg.num_layers - len(cfg.moe_layers)
+    layers = cfg.num_layers * per_layer + len(cfg.moe_layers) * moe + dense * mlp
+    heads = 1 if cfg.tie_word_embeddings else 2
+    return layers + heads * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
