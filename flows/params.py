@@ -177,13 +177,29 @@ def default_export_id(params: ExportParams, when: dt.datetime | None = None, sal
     return f"{model_name(params)}-tp{params.tp}-{when.astimezone(dt.timezone.utc):%Y%m%dT%H%M%S}-{salt or secrets.token_hex(2)}"
 
 
+def recipe_overrides(params: ExportParams) -> dict:
+    """The recipe settings of `params` that override a recipe block's, as form values: each one the caller
+    gave, and each one that differs from its default.
+
+    A caller that names some settings (the CLI's flags, an API call, a deployment's defaults) gave those,
+    so a flag always wins, also one equal to its default (`--policy borrow` over a block's `fail`). The run
+    form sends every setting: there only a value other than the default says the user changed it (to put
+    a block's setting back to its default, edit the block).
+    """
+    given = params.recipe.model_fields_set
+    if given == set(RecipeSettings.model_fields):
+        given = set()
+    return {k: v for k, v in params.recipe.model_dump(mode="json").items()
+            if k in given or v != form_value(SETTING[k], SETTING[k].default)}
+
+
 def build_recipe(params: ExportParams) -> Recipe:
-    """The try's recipe: the recipe block's (or the defaults), then the form's changed settings."""
+    """The try's recipe: the recipe block's (or the defaults), then `recipe_overrides`."""
     base = Recipe()
     if params.recipe_block:
         from blocks.kiln_blocks import load_recipe_block
         base = load_recipe_block(params.recipe_block).recipe()
-    return recipe_of_form(params.recipe.model_dump(), base)
+    return recipe_of_form(recipe_overrides(params), base)
 
 
 def default_host_names(params: ExportParams) -> list[str] | None:

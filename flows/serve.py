@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from prefect.deployments.runner import EntrypointType
 
-from flows.params import ExportParams
+from flows.params import ExportParams, recipe_overrides
 from kiln.core import events
 from kiln.core.errors import BadInput
 
@@ -30,8 +30,11 @@ DEPLOYMENT = "default"
 
 
 def deployment_parameters(params: ExportParams) -> dict:
-    """Default parameters of the deployment: only what differs from ExportParams' defaults."""
-    return params.model_dump(mode="json", exclude_defaults=True)
+    """Default parameters of the deployment: what differs from ExportParams' defaults, and the recipe
+    settings that would override a recipe block's (flows.params.recipe_overrides: a flag given to
+    `kiln serve` stays given in every run)."""
+    out = params.model_dump(mode="json", exclude_defaults=True, exclude={"recipe"})
+    return {**out, "recipe": overrides} if (overrides := recipe_overrides(params)) else out
 
 
 def checkpoint_trigger(deployment: str = DEPLOYMENT):

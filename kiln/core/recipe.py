@@ -262,6 +262,5 @@ def recipe_form():
 
 
 def recipe_of_form(values: dict, base: Recipe | None = None) -> Recipe:
-    """`base` with the settings of a form model's dump that differ from their defaults applied."""
-    typed = from_form(SETTINGS, values)
-    return (base or Recipe()).replace(**{k: v for k, v in typed.items() if v != SETTING[k].default})
+    """`base` (default: the defaults) with the settings of a form model's dump applied, every one of them."""
+    return (base or Recipe()).replace(**from_form(SETTINGS, values))

@@ -44,11 +44,12 @@ def test_export_from_blocks_keeps_the_secret_out(kiln, blocks, prefect_server, s
     env = {"PREFECT_API_URL": prefect_server, "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "",
            **signing_key_env}
     run = kiln("export", "--model", "tiny", "--tp", "2", "--store-block", blocks["store"],
-               "--recipe-block", blocks["recipe"], "--set", "verify_atol=0.01", "--report", str(report), env=env)
+               "--recipe-block", blocks["recipe"], "--policy", "borrow", "--set", "verify_atol=0.01", "--report",
+               str(report), env=env)
     assert run.code == 0, run.err[-3000:]
     r = json.loads(report.read_text())
     assert [f["shapes"] for f in r["forwards"]] == ["1x8"]  # buckets from the recipe block
-    assert r["gate"]["policy"] == "fail"
+    assert r["gate"]["policy"] == "borrow"  # a flag given wins over the block's 'fail', also the default
     assert r["store"] == f"s3://{blocks['bucket']}/k"
     s3 = boto3.client("s3", endpoint_url=s3_server.endpoint_url, aws_access_key_id="x", aws_secret_access_key="y",
                       region_name="us-east-1")
