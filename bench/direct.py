@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     kv, plan = decision.kv_plan, decision.plan
     phases["kv-plan"], phases["gate"] = decision.kv_plan_s, decision.gate_s
     ledger.append({"phase": "gate", **probe.memory_snapshot()})
-    specs = {s["key"]: s for s in probes[0].specs}
+    specs = {s.key: s for s in probes[0].specs}
     t = time.perf_counter()
     hp = plan.hosts[host.name]
     done = host_compile.compile_on_host(store, job, host, [specs[k] for k in hp.compile], hp.workers)
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     phase("manifest", t)
     Path(args.json).write_text(json.dumps({
         "phases_s": phases, "workers": hp.workers, "compiled": len(compiled),
-        "per_forward_compile_s": {specs[k]["shapes"]: e["compile_s"] for k, e in compiled.items()},
+        "per_forward_compile_s": {str(specs[k].shapes): e["compile_s"] for k, e in compiled.items()},
         "in_process_s": time.perf_counter() - _START}, indent=2))
 
 

@@ -48,7 +48,7 @@ def _while_the_api_starts() -> None:
 def _start_workers_early(probes) -> None:
     """Where this process will compile (a forward the store lacks), start the compile workers' server
     (kiln.host.worker_start) now: its imports overlap the embedded API's start instead of the compile phase."""
-    if any(spec["key"] not in probe.store_keys for probe in probes for spec in probe.specs):
+    if any(spec.key not in probe.store_keys for probe in probes for spec in probe.specs):
         from kiln.host import worker_start
 
         worker_start.prepare()

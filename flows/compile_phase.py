@@ -19,13 +19,14 @@ from prefect.artifacts import update_progress_artifact
 from flows import artifacts
 from flows.hosts import HostRunner
 from kiln.core import decisions, layout, outcome
+from kiln.core.forward_keys import ForwardSpec
 from kiln.core.gate import HostReport, Plan
 from kiln.core.job import ExportJob, HostSpec
 from tasks import phases
 from tasks.store import store_of
 
 
-def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: dict[str, dict],
+def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: dict[str, ForwardSpec],
                       reports: list[HostReport], runner: HostRunner
                       ) -> tuple[dict[str, dict], dict[str, str], set[str], dict]:
     """Compile what `plan` assigns; returns (key -> compile record of this export, key -> the sha256 its
@@ -65,7 +66,7 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
             break
         phases.break_leases(job, missing, lost)  # their holders are gone: nobody else must wait out the TTL
         assignment = decisions.replan_after_loss(job, reports, lost, missing,
-                                                 {k: specs[k]["target"] for k in missing}, replans_done=round_)
+                                                 {k: specs[k].target for k in missing}, replans_done=round_)
         progress.assign({n: keys for n, (keys, _) in assignment.items()})
     progress.show(final=True)
     # Keys without a record were compiled by another export that held their lease: reused.

@@ -185,7 +185,7 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
     # Nothing is reused on the store's word: a stored forward no trusted key vouched for stops the export here.
     phases.check_reused(job, sorted({k for p in probes for k in p.store_keys}))
     plan = _gate(job, probes, report, phase)
-    specs = {s["key"]: s for p in probes for s in p.specs}
+    specs = {s.key: s for p in probes for s in p.specs}
     with phase("compile") as info:
         compiled, own = _compile(job, hosts, runner, report, probes, specs, plan, info)
     with phase("outcome-check"):

@@ -19,6 +19,7 @@ import functools
 from prefect import task
 
 from kiln.core import decisions, outcome
+from kiln.core.forward_keys import ForwardSpec
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.layout import artifact_key, manifest_key
 from kiln.core.probe_result import HostProbe
@@ -84,7 +85,7 @@ def decide(job: ExportJob, probes: list[HostProbe]) -> decisions.Decision:
 
 
 @task(name="compile", cache_policy=None)
-def compile_host(job: ExportJob, host: HostSpec, specs: list[dict], workers: int) -> dict:
+def compile_host(job: ExportJob, host: HostSpec, specs: list[ForwardSpec], workers: int) -> dict:
     """No task retries: a retry would compile its whole share again. A flow retry probes the store
     and compiles only what is missing."""
     return host_compile.compile_on_host(store_of(job), job, host, specs, workers)
@@ -105,7 +106,7 @@ def check_reused(job: ExportJob, keys: list[str]) -> dict[str, str]:
 
 
 @io_task("outcome-check")
-def outcome_check(job: ExportJob, forwards: dict[str, dict], own: dict[str, str]) -> dict[str, dict]:
+def outcome_check(job: ExportJob, forwards: dict[str, ForwardSpec], own: dict[str, str]) -> dict[str, dict]:
     """Every key of the export must be in the store with a trusted sha256 (vouched for, or `own`: the
     digest this export's compiling host returned), and its package Python-free
     (kiln.core.outcome.check_outcome); returns key -> {'sha256', 'size_bytes', 'calls'}."""

@@ -99,7 +99,7 @@ def needed_keys(probes: list[HostProbe]) -> dict[str, list[str]]:
     """target -> the forward keys its hosts need."""
     needed: dict[str, list[str]] = {}
     for p in probes:
-        needed.setdefault(p.target, sorted(s["key"] for s in p.specs))
+        needed.setdefault(p.target, sorted(s.key for s in p.specs))
     return needed
 
 
@@ -123,9 +123,9 @@ def compile_estimates(job: ExportJob, probes: list[HostProbe]) -> dict[str, floa
     out = {}
     for p in probes:
         for spec in p.specs:
-            kind = static(spec["shapes"])
+            kind = spec.shapes.static
             seen = measured.get((p.target, kind))
-            out[spec["key"]] = statistics.median(seen) if seen else \
+            out[spec.key] = statistics.median(seen) if seen else \
                 job.recipe.compile_s_estimate * (1.0 if kind else RANGE_COMPILE_FACTOR)
     return out
 

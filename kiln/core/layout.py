@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from kiln.core.forward_keys import digest
+from kiln.core.forward_keys import ForwardSpec, digest
 
 FORWARDS = "forwards/"
 INSPECTIONS = "inspections/"
@@ -45,17 +45,17 @@ def vouch_key(key: str, sha256: str) -> str:
     return f"{VOUCHES}{key}/{sha256}.json"
 
 
-def graph_digest(spec: dict) -> str:
+def graph_digest(spec: ForwardSpec) -> str:
     """What a worker's memory depends on: the forward's graph, target and compiler options (not its bucket)."""
-    return digest({k: spec[k] for k in ("graph", "target", "compiler")})
+    return digest({"graph": spec.graph, "target": spec.target, "compiler": spec.compiler})
 
 
-def worker_memory_prefix(spec: dict) -> str:
+def worker_memory_prefix(spec: ForwardSpec) -> str:
     """Where the measured worker peaks of a forward's graph live: new buckets of one graph share them."""
     return f"{MEMORY}{graph_digest(spec)}/"
 
 
-def worker_memory_key(spec: dict, key: str) -> str:
+def worker_memory_key(spec: ForwardSpec, key: str) -> str:
     return f"{worker_memory_prefix(spec)}{key}.json"
 
 

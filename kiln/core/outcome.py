@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from kiln.core.config import ModelConfig
 from kiln.core.contract import constant_sources
-from kiln.core.interface import forward_interface
 from kiln.core.errors import ForwardsMissing, IntegrityError, NotPythonFree, VerifyMismatch
+from kiln.core.forward_keys import ForwardSpec
+from kiln.core.interface import forward_interface
 from kiln.core.layout import artifact_key
 
 
-def check_outcome(found: dict[str, dict], missing: list[str], specs: dict[str, dict]) -> dict[str, dict]:
+def check_outcome(found: dict[str, dict], missing: list[str], specs: dict[str, ForwardSpec]) -> dict[str, dict]:
     """`found` key -> {'sha256', 'size_bytes', 'calls'}; raises unless every spec's forward is stored
     and Python-free. Returns `found`."""
     if missing:
@@ -25,7 +26,7 @@ def check_outcome(found: dict[str, dict], missing: list[str], specs: dict[str, d
     if impure:
         key = impure[0]
         raise NotPythonFree(f"{len(impure)} forward(s) would need Python to run, e.g. {key} "
-                            f"({specs[key]['shapes']}): {found[key]['calls']['why']}. Kiln's forwards call only "
+                            f"({specs[key].shapes}): {found[key]['calls']['why']}. Kiln's forwards call only "
                             "native ops; this model or compiler setting brings in one without a C shim.")
     return found
 
@@ -40,7 +41,7 @@ def check_digests(held: dict[str, str], recorded: dict[str, str], what: str) -> 
                                  "and export again.")
 
 
-def forward_records(specs: dict[str, dict], stored: dict[str, dict], compiled: dict[str, dict],
+def forward_records(specs: dict[str, ForwardSpec], stored: dict[str, dict], compiled: dict[str, dict],
                     cfg: ModelConfig, tp: int) -> list[dict]:
     """One record per forward, ordered by (target, shapes): what it is, the shapes it takes (its range's
     'batch' and 'tokens' [min, max] and the 'hint' [batch, tokens] it was compiled for), where it lives, who compiled
@@ -51,19 +52,19 @@ def forward_records(specs: dict[str, dict], stored: dict[str, dict], compiled: d
                   {k: s["sha256"] for k, s in stored.items()}, "the store's metadata")
     constants = sorted(constant_sources(cfg))
     out = []
-    for key, spec in sorted(specs.items(), key=lambda kv: (kv[1]["target"], kv[1]["shapes"])):
+    for key, spec in sorted(specs.items(), key=lambda kv: (kv[1].target, str(kv[1].shapes))):
         c = compiled.get(key) or {}
         s = stored[key]
-        out.append({"key": key, "shapes": spec["shapes"], "batch": spec["inputs"]["batch"],
-                    "tokens": spec["inputs"]["tokens"], "hint": spec["inputs"]["hint"], "target": spec["target"],
+        out.append({"key": key, "shapes": str(spec.shapes), "batch": spec.inputs["batch"],
+                    "tokens": spec.inputs["tokens"], "hint": spec.inputs["hint"], "target": spec.target,
                     "sha256": s["sha256"],
                     "size_bytes": s["size_bytes"], "object": artifact_key(key),
                     "compiled_by": c.get("compiled_by"), "compile_s": c.get("compile_s"),
-                    "autotune": c.get("autotune"), "tuning": (spec.get("tuning") or {}).get("digest"),
+                    "autotune": c.get("autotune"), "tuning": (spec.tuning or {}).get("digest"),
                     "compile_attempts": c.get("attempts", 1) if c else 0,
                     "compile_peak_mib": c.get("compile_peak_mib"),
                     "python_free": s["calls"]["python_free"], "ops": s["calls"]["ops"],
-                    "interface": forward_interface(cfg, tp, spec["inputs"]), "constants": constants})
+                    "interface": forward_interface(cfg, tp, spec.inputs), "constants": constants})
     return out
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.core.forward_keys import ForwardSpec
+
 
 @dataclass(frozen=True)
 class HostProbe:
@@ -25,8 +27,8 @@ class HostProbe:
     """Whether device memory is the host's pool (probed, or the recipe's unified_memory)."""
     target: str
     """The compile target fingerprint (kiln.core.target.Target.fingerprint): hosts of one target share forwards."""
-    specs: tuple[dict, ...]
-    """The forwards this host needs (ForwardSpec.to_dict), one per bucket."""
+    specs: tuple[ForwardSpec, ...]
+    """The forwards this host needs, one per bucket or range of shapes."""
     local_keys: tuple[str, ...]
     """Keys of `specs` already in this host's cache."""
     store_keys: tuple[str, ...]

@@ -8,6 +8,7 @@ import logging
 
 from kiln.core import layout
 from kiln.core.errors import IntegrityError, StoreConflict
+from kiln.core.forward_keys import ForwardSpec
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.layout import artifact_key, compile_log_key, inspection_key, vouch_key, worker_memory_key
 from kiln.core.vouch import make_vouch
@@ -21,7 +22,7 @@ from kiln.store import ObjectMissing
 log = logging.getLogger(__name__)
 
 
-def compile_on_host(store, job: ExportJob, host: HostSpec, specs: list[dict], workers: int) -> dict:
+def compile_on_host(store, job: ExportJob, host: HostSpec, specs: list[ForwardSpec], workers: int) -> dict:
     """Compile `specs` in a pool of `workers` spawned processes; upload each the moment it is done.
 
     Returns {'forwards': one entry per key this host compiled and stored, 'reused': {'key', 'sha256',
@@ -55,7 +56,7 @@ def compile_on_host(store, job: ExportJob, host: HostSpec, specs: list[dict], wo
         spec = by_key[result.key]
         store.put_json(worker_memory_key(spec, result.key), {"compile_peak_mib": result.peak_mib,
                                                              "compile_s": round(result.compile_s, 3),
-                                                             "shapes": spec["shapes"]}, overwrite=True)
+                                                             "shapes": str(spec.shapes)}, overwrite=True)
         stored = publish(store, job, host.name, result, signer)
         leases.release(result.key)
         if stored != result.sha256:  # another compile of the key was stored first: reuse it (if vouched)
@@ -74,10 +75,10 @@ def compile_on_host(store, job: ExportJob, host: HostSpec, specs: list[dict], wo
                         "were installed: some GEMM shape was not tuned", result.key, result.autotune["benchmarked"])
         faults.point("uploaded", len(uploaded))
 
-    def job_of(spec: dict) -> tuple[dict, str]:
-        return spec, str(local_path(host, spec["key"]))
+    def job_of(spec: ForwardSpec) -> tuple[dict, str]:  # what a compile worker gets: plain data
+        return spec.to_dict(), str(local_path(host, spec.key))
 
-    by_key = {s["key"]: s for s in specs}
+    by_key = {s.key: s for s in specs}
     with PeakSampler(interval_s=0.2) as sampler, \
             CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
         waited = compile_leased(pool, leases, store, [job_of(s) for s in specs], upload,

@@ -45,7 +45,7 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
     return HostProbe(
         name=host.name, ranks=tuple(host.ranks), memory=snap, num_cpus=cpus, cpus_source=cpus_source,
         unified=reading.unified if job.recipe.unified_memory is None else job.recipe.unified_memory,
-        target=target, device=device, num_gpus=num_gpus, specs=tuple(s.to_dict() for s in specs),
+        target=target, device=device, num_gpus=num_gpus, specs=tuple(specs),
         local_keys=tuple(sorted(s.key for s in specs if local_path(host, s.key).exists())),
         store_keys=tuple(sorted(s.key for s in specs if store.exists(artifact_key(s.key)))),  # no listing
         cache=cache.cache_status(cache_dir(host)),
@@ -56,7 +56,7 @@ def measured_compiles(store, specs: list) -> dict:
     """What compiles of the graph and target of `specs` (one graph per host) measured before: HostProbe's
     {'worker_peaks_mib': peaks (MiB), 'compile_seconds': (shapes, seconds) of those that recorded them}."""
     peaks, seconds = [], []
-    for obj in store.list(worker_memory_prefix(specs[0].to_dict())) if specs else ():
+    for obj in store.list(worker_memory_prefix(specs[0])) if specs else ():
         try:
             record = store.get_json(obj)
             peaks.append(int(record["compile_peak_mib"]))

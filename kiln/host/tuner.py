@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from kiln.core import tuning_plan
 from kiln.core.errors import IntegrityError, KilnError
+from kiln.core.forward_keys import ForwardSpec
 from kiln.core.tuning_plan import GemmShape
 from kiln.core.target import device_of
 from kiln.host import probe
@@ -93,32 +94,32 @@ def lookup(store: Store, job: ExportJob, target: str, torch_version: str, backen
     return out
 
 
-def load_for_compile(store: Store, specs: list[dict], torch_version: str) -> dict | None:
+def load_for_compile(store: Store, specs: list[ForwardSpec], torch_version: str) -> dict | None:
     """The merged autotune entries `specs` were keyed with, verified; None when none is tuned.
 
     Each object is fetched against the sha256 its spec recorded and must be for
     the spec's target and this torch; each spec's digest is recomputed from
     them, so a forward is never compiled with results other than its key says.
     """
-    tuned = [s for s in specs if s.get("tuning")]
+    tuned = [s for s in specs if s.tuning]
     if not tuned:
         return None
     results: dict[str, dict] = {}
     for spec in tuned:
-        t = spec["tuning"]
+        t = spec.tuning
         if t.get("digest") is None:
-            raise KilnError(f"forward {spec['key']} ({spec['shapes']}) lacks tuning results for {t.get('missing')} "
+            raise KilnError(f"forward {spec.key} ({spec.shapes}) lacks tuning results for {t.get('missing')} "
                             "GEMM shape(s); the tune phase must run before compiling.")
         mine = []
         for ref in t["objects"]:
             if ref["key"] not in results:
                 result = json.loads(store.get_bytes(ref["key"], ref["sha256"]))
-                tuning_plan.check_result(result, target=spec["target"], torch_version=torch_version,
-                                    backends=spec["compiler"].get("max_autotune_gemm_backends"), key=ref["key"])
+                tuning_plan.check_result(result, target=spec.target, torch_version=torch_version,
+                                    backends=spec.compiler.get("max_autotune_gemm_backends"), key=ref["key"])
                 results[ref["key"]] = result
             mine.append(results[ref["key"]])
         if tuning_plan.tuning_digest(mine) != t["digest"]:
-            raise IntegrityError(f"the tuning results listed for forward {spec['key']} do not give the digest in "
+            raise IntegrityError(f"the tuning results listed for forward {spec.key} do not give the digest in "
                                  f"its key ({t['digest']}); refusing to compile it with other kernel choices.")
     return tuning_plan.merge_entries(list(results.values()))
 

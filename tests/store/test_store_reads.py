@@ -76,7 +76,7 @@ def test_probe_asks_for_its_own_forwards_without_listing_them_all(tmp_path, monk
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
     first = probe_host(job, HostSpec("h", (0,)), store)
     assert first.store_keys == () and len(first.specs) == 2
-    raw.put_bytes(artifact_key(first.specs[1]["key"]), b"x")
+    raw.put_bytes(artifact_key(first.specs[1].key), b"x")
     again = probe_host(job, HostSpec("h", (0,)), store)
-    assert again.store_keys == (first.specs[1]["key"],)
+    assert again.store_keys == (first.specs[1].key,)
     assert not [p for p in store.listed if p.startswith("forwards")]

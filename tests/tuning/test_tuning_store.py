@@ -19,6 +19,7 @@ import pytest
 from kiln.core import tuning_plan
 from kiln.core.config import TINY
 from kiln.core.errors import IntegrityError, KilnError
+from kiln.core.forward_keys import ForwardSpec
 from kiln.core.job import ExportJob
 from kiln.core.recipe import Recipe, parse_buckets
 from kiln.host import tuner
@@ -47,8 +48,8 @@ def save(store, shapes, *, replace=False, cpp_ms=0.01):
     tuner._save(store, fake_run(shapes, cpp_ms=cpp_ms), decision, target=T, torch_version=V, backends=B)
 
 
-def specs(job, found) -> dict[str, dict]:
-    return {s.to_dict()["shapes"]: s.to_dict() for s in job.specs(
+def specs(job, found) -> dict[str, ForwardSpec]:
+    return {str(s.shapes): s for s in job.specs(
         target=T, torch_version=V, code="c", compiler=compiler_options(B), tuning=found)}
 
 
@@ -69,7 +70,7 @@ def test_lookup_gives_each_bucket_its_results_and_digest(tmp_path):
     assert tuning_plan.count_timings(entries) == 12
     with pytest.raises(KilnError, match="lacks tuning results for 6 GEMM shape"):
         tuner.load_for_compile(store, [by_bucket["4x8"]], V)
-    assert tuner.load_for_compile(store, [{**by_bucket["1x16"], "tuning": None}], V) is None
+    assert tuner.load_for_compile(store, [dataclasses.replace(by_bucket["1x16"], tuning=None)], V) is None
 
 
 def test_same_winners_same_key_other_winners_other_key(tmp_path):
@@ -79,9 +80,9 @@ def test_same_winners_same_key_other_winners_other_key(tmp_path):
     first = specs(job, tuner.lookup(store, job, T, V, B))["1x16"]
     save(store, rows16(job), cpp_ms=0.015, replace=True)  # re-measured ('full'): C++ still wins
     again = specs(job, tuner.lookup(store, job, T, V, B))["1x16"]
-    assert again["key"] == first["key"] and again["tuning"]["objects"] != first["tuning"]["objects"]
+    assert again.key == first.key and again.tuning["objects"] != first.tuning["objects"]
     save(store, rows16(job), cpp_ms=0.5, replace=True)  # now ATen wins every GEMM
-    assert specs(job, tuner.lookup(store, job, T, V, B))["1x16"]["key"] != first["key"]
+    assert specs(job, tuner.lookup(store, job, T, V, B))["1x16"].key != first.key
 
 
 def test_tampered_result_is_refused(tmp_path):
@@ -89,7 +90,7 @@ def test_tampered_result_is_refused(tmp_path):
     store = open_store(job.store_url)
     save(store, rows16(job))
     spec = specs(job, tuner.lookup(store, job, T, V, B))["1x16"]
-    key = spec["tuning"]["objects"][0]["key"]
+    key = spec.tuning["objects"][0]["key"]
     blob = (tmp_path / "store" / key).resolve()  # the bytes behind the store's key
     blob.write_bytes(blob.read_bytes().replace(b"0.02", b"0.99"))
     with pytest.raises(IntegrityError, match=key):

@@ -10,9 +10,11 @@ import pytest
 from kiln.core.config import TINY
 from kiln.core.contract import FUSED, constant_sources, parameter_shapes, shard_slice, weight_layout
 from kiln.core.errors import IntegrityError, KilnError, NotPythonFree
+from kiln.core.forward_keys import ForwardSpec
 from kiln.core.interface import forward_interface
 from kiln.core.outcome import check_digests, check_outcome, forward_records
 from kiln.core.param_counts import params_per_rank
+from kiln.core.shape_ranges import parse_shape_range
 
 CONFIGS = {
     "tiny": TINY,
@@ -175,8 +177,9 @@ def _found(python_free=True):
                       "why": None if python_free else "it calls ops that have no C shim (1 proxy-executor call(s))"}}
 
 
-SPECS = {"k1": {"shapes": "1x8", "target": "t", "inputs": {"batch": [1, 1], "tokens": [8, 8], "hint": [1, 8],
-                                                            "page_tokens": 16, "pages_per_seq": 4}}}
+SPECS = {"k1": ForwardSpec(key="k1", shapes=parse_shape_range("1x8"), target="t", graph={}, compiler={},
+                           inputs={"batch": [1, 1], "tokens": [8, 8], "hint": [1, 8], "page_tokens": 16,
+                                   "pages_per_seq": 4})}
 
 
 def test_outcome_refuses_a_missing_forward_and_one_that_needs_python():

@@ -8,10 +8,12 @@ import pytest
 from kiln.core.config import TINY
 from kiln.core.decisions import check_devices, decide_export, kv_plan
 from kiln.core.errors import BadInput, GateRefused
+from kiln.core.forward_keys import ForwardSpec
 from kiln.core.gate import HostReport, decide
 from kiln.core.job import ExportJob
 from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import Bucket, Recipe
+from kiln.core.shape_ranges import parse_shape_range
 from kiln.core.sizing import device_required_mib, required_mib, worker_capacity
 
 R = Recipe(headroom_floor_mib=4096, recipe_headroom_mib=1024, worker_host_mib=3000, worker_device_mib=2000)
@@ -74,7 +76,8 @@ def test_gate_on_unified_memory_counts_the_device_in_the_host_figure():
 def probe(name, *, device="cpu", num_gpus=0, unified=True, device_free_mib=None, ranks=(0,)):
     return HostProbe(name=name, ranks=tuple(ranks), num_cpus=8, target=f"{device}-t", unified=unified,
                      memory={"host_available_mib": 60_000, "device_free_mib": device_free_mib},
-                     specs=({"key": "k", "shapes": "1x16"},), local_keys=(), store_keys=(), cache={}, num_gpus=num_gpus,
+                     specs=(ForwardSpec(key="k", shapes=parse_shape_range("1x16"), target=f"{device}-t", graph={}, inputs={},
+                                        compiler={}),), local_keys=(), store_keys=(), cache={}, num_gpus=num_gpus,
                      device=device)
 
 

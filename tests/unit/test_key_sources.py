@@ -173,7 +173,7 @@ def _probe_keys(monkeypatch, tmp_path) -> list[str]:
                     recipe=Recipe(), store_url=str(tmp_path / "store"))
     probe = host_probe.probe_host(job, HostSpec(name="h", ranks=(0,), cache_dir=str(tmp_path / "cache")),
                                   open_store(job.store_url))
-    return [s["key"] for s in probe.specs]
+    return [s.key for s in probe.specs]
 
 
 def test_a_changed_inductor_setting_changes_the_probed_keys(monkeypatch, tmp_path):

@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 
 from kiln.core import layout
+from kiln.core.forward_keys import ForwardSpec
 from kiln.core.key_rules import validate_key
+from kiln.core.shape_ranges import parse_shape_range
 
 KEY = "0123456789abcdef0123456789abcdef"
-SPEC = {"graph": {"layers": 2}, "target": "cpu-x86_64", "compiler": {}}
+SPEC = ForwardSpec(key=KEY, shapes=parse_shape_range("1x8"), target="cpu-x86_64", graph={"layers": 2}, inputs={},
+                   compiler={})
 BUILT = [
     (layout.artifact_key(KEY), {"kind": "forward", "key": KEY}),
     (layout.inspection_key(KEY), {"kind": "inspection", "key": KEY}),

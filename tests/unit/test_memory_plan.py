@@ -9,10 +9,12 @@ from kiln.core.config import TINY
 from kiln.core.decisions import (RANGE_COMPILE_FACTOR, compile_estimates, describe, host_reports,
                                  measured_worker_mib, plan_kv_for, planned_workers, run_gate)
 from kiln.core.errors import GateRefused
+from kiln.core.forward_keys import ForwardSpec
 from kiln.core.gate import HostReport, decide
 from kiln.core.job import ExportJob
 from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import Bucket, Recipe, recipe_from_text
+from kiln.core.shape_ranges import parse_shape_range
 
 
 def test_the_per_worker_figure_says_where_it_comes_from():
@@ -37,10 +39,14 @@ def test_gate_uses_the_measured_peak_when_known():
     assert "450 (measured)" in text and "1024 (estimate)" in text
 
 
+def spec(key: str, shapes: str, target: str = "t") -> ForwardSpec:
+    return ForwardSpec(key=key, shapes=parse_shape_range(shapes), target=target, graph={}, inputs={}, compiler={})
+
+
 def probe(name, ranks, available, keys, peaks=(), shapes=None, seconds=()):
     return HostProbe(name=name, ranks=tuple(ranks), num_cpus=8, target="t", unified=True,
                      memory={"host_available_mib": available, "device_free_mib": None},
-                     specs=tuple({"key": k, "shapes": (shapes or {}).get(k, "1x16")} for k in keys), local_keys=(),
+                     specs=tuple(spec(k, (shapes or {}).get(k, "1x16")) for k in keys), local_keys=(),
                      store_keys=(), cache={}, worker_peaks_mib=tuple(peaks), compile_seconds=tuple(seconds))
 
 
@@ -169,5 +175,5 @@ def test_the_gate_expects_a_range_to_take_longer_and_then_what_was_measured():
     plan = run_gate(j, measured)
     assert plan.predicted_s == pytest.approx(72.0) and "about 72 s" in plan.message
     # Another target's measurements say nothing about this one's.
-    elsewhere = replace(fresh[0], name="g", target="u", specs=({"key": "u1", "shapes": "1x1"},))
+    elsewhere = replace(fresh[0], name="g", target="u", specs=(spec("u1", "1x1", target="u"),))
     assert compile_estimates(j, measured + [elsewhere]) == {"s1": 11.0, "s2": 11.0, "r": 50.0, "u1": 30.0}
