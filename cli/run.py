@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import traceback
 
 from cli.verify import open_export
 from kiln.core.cache_layout import cache_layout
 from kiln.core.decode import check_request, prefill_steps, refills_cache, step_bucket
-from kiln.core.errors import KilnError
 from kiln.core.manifest import manifest_device
 from kiln.core.recipe import Bucket, parse_buckets
 from kiln.core.shape_ranges import choose_forward, parse_shape_range
@@ -43,7 +41,7 @@ def run_export(store_url: str | None, export_id: str, *, prompt: list[int], max_
            "device": manifest_device(manifest),
            "max_new_tokens": max_new_tokens, "page_tokens": recipe["page_tokens"],
            "pages_per_seq": recipe["max_context_tokens"] // recipe["page_tokens"]}
-    result = spawn_ranks(_rank_main, manifest["tp"], job, timeout_s=1800)[0]
+    result = spawn_ranks(_run_rank, manifest["tp"], job, timeout_s=1800)[0]
     out = {"prompt": list(prompt), "generated": result["generated"], "logits": result["logits"]}
     if json_path:
         with open(json_path, "w") as f:
@@ -51,42 +49,34 @@ def run_export(store_url: str | None, export_id: str, *, prompt: list[int], max_
     return out
 
 
-def _rank_main(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) -> None:
-    from kiln.host.procs import die_with_parent
+def _run_rank(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) -> dict | None:
+    """One rank of `kiln run` (kiln.host.verify_ranks.spawn_ranks): rank 0 returns the tokens and logits."""
+    import torch
+    import torch.distributed as dist
 
-    die_with_parent()
-    os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"  # a wrong shape raises instead of crashing or lying
-    try:
-        import torch
-        import torch.distributed as dist
+    from kiln.core.config import ModelConfig
+    from kiln.host.weights import load_rank_weights
+    from kiln.host.loader import load_forward, place_weights
+    from kiln.host.model import host_group
 
-        from kiln.core.config import ModelConfig
-        from kiln.host.weights import load_rank_weights
-        from kiln.host.loader import load_forward, place_weights
-        from kiln.host.model import host_group
-
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
-        link.doing("joining the gloo group")
-        join_ranks(rank, tp, rendezvous)
-        cfg = ModelConfig(**job["config"])
-        link.doing("loading weights")
-        device = rank_device(job["device"], rank)
-        # One copy of the rank's weights on its device, bound by every bucket's package (kiln.host.loader).
-        weights = place_weights(load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint")),
-                                device)
-        link.doing("loading the forwards")
-        forwards = {parse_shape_range(name): load_forward(art["path"], weights, art["sha256"], device=device)
-                    for name, art in sorted(job["artifacts"].items())}
-        side = host_group()
-        generated, logits = _decode(forwards, cfg, tp, job, torch, dist, side, link, device)
-        link.doing("leaving the gloo group")
-        dist.barrier(group=side)
-        dist.destroy_process_group()
-        link.report("ok", {"generated": generated, "logits": logits} if rank == 0 else None)
-    except KilnError as exc:
-        link.report("refused", str(exc))
-    except BaseException:
-        link.report("error", traceback.format_exc())
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    link.doing("joining the gloo group")
+    join_ranks(rank, tp, rendezvous)
+    cfg = ModelConfig(**job["config"])
+    link.doing("loading weights")
+    device = rank_device(job["device"], rank)
+    # One copy of the rank's weights on its device, bound by every bucket's package (kiln.host.loader).
+    weights = place_weights(load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint")),
+                            device)
+    link.doing("loading the forwards")
+    forwards = {parse_shape_range(name): load_forward(art["path"], weights, art["sha256"], device=device)
+                for name, art in sorted(job["artifacts"].items())}
+    side = host_group()
+    generated, logits = _decode(forwards, cfg, tp, job, torch, dist, side, link, device)
+    link.doing("leaving the gloo group")
+    dist.barrier(group=side)
+    dist.destroy_process_group()
+    return {"generated": generated, "logits": logits} if rank == 0 else None
 
 
 def _decode(forwards: dict, cfg, tp: int, job: dict, torch, dist, side,

@@ -18,23 +18,7 @@ import json
 import os
 import subprocess
 import sys
-import traceback
 from pathlib import Path
-
-from kiln.core.errors import KilnError
-
-
-def _rank_main(rank: int, tp: int, rendezvous: str, job: dict, link) -> None:
-    from kiln.host.procs import die_with_parent
-
-    die_with_parent()
-    os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
-    try:
-        link.report("ok", _rank(rank, tp, rendezvous, job, link))
-    except KilnError as exc:
-        link.report("refused", str(exc))
-    except BaseException:
-        link.report("error", traceback.format_exc())
 
 
 def _rank(rank: int, tp: int, rendezvous: str, job: dict, link) -> dict:
@@ -90,7 +74,7 @@ def gloo_ranks(*, checkpoint: str, config: dict, path: str, sha256: str, tokens:
 
     job = {"checkpoint": checkpoint, "config": config, "path": path, "sha256": sha256, "tokens": tokens,
            "page_tokens": page_tokens, "pages_per_seq": pages_per_seq, "device": device, "rank0_file": rank0_file}
-    return spawn_ranks(_rank_main, 2, job, timeout_s=timeout_s)[0]
+    return spawn_ranks(_rank, 2, job, timeout_s=timeout_s)[0]
 
 
 TORCH_ONLY = r"""

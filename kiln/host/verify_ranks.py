@@ -65,19 +65,28 @@ def _said(doing) -> str:
     return doing.value.decode(errors="replace")
 
 
-def _rank_main(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) -> None:
-    from kiln.host.procs import PeakSampler, die_with_parent
+def _rank_process(target, rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) -> None:
+    """A rank's process: it dies with its parent, its packages check every input's shape, and it posts
+    `target(...)`'s result, or the refusal (a KilnError, e.g. a refused artifact: its message says it all)
+    or the traceback that ended it."""
+    from kiln.host.procs import die_with_parent
 
     die_with_parent()
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"  # a wrong shape raises instead of crashing or lying
     try:
-        with PeakSampler(interval_s=0.1) as sampler:
-            diffs = _check_together(rank, tp, rendezvous, job, link)
-        link.report("ok", {"diffs": diffs, "peak_mib": sampler.peak_mib})
-    except KilnError as exc:  # e.g. a refused artifact: its message says it all
+        link.report("ok", target(rank, tp, rendezvous, job, link))
+    except KilnError as exc:
         link.report("refused", str(exc))
     except BaseException:
         link.report("error", traceback.format_exc())
+
+
+def _check_rank(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) -> dict:
+    from kiln.host.procs import PeakSampler
+
+    with PeakSampler(interval_s=0.1) as sampler:
+        diffs = _check_together(rank, tp, rendezvous, job, link)
+    return {"diffs": diffs, "peak_mib": sampler.peak_mib}
 
 
 def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) -> dict:
@@ -174,7 +183,7 @@ def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[
     job = {"checkpoint": str(checkpoint), "s3_endpoint": s3_endpoint, "config": config, "artifacts": artifacts,
            "atol": atol, "half_ratio": half_ratio, "page_tokens": page_tokens, "pages_per_seq": pages_per_seq,
            "device": device}
-    results = spawn_ranks(_rank_main, tp, job, timeout_s=timeout_s)
+    results = spawn_ranks(_check_rank, tp, job, timeout_s=timeout_s)
     return results[0]["diffs"], sum(r["peak_mib"] for r in results.values())
 
 
@@ -183,8 +192,8 @@ def spawn_ranks(target, tp: int, job: dict, *, timeout_s: float = 600,
     """Run `target(rank, tp, rendezvous, job, link)` in `tp` spawned processes, which join one gloo group with
     join_ranks(rank, tp, rendezvous).
 
-    Each rank says what it starts with `link.doing(...)` and posts its result with `link.report(...)`
-    (RankLink). Returns rank -> payload of every rank's 'ok', or raises, having stopped every rank still
+    Each rank says what it starts with `link.doing(...)`; what `target` returns is its result, and a
+    KilnError it raises its refusal (`_rank_process` posts them with `link.report(...)`, RankLink). Returns rank -> payload of every rank's 'ok', or raises, having stopped every rank still
     running (none is left waiting in gloo): IntegrityError for a refusal (its message says it all);
     RankDied when a rank ended without a result (noticed within `poll_s`, twice that for exit code 0),
     or when a rank's error came with another rank's death (the error, a peer's death seen from gloo,
@@ -196,8 +205,8 @@ def spawn_ranks(target, tp: int, job: dict, *, timeout_s: float = 600,
     doing = [ctx.RawArray("c", DOING_BYTES) for _ in range(tp)]
     meeting = tempfile.mkdtemp(prefix="kiln-ranks-")
     rendezvous = os.path.join(meeting, "store")
-    procs = [ctx.Process(target=target, args=(r, tp, rendezvous, job, RankLink(r, queue, doing[r])), daemon=False)
-             for r in range(tp)]
+    procs = [ctx.Process(target=_rank_process, args=(target, r, tp, rendezvous, job, RankLink(r, queue, doing[r])),
+                         daemon=False) for r in range(tp)]
     for p in procs:
         p.start()
     results, silent_dead, finished = {}, set(), False

@@ -36,8 +36,7 @@ def _rank(rank: int, tp: int, rendezvous: str, job: dict, link) -> None:
         while not Path(job["dir"], "rank-1.started").exists():
             time.sleep(0.05)
         time.sleep(0.3)
-        link.report("error", "RuntimeError: [gloo] Connection closed by peer")
-        return
+        raise RuntimeError("[gloo] Connection closed by peer")
     time.sleep(600)
 
 
