@@ -171,3 +171,21 @@ def test_no_two_modules_share_a_name():
             clashes.append(f"{seen[leaf]} and {name}")
         seen.setdefault(leaf, name)
     assert not clashes, "modules that share a name: " + "; ".join(clashes)
+
+
+MAX_MODULE_LINES = 400
+TASKS_LINES = 200
+
+
+def test_rooms_stay_small():
+    """No module of the code's layers over MAX_MODULE_LINES; the tasks layer (decorators and calls) under
+    TASKS_LINES in all; blocks/ holds Prefect Block classes and nothing else."""
+    lines = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()
+             if not name.startswith("bench")}
+    assert not {n: k for n, k in lines.items() if k > MAX_MODULE_LINES}, "split these modules by job"
+    assert sum(k for n, k in lines.items() if n == "tasks" or n.startswith("tasks.")) < TASKS_LINES
+    for name, path in MODULES.items():
+        if name.startswith("blocks.") and path.name != "__init__.py":
+            extra = [n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)
+                     and not any(getattr(b, "id", None) == "Block" for b in n.bases)]
+            assert not extra, f"{name}: {extra} are not Prefect blocks; the library holds them"
