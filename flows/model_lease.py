@@ -89,17 +89,6 @@ def holder_variable(name: str) -> str:
     return f"{name.replace('.', '_')}-holder"[:255]
 
 
-def _holder_if_taken(name: str) -> dict | None:
-    """Who holds the slot, when it is taken now (best effort: None when unknown)."""
-    try:
-        with get_client(sync_client=True) as client:
-            if client.read_global_concurrency_limit_by_name(name).active_slots < 1:
-                return None
-        return Variable.get(holder_variable(name), default=None) or {}
-    except Exception:
-        return None
-
-
 class PrefectSlot:
     """The model lease's slot on Prefect (kiln.host.lease_wait.SlotServer): the global concurrency limit
     `name`, its holder record in a Prefect variable, the host lock in PREFECT_HOME."""
