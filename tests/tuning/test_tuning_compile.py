@@ -83,10 +83,10 @@ def test_compile_uses_stored_choices_without_benchmarking(tuned, tmp_path, monke
 
     found = tuner.lookup(store, job, target, torch.__version__, B)
     spec = job.specs(target=target, torch_version=torch.__version__, code="test", compiler=compiler_options(B),
-                     tuning=found)[0].to_dict()
+                     tuning=found)[0]
     entries = tuner.load_for_compile(store, [spec], torch.__version__)
-    with CompilePool(1, tuning_entries=entries) as pool:
-        [result] = pool.run([(spec, str(tmp_path / "f.pt2"))], lambda r: None)
+    with CompilePool(1, tuning_entries=entries) as pool:  # a worker gets the spec as plain data
+        [result] = pool.run([(spec.to_dict(), str(tmp_path / "f.pt2"))], lambda r: None)
     from kiln.core.contract import constant_shapes
 
     # The GEMMs Inductor autotunes: with the layers one scan, only the output head. torch 2.13's Inductor
