@@ -193,8 +193,9 @@ def spawn_ranks(target, tp: int, job: dict, *, timeout_s: float = 600,
     join_ranks(rank, tp, rendezvous).
 
     Each rank says what it starts with `link.doing(...)`; what `target` returns is its result, and a
-    KilnError it raises its refusal (`_rank_process` posts them with `link.report(...)`, RankLink). Returns rank -> payload of every rank's 'ok', or raises, having stopped every rank still
-    running (none is left waiting in gloo): IntegrityError for a refusal (its message says it all);
+    KilnError it raises its refusal (`_rank_process` posts them with `link.report(...)`, RankLink).
+    Returns rank -> payload of every rank's 'ok', or raises, having stopped every rank still running
+    (none is left waiting in gloo): IntegrityError for a refusal (its message says it all);
     RankDied when a rank ended without a result (noticed within `poll_s`, twice that for exit code 0),
     or when a rank's error came with another rank's death (the error, a peer's death seen from gloo,
     waits DEATH_GRACE_S for one); RanksTimedOut after `timeout_s` without every result; RuntimeError

@@ -19,7 +19,13 @@ from typing import Any, TypeVar
 
 import botocore.session
 from botocore.config import Config
-from botocore.exceptions import ClientError, ConnectionClosedError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError
+from botocore.exceptions import (
+    ClientError,
+    ConnectionClosedError,
+    IncompleteReadError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from kiln.store.s3_errors import blip, explain_check_error

@@ -76,9 +76,9 @@ def test_gate_on_unified_memory_counts_the_device_in_the_host_figure():
 def probe(name, *, device="cpu", num_gpus=0, unified=True, device_free_mib=None, ranks=(0,)):
     return HostProbe(name=name, ranks=tuple(ranks), num_cpus=8, target=f"{device}-t", unified=unified,
                      memory={"host_available_mib": 60_000, "device_free_mib": device_free_mib},
-                     specs=(ForwardSpec(key="k", shapes=parse_shape_range("1x16"), target=f"{device}-t", graph={}, inputs={},
-                                        compiler={}),), local_keys=(), store_keys=(), cache={}, num_gpus=num_gpus,
-                     device=device)
+                     specs=(ForwardSpec(key="k", shapes=parse_shape_range("1x16"), target=f"{device}-t", graph={},
+                                        inputs={}, compiler={}),),
+                     local_keys=(), store_keys=(), cache={}, num_gpus=num_gpus, device=device)
 
 
 def job(**recipe):
