@@ -21,7 +21,7 @@ from kiln.core.home import kiln_home
 from kiln.core.config import BUNDLED_MODEL, DTYPE_BYTES
 from kiln.core.job import CHECKSUM_MODES, DEFAULT_TP, ExportJob, HostSpec, place_ranks
 from kiln.core.layout import manifest_key
-from kiln.core.recipe import SETTING, Recipe, recipe_form, recipe_of_form
+from kiln.core.recipe import SETTING, Recipe, form_overrides, recipe_form, recipe_of_form
 from kiln.core.settings import GROUPS, form_value, worded_text
 from kiln.core.v4_fields import export_refusal
 from kiln.host.cache import cache_root, cache_status, check_caches
@@ -177,29 +177,14 @@ def default_export_id(params: ExportParams, when: dt.datetime | None = None, sal
     return f"{model_name(params)}-tp{params.tp}-{when.astimezone(dt.timezone.utc):%Y%m%dT%H%M%S}-{salt or secrets.token_hex(2)}"
 
 
-def recipe_overrides(params: ExportParams) -> dict:
-    """The recipe settings of `params` that override a recipe block's, as form values: each one the caller
-    gave, and each one that differs from its default.
-
-    A caller that names some settings (the CLI's flags, an API call, a deployment's defaults) gave those,
-    so a flag always wins, also one equal to its default (`--policy borrow` over a block's `fail`). The run
-    form sends every setting: there only a value other than the default says the user changed it (to put
-    a block's setting back to its default, edit the block).
-    """
-    given = params.recipe.model_fields_set
-    if given == set(RecipeSettings.model_fields):
-        given = set()
-    return {k: v for k, v in params.recipe.model_dump(mode="json").items()
-            if k in given or v != form_value(SETTING[k], SETTING[k].default)}
-
-
 def build_recipe(params: ExportParams) -> Recipe:
-    """The try's recipe: the recipe block's (or the defaults), then `recipe_overrides`."""
+    """The try's recipe: the recipe block's (or the defaults), then the settings that override it
+    (kiln.core.recipe.form_overrides)."""
     base = Recipe()
     if params.recipe_block:
         from blocks.kiln_blocks import load_recipe_block
         base = load_recipe_block(params.recipe_block).recipe()
-    return recipe_of_form(recipe_overrides(params), base)
+    return recipe_of_form(form_overrides(params.recipe), base)
 
 
 def default_host_names(params: ExportParams) -> list[str] | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kiln.core.errors import BadInput
-from kiln.core.settings import Setting, form_model, from_form, parse_assignments, setting, settings_of
+from kiln.core.settings import Setting, form_model, form_value, from_form, parse_assignments, setting, settings_of
 from kiln.core.shape_ranges import (BUCKET_PATTERN, SHAPES_PATTERN, Bucket, ShapeRange, group_buckets, parse_buckets,
                                     parse_shape_ranges, show_shape_ranges)
 from kiln.core.target import Device
@@ -259,6 +259,22 @@ def recipe_form():
         _FORM = form_model(SETTINGS, "RecipeSettings", "Recipe settings: every choice of an export, with its default.",
                            title="Recipe settings")
     return _FORM
+
+
+def form_overrides(form) -> dict:
+    """The settings of a `recipe_form()` instance that override a recipe block's, as form values: each one
+    the caller gave, and each one that differs from its default.
+
+    A caller that names some settings (the CLI's flags, an API call, a deployment's defaults) gave those,
+    so a flag always wins, also one equal to its default (`--policy borrow` over a block's `fail`). The run
+    form sends every setting: there only a value other than the default says the user changed it (to put
+    a block's setting back to its default, edit the block).
+    """
+    given = form.model_fields_set
+    if given == set(type(form).model_fields):
+        given = set()
+    return {k: v for k, v in form.model_dump(mode="json").items()
+            if k in given or v != form_value(SETTING[k], SETTING[k].default)}
 
 
 def recipe_of_form(values: dict, base: Recipe | None = None) -> Recipe:

@@ -175,7 +175,7 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
         [created] = api.flow_runs(name={"any_": [run_name]})
         assert created["deployment_id"] == served.deployment["id"]
         assert created["parameters"]["recipe"]["buckets"] == "1x8"
-        # The form sends every setting, untouched ones at their defaults (flows.params.recipe_overrides).
+        # The form sends every setting, untouched ones at their defaults (kiln.core.recipe.form_overrides).
         from kiln.core.recipe import SETTINGS
         assert set(created["parameters"]["recipe"]) == {s.name for s in SETTINGS}
         run = api.wait_final(created["id"], timeout_s=900)

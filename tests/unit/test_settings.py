@@ -18,9 +18,9 @@ import pytest
 
 from cli import recipe_doc
 from cli.main import parser
-from flows.params import ExportParams, build_recipe, export_params, recipe_overrides
+from flows.params import ExportParams, build_recipe, export_params
 from kiln.core.errors import BadInput
-from kiln.core.recipe import SETTING, SETTINGS, Bucket, Recipe, recipe_from_text, recipe_of_form
+from kiln.core.recipe import SETTING, SETTINGS, Bucket, Recipe, form_overrides, recipe_from_text, recipe_of_form
 from kiln.core.settings import GROUPS, form_description, form_value
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,8 +83,8 @@ def test_a_flag_the_user_gave_wins_over_a_recipe_block_also_when_it_is_the_defau
 
     block = Recipe(policy="fail", buckets=(Bucket(1, 8),), headroom_floor_mib=900)
     params = _params(parser().parse_args(["export", "--policy", "borrow", "--headroom-floor-mib", "30000"]))
-    assert recipe_overrides(params) == {"policy": "borrow", "headroom_floor_mib": 30000}
-    recipe = recipe_of_form(recipe_overrides(params), block)
+    assert form_overrides(params.recipe) == {"policy": "borrow", "headroom_floor_mib": 30000}
+    recipe = recipe_of_form(form_overrides(params.recipe), block)
     assert (recipe.policy, recipe.headroom_floor_mib, recipe.buckets) == ("borrow", 30000, (Bucket(1, 8),))
     # `kiln serve --policy borrow`: every run of the deployment keeps the flag given.
     assert deployment_parameters(params)["recipe"] == {"policy": "borrow", "headroom_floor_mib": 30000}
@@ -95,8 +95,8 @@ def test_the_run_form_sends_every_setting_so_only_a_changed_one_overrides_a_bloc
     untouched ones at their defaults."""
     sent = {s.name: form_value(s, s.default) for s in SETTINGS} | {"buckets": "1x8"}
     params = ExportParams(recipe=sent)
-    assert recipe_overrides(params) == {"buckets": "1x8"}
-    assert recipe_of_form(recipe_overrides(params), Recipe(policy="fail")).policy == "fail"
+    assert form_overrides(params.recipe) == {"buckets": "1x8"}
+    assert recipe_of_form(form_overrides(params.recipe), Recipe(policy="fail")).policy == "fail"
 
 
 def test_a_flag_and_set_for_the_same_setting_is_bad_input():
