@@ -49,7 +49,7 @@ def _custom_all_reduce():
 
 
 def _spec() -> dict:
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
     from kiln.core.forward_keys import forward_spec
     from kiln.core.recipe import Bucket
     from kiln.core.shape_ranges import static_shape
@@ -89,7 +89,7 @@ def rank(rank: int, rendezvous: str, out: Path, reps: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
     from kiln.host.loader import load_forward
     from kiln.store import sha256_file
     from kiln.host.model import example_inputs, host_group, random_state_dict, shard_state_dict

@@ -25,7 +25,7 @@ TP = 2
 
 def _spec(pages: int) -> dict:
     from bench.specs import bench_spec
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
 
     return bench_spec(TINY, tp=TP, page_tokens=PAGE_TOKENS, pages_per_seq=pages)
 
@@ -42,7 +42,7 @@ def compile_one(pages: int, out: Path) -> dict:
 def step(out: Path, reps: int, steps: int, counts: tuple[int, ...]) -> dict:
     import torch
 
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
     from kiln.host.loader import load_forward, place_weights
     from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group

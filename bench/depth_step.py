@@ -30,7 +30,7 @@ PAGE_TOKENS, PAGES_PER_SEQ = 16, 4
 
 def config(layers: int):
     """The depth bench's model: the tiny model's width (hidden 384, 24 heads, 12 KV heads) at `layers`."""
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
 
     return TINY.replace(num_layers=layers)
 

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     from kiln.host.trust import write_signed_manifest
     from flows.params import ExportParams, default_host_names, prepare
     from kiln.core import decisions, outcome
-    from kiln.core.contract import weight_layout
+    from kiln.core.model.contract import weight_layout
     from kiln.core.home import kiln_home
     from kiln.core.manifest import build_manifest
     from kiln.host import probe

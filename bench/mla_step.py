@@ -29,7 +29,7 @@ PAGES_PER_SEQ = CONTEXT_TOKENS // PAGE_TOKENS
 def config():
     """Two layers of latent attention at DeepSeek-V2-Lite's head sizes (16 heads of 128 + 64, values of 128, a
     latent of 512, no q bottleneck) over the tiny model's width and vocabulary, dense MLPs."""
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
 
     return TINY.replace(architecture="deepseek_v3", num_layers=2, num_heads=16, num_kv_heads=16, head_dim=192,
                         qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512, rope_interleave=True,

@@ -43,7 +43,7 @@ threshold also stops glibc raising it), so one step's activations do not stay re
 
 def config(experts: int, dtype: str = DTYPE):
     """The tiny model's width (hidden 384, 24 heads, 12 KV heads), Qwen3-MoE layers of `experts` experts."""
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
 
     return TINY.replace(architecture="qwen3_moe", dtype=dtype, qk_norm=True, num_layers=LAYERS, num_experts=experts,
                         experts_per_token=TOP_K, moe_intermediate_size=TINY.intermediate_size,

@@ -43,7 +43,7 @@ def _client(ctx: Context):
 
 
 def part_s3_read(ctx: Context) -> dict:
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
     from kiln.host.checkpoint import random_checkpoint
     from kiln.host.s3_checkpoint import MERGE_GAP_BYTES, S3Checkpoint
 

@@ -31,7 +31,7 @@ def incident_buckets():
 
 
 def spec(name: str) -> dict:
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
     from kiln.core.forward_keys import forward_spec
     from kiln.core.shape_ranges import parse_shape_range
     from kiln.host.key_sources import model_code_fingerprint
@@ -61,7 +61,7 @@ def step(out: Path, reps: int, steps: int, pairs: dict[str, tuple[str, str]]) ->
     """Seconds per step at each shape: its static package against the range package that holds it."""
     import torch
 
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
     from kiln.core.shape_ranges import parse_shape_range
     from kiln.host.loader import load_forward
     from kiln.store import sha256_file

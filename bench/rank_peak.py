@@ -30,7 +30,7 @@ PAGE_TOKENS, PAGES_PER_SEQ = 16, 4
 
 def config(quick: bool):
     """A Llama of real proportions whose weights dwarf the runtime (~300 MB in float32; ~100 MB quick)."""
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
 
     return TINY.replace(hidden_size=768, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2048,
                         num_layers=2 if quick else 4, vocab_size=16000 if quick else 32000)

@@ -137,8 +137,8 @@ def wrong_forward(path: Path, store_url: str, report: Path) -> dict:
 
     import torch
 
-    from kiln.core.config import ModelConfig
-    from kiln.core.contract import EXPERTS
+    from kiln.core.model.config import ModelConfig
+    from kiln.core.model.contract import EXPERTS
     from kiln.core.layout import artifact_key
     from kiln.core.recipe import Bucket, Recipe
     from kiln.host.checkpoint import read_config

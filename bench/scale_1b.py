@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kiln.core.config import ModelConfig  # noqa: E402
+from kiln.core.model.config import ModelConfig  # noqa: E402
 from kiln.host.checkpoint import random_checkpoint  # noqa: E402
 
 LLAMA_32_1B = ModelConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,

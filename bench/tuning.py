@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kiln.core.config import TINY  # noqa: E402
+from kiln.core.model.config import TINY  # noqa: E402
 from kiln.core.job import ExportJob  # noqa: E402
 from kiln.core.recipe import Recipe, parse_buckets  # noqa: E402
 from kiln.host import probe, tuner

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's compile time against depth: each segment of layers is one scanned body (kiln.core.layer_runs).
+"""DeepSeek-V4's compile time against depth: each segment of layers is one scanned body (kiln.core.model.layer_runs).
 
 `python -m bench.v4_depth OUT_DIR [LAYERS,...]` compiles the 1x8 forward of a small DeepSeek-V4 (the
 reference test's width: hidden 128, 4 heads of 64, 8 experts, hc_mult 3) with the config's default
@@ -28,8 +28,8 @@ V4 = dict(model_type="deepseek_v4", vocab_size=512, hidden_size=128, moe_interme
 def compile_one(layers: int, out: Path) -> dict:
     """Compile the 1x8 forward at `layers` in this process, as a compile worker does."""
     from kiln.core.forward_keys import forward_spec
-    from kiln.core.hf_config import from_hf
-    from kiln.core.layer_runs import segments
+    from kiln.core.model.hf_config import from_hf
+    from kiln.core.model.layer_runs import segments
     from kiln.core.recipe import Bucket
     from kiln.core.shape_ranges import static_shape
     from kiln.host.compiler import _warm, compile_forward

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from kiln.core.config import BUNDLED_MODEL, DTYPE_BYTES
+from kiln.core.model.config import BUNDLED_MODEL, DTYPE_BYTES
 from kiln.core.errors import BadInput, KilnError
 from kiln.core.job import CHECKSUM_MODES, DEFAULT_TP
 from kiln.core.recipe import SETTING, SETTINGS
@@ -187,7 +187,7 @@ def cmd_keygen(args) -> int:
 
 
 def cmd_checkpoint(args) -> int:
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
     from kiln.host.checkpoint import random_checkpoint
     cfg = TINY.replace(**{k: v for k, v in {
         "num_layers": args.layers, "hidden_size": args.hidden, "num_heads": args.heads,

@@ -18,7 +18,7 @@ import json
 import os
 
 from cli.verify import open_export
-from kiln.core.cache_layout import cache_layout
+from kiln.core.model.cache_layout import cache_layout
 from kiln.core.decode import check_request, prefill_steps, refills_cache, step_bucket
 from kiln.core.manifest import manifest_device
 from kiln.core.recipe import Bucket, parse_buckets
@@ -54,7 +54,7 @@ def _run_rank(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) ->
     import torch
     import torch.distributed as dist
 
-    from kiln.core.config import ModelConfig
+    from kiln.core.model.config import ModelConfig
     from kiln.host.weights import load_rank_weights
     from kiln.host.loader import load_forward, place_weights
     from kiln.host.model import host_group

@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 
 from kiln.host.trust import read_verified_manifest, trusted_keys
-from kiln.core.config import BUNDLED_MODEL, ModelConfig
+from kiln.core.model.config import BUNDLED_MODEL, ModelConfig
 from kiln.core.errors import BadInput, MemoryShort, VerifyMismatch
 from kiln.core.forward_keys import check_export_id
 from kiln.core.home import kiln_home

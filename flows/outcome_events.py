@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from prefect.events import emit_event
 
 from kiln.core import events
-from kiln.core.config import BUNDLED_MODEL
+from kiln.core.model.config import BUNDLED_MODEL
 from kiln.core.errors import GateRefused, KilnError
 from kiln.core.retry_rule import worth_retrying
 

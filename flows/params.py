@@ -18,12 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kiln.core.errors import BadInput
 from kiln.core.forward_keys import check_export_id
 from kiln.core.home import kiln_home
-from kiln.core.config import BUNDLED_MODEL, DTYPE_BYTES
+from kiln.core.model.config import BUNDLED_MODEL, DTYPE_BYTES
 from kiln.core.job import CHECKSUM_MODES, DEFAULT_TP, ExportJob, HostSpec, place_ranks
 from kiln.core.layout import manifest_key
 from kiln.core.recipe import SETTING, Recipe, form_overrides, recipe_form, recipe_of_form
 from kiln.core.settings import GROUPS, form_value, worded_text
-from kiln.core.v4_fields import export_refusal
+from kiln.core.model.v4_fields import export_refusal
 from kiln.host.cache import cache_root, cache_status, check_caches
 
 _NAME = r"^[A-Za-z0-9._-]*$"

@@ -244,7 +244,7 @@ def small_forward(tmp_path_factory: pytest.TempPathFactory) -> dict:
     'corners' (its smallest, hint and largest shapes as [batch, tokens]), 'batch', 'tokens' (its largest
     shape), 'page_tokens', 'pages_per_seq'}. Treat the file as read-only; copy it to change it.
     """
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
     from kiln.core.forward_keys import forward_spec
     from kiln.core.shape_ranges import parse_shape_range
     from kiln.host.compiler import CompilePool

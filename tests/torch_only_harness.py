@@ -41,7 +41,7 @@ import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[7])
 from torch_only import choose_forward, step_inputs
 from kiln.host.checkpoint import load_rank_weights
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.host.loader import load_forward
 manifest = json.loads(Path(sys.argv[1]).read_text())
 packages, rank, world, port, out = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], Path(sys.argv[6])

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.recipe import Bucket
 

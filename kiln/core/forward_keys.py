@@ -3,7 +3,7 @@
 A key hashes the graph (model config, tp, the fingerprint of the code that
 shapes the package: kiln.host.key_sources, and the TORCHINDUCTOR_* settings
 the compile workers inherit: kiln.host.inductor_options.inductor_env), the
-package layout (kiln.core.contract.LAYOUT: how the constants are stacked, so a
+package layout (kiln.core.model.contract.LAYOUT: how the constants are stacked, so a
 package of another layout is never loaded as this one), the input specs, the
 compiler options, the torch version, the target and, when kernel tuning is on,
 the digest of the tuned kernel choices the forward compiles with. Not the
@@ -23,7 +23,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from kiln.core.contract import LAYOUT
+from kiln.core.model.contract import LAYOUT
 from kiln.core.shape_ranges import ShapeRange
 
 KEY_HEX_CHARS = 32

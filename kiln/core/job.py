@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.core.forward_keys import ForwardSpec, forward_spec
 from kiln.core.recipe import Recipe
 from kiln.core.signing import SigningPlan

@@ -8,7 +8,7 @@ it takes (a range and its hint, kiln.core.shape_ranges) and a sha256, says
 whether it is Python-free, its target agrees with `runtime.device`, and no two
 keys or objects collide after normalisation.
 
-It is also a consumer contract (kiln.core.contract; docs/run-without-kiln.md):
+It is also a consumer contract (kiln.core.model.contract; docs/run-without-kiln.md):
 `runtime` names the process group the packages' collectives expect,
 whether every package runs without Python, and the `device` the packages run
 on ('cpu' or 'cuda'; absent: cpu); `weights` maps each
@@ -35,7 +35,7 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 def export_manifest(job, report) -> dict:
     """The manifest of a finished export: `job` (kiln.core.job.ExportJob) and its `report` (forwards,
     KV plan, hosts and phases recorded)."""
-    from kiln.core.contract import weight_layout
+    from kiln.core.model.contract import weight_layout
 
     return build_manifest(
         export_id=job.export_id, model={"name": job.model_name, "checkpoint": job.checkpoint, "config": job.config,
@@ -49,7 +49,7 @@ def export_manifest(job, report) -> dict:
 def build_manifest(*, export_id: str, model: dict, recipe: dict, tp: int, buckets: list[str],
                    forwards: list[dict], weights: dict, kv_plan: dict, hosts: list[dict], phases: list[dict],
                    signing: dict) -> dict:
-    """`forwards` are kiln.core.outcome.forward_records; `weights` is kiln.core.contract.weight_layout;
+    """`forwards` are kiln.core.outcome.forward_records; `weights` is kiln.core.model.contract.weight_layout;
     `signing` is {'signed', 'key_fingerprint'} (kiln.core.signing.SigningPlan.manifest_entry)."""
     groups = sorted({f["interface"]["process_group"] for f in forwards if f["interface"]["process_group"]})
     devices = sorted({device_of(f["target"]) for f in forwards})

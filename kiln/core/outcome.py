@@ -3,16 +3,16 @@
 `check_outcome` is the check that makes the compile phase OK (every key in the
 store with a sha256, every package Python-free); `forward_records` joins what
 was planned, stored and compiled into the forwards of the report and manifest,
-each with the consumer contract of kiln.core.contract (interface and constants).
+each with the consumer contract of kiln.core.model.contract (interface and constants).
 """
 
 from __future__ import annotations
 
-from kiln.core.config import ModelConfig
-from kiln.core.contract import constant_sources
+from kiln.core.model.config import ModelConfig
+from kiln.core.model.contract import constant_sources
 from kiln.core.errors import ForwardsMissing, IntegrityError, NotPythonFree, VerifyMismatch
 from kiln.core.forward_keys import ForwardSpec
-from kiln.core.interface import forward_interface
+from kiln.core.model.interface import forward_interface
 from kiln.core.layout import artifact_key
 
 

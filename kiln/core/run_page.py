@@ -167,7 +167,7 @@ def _args(args) -> str:
 
 
 def _entry(entry) -> str:
-    """One weight's layout entry for a table cell: a kiln.core.contract.weight_layout entry in words (each
+    """One weight's layout entry for a table cell: a kiln.core.model.contract.weight_layout entry in words (each
     source on its own line), any other as `key value; ...` (values as JSON)."""
     if not isinstance(entry, dict):
         return str(entry)

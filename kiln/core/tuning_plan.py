@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.core.errors import IntegrityError
 from kiln.core.forward_keys import digest
 from kiln.core.layout import tuning_key

@@ -10,7 +10,7 @@ when it failed, so a run cut short still leaves what was done:
 - `versions`: Python, torch, CUDA, Triton, transformers; the torch APIs Kiln
   relies on (load_constants' parameters); on a GPU its name, arch and the size
   of one process's CUDA context;
-- `compile_tiny`: the tiny model (kiln.core.config.TINY), one bucket, compiled
+- `compile_tiny`: the tiny model (kiln.core.model.config.TINY), one bucket, compiled
   for the device in a compile worker (kiln.host.compiler.CompilePool): seconds,
   host and device peak of the worker, and the package against eager;
 - `hf_checkpoint` and `compile_hf`: a random-init transformers LlamaForCausalLM

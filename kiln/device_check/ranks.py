@@ -25,7 +25,7 @@ def _rank(rank: int, tp: int, rendezvous: str, job: dict, link) -> dict:
     import torch
     import torch.distributed as dist
 
-    from kiln.core.config import ModelConfig
+    from kiln.core.model.config import ModelConfig
     from kiln.device_check.hf_llama import prefill_args
     from kiln.host.checkpoint import load_rank_weights
     from kiln.host.loader import eager_outputs, load_forward, place_weights, scaled_diff

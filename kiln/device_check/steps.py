@@ -186,7 +186,7 @@ def compile_forwards(check: Check, forwards: dict) -> dict:
 
 
 def compile_tiny(check: Check) -> dict:
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
     from kiln.core.recipe import Bucket
     from kiln.host.inductor_options import COMPILER_OPTIONS
     from kiln.host.loader import compare_with_eager, load_forward, place_weights
@@ -361,7 +361,7 @@ def decode_time(check: Check) -> dict:
 def tuning(check: Check) -> dict:
     if check.device == "cpu":
         return {"skipped": "weightless CPU packages have nothing to tune (kiln.core.tuning_plan)"}
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
     from kiln.core.recipe import Bucket
     from kiln.host.inductor_options import compiler_options
 

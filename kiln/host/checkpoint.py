@@ -2,7 +2,7 @@
 
 `inspect_checkpoint` reads only headers (cheap: run before any expensive work)
 and refuses missing files, an index naming files outside the directory,
-corrupt headers (kiln.core.safetensors_header), truncated files and shapes
+corrupt headers (kiln.core.model.safetensors_header), truncated files and shapes
 that do not match config.json. `load_rank_weights` makes the same checks on
 the files it reads, then reads one rank's slices without materialising the
 whole model. `write_checkpoint` writes the same layout,
@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kiln.core.config import BUNDLED_MODEL, TINY, ModelConfig
+from kiln.core.model.config import BUNDLED_MODEL, TINY, ModelConfig
 from kiln.core.errors import BadInput
-from kiln.core.hf_config import from_hf, to_hf
-from kiln.core.safetensors_header import TensorEntry, index_weight_map
+from kiln.core.model.hf_config import from_hf, to_hf
+from kiln.core.model.safetensors_header import TensorEntry, index_weight_map
 from kiln.host.model import expected_shapes, random_state_dict, rank_constants
 from kiln.host.safetensors_io import SafetensorsFile
 
@@ -29,7 +29,7 @@ INDEX = "model.safetensors.index.json"
 
 
 def _headers(path: Path) -> dict[str, tuple[Path, TensorEntry]]:
-    """tensor name -> (its file, its header entry): the files the index names (kiln.core.safetensors_header
+    """tensor name -> (its file, its header entry): the files the index names (kiln.core.model.safetensors_header
     checks the index), else every *.safetensors; each file's header read and checked. BadInput naming the
     file and the field when any of it is wrong, or when the index places a tensor in a file that lacks it."""
     index = path / INDEX
@@ -131,7 +131,7 @@ def inspect_checkpoint(path: Path | str) -> ModelConfig:
 
 
 def load_rank_weights(path: Path | str, cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """One rank's package constants (kiln.core.contract), in `cfg.dtype` (the dtype compiled for). The
+    """One rank's package constants (kiln.core.model.contract), in `cfg.dtype` (the dtype compiled for). The
     files this process reads get inspect_checkpoint's checks first (a host's copy is not the one the flow
     inspected). Each constant is allocated once and its slices read straight from the files into it
     (kiln.host.safetensors_io): the rank's weights are never held twice, and the checkpoint is not

@@ -51,7 +51,7 @@ def export_forward(spec: dict):
     hint, its tensors on the graph's device."""
     import torch
 
-    from kiln.core.config import ModelConfig
+    from kiln.core.model.config import ModelConfig
     from kiln.host.model import decoder_of, example_inputs
 
     cfg = ModelConfig(**spec["graph"]["config"])

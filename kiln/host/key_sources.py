@@ -38,11 +38,11 @@ from pathlib import Path
 
 KEY_SOURCES = (
     "kiln.host.model",  # the graph's code (a package of model files works too)
-    "kiln.core.config",  # the derived sizes the model reads (head_dim, shard sizes)
-    "kiln.core.contract",  # parameter shapes, shard slices, the process group
-    "kiln.core.layer_runs",  # which layers one scan runs (the stacked constants' layers)
-    "kiln.core.cache_layout",  # the KV cache's layout (DeepSeek-V4's slot: the states a step unpacks)
-    "kiln.core.v4_fields",  # DeepSeek-V4's tensors, shard slices and cache states
+    "kiln.core.model.config",  # the derived sizes the model reads (head_dim, shard sizes)
+    "kiln.core.model.contract",  # parameter shapes, shard slices, the process group
+    "kiln.core.model.layer_runs",  # which layers one scan runs (the stacked constants' layers)
+    "kiln.core.model.cache_layout",  # the KV cache's layout (DeepSeek-V4's slot: the states a step unpacks)
+    "kiln.core.model.v4_fields",  # DeepSeek-V4's tensors, shard slices and cache states
     "kiln.host.export_call",  # torch.export, dynamic shapes, constants metadata, the Inductor call
     "kiln.host.inductor_options",  # the Inductor options of every forward, which Inductor variables are keyed
     "kiln.host.tuner:install",  # how tuned kernel choices reach Inductor (not the tuner's store I/O)

@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.core.errors import BadInput, StoreError
-from kiln.core.hf_config import from_hf
-from kiln.core.safetensors_header import DTYPES, header_length, index_weight_map, parse_header
+from kiln.core.model.hf_config import from_hf
+from kiln.core.model.safetensors_header import DTYPES, header_length, index_weight_map, parse_header
 from kiln.host import s3_weight_cache
 from kiln.host.safetensors_io import torch_dtype
 
@@ -72,7 +72,7 @@ def parse_s3_url(url: str) -> tuple[str, str]:
 
 def row_ranges(info: TensorInfo, cut: tuple[int, int, int] | None) -> list[tuple[int, int]]:
     """Byte ranges [first, last] (inclusive, as HTTP Range says) holding `cut` of the tensor (None: all of it),
-    adjacent ranges merged. `cut` is (dim, start, stop) as kiln.core.contract.rank_reads gives it."""
+    adjacent ranges merged. `cut` is (dim, start, stop) as kiln.core.model.contract.rank_reads gives it."""
     if cut is None:
         return [(info.start_byte, info.end_byte - 1)] if info.end_byte > info.start_byte else []
     dim, lo, hi = cut
@@ -209,7 +209,7 @@ class S3Checkpoint:
             raise BadInput(f"{self._name('config.json')} is not a valid config ({exc}).") from None
 
     def _index(self) -> dict[str, str] | None:
-        """The index's weight_map (tensor name -> object name), checked by kiln.core.safetensors_header and
+        """The index's weight_map (tensor name -> object name), checked by kiln.core.model.safetensors_header and
         every object it names listed; None when there is no index."""
         if INDEX not in self.objects:
             return None
@@ -221,7 +221,7 @@ class S3Checkpoint:
 
     def _header(self, file: str) -> dict[str, TensorInfo]:
         """The object's tensors, its header read with two ranged GETs and checked by
-        kiln.core.safetensors_header (BadInput naming the object and the field)."""
+        kiln.core.model.safetensors_header (BadInput naming the object and the field)."""
         size, where = self.objects[file][0], self._name(file)
         length = header_length(self._get(file, 0, 7) if size >= 8 else b"", size, where)
         header = parse_header(self._get(file, 8, 7 + length) if length else b"", size, where)

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kiln.core.contract import LAYOUT
+from kiln.core.model.contract import LAYOUT
 
 log = logging.getLogger(__name__)
 

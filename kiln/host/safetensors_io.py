@@ -2,7 +2,7 @@
 
 A safetensors file is an 8-byte little-endian header length N, N bytes of JSON
 {name: {dtype, shape, data_offsets: [begin, end]}}, then the data (offsets
-count from the end of the header), checked by kiln.core.safetensors_header
+count from the end of the header), checked by kiln.core.model.safetensors_header
 before any tensor is read. Reading with plain file reads (not a memory
 map) keeps the checkpoint's pages out of this process's resident memory, and
 reading into the caller's tensor (a stacked constant's slice) means a rank's
@@ -19,19 +19,19 @@ from pathlib import Path
 import torch
 
 from kiln.core.errors import BadInput
-from kiln.core.safetensors_header import DTYPES, TensorEntry, header_length, parse_header
+from kiln.core.model.safetensors_header import DTYPES, TensorEntry, header_length, parse_header
 
 _CHUNK_BYTES = 16 << 20
 """Most bytes read at once for a cut along dimension 1 (whole rows, of which the rank keeps some columns)."""
 
 
 def torch_dtype(code: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype code (a key of kiln.core.safetensors_header.DTYPES)."""
+    """The torch dtype of a safetensors dtype code (a key of kiln.core.model.safetensors_header.DTYPES)."""
     return getattr(torch, DTYPES[code].torch_name)
 
 
 class SafetensorsFile:
-    """One open safetensors file: its header read and checked once (kiln.core.safetensors_header: BadInput
+    """One open safetensors file: its header read and checked once (kiln.core.model.safetensors_header: BadInput
     naming the file and the field), tensors read on demand. `tensors`: name -> TensorEntry."""
 
     def __init__(self, path: Path):

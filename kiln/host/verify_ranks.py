@@ -93,8 +93,8 @@ def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLi
     import torch
     import torch.distributed as dist
 
-    from kiln.core.config import ModelConfig
-    from kiln.core.cache_layout import cache_layout
+    from kiln.core.model.config import ModelConfig
+    from kiln.core.model.cache_layout import cache_layout
     from kiln.core.outcome import worst_corner
     from kiln.core.shape_ranges import parse_shape_range
     from kiln.host.loader import check_against_eager, load_forward, place_weights

@@ -13,7 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 
 
 def is_s3(checkpoint: str) -> bool:

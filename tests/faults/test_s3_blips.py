@@ -13,7 +13,7 @@ import boto3
 import pytest
 from s3_fault_proxy import FaultProxy
 
-from kiln.core.config import TINY
+from kiln.core.model.config import TINY
 
 
 @pytest.fixture

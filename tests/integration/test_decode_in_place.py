@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 CHECK = r"""
 import json, sys
 import torch
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.core.recipe import Bucket
 from kiln.host.loader import compare_with_eager, load_forward, place_weights
 from kiln.host.model import random_state_dict, shard_state_dict, solo_group
@@ -34,7 +34,7 @@ print(json.dumps([r["diff"] for r in results]))
 
 
 def test_a_compiled_decode_step_reads_its_pages_in_place_as_eager_computes(tmp_path):
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
     from kiln.core.forward_keys import forward_spec
     from kiln.core.recipe import Bucket
     from kiln.core.shape_ranges import static_shape

@@ -13,7 +13,7 @@ import os
 import boto3
 import pytest
 
-from kiln.core.config import TINY
+from kiln.core.model.config import TINY
 from kiln.host.checkpoint import random_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -55,7 +55,7 @@ def test_every_package_runs_with_torch_alone_and_matches_kiln(manifest, tmp_path
     run_torch_only(path, packages, ckpt, tmp_path / "alone")
     run_with_kiln(path, packages, tmp_path / "kiln")
 
-    from kiln.core.config import ModelConfig
+    from kiln.core.model.config import ModelConfig
     from kiln.host.checkpoint import load_rank_weights
     from kiln.host.model import ShardedDecoder
     sys.path.insert(0, str(EXAMPLE.parent))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.core.config import TINY
+from kiln.core.model.config import TINY
 from kiln.host.compiler import CompilePool
 from kiln.host.inductor_options import COMPILER_OPTIONS
 

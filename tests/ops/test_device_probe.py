@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from flows.export import _probe
-from kiln.core.config import TINY
+from kiln.core.model.config import TINY
 from kiln.core.errors import BadInput
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.probe_result import HostProbe

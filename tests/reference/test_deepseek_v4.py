@@ -30,7 +30,7 @@ V4 = dict(vocab_size=512, hidden_size=128, moe_intermediate_size=48, num_hidden_
           o_lora_rank=32, index_n_heads=4, index_head_dim=32, index_topk=3, partial_rotary_factor=0.25,
           swiglu_limit=0.6, max_position_embeddings=256, initializer_range=0.1, compress_rope_theta=1000.0)
 """Layers of kinds (sliding, hash), (CSA, hash), then (HCA, top-k) and (CSA, top-k) in turn, as the published
-schedule alternates them: the last four are one segment (kiln.core.layer_runs), a scan whose body runs an HCA
+schedule alternates them: the last four are one segment (kiln.core.model.layer_runs), a scan whose body runs an HCA
 and a CSA layer. swiglu_limit low enough that these weights reach it; a compress rope base of its own."""
 PROMPT = 40
 
@@ -228,7 +228,7 @@ def test_tp_3_is_refused_naming_the_counts_and_the_tp_values_that_work(v4_path, 
 
 def test_published_fp8_fp4_checkpoints_are_refused_saying_what_to_do(v4_path, tmp_path):
     raw = json.loads((v4_path / "config.json").read_text())
-    from kiln.core.hf_config import from_hf
+    from kiln.core.model.hf_config import from_hf
     for extra in ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
                                            "expert_dtype": "fp4"}}, {"expert_dtype": "fp4"}):
         with pytest.raises(BadInput, match="FP4 experts.*Convert the checkpoint to bfloat16"):
@@ -296,7 +296,7 @@ def _rank_main(rank: int, path: str, init: str, out: str, prompt: list[int], ste
 
 
 def test_two_ranks_compute_what_one_does(v4_path, tmp_path):
-    """--tp 2 splits the query heads, sinks, output groups and the experts' columns (kiln.core.v4_fields.
+    """--tp 2 splits the query heads, sinks, output groups and the experts' columns (kiln.core.model.v4_fields.
     tp_counts); two gloo ranks, each its own shard and a sum after attention and experts, prefill and decode
     the same logits as one rank holding everything."""
     import torch.multiprocessing as mp
@@ -334,9 +334,9 @@ def test_sequences_at_different_positions_step_together(v4_path):
 
 def test_the_compiled_step_reads_and_writes_each_sequence_slot(v4_path):
     """forward(tokens, start_pos, kv_cache, slots), the step Kiln compiles, is `step` over the states its slots
-    hold (kiln.core.contract.cache_layout), returning each sequence's slot after the step; two sequences at
+    hold (kiln.core.model.contract.cache_layout), returning each sequence's slot after the step; two sequences at
     other positions in slots 2 and 0 of 3."""
-    from kiln.core.cache_layout import cache_layout
+    from kiln.core.model.cache_layout import cache_layout
     from kiln.host.model.deepseek_v4 import pack, unpack
 
     cfg = inspect_checkpoint(v4_path)
@@ -358,7 +358,7 @@ def test_the_compiled_step_reads_and_writes_each_sequence_slot(v4_path):
 def test_a_random_checkpoint_written_by_kiln_reads_back(tmp_path):
     """`kiln checkpoint`'s writer (random weights, config.json by to_hf) makes a V4 checkpoint that reads back as
     the same config, with tid2eid as expert ids, and runs."""
-    from kiln.core.hf_config import from_hf
+    from kiln.core.model.hf_config import from_hf
     from kiln.host.checkpoint import random_checkpoint
 
     cfg = from_hf({**{k: v for k, v in V4.items() if k != "initializer_range"}, "model_type": "deepseek_v4"})

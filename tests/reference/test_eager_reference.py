@@ -12,8 +12,8 @@ import pytest
 import torch
 from hf_models import CASES, CLASSES, transformers, write_case
 
-from kiln.core.cache_layout import cache_layout
-from kiln.core.layer_runs import layer_runs
+from kiln.core.model.cache_layout import cache_layout
+from kiln.core.model.layer_runs import layer_runs
 from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights
 from kiln.host.model import ShardedDecoder
 
@@ -92,7 +92,7 @@ def test_each_way_of_computing_the_experts_computes_the_same(case, hf_root):
     token alone gathers its experts, the same token among many runs every expert over every token; in
     bfloat16 both run the grouped multiplies over the pairs sorted by expert, whose every pair matches its
     gathered expert's output (the same routing: float32 and bfloat16 may route a near tie apart)."""
-    from kiln.core.contract import EXPERTS
+    from kiln.core.model.contract import EXPERTS
     from kiln.host.model import GATHER_BELOW, mixture_of_experts
     from kiln.host.model.moe import _gathered, _grouped, groups_trace, route
 

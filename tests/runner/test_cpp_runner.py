@@ -2,7 +2,7 @@
 
 The test builds the runner (CMake, against the wheel's libtorch), compiles one weightless tp 2 forward,
 writes a bf16 checkpoint in two shards (so the runner reads an index and casts to the float32 the
-package was compiled for) and a version 5 manifest from kiln.core.contract, runs two ranks of the runner
+package was compiled for) and a version 5 manifest from kiln.core.model.contract, runs two ranks of the runner
 over a TCPStore and compares each rank's logits with `ShardedDecoder(cfg, 1)` on the full weights.
 """
 
@@ -34,9 +34,9 @@ def export(tmp_path_factory) -> dict:
     """A tp 2 export of a 2-layer model (its layers one stacked scan): bf16 checkpoint (2 shards), one 1x8 package, a version 5 manifest."""
     import torch
 
-    from kiln.core.config import TINY
-    from kiln.core.contract import PROCESS_GROUP, weight_layout
-    from kiln.core.interface import forward_interface
+    from kiln.core.model.config import TINY
+    from kiln.core.model.contract import PROCESS_GROUP, weight_layout
+    from kiln.core.model.interface import forward_interface
     from kiln.core.forward_keys import forward_spec
     from kiln.core.recipe import Bucket
     from kiln.core.shape_ranges import static_shape
@@ -142,7 +142,7 @@ def test_cpp_runner_runs_what_kiln_export_wrote(runner, tp2_export, tmp_path):
     every forward's range (the runner picks the forward by the consumer contract's rule)."""
     import torch
 
-    from kiln.core.config import ModelConfig
+    from kiln.core.model.config import ModelConfig
     from kiln.host.checkpoint import load_rank_weights
     from kiln.host.model import ShardedDecoder
 

@@ -12,9 +12,9 @@ import boto3
 import pytest
 import torch
 
-from kiln.core.config import TINY
+from kiln.core.model.config import TINY
 from kiln.core.errors import BadInput
-from kiln.core.contract import shard_slice
+from kiln.core.model.contract import shard_slice
 from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights, random_checkpoint
 from kiln.host.model import expected_shapes
 from kiln.host.s3_checkpoint import S3Checkpoint

@@ -61,7 +61,7 @@ def test_progress_asks_only_for_keys_not_yet_seen_stored(tmp_path, monkeypatch):
 def test_probe_asks_for_its_own_forwards_without_listing_them_all(tmp_path, monkeypatch):
     import dataclasses
 
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
     from kiln.core.job import ExportJob, HostSpec
     from kiln.core.recipe import Recipe, parse_buckets
     from kiln.host.host_probe import probe_host

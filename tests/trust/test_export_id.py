@@ -10,7 +10,7 @@ from kiln.core.layout import manifest_key
 
 def test_prepare_refuses_an_export_id_whose_manifest_exists(tmp_path, monkeypatch):
     from flows.params import ExportParams, prepare
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
     from kiln.host.checkpoint import random_checkpoint
     from kiln.store import open_store
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 LOAD = r"""
 import json, sys
 import torch
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.core.errors import UnloadablePackage
 from kiln.host.loader import load_forward
 from kiln.host.model import ShardedDecoder
@@ -63,7 +63,7 @@ def test_weights_that_do_not_fit_are_refused_by_name(small_forward, change, word
 SHARED = r"""
 import json, sys
 import torch
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.host.loader import load_forward, place_weights
 from kiln.host.model import ShardedDecoder, example_inputs
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 LOAD_AND_CALL = r"""
 import json, sys
 import torch
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.host.loader import load_forward
 from kiln.host.model import ShardedDecoder, example_inputs
 

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from kiln.core import tuning_plan
-from kiln.core.config import TINY
+from kiln.core.model.config import TINY
 from kiln.core.job import ExportJob
 from kiln.core.recipe import Recipe, parse_buckets
 from kiln.host import probe, tuner
@@ -87,7 +87,7 @@ def test_compile_uses_stored_choices_without_benchmarking(tuned, tmp_path, monke
     entries = tuner.load_for_compile(store, [spec], torch.__version__)
     with CompilePool(1, tuning_entries=entries) as pool:  # a worker gets the spec as plain data
         [result] = pool.run([(spec.to_dict(), str(tmp_path / "f.pt2"))], lambda r: None)
-    from kiln.core.contract import constant_shapes
+    from kiln.core.model.contract import constant_shapes
 
     # The GEMMs Inductor autotunes: with the layers one scan, only the output head. torch 2.13's Inductor
     # lowers the scan's body without algorithm selection (measured: 1 selection where the unrolled model
@@ -120,7 +120,7 @@ def _load_with_rank_weights(path: str) -> dict:
     code = textwrap.dedent(f"""
         import json, torch
         import kiln.host.model
-        from kiln.core.config import TINY
+        from kiln.core.model.config import TINY
         from kiln.host.loader import _compact
         weights = kiln.host.model.shard_state_dict(kiln.host.model.random_state_dict(TINY), TINY, 2, 0)
         package = torch._inductor.aoti_load_package({path!r})

@@ -109,7 +109,7 @@ def test_compile_workers_used_the_stored_choices(two_exports):
 def test_share_verify_refuses_forwards_with_prepacked_weights(two_exports):
     r = two_exports["first"]
     store = two_exports["dir"] / "store"
-    from kiln.core.config import TINY
+    from kiln.core.model.config import TINY
     from kiln.core.tuning_plan import winners
 
     # The output head is the one GEMM the compile autotunes (see above): only its winner reaches a forward.

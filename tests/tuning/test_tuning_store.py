@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kiln.core import tuning_plan
-from kiln.core.config import TINY
+from kiln.core.model.config import TINY
 from kiln.core.errors import IntegrityError, KilnError
 from kiln.core.forward_keys import ForwardSpec
 from kiln.core.job import ExportJob

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights, random_checkpoint
 from kiln.host.model import ShardedDecoder, example_inputs, random_state_dict, shard_state_dict
 

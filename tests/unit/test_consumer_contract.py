@@ -1,4 +1,4 @@
-"""The consumer contract (kiln.core.contract) against the torch module it describes, and the outcome check."""
+"""The consumer contract (kiln.core.model.contract) against the torch module it describes, and the outcome check."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from collections import Counter
 
 import pytest
 
-from kiln.core.config import TINY
-from kiln.core.contract import FUSED, constant_sources, parameter_shapes, shard_slice, weight_layout
+from kiln.core.model.config import TINY
+from kiln.core.model.contract import FUSED, constant_sources, parameter_shapes, shard_slice, weight_layout
 from kiln.core.errors import IntegrityError, KilnError, NotPythonFree
 from kiln.core.forward_keys import ForwardSpec
-from kiln.core.interface import forward_interface
+from kiln.core.model.interface import forward_interface
 from kiln.core.outcome import check_digests, check_outcome, forward_records
-from kiln.core.param_counts import params_per_rank
+from kiln.core.model.param_counts import params_per_rank
 from kiln.core.shape_ranges import parse_shape_range
 
 CONFIGS = {
@@ -66,7 +66,7 @@ def test_constants_are_the_torch_modules_own(name):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_the_parameter_count_is_a_ranks_constants(name):
-    """kiln.core.param_counts counts what a rank binds: the contract's constants (held to the torch module's
+    """kiln.core.model.param_counts counts what a rank binds: the contract's constants (held to the torch module's
     state dict above), element for element."""
     cfg = CONFIGS[name]
     for tp in (1, 2):

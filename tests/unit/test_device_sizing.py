@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.core.config import TINY
+from kiln.core.model.config import TINY
 from kiln.core.decisions import check_devices, decide_export, kv_plan
 from kiln.core.errors import BadInput, GateRefused
 from kiln.core.forward_keys import ForwardSpec

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.core.config import TINY
+from kiln.core.model.config import TINY
 from kiln.core.recipe import Bucket
 from kiln.host.checkpoint import load_rank_weights, write_checkpoint
 from kiln.host.loader import compare_with_eager

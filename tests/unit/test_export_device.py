@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.core.config import TINY
+from kiln.core.model.config import TINY
 from kiln.core.errors import BadInput, IntegrityError
 from kiln.core.job import ExportJob
 from kiln.core.manifest import build_manifest, check_manifest, forwards_for_host, manifest_device

@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from kiln.core.config import TINY, ModelConfig
+from kiln.core.model.config import TINY, ModelConfig
 from kiln.core.errors import BadInput
-from kiln.core.hf_config import from_hf, to_hf
+from kiln.core.model.hf_config import from_hf, to_hf
 from kiln.core.job import ExportJob
 from kiln.core.recipe import Recipe
 

@@ -9,17 +9,17 @@ import dataclasses
 
 import pytest
 
-from kiln.core.cache_layout import cache_layout
-from kiln.core.config import ModelConfig
-from kiln.core.contract import constant_shapes
+from kiln.core.model.cache_layout import cache_layout
+from kiln.core.model.config import ModelConfig
+from kiln.core.model.contract import constant_shapes
 from kiln.core.decisions import page_size
 from kiln.core.errors import BadInput
-from kiln.core.hf_config import from_hf, to_hf
-from kiln.core.interface import forward_interface
+from kiln.core.model.hf_config import from_hf, to_hf
+from kiln.core.model.interface import forward_interface
 from kiln.core.job import ExportJob
-from kiln.core.layer_runs import layer_runs
+from kiln.core.model.layer_runs import layer_runs
 from kiln.core.recipe import Recipe
-from kiln.core.v4_fields import CSA, HCA, SLIDING, V4Fields
+from kiln.core.model.v4_fields import CSA, HCA, SLIDING, V4Fields
 
 SMALL = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 256,
          "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 6, "num_attention_heads": 4,
@@ -132,9 +132,9 @@ def test_runs_are_layers_of_one_kind():
 
 
 def test_the_cache_a_layer_keeps_and_what_a_token_adds():
-    """kiln.core.v4_fields.layer_state: a window of sliding_window rows on every layer; a compressed layer's
+    """kiln.core.model.v4_fields.layer_state: a window of sliding_window rows on every layer; a compressed layer's
     entries (one per rate tokens) and the projections a coming entry needs; a CSA layer's indexer too."""
-    from kiln.core.v4_fields import layer_state
+    from kiln.core.model.v4_fields import layer_state
 
     cfg = from_hf({**SMALL, "layer_types": [SLIDING, CSA, CSA, HCA, HCA, HCA],
                    "compress_rates": {CSA: 4, HCA: 8}})
@@ -214,7 +214,7 @@ def test_the_kv_plan_counts_a_v4_slot_over_its_pages_and_v4_caches_less_than_v3(
 
 
 def test_a_slot_width_gives_back_a_context_with_the_same_states():
-    from kiln.core.cache_layout import slot_context
+    from kiln.core.model.cache_layout import slot_context
 
     cfg = from_hf(V3_LIKE)
     for context in (0, 1, 7, 8, 64, 100):
@@ -226,7 +226,7 @@ def test_a_slot_width_gives_back_a_context_with_the_same_states():
 
 def test_a_v4_export_needs_a_one_token_bucket_and_static_shapes():
     from kiln.core.recipe import parse_buckets
-    from kiln.core.v4_fields import export_refusal
+    from kiln.core.model.v4_fields import export_refusal
 
     assert export_refusal(Recipe(buckets=parse_buckets("1x1,1x8"), shape_policy="static")) is None
     why = export_refusal(Recipe(buckets=parse_buckets("1x8,2x8"), shape_policy="static"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.core.config import TINY
+from kiln.core.model.config import TINY
 from kiln.core.errors import KilnError
 from kiln.core.forward_keys import forward_spec
 from kiln.core.job import ExportJob
@@ -45,7 +45,7 @@ def _in_function(source: str, name: str, line: str) -> str:
 
 def test_the_model_the_export_call_and_the_options_are_key_sources_the_pool_is_not():
     assert {"kiln.host.model", "kiln.host.export_call", "kiln.host.inductor_options",
-            "kiln.core.contract"} <= set(KEY_SOURCES)
+            "kiln.core.model.contract"} <= set(KEY_SOURCES)
     hashed = {path.name for entry in KEY_SOURCES for _, path in source_files(entry)}
     assert "compiler.py" not in hashed  # the pool, its retries and its messages
 

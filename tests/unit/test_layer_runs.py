@@ -1,11 +1,11 @@
-"""kiln.core.layer_runs: which layers one scan runs, where kinds repeat one at a time or in a pattern."""
+"""kiln.core.model.layer_runs: which layers one scan runs, where kinds repeat one at a time or in a pattern."""
 
 from __future__ import annotations
 
 import pytest
 
-from kiln.core.hf_config import from_hf
-from kiln.core.layer_runs import MAX_PERIOD, Segment, layer_runs, segments, segments_of
+from kiln.core.model.hf_config import from_hf
+from kiln.core.model.layer_runs import MAX_PERIOD, Segment, layer_runs, segments, segments_of
 
 
 @pytest.mark.parametrize("kinds,want", [

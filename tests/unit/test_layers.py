@@ -151,7 +151,7 @@ def test_importing_configures_nothing():
     assert changed == {"env": {}, "gone": [], "dask": False, "levels": {}}, changed
 
 
-FAMILY_SIDES = ("kiln.core.hf_config.", "kiln.host.model.")
+FAMILY_SIDES = ("kiln.core.model.hf_config.", "kiln.host.model.")
 """A model family has one module on each side, by its name: its config.json reading and its decoder layer."""
 
 

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from kiln.core.config import TINY
+from kiln.core.model.config import TINY
 from kiln.core.decisions import (RANGE_COMPILE_FACTOR, compile_estimates, describe, host_reports,
                                  measured_worker_mib, plan_kv_for, planned_workers, run_gate)
 from kiln.core.errors import GateRefused

@@ -2,9 +2,9 @@
 
 import pytest
 
-from kiln.core.config import TINY, ModelConfig
+from kiln.core.model.config import TINY, ModelConfig
 from kiln.core.errors import BadInput
-from kiln.core.hf_config import from_hf, to_hf
+from kiln.core.model.hf_config import from_hf, to_hf
 from kiln.core.recipe import Bucket, Recipe, parse_buckets, recipe_from_text
 from kiln.core.sizing import floor_admitting_one, floor_with_margin, page_bytes, plan_kv, required_mib, worker_capacity
 

@@ -1,4 +1,4 @@
-"""kiln.core.safetensors_header: the one parser of safetensors headers and checkpoint indexes, over bytes.
+"""kiln.core.model.safetensors_header: the one parser of safetensors headers and checkpoint indexes, over bytes.
 
 Each bad header or index is BadInput naming the file and the field; a header the safetensors library
 writes parses to the shapes and offsets the library reads.
@@ -12,7 +12,7 @@ import struct
 import pytest
 
 from kiln.core.errors import BadInput
-from kiln.core.safetensors_header import (MAX_HEADER_BYTES, TensorEntry, header_length, index_weight_map,
+from kiln.core.model.safetensors_header import (MAX_HEADER_BYTES, TensorEntry, header_length, index_weight_map,
                                           parse_header)
 
 W = "ckpt/model.safetensors"

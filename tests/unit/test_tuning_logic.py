@@ -2,7 +2,7 @@
 
 import pytest
 
-from kiln.core.config import TINY
+from kiln.core.model.config import TINY
 from kiln.core.forward_keys import forward_spec
 from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import Bucket

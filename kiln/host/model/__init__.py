@@ -1,6 +1,6 @@
 """The decoders Kiln compiles, in plain torch, tensor-parallel: one rank's step over a paged KV cache.
 
-It computes what transformers' classes compute for the configs kiln.core.hf_config
+It computes what transformers' classes compute for the configs kiln.core.model.hf_config
 accepts. The shared layers, each as its transformers counterpart computes it:
 - `attention`: grouped-query attention over the paged cache (q/k/v, o and their
   biases, per-head q/k norms, sliding windows, soft-capped scores);

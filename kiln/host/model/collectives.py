@@ -21,7 +21,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from kiln.core.contract import PROCESS_GROUP as TP_GROUP
+from kiln.core.model.contract import PROCESS_GROUP as TP_GROUP
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ head) and one shared key=value head (wkv, its RMSNorm), each rotated on its trai
 in interleaved pairs, attend over a sliding window with a learned sink logit per head (a softmax column
 that is then dropped); the output's rotated dims are turned back by the query's position, and the heads
 are projected per group (wo_a, o_groups groups) then together (wo_b, row-parallel). Sliding layers rotate
-at the main rope; compressed layers at the compress rope (kiln.core.v4_fields) and also attend to
+at the main rope; compressed layers at the compress rope (kiln.core.model.v4_fields) and also attend to
 compressed entries (kiln.host.model.compressor: one per window of rate tokens):
 - HCA: a query sees every entry whose window ends at or before it;
 - CSA: a lightning indexer (its own overlapping compressor at index_head_dim, index_n_heads query
@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.core.config import ModelConfig
-from kiln.core.v4_fields import CSA, SLIDING
+from kiln.core.model.config import ModelConfig
+from kiln.core.model.v4_fields import CSA, SLIDING
 from kiln.host.model.collectives import reduce
 from kiln.host.model.compressor import compress, pair_tables, ring_read, ring_write, rms_norm32, rotate_pairs
 from kiln.host.model.hyper_connections import unweighted_rms_norm
@@ -55,7 +55,7 @@ def attention(cfg: ModelConfig, tp: int, kind: str, p: dict[str, torch.Tensor], 
               state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the attention output [b, t, hidden] summed over the ranks, the layer's state after the step) of layer
     kind `kind` over x [b, t, hidden], the tokens at positions start[b]..start[b]+t-1, and the layer's `state`
-    (kiln.core.v4_fields.layer_state, each with a leading batch dimension) of the positions before."""
+    (kiln.core.model.v4_fields.layer_state, each with a leading batch dimension) of the positions before."""
     b, t, _ = x.shape
     d, eps, v4, window = cfg.head_dim, cfg.rms_norm_eps, cfg.v4, cfg.sliding_window
     positions = start[:, None] + torch.arange(t, device=x.device)  # [b, t]

@@ -8,7 +8,7 @@ wide: an entry weighs its own window's tokens through the second half and the pr
 the first (the first window's previous half weighs nothing). An entry depends only on its tokens, so
 computing it when its window completes, whatever the steps were, gives transformers' entries: the state is
 the entries so far and the projections of the tokens a coming entry still needs (a ring of rate or
-2 x rate rows, row p % rows for position p; kiln.core.v4_fields.layer_state).
+2 x rate rows, row p % rows for position p; kiln.core.model.v4_fields.layer_state).
 
 Positions are tensors, one start per sequence: the graph's shapes depend only on the step's token count.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 
 
 def rms_norm32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,12 +12,12 @@ the prompt is fed, and its position + 1 for each token decoded after.
 
 P (the page count) is dynamic, so a new KV plan reuses compiled forwards. What a
 cached token holds (E entries of [heads, width]) is the model's cache layout
-(kiln.core.contract.cache_layout): its rotated keys and its values per KV head of
+(kiln.core.model.contract.cache_layout): its rotated keys and its values per KV head of
 this rank, or latent attention's latent and rotary key. Sequence b's first
 start_pos[b] tokens of context live in the pages block_table[b]; the step returns
 the new tokens' entries for the caller to write into the cache.
 
-The layers are not unrolled: each segment of layers (kiln.core.layer_runs) is one
+The layers are not unrolled: each segment of layers (kiln.core.model.layer_runs) is one
 `torch._higher_order_ops.scan` over its runs' tensors stacked along a leading layer
 dimension, the cache's layer slices and each layer's window, so AOTInductor compiles
 one layer body per run and a bucket's compile time does not grow with depth. A
@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.core.config import ModelConfig
-from kiln.core.contract import RUN_PREFIX, constant_dtype, constant_shapes, is_expert
-from kiln.core.layer_runs import Segment, layer_runs, segments
+from kiln.core.model.config import ModelConfig
+from kiln.core.model.contract import RUN_PREFIX, constant_dtype, constant_shapes, is_expert
+from kiln.core.model.layer_runs import Segment, layer_runs, segments
 from kiln.host.model import deepseek, gemma, llama
 from kiln.host.model.llama import Layer
 from kiln.host.model.norms import RMSNorm, softcap
@@ -74,7 +74,7 @@ class LayerRun(nn.Module):
 
     Its state dict names are the checkpoint suffixes (`self_attn.q_proj.weight`, shape [layers, ...]), so
     the package constant `model.runs.<index>.<suffix>` stacks the checkpoint tensors `model.layers.<i>.<suffix>`
-    of its layers (kiln.core.layer_runs).
+    of its layers (kiln.core.model.layer_runs).
     """
 
     def __init__(self, cfg: ModelConfig, tp: int, index: int):
@@ -107,7 +107,7 @@ class LayerRun(nn.Module):
 
 
 def segment_runs(cfg: ModelConfig, runs: nn.ModuleList) -> list[tuple[Segment, list[LayerRun]]]:
-    """Each segment of `cfg`'s layers with its runs (kiln.core.layer_runs: run j is runs[j]), in phase order."""
+    """Each segment of `cfg`'s layers with its runs (kiln.core.model.layer_runs: run j is runs[j]), in phase order."""
     out, j = [], 0
     for segment in segments(cfg):
         out.append((segment, list(runs[j:j + segment.period])))
@@ -124,7 +124,7 @@ class Inner(nn.Module):
 
 
 class ShardedDecoder(nn.Module):
-    """One tensor-parallel rank of the decoder; constant names as kiln.core.contract states them.
+    """One tensor-parallel rank of the decoder; constant names as kiln.core.model.contract states them.
 
     Each segment of layers is one `scan` over its runs' stacked tensors, the KV cache's layer slices and each
     layer's window, so the compiled graph holds one layer body per run whatever the depth. `scan=False` unrolls the

@@ -1,6 +1,6 @@
 """The DeepSeek-V4 decoder of one rank, as transformers' DeepseekV4ForCausalLM computes it: a step of new
 tokens over its compressed cache (`step`), a prompt from position 0 in one call (`prompt`), or the compiled
-step over each sequence's slot of the contract's cache (`forward`, kiln.core.contract.cache_layout).
+step over each sequence's slot of the contract's cache (`forward`, kiln.core.model.contract.cache_layout).
 
     streams = embed(tokens) copied to hc_mult streams
     each layer:  post, comb, x = mix(streams)          (kiln.host.model.hyper_connections)
@@ -11,12 +11,12 @@ step over each sequence's slot of the contract's cache (`forward`, kiln.core.con
 
 The attention is kiln.host.model.compressed_attention (sliding, CSA or HCA by the layer's kind), the MLP
 kiln.host.model.clipped_experts (hash-routed or top-k). The cache (`new_cache`) holds, per run, each state
-tensor of kiln.core.v4_fields.layer_state stacked over the run's layers: [layers, batch, rows, width].
+tensor of kiln.core.model.v4_fields.layer_state stacked over the run's layers: [layers, batch, rows, width].
 Layers are not unrolled: each run of layers of one
-kind (kiln.core.layer_runs: same attention kind and routing, so the same tensors) stacks its tensors, and each
+kind (kiln.core.model.layer_runs: same attention kind and routing, so the same tensors) stacks its tensors, and each
 segment of runs is one scan, as kiln.host.model.decoder scans every other family's, so the code compiled does
 not grow with depth. The default schedule alternates CSA and HCA layers: that segment's scan runs a CSA and
-an HCA layer per iteration. Constant names are the checkpoint's, as kiln.core.contract states them.
+an HCA layer per iteration. Constant names are the checkpoint's, as kiln.core.model.contract states them.
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.core.cache_layout import CacheLayout, cache_layout, slot_context
-from kiln.core.config import ModelConfig
-from kiln.core.layer_runs import Segment, layer_runs
+from kiln.core.model.cache_layout import CacheLayout, cache_layout, slot_context
+from kiln.core.model.config import ModelConfig
+from kiln.core.model.layer_runs import Segment, layer_runs
 from kiln.host.model.clipped_experts import experts
 from kiln.host.model.compressed_attention import attention
 from kiln.host.model.compressor import rms_norm32
 from kiln.host.model.decoder import Holder, LayerRun, keep_float32, segment_runs
 from kiln.host.model.hyper_connections import expand, hyper_head, mix_weights
-from kiln.core.v4_fields import HASH_MOE
+from kiln.core.model.v4_fields import HASH_MOE
 
 Cache = list[dict[str, torch.Tensor]]
 """Per run of layers, its state tensors by name, each [layers, batch, rows, width]."""
@@ -96,20 +96,20 @@ class DeepseekV4Decoder(nn.Module):
 
     def new_cache(self, batch: int, capacity_tokens: int) -> Cache:
         """An empty cache for `batch` sequences of up to `capacity_tokens` tokens, in the model's dtype: the
-        states of zero slots (kiln.core.contract.cache_layout)."""
+        states of zero slots (kiln.core.model.contract.cache_layout)."""
         layout, weight = cache_layout(self.cfg, self.tp, capacity_tokens), self.model.embed_tokens.weight
         return unpack(layout, torch.zeros(batch, layout.slot_values, dtype=weight.dtype, device=weight.device))
 
     def _apply(self, fn, recurse=True):
-        """A cast keeps the tensors the contract holds in float32 so (kiln.core.v4_fields.FLOAT32_SUFFIXES)."""
+        """A cast keeps the tensors the contract holds in float32 so (kiln.core.model.v4_fields.FLOAT32_SUFFIXES)."""
         super()._apply(fn, recurse)
         return keep_float32(self, self.cfg)
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, kv_cache: torch.Tensor,
                 slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compiled step (kiln.core.contract.forward_interface): (logits [b, t, vocab], new_kv [b,
+        """The compiled step (kiln.core.model.contract.forward_interface): (logits [b, t, vocab], new_kv [b,
         slot_values]) of `tokens` [b, t] at positions start_pos[b].. over the slots kv_cache[slots[b]]
-        [num_slots, slot_values] (kiln.core.contract.cache_layout): each sequence's slot after the step."""
+        [num_slots, slot_values] (kiln.core.model.contract.cache_layout): each sequence's slot after the step."""
         layout = cache_layout(self.cfg, self.tp, slot_context(self.cfg, kv_cache.shape[1]))
         logits, after = self.step(tokens, start_pos, unpack(layout, kv_cache[slots]))
         return logits, pack(layout, after)

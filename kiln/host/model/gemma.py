@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.host.model.attention import grouped_query_attention
 from kiln.host.model.mlp import gated_mlp
 from kiln.host.model.norms import rms_norm

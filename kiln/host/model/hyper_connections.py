@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.host.model.attention import attend
 from kiln.host.model.collectives import linear_then_reduce
 from kiln.host.model.norms import rms_norm

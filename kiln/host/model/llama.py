@@ -6,7 +6,7 @@
 Mistral (a sliding window), Qwen2 (q/k/v biases, a window from some layer on),
 Qwen3 (per-head q/k norms), Phi-3 (its fused qkv_proj and gate_up_proj are cut
 into the same q/k/v and gate/up constants when weights are read,
-kiln.core.contract.FUSED) compute the same layer; Mixtral, Qwen2-MoE and
+kiln.core.model.contract.FUSED) compute the same layer; Mixtral, Qwen2-MoE and
 Qwen3-MoE put a mixture of experts in place of the MLP on their expert layers.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.host.model.attention import grouped_query_attention
 from kiln.host.model.mlp import gated_mlp
 from kiln.host.model.moe import mixture_of_experts
@@ -32,7 +32,7 @@ window (tokens a query may look back, itself included) or None."""
 
 def is_expert_layer(cfg: ModelConfig, p: dict[str, torch.Tensor]) -> bool:
     """The layer whose tensors `p` holds is a mixture-of-experts layer (it has a router)."""
-    from kiln.core.contract import EXPERTS
+    from kiln.core.model.contract import EXPERTS
 
     return bool(cfg.moe_layers) and f"{EXPERTS[cfg.architecture][0]}.gate.weight" in p
 

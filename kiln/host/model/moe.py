@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from kiln.core.config import ModelConfig
-from kiln.core.contract import EXPERTS, SHARED_EXPERTS
+from kiln.core.model.config import ModelConfig
+from kiln.core.model.contract import EXPERTS, SHARED_EXPERTS
 from kiln.host.model.collectives import reduce
 
 GATHER_BELOW = 3

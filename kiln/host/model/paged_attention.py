@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.host.model.norms import softcap
 
 IN_PLACE_TOKENS = 1

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig, device=None, seq_lens: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from kiln.core.cache_layout import cache_layout
-from kiln.core.config import ModelConfig
-from kiln.core.contract import constant_dtype, constant_shapes, parameter_shapes, rank_reads
+from kiln.core.model.cache_layout import cache_layout
+from kiln.core.model.config import ModelConfig
+from kiln.core.model.contract import constant_dtype, constant_shapes, parameter_shapes, rank_reads
 
 
 def rank_constants(cfg: ModelConfig, tp: int, rank: int,
@@ -45,7 +45,7 @@ def shard_state_dict(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, r
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the unsharded model with its shape, as a checkpoint must hold it (kiln.core.contract's
+    """Every parameter of the unsharded model with its shape, as a checkpoint must hold it (kiln.core.model.contract's
     statement of the layout, which a unit test holds to the module's own state dict)."""
     return parameter_shapes(cfg)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.host.model import rotary
 
 FULL_ATTENTION = 1 << 62

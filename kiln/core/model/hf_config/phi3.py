@@ -9,10 +9,10 @@ original_max_position_embeddings (default 4096) before the rope's own, as Phi3Co
 
 from __future__ import annotations
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.core.errors import BadInput
-from kiln.core.hf_config.common import COMMON_READ, PARTIAL_ROTARY, SLIDING, Family, shared_fields, silu
-from kiln.core.hf_config.rope import rope_fields
+from kiln.core.model.hf_config.common import COMMON_READ, PARTIAL_ROTARY, SLIDING, Family, shared_fields, silu
+from kiln.core.model.hf_config.rope import rope_fields
 
 
 def _partial_rotary(raw: dict) -> dict:

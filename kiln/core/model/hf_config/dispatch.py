@@ -8,17 +8,17 @@ configs cannot hold, then writes the fields every family has and the family's ow
 
 from __future__ import annotations
 
-from kiln.core.config import ARCHITECTURES, ModelConfig
+from kiln.core.model.config import ARCHITECTURES, ModelConfig
 from kiln.core.errors import BadInput
-from kiln.core.hf_config.deepseek import DEEPSEEK_V3
-from kiln.core.hf_config.deepseek_v4 import DEEPSEEK_V4, refuse_quantized
-from kiln.core.hf_config.common import FEATURES, INERT, Family, refuse_fp8_blocks, shared_hf
-from kiln.core.hf_config.gemma import GEMMA2, GEMMA3_TEXT
-from kiln.core.hf_config.llama import LLAMA, MISTRAL
-from kiln.core.hf_config.mixtral import MIXTRAL
-from kiln.core.hf_config.phi3 import PHI3
-from kiln.core.hf_config.qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
-from kiln.core.hf_config.rope import rope_positions, rope_scaling
+from kiln.core.model.hf_config.deepseek import DEEPSEEK_V3
+from kiln.core.model.hf_config.deepseek_v4 import DEEPSEEK_V4, refuse_quantized
+from kiln.core.model.hf_config.common import FEATURES, INERT, Family, refuse_fp8_blocks, shared_hf
+from kiln.core.model.hf_config.gemma import GEMMA2, GEMMA3_TEXT
+from kiln.core.model.hf_config.llama import LLAMA, MISTRAL
+from kiln.core.model.hf_config.mixtral import MIXTRAL
+from kiln.core.model.hf_config.phi3 import PHI3
+from kiln.core.model.hf_config.qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
+from kiln.core.model.hf_config.rope import rope_positions, rope_scaling
 
 FAMILIES = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE, GEMMA2, GEMMA3_TEXT,
                                 PHI3, DEEPSEEK_V3, DEEPSEEK_V4)}

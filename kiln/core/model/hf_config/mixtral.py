@@ -7,10 +7,10 @@ intermediate_size; Mistral's attention (no biases) and sliding window.
 
 from __future__ import annotations
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.core.errors import BadInput
-from kiln.core.hf_config.common import COMMON_READ, EXPERTS, SLIDING, Family, aliased, shared_fields, silu
-from kiln.core.hf_config.rope import rope_fields
+from kiln.core.model.hf_config.common import COMMON_READ, EXPERTS, SLIDING, Family, aliased, shared_fields, silu
+from kiln.core.model.hf_config.rope import rope_fields
 
 
 def _mixtral(raw: dict) -> ModelConfig:

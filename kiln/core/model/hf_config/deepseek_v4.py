@@ -1,7 +1,7 @@
 """DeepSeek-V4, as transformers' DeepseekV4Config reads a config.json (its defaults, and the legacy spellings
 it folds in), and back. Pure: no torch import.
 
-What the settings compute: kiln.core.v4_fields. How they are read:
+What the settings compute: kiln.core.model.v4_fields. How they are read:
 - layer_types: given, else the legacy per-layer compress_ratios (0 sliding, 4 CSA, 128 HCA), else two HCA
   layers then HCA and CSA alternating; a longer list is cut to num_hidden_layers, as the class cuts it.
 - compress_rates: given, else CSA 4 and HCA 128; the legacy compress_rate_csa / compress_rate_hca override.
@@ -18,12 +18,12 @@ moe_intermediate_size, renormalised top-k weights, one key=value head, no biases
 
 from __future__ import annotations
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.core.errors import BadInput
-from kiln.core.hf_config.common import (COMMON_READ, EXPERTS, GROUPED_ROUTER, LATENT, SHARED_EXPERT, SLIDING, Family,
+from kiln.core.model.hf_config.common import (COMMON_READ, EXPERTS, GROUPED_ROUTER, LATENT, SHARED_EXPERT, SLIDING, Family,
                                         aliased, number, positive_int, shared_fields, silu)
-from kiln.core.hf_config.rope import rope_fields, rope_scaling
-from kiln.core.v4_fields import CSA, HASH_MOE, HCA, SLIDING as SLIDING_KIND, TOPK_MOE, V4Fields
+from kiln.core.model.hf_config.rope import rope_fields, rope_scaling
+from kiln.core.model.v4_fields import CSA, HASH_MOE, HCA, SLIDING as SLIDING_KIND, TOPK_MOE, V4Fields
 
 _DEFAULTS = {
     "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": 43,

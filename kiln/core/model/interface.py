@@ -24,14 +24,14 @@ sequence's slot instead of a block table, new_kv[batch, slot_values] each
 sequence's slot after the step), whose `states` the layout lists with their
 shapes and which of them grow with tokens.
 
-The weights a forward binds are kiln.core.contract's.
+The weights a forward binds are kiln.core.model.contract's.
 """
 
 from __future__ import annotations
 
-from kiln.core.cache_layout import DYNAMIC_PAGES, DYNAMIC_SLOTS, cache_layout
-from kiln.core.config import ModelConfig
-from kiln.core.contract import PROCESS_GROUP
+from kiln.core.model.cache_layout import DYNAMIC_PAGES, DYNAMIC_SLOTS, cache_layout
+from kiln.core.model.config import ModelConfig
+from kiln.core.model.contract import PROCESS_GROUP
 
 
 def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:

@@ -50,7 +50,7 @@ DTYPES = {"F64": Dtype("float64", 8), "F32": Dtype("float32", 4), "F16": Dtype("
 """safetensors' dtype codes Kiln reads (the header's `dtype`), the only table of them."""
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0")
-"""FP8 codes: refused by name (Kiln does not dequantize FP8 weights; kiln.core.hf_config refuses
+"""FP8 codes: refused by name (Kiln does not dequantize FP8 weights; kiln.core.model.hf_config refuses
 FP8 block-quantized configs the same way)."""
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from kiln.core.errors import BadInput
 
-# The functions below take a kiln.core.config.ModelConfig (`cfg`), which holds a V4Fields: named, not
+# The functions below take a kiln.core.model.config.ModelConfig (`cfg`), which holds a V4Fields: named, not
 # imported, so the two modules do not import each other.
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -196,7 +196,7 @@ def tp_counts(cfg: "ModelConfig") -> list[tuple[str, int]]:
 
 def export_refusal(recipe: "Recipe") -> str | None:
     """Why Kiln does not export DeepSeek-V4 with `recipe`, or None. Its compiled step carries the compressed
-    cache as a slot per sequence (kiln.core.contract.cache_layout) that every token of a step rewrites, so:
+    cache as a slot per sequence (kiln.core.model.contract.cache_layout) that every token of a step rewrites, so:
     - a step is never padded in tokens (kiln.core.decode.prefill_steps): a bucket of 1 token serves decoding
       and finishes any prompt;
     - static shapes only so far: over a range of batches Inductor's lowering of the scanned step fails

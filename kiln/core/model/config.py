@@ -3,7 +3,7 @@
 Pure: no torch import. `ModelConfig` holds every setting that changes the
 math of a forward step; each of its fields goes into the forward key (through
 kiln.core.job), so two models that compute differently never share a compiled
-forward. `kiln.core.hf_config.from_hf` builds one from a Hugging Face
+forward. `kiln.core.model.hf_config.from_hf` builds one from a Hugging Face
 `config.json`, refusing what Kiln does not compute; `check_tp` says whether a
 tensor-parallel degree can split the model.
 """
@@ -14,8 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from kiln.core.errors import BadInput
-from kiln.core.param_counts import params_per_rank
-from kiln.core.v4_fields import V4Fields, check_model, tp_counts
+from kiln.core.model.param_counts import params_per_rank
+from kiln.core.model.v4_fields import V4Fields, check_model, tp_counts
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 BUNDLED_MODEL = "tiny"
@@ -174,7 +174,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     """The chosen experts' routing weights are multiplied by this (DeepSeek's routed_scaling_factor)."""
     v4: V4Fields | None = None
-    """DeepSeek-V4's own settings (kiln.core.v4_fields), exactly when architecture is deepseek_v4; its rope_*
+    """DeepSeek-V4's own settings (kiln.core.model.v4_fields), exactly when architecture is deepseek_v4; its rope_*
     fields are then the compressed layers' rope, qk_rope_head_dim the trailing rotated dims of its heads."""
 
     def __post_init__(self) -> None:

@@ -1,6 +1,6 @@
 """How many parameters a model has per tensor-parallel rank: what its weights weigh, before any is read.
 
-Pure arithmetic over a `ModelConfig`'s fields (kiln.core.config), counted the
+Pure arithmetic over a `ModelConfig`'s fields (kiln.core.model.config), counted the
 way kiln.host.model holds them; the gate, the KV plan and the memory sizing
 read it through `ModelConfig.weight_bytes_per_rank`. A unit test holds it to
 the torch module's own parameter count.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from kiln.core.v4_fields import module_shapes
+from kiln.core.model.v4_fields import module_shapes
 
 
 def _latent_attention(cfg, tp: int) -> int:
@@ -28,7 +28,7 @@ def _latent_attention(cfg, tp: int) -> int:
 def params_per_rank(cfg, tp: int) -> int:
     """Parameters one of `tp` ranks holds: attention and MLP (experts too) sharded, embeddings and norms whole;
     DeepSeek-V4's tensors by their shapes, those that tp splits divided by tp (a bound from above)."""
-    if cfg.v4 is not None:  # the tensors kiln.core.v4_fields.tp_counts splits, divided by tp
+    if cfg.v4 is not None:  # the tensors kiln.core.model.v4_fields.tp_counts splits, divided by tp
         split = ("wq_b.weight", "attn_sink", "wo_a.weight", "wo_b.weight", ".w1.weight", ".w2.weight", ".w3.weight")
         return sum(math.prod(s) // (tp if n.endswith(split) and "indexer" not in n else 1)
                    for n, s in module_shapes(cfg).items())

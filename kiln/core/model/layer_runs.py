@@ -1,7 +1,7 @@
 """Which decoder layers compile as one loop. Pure.
 
 Layers of one kind (the same tensors and code: dense or mixture-of-experts; DeepSeek-V4's attention kind and
-routing) are a run: their weights stack along a leading layer dimension (kiln.core.contract's
+routing) are a run: their weights stack along a leading layer dimension (kiln.core.model.contract's
 `model.runs.<j>.<suffix>`), and the forward scans them with one compiled body, so its compile does not grow
 with depth.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 
 MAX_PERIOD = 4
 """The longest pattern of kinds one loop body runs (its compile grows with it)."""

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.core.errors import BadInput
-from kiln.core.hf_config.common import number
+from kiln.core.model.hf_config.common import number
 
 ROPE_KEYS = {
     "default": {"rope_type", "rope_theta"},

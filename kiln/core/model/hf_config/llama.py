@@ -6,10 +6,10 @@ sliding window. Mistral: no biases, `sliding_window` (null, or a window on every
 
 from __future__ import annotations
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.core.errors import BadInput
-from kiln.core.hf_config.common import COMMON_READ, SLIDING, Family, flag, shared_fields, silu
-from kiln.core.hf_config.rope import rope_fields
+from kiln.core.model.hf_config.common import COMMON_READ, SLIDING, Family, flag, shared_fields, silu
+from kiln.core.model.hf_config.rope import rope_fields
 
 
 def _llama(raw: dict) -> ModelConfig:

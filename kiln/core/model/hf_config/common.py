@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from kiln.core.config import ARCHITECTURES, ModelConfig
+from kiln.core.model.config import ARCHITECTURES, ModelConfig
 from kiln.core.errors import BadInput
 
 COMMON_READ = frozenset({
@@ -86,7 +86,7 @@ class Family:
     """One model_type, as its transformers config class reads a config.json."""
 
     name: str
-    """The model_type (a key of kiln.core.config.ARCHITECTURES)."""
+    """The model_type (a key of kiln.core.model.config.ARCHITECTURES)."""
     read: frozenset[str]
     """The fields its config.json may hold that change the math; Kiln reads or checks every one."""
     from_raw: Callable[[dict], ModelConfig]

@@ -13,11 +13,11 @@ Pure: no torch import.
 
 from __future__ import annotations
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.core.errors import BadInput
-from kiln.core.hf_config.common import (COMMON_READ, EXPERTS, QK_NORM, SHARED_EXPERT, SLIDING, Family, aliased,
+from kiln.core.model.hf_config.common import (COMMON_READ, EXPERTS, QK_NORM, SHARED_EXPERT, SLIDING, Family, aliased,
                                         flag, positive_int, shared_fields, silu)
-from kiln.core.hf_config.rope import rope_fields
+from kiln.core.model.hf_config.rope import rope_fields
 
 _WINDOW = frozenset({"use_sliding_window", "sliding_window", "max_window_layers"})
 _ROUTING = frozenset({"num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",

@@ -10,11 +10,11 @@ rope_parameters per layer type), unscaled.
 
 from __future__ import annotations
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.core.errors import BadInput
-from kiln.core.hf_config.common import (COMMON_READ, GEMMA_MATH, INTERLEAVED, LOCAL_ROPE, QK_NORM, SLIDING, Family,
+from kiln.core.model.hf_config.common import (COMMON_READ, GEMMA_MATH, INTERLEAVED, LOCAL_ROPE, QK_NORM, SLIDING, Family,
                                         aliased, flag, number, positive_int, shared_fields)
-from kiln.core.hf_config.rope import PER_LAYER_TYPE, rope_fields
+from kiln.core.model.hf_config.rope import PER_LAYER_TYPE, rope_fields
 
 _DEFAULTS = {
     "gemma2": {"query_pre_attn_scalar": 256, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,

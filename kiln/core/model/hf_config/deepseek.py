@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import math
 
-from kiln.core.config import ModelConfig
+from kiln.core.model.config import ModelConfig
 from kiln.core.errors import BadInput
-from kiln.core.hf_config.common import (COMMON_READ, EXPERTS, GROUPED_ROUTER, LATENT, SHARED_EXPERT, Family, aliased,
+from kiln.core.model.hf_config.common import (COMMON_READ, EXPERTS, GROUPED_ROUTER, LATENT, SHARED_EXPERT, Family, aliased,
                                         flag, number, positive_int, shared_fields, silu)
-from kiln.core.hf_config.rope import get_mscale, rope_fields, rope_scaling
+from kiln.core.model.hf_config.rope import get_mscale, rope_fields, rope_scaling
 
 _DEFAULTS = {
     "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,

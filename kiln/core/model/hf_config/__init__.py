@@ -22,6 +22,6 @@ table of families, from_hf and to_hf). A new family is one module and one
 entry in dispatch.FAMILIES.
 """
 
-from kiln.core.hf_config.dispatch import from_hf, to_hf
+from kiln.core.model.hf_config.dispatch import from_hf, to_hf
 
 __all__ = ["from_hf", "to_hf"]

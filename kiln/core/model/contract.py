@@ -1,9 +1,9 @@
 """What a program that is not Kiln needs to bind a forward's weights: its constants and their sources. Pure.
 
-A forward's inputs and outputs are kiln.core.interface's.
+A forward's inputs and outputs are kiln.core.model.interface's.
 
 The decoder layers are compiled once per forward, not once per layer: each run
-of same-shaped layers (kiln.core.layer_runs: consecutive layers of one kind,
+of same-shaped layers (kiln.core.model.layer_runs: consecutive layers of one kind,
 or, where kinds alternate, every period-th layer of a segment that repeats a
 pattern) is scanned over its weights stacked along a leading layer dimension
 (LAYOUT names this package layout and goes into every forward key). So the
@@ -32,9 +32,9 @@ each source cut to its own rows, at tp 1 too.
 
 from __future__ import annotations
 
-from kiln.core import v4_fields
-from kiln.core.config import ModelConfig
-from kiln.core.layer_runs import layer_runs
+from kiln.core.model import v4_fields
+from kiln.core.model.config import ModelConfig
+from kiln.core.model.layer_runs import layer_runs
 
 PROCESS_GROUP = "0"
 """The group name the packages' collectives are compiled with: the default world group on every rank."""
@@ -42,7 +42,7 @@ PROCESS_GROUP = "0"
 
 LAYOUT = "scan-2"
 """The package layout: decoder layers as one scan per segment over stacked constants, a run's layers
-interleaved with another run's where kinds alternate (kiln.core.layer_runs; scan-1's runs were consecutive).
+interleaved with another run's where kinds alternate (kiln.core.model.layer_runs; scan-1's runs were consecutive).
 In every forward key, so a package of another layout (e.g. the unrolled one, with a constant per layer) is
 never loaded as this one."""
 
@@ -77,7 +77,7 @@ def constant_dtype(cfg: ModelConfig, name: str) -> str:
     """The dtype the package holds tensor `name` (a constant, a stacked constant's suffix or a checkpoint tensor)
     in: the model's, but float32 for DeepSeek-V3's router and its correction bias, as transformers keeps them
     (its _keep_in_fp32_modules_strict): in a bfloat16 model a rounded bias would choose other experts.
-    DeepSeek-V4's: kiln.core.v4_fields.constant_dtype (float32 for a few more, int64 for its hash table)."""
+    DeepSeek-V4's: kiln.core.model.v4_fields.constant_dtype (float32 for a few more, int64 for its hash table)."""
     if cfg.v4 is not None:
         return v4_fields.constant_dtype(cfg, name)
     if cfg.router == "sigmoid_groups" and name.endswith((".gate.weight", ".gate.e_score_correction_bias")):

@@ -1,4 +1,4 @@
-"""What a rank's KV cache holds, as a forward's interface states it (kiln.core.contract). Pure.
+"""What a rank's KV cache holds, as a forward's interface states it (kiln.core.model.contract). Pure.
 
 Paged (every family but DeepSeek-V4): each token's entries, [layers, entries,
 num_pages, page_tokens, heads, width], a step returning its new tokens'
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.core import v4_fields
-from kiln.core.config import ModelConfig
-from kiln.core.layer_runs import layer_runs
+from kiln.core.model import v4_fields
+from kiln.core.model.config import ModelConfig
+from kiln.core.model.layer_runs import layer_runs
 
 DYNAMIC_PAGES = "num_pages"
 """The name of the kv_cache's dynamic dimension in interface shapes."""
@@ -31,11 +31,11 @@ class CacheState:
     values into each sequence's slot."""
 
     run: int
-    """The run of layers (kiln.core.layer_runs) whose layers hold it, stacked in layer order."""
+    """The run of layers (kiln.core.model.layer_runs) whose layers hold it, stacked in layer order."""
     kind: str
-    """The run's attention kind (kiln.core.v4_fields.LAYER_KINDS)."""
+    """The run's attention kind (kiln.core.model.v4_fields.LAYER_KINDS)."""
     name: str
-    """What it holds (kiln.core.v4_fields.layer_state): window, entries, ring_kv, ring_gate, index_*."""
+    """What it holds (kiln.core.model.v4_fields.layer_state): window, entries, ring_kv, ring_gate, index_*."""
     layers: int
     rows: int
     width: int
@@ -44,7 +44,7 @@ class CacheState:
     rewritten as tokens arrive (the window and the compressors' rings)."""
     offset: int
     model_layers: tuple[int, ...] = ()
-    """The decoder layers stacked along its first dimension, in order (a run's, kiln.core.layer_runs)."""
+    """The decoder layers stacked along its first dimension, in order (a run's, kiln.core.model.layer_runs)."""
 
     @property
     def values(self) -> int:
@@ -155,11 +155,11 @@ def slot_context(cfg: ModelConfig, slot_values: int) -> int:
         if width < slot_values:
             break
         context -= 1
-    raise ValueError(f"no context has a DeepSeek-V4 slot of {slot_values} values (kiln.core.contract.cache_layout)")
+    raise ValueError(f"no context has a DeepSeek-V4 slot of {slot_values} values (kiln.core.model.contract.cache_layout)")
 
 
 def _v4_states(cfg: ModelConfig, context_tokens: int) -> list[CacheState]:
-    """DeepSeek-V4's state tensors, run by run (kiln.core.v4_fields.layer_state of the run's kind)."""
+    """DeepSeek-V4's state tensors, run by run (kiln.core.model.v4_fields.layer_state of the run's kind)."""
     out, offset = [], 0
     for j, layers in enumerate(layer_runs(cfg)):
         kind = cfg.v4.layer_types[layers[0]]
