@@ -15,7 +15,7 @@ def export_with(params, api) -> int:
     run the flow on the server it needs (`api`: the embedded API Kiln started, or None), print the summary."""
     from kiln.host.trust import DEV_KEY_NAME
     from flows.params import default_host_names, prepare
-    from kiln.core.home import kiln_home
+    from kiln.core.machine.home import kiln_home
     dev_key = kiln_home() / "keys" / f"{DEV_KEY_NAME}.key"
     had_dev_key = dev_key.exists()
     job, hosts = prepare(params, host_names=default_host_names(params))  # fail fast on bad input, before Prefect starts

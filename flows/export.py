@@ -31,7 +31,7 @@ from kiln.core.gate import Plan
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.manifest import export_manifest
 from kiln.core.probe_result import HostProbe
-from kiln.core.target import resolve_device
+from kiln.core.machine.target import resolve_device
 from kiln.core.recipe import Recipe
 from kiln.core.report import Report
 from kiln.host import probe

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kiln.core.errors import BadInput
 from kiln.core.forward_keys import check_export_id
-from kiln.core.home import kiln_home
+from kiln.core.machine.home import kiln_home
 from kiln.core.model.config import BUNDLED_MODEL, DTYPE_BYTES
 from kiln.core.job import CHECKSUM_MODES, DEFAULT_TP, ExportJob, HostSpec, place_ranks
 from kiln.core.layout import manifest_key

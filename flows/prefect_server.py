@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kiln.core.errors import BadInput
-from kiln.core.home import kiln_home
+from kiln.core.machine.home import kiln_home
 
 
 def prefect_environment(*, quiet: bool) -> None:

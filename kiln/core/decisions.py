@@ -19,7 +19,7 @@ from kiln.core.recipe import SETTING, SETTINGS, Recipe
 from kiln.core.model.cache_layout import cache_layout
 from kiln.core.shape_ranges import parse_shape_range
 from kiln.core.sizing import check_peak_mib, device_required_mib, plan_kv, required_mib
-from kiln.core.target import device_of, resolve_device
+from kiln.core.machine.target import device_of, resolve_device
 
 
 def host_reports(job: ExportJob, probes: list[HostProbe]) -> list[HostReport]:
@@ -202,7 +202,7 @@ class Decision:
 
 
 def check_devices(job: ExportJob, probes: list[HostProbe]) -> str:
-    """The export's device ('cpu' or 'cuda', kiln.core.target.resolve_device over the rank hosts' GPUs);
+    """The export's device ('cpu' or 'cuda', kiln.core.machine.target.resolve_device over the rank hosts' GPUs);
     BadInput naming every rank host without a GPU when the recipe says cuda, or when the hosts probed for
     different devices (an auto export whose hosts must be probed again for the device returned)."""
     ranked = [p for p in probes if p.ranks]

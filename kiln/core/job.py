@@ -62,7 +62,7 @@ class ExportJob:
 
         `code` is the code fingerprint (kiln.host.key_sources); `inductor_env` the TORCHINDUCTOR_* settings
         the compile workers inherit (kiln.host.inductor_options.inductor_env), in the graph when given.
-        `device` ('cpu' or 'cuda', the host's: kiln.core.target.host_device) goes into the graph as its
+        `device` ('cpu' or 'cuda', the host's: kiln.core.machine.target.host_device) goes into the graph as its
         'device' for cuda; a CPU graph names none, so CPU keys are what they were before CUDA exports."""
         if device not in ("cpu", "cuda"):
             raise ValueError(f"a forward's device is 'cpu' or 'cuda', not {device!r}")

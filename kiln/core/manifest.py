@@ -25,7 +25,7 @@ from kiln.core.errors import BadInput, IntegrityError
 from kiln.core.key_rules import check_no_collisions
 from kiln.core.layout import artifact_key
 from kiln.core.shape_ranges import parse_shape_range
-from kiln.core.target import device_of
+from kiln.core.machine.target import device_of
 
 MANIFEST_VERSION = 5
 _KEY = re.compile(r"^[0-9a-f]{16,64}$")

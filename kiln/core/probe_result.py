@@ -26,7 +26,7 @@ class HostProbe:
     unified: bool
     """Whether device memory is the host's pool (probed, or the recipe's unified_memory)."""
     target: str
-    """The compile target fingerprint (kiln.core.target.Target.fingerprint): hosts of one target share forwards."""
+    """The compile target fingerprint (kiln.core.machine.target.Target.fingerprint): hosts of one target share forwards."""
     specs: tuple[ForwardSpec, ...]
     """The forwards this host needs, one per bucket or range of shapes."""
     local_keys: tuple[str, ...]
@@ -46,7 +46,7 @@ class HostProbe:
     """GPUs this host can compile for (kiln.host.probe.usable_gpus: visible through NVML or torch, with a
     CUDA build of torch); the recipe's device auto and cuda look at it."""
     device: str = "cpu"
-    """'cpu' or 'cuda': the device `target` and `specs` are for (kiln.core.target)."""
+    """'cpu' or 'cuda': the device `target` and `specs` are for (kiln.core.machine.target)."""
 
     @property
     def host_available_mib(self) -> int:

@@ -20,7 +20,7 @@ from kiln.core.errors import BadInput
 from kiln.core.settings import Setting, form_model, form_value, from_form, parse_assignments, setting, settings_of
 from kiln.core.shape_ranges import (BUCKET_PATTERN, SHAPES_PATTERN, Bucket, ShapeRange, group_buckets, parse_buckets,
                                     parse_shape_ranges, show_shape_ranges)
-from kiln.core.target import Device
+from kiln.core.machine.target import Device
 
 Policy = Literal["borrow", "fail"]
 ShapePolicy = Literal["ranges", "static"]

@@ -33,7 +33,7 @@ def cache_root(host_name: str, configured: str = "") -> Path:
         return Path(configured)
     if os.environ.get(CACHE_DIR_ENV):
         return Path(os.environ[CACHE_DIR_ENV]).expanduser().resolve() / host_name
-    from kiln.core.home import kiln_home
+    from kiln.core.machine.home import kiln_home
     return kiln_home() / "cache" / host_name
 
 

@@ -43,7 +43,7 @@ def compile_on_host(store, job: ExportJob, host: HostSpec, specs: list[ForwardSp
     """
     import torch
 
-    from kiln.core.home import kiln_home
+    from kiln.core.machine.home import kiln_home
     from kiln.host.trust import export_signer
 
     signer = export_signer(job.signing, kiln_home(), host.name)  # before any compile: a host without the key stops

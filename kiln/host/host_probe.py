@@ -8,7 +8,7 @@ from kiln.core.job import ExportJob, HostSpec
 from kiln.core.errors import IntegrityError
 from kiln.core.layout import artifact_key, worker_memory_prefix
 from kiln.core.probe_result import HostProbe
-from kiln.core.target import host_device
+from kiln.core.machine.target import host_device
 from kiln.host import cache, probe, tuner
 from kiln.host.cache import cache_dir, local_path
 from kiln.host.inductor_options import compiler_options, inductor_env
@@ -26,7 +26,7 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
     """
     import torch
 
-    from kiln.core.home import kiln_home
+    from kiln.core.machine.home import kiln_home
     from kiln.host.trust import export_signer
 
     export_signer(job.signing, kiln_home(), host.name)  # every host may compile, so every host needs the key

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import psutil
 
-from kiln.core import cgroup_limits as cg
-from kiln.core import gpus
-from kiln.core.cpu_target import cpu_target
+from kiln.core.machine import cgroup_limits as cg
+from kiln.core.machine import gpus
+from kiln.core.machine.cpu_target import cpu_target
 from kiln.core.errors import BadInput
-from kiln.core.target import Target, cpu_target_of, cuda_target_of
+from kiln.core.machine.target import Target, cpu_target_of, cuda_target_of
 
 MIB = 2**20
 
@@ -73,7 +73,7 @@ def cgroup_cpu_limits(root: str = "/") -> list[cg.CpuLimit]:
 
 def host_memory_bytes(root: str = "/") -> tuple[int, int, str]:
     """(available bytes, total bytes, source) this process can use: the node's (psutil), or its cgroup's
-    where that allows less (kiln.core.cgroup_limits); source is 'host' or e.g.
+    where that allows less (kiln.core.machine.cgroup_limits); source is 'host' or e.g.
     'cgroup v2 memory.max at /sys/fs/cgroup'. `root`: the file system to read, for tests."""
     vm = psutil.virtual_memory()
     return cg.effective_memory(node_available_bytes=vm.available, node_total_bytes=vm.total,
@@ -89,7 +89,7 @@ def host_memory(root: str = "/") -> dict:
 def memory_snapshot(reading: gpus.GpuReading | None = None) -> dict:
     """host_memory's figures and the device keys: device_free_mib and device_total_mib (None without a GPU
     or on unified memory), and where a GPU is visible gpu_count, gpu_name and device_unified
-    (kiln.core.gpus.GpuReading.memory). Read through NVML or a child process (gpu_reading; or `reading`, one
+    (kiln.core.machine.gpus.GpuReading.memory). Read through NVML or a child process (gpu_reading; or `reading`, one
     just taken): this process never holds a CUDA context. allocated_mib / reserved_mib (this process's CUDA
     allocator) stay None."""
     snap = {**host_memory(), "device_free_mib": None, "device_total_mib": None,
@@ -207,7 +207,7 @@ def gpu_reading() -> gpus.GpuReading:
 
 
 def cpu_fingerprint() -> str:
-    """This host's CPU target (kiln.core.cpu_target): Inductor compiles CPU code with -march=native, so two
+    """This host's CPU target (kiln.core.machine.cpu_target): Inductor compiles CPU code with -march=native, so two
     CPUs share artifacts only when their ISA level and instruction-set flags agree (kernel bug, mitigation
     and virtualisation flags do not count)."""
     import torch
@@ -244,7 +244,7 @@ def usable_gpus(reading: gpus.GpuReading) -> int:
 
 
 def detect_target(device: str, reading: gpus.GpuReading | None = None) -> Target:
-    """This host's compile target for `device` ('cpu' or 'cuda'; kiln.core.target). For cuda: the first
+    """This host's compile target for `device` ('cpu' or 'cuda'; kiln.core.machine.target). For cuda: the first
     visible GPU's arch (from `reading`, default gpu_reading()), torch's CUDA and Triton's version, and the
     wrapper's pinned -march where torch has cpp.march. Creates no CUDA context. BadInput for cuda on a
     host without a visible GPU or with a CPU build of torch."""

@@ -37,7 +37,7 @@ from kiln.core import tuning_plan
 from kiln.core.errors import IntegrityError, KilnError
 from kiln.core.forward_keys import ForwardSpec
 from kiln.core.tuning_plan import GemmShape
-from kiln.core.target import device_of
+from kiln.core.machine.target import device_of
 from kiln.host import probe
 from kiln.host.inductor_options import compiler_options
 from kiln.host.spawned import call_in_spawned

@@ -14,7 +14,7 @@ from kiln.core.job import ExportJob, HostSpec
 from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import Recipe
 from kiln.core.report import Report
-from kiln.core.target import host_device
+from kiln.core.machine.target import host_device
 
 
 @dataclass

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.core import cgroup_limits as cg
+from kiln.core.machine import cgroup_limits as cg
 from kiln.core.decisions import describe
 from kiln.core.errors import GateRefused
 from kiln.core.gate import HostReport, decide

@@ -1,8 +1,8 @@
-"""The CPU target hashes the instruction sets, not what the kernel says about the CPU (kiln.core.cpu_target)."""
+"""The CPU target hashes the instruction sets, not what the kernel says about the CPU (kiln.core.machine.cpu_target)."""
 
 from __future__ import annotations
 
-from kiln.core.cpu_target import cpu_target, isa_flags
+from kiln.core.machine.cpu_target import cpu_target, isa_flags
 
 ISA = ("fpu mmx sse sse2 pni ssse3 sse4_1 sse4_2 popcnt aes pclmulqdq avx avx2 fma f16c bmi1 bmi2 adx "
        "movbe xsave xsaveopt xsavec avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni sha_ni")

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from kiln.core import gpus
+from kiln.core.machine import gpus
 from kiln.core.errors import BadInput
 from kiln.host import probe
 

@@ -158,9 +158,9 @@ def _probe_keys(monkeypatch, tmp_path) -> list[str]:
     """The forward keys kiln.host.host_probe.probe_host reports, torch and the machine stubbed (no torch import)."""
     from kiln.host import host_probe
     from kiln.store import open_store
-    from kiln.core.gpus import GpuReading
+    from kiln.core.machine.gpus import GpuReading
     from kiln.core.job import HostSpec
-    from kiln.core.target import cpu_target_of
+    from kiln.core.machine.target import cpu_target_of
 
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(__version__="2.13.0"))
     monkeypatch.setattr(host_probe.probe, "memory_snapshot",

@@ -1,4 +1,4 @@
-"""A target per host and its fingerprint, and the recipe's device across hosts (kiln.core.target). Pure."""
+"""A target per host and its fingerprint, and the recipe's device across hosts (kiln.core.machine.target). Pure."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from kiln.core.errors import BadInput
 from kiln.core.forward_keys import forward_spec
 from kiln.core.recipe import Bucket, Recipe, recipe_from_text
 from kiln.core.shape_ranges import static_shape
-from kiln.core.target import (CUDA_WRAPPER_MARCH, Target, cpu_target_of, cuda_target_of, device_of, host_device,
+from kiln.core.machine.target import (CUDA_WRAPPER_MARCH, Target, cpu_target_of, cuda_target_of, device_of, host_device,
                               resolve_device)
 
-SPR = "cpu-x86_64-avx512-1a2b3c4d"  # a Sapphire Rapids host's CPU target (kiln.core.cpu_target)
+SPR = "cpu-x86_64-avx512-1a2b3c4d"  # a Sapphire Rapids host's CPU target (kiln.core.machine.cpu_target)
 GENOA = "cpu-x86_64-avx512-9f8e7d6c"  # another CPU of the same ISA level, other flags
 
 

@@ -5,7 +5,7 @@ forwards (the fingerprint is hashed into every forward key beside the torch
 version, kiln.core.forward_keys), so everything that changes the generated code
 and is not hashed elsewhere is in it:
 
-- `cpu`: the host CPU's ISA (kiln.core.cpu_target). Inductor compiles CPU
+- `cpu`: the host CPU's ISA (kiln.core.machine.cpu_target). Inductor compiles CPU
   kernels with `-march=native`, so a CPU package runs only on CPUs with the
   instruction sets it was compiled for. Unchanged from before targets had a
   device: 'cpu-x86_64-avx512-1a2b3c4d'.
@@ -66,7 +66,7 @@ class Target:
     machine: str
     """The host CPU's architecture (platform.machine(): 'x86_64', 'aarch64')."""
     cpu: str
-    """The host CPU's target (kiln.core.cpu_target.cpu_target): its ISA level and instruction-set flags."""
+    """The host CPU's target (kiln.core.machine.cpu_target.cpu_target): its ISA level and instruction-set flags."""
     torch_version: str
     """torch.__version__ on the host (hashed beside the fingerprint, not in it)."""
     march: str | None = None
