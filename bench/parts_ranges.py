@@ -1,4 +1,4 @@
-"""One compile for many shapes: the incident's 38 buckets as ranges (kiln.core.shape_ranges) against one
+"""One compile for many shapes: the incident's 38 buckets as ranges (kiln.core.forwards.shape_ranges) against one
 package per bucket, and the step time of a range package against the static package at the same shape.
 
 Each side compiles in a fresh process with a fresh Inductor cache, one forward after another (one compile
@@ -24,7 +24,7 @@ hint), one prefill length off the hint. 1x1 is a static forward on both sides (a
 
 def part_ranges(ctx: Context) -> dict:
     from bench.range_step import incident_buckets
-    from kiln.core.shape_ranges import group_buckets, static_shape
+    from kiln.core.forwards.shape_ranges import group_buckets, static_shape
 
     w = ctx.work
     buckets = incident_buckets()

@@ -2,7 +2,7 @@
 
 `python -m bench.range_step compile OUT_DIR SIDE NAME...` compiles, in this one process (as one compile
 worker does, its Inductor cache fresh when the caller gives it a fresh TORCHINDUCTOR_CACHE_DIR), the
-forwards NAME... (kiln.core.shape_ranges names: `8x1`, `2-256x1@256x1`) of the tiny model's tp 2 shard, one
+forwards NAME... (kiln.core.forwards.shape_ranges names: `8x1`, `2-256x1@256x1`) of the tiny model's tp 2 shard, one
 after another, and writes OUT_DIR/<SIDE>.json: {name: {'compile_s', 'size_bytes'}}.
 
 `python -m bench.range_step step OUT_DIR REPS STEPS SHAPE=STATIC,RANGE ...` loads each pair's static and
@@ -32,8 +32,8 @@ def incident_buckets():
 
 def spec(name: str) -> dict:
     from kiln.core.model.config import TINY
-    from kiln.core.forward_keys import forward_spec
-    from kiln.core.shape_ranges import parse_shape_range
+    from kiln.core.forwards.forward_keys import forward_spec
+    from kiln.core.forwards.shape_ranges import parse_shape_range
     from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS
 
@@ -62,7 +62,7 @@ def step(out: Path, reps: int, steps: int, pairs: dict[str, tuple[str, str]]) ->
     import torch
 
     from kiln.core.model.config import TINY
-    from kiln.core.shape_ranges import parse_shape_range
+    from kiln.core.forwards.shape_ranges import parse_shape_range
     from kiln.host.loader import load_forward
     from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group

@@ -27,11 +27,11 @@ V4 = dict(model_type="deepseek_v4", vocab_size=512, hidden_size=128, moe_interme
 
 def compile_one(layers: int, out: Path) -> dict:
     """Compile the 1x8 forward at `layers` in this process, as a compile worker does."""
-    from kiln.core.forward_keys import forward_spec
+    from kiln.core.forwards.forward_keys import forward_spec
     from kiln.core.model.hf_config import from_hf
     from kiln.core.model.layer_runs import segments
     from kiln.core.recipe import Bucket
-    from kiln.core.shape_ranges import static_shape
+    from kiln.core.forwards.shape_ranges import static_shape
     from kiln.host.compiler import _warm, compile_forward
     from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS

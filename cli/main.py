@@ -117,7 +117,7 @@ def cmd_announce(args) -> int:
     from flows.params import export_params, model_name
     from flows.prefect_server import check_server
     from kiln.core.events import CHECKPOINT_READY
-    from kiln.core.forward_keys import check_export_id
+    from kiln.core.forwards.forward_keys import check_export_id
     params = export_params(model=args.model, export_id=args.export_id)
     if params.export_id:
         check_export_id(params.export_id)

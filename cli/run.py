@@ -6,7 +6,7 @@ each loads every forward through the checked loader with its own weight
 shard and keeps its own paged KV cache (its share of the KV heads). The
 prompt is fed in the export's buckets as a server would (kiln.core.decode), then
 one decode step per new token; each step runs on the forward whose range holds
-its bucket, chosen by the consumer contract's rule (kiln.core.shape_ranges.choose_forward). Rank 0 picks each token (argmax of the last
+its bucket, chosen by the consumer contract's rule (kiln.core.forwards.shape_ranges.choose_forward). Rank 0 picks each token (argmax of the last
 position's logits) and broadcasts it, so every rank feeds the same one. That
 broadcast runs on a process group of its own: the default world group belongs
 to the packages' collectives (kiln.host.model.host_group says why).
@@ -22,7 +22,7 @@ from kiln.core.model.cache_layout import cache_layout
 from kiln.core.decode import check_request, prefill_steps, refills_cache, step_bucket
 from kiln.core.manifest import manifest_device
 from kiln.core.recipe import Bucket, parse_buckets
-from kiln.core.shape_ranges import choose_forward, parse_shape_range
+from kiln.core.forwards.shape_ranges import choose_forward, parse_shape_range
 from kiln.host.verify_ranks import RankLink, join_ranks, rank_device, spawn_ranks
 
 

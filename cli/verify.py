@@ -16,7 +16,7 @@ from pathlib import Path
 from kiln.host.trust import read_verified_manifest, trusted_keys
 from kiln.core.model.config import BUNDLED_MODEL, ModelConfig
 from kiln.core.errors import BadInput, MemoryShort, VerifyMismatch
-from kiln.core.forward_keys import check_export_id
+from kiln.core.forwards.forward_keys import check_export_id
 from kiln.core.machine.home import kiln_home
 from kiln.core.layout import manifest_key
 from kiln.core.manifest import check_manifest, forwards_for_host, manifest_device

@@ -19,7 +19,7 @@ from prefect.artifacts import update_progress_artifact
 from flows import artifacts
 from flows.hosts import HostRunner
 from kiln.core import decisions, layout, outcome
-from kiln.core.forward_keys import ForwardSpec
+from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.gate import HostReport, Plan
 from kiln.core.job import ExportJob, HostSpec
 from tasks import phases

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kiln.core.errors import BadInput
-from kiln.core.forward_keys import check_export_id
+from kiln.core.forwards.forward_keys import check_export_id
 from kiln.core.machine.home import kiln_home
 from kiln.core.model.config import BUNDLED_MODEL, DTYPE_BYTES
 from kiln.core.job import CHECKSUM_MODES, DEFAULT_TP, ExportJob, HostSpec, place_ranks

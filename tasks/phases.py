@@ -19,7 +19,7 @@ import functools
 from prefect import task
 
 from kiln.core import decisions, outcome
-from kiln.core.forward_keys import ForwardSpec
+from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.layout import artifact_key, manifest_key
 from kiln.core.probe_result import HostProbe

@@ -245,8 +245,8 @@ def small_forward(tmp_path_factory: pytest.TempPathFactory) -> dict:
     shape), 'page_tokens', 'pages_per_seq'}. Treat the file as read-only; copy it to change it.
     """
     from kiln.core.model.config import TINY
-    from kiln.core.forward_keys import forward_spec
-    from kiln.core.shape_ranges import parse_shape_range
+    from kiln.core.forwards.forward_keys import forward_spec
+    from kiln.core.forwards.shape_ranges import parse_shape_range
     from kiln.host.compiler import CompilePool
     from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS

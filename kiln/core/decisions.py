@@ -17,7 +17,7 @@ from kiln.core.job import ExportJob
 from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import SETTING, SETTINGS, Recipe
 from kiln.core.model.cache_layout import cache_layout
-from kiln.core.shape_ranges import parse_shape_range
+from kiln.core.forwards.shape_ranges import parse_shape_range
 from kiln.core.sizing import check_peak_mib, device_required_mib, plan_kv, required_mib
 from kiln.core.machine.target import device_of, resolve_device
 

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from kiln.core.model.config import ModelConfig
-from kiln.core.forward_keys import ForwardSpec, forward_spec
+from kiln.core.forwards.forward_keys import ForwardSpec, forward_spec
 from kiln.core.recipe import Recipe
 from kiln.core.signing import SigningPlan
 

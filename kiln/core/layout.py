@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from kiln.core.forward_keys import ForwardSpec, digest
+from kiln.core.forwards.forward_keys import ForwardSpec, digest
 
 FORWARDS = "forwards/"
 INSPECTIONS = "inspections/"

@@ -4,7 +4,7 @@ The manifest is signed (kiln.core.signing; the signature lives beside it) and sa
 so in its `signing` entry: {'signed': bool, 'key_fingerprint': str | None}.
 `check_manifest` is the structural check that follows the signature check: every
 forward names a well-formed key, its object `forwards/<key>.pt2`, the shapes
-it takes (a range and its hint, kiln.core.shape_ranges) and a sha256, says
+it takes (a range and its hint, kiln.core.forwards.shape_ranges) and a sha256, says
 whether it is Python-free, its target agrees with `runtime.device`, and no two
 keys or objects collide after normalisation.
 
@@ -24,7 +24,7 @@ import re
 from kiln.core.errors import BadInput, IntegrityError
 from kiln.core.key_rules import check_no_collisions
 from kiln.core.layout import artifact_key
-from kiln.core.shape_ranges import parse_shape_range
+from kiln.core.forwards.shape_ranges import parse_shape_range
 from kiln.core.machine.target import device_of
 
 MANIFEST_VERSION = 5
@@ -108,7 +108,7 @@ def check_manifest(manifest: object, *, export_id: str | None = None) -> dict:
 
 def _check_shapes(forward: dict) -> None:
     """IntegrityError unless the forward's 'shapes' names a well-formed range whose 'batch', 'tokens' and
-    'hint' it states again (kiln.core.shape_ranges.ShapeRange.to_dict)."""
+    'hint' it states again (kiln.core.forwards.shape_ranges.ShapeRange.to_dict)."""
     try:
         stated = parse_shape_range(forward["shapes"]).to_dict()
     except BadInput as exc:

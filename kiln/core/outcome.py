@@ -11,7 +11,7 @@ from __future__ import annotations
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.contract import constant_sources
 from kiln.core.errors import ForwardsMissing, IntegrityError, NotPythonFree, VerifyMismatch
-from kiln.core.forward_keys import ForwardSpec
+from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.model.interface import forward_interface
 from kiln.core.layout import artifact_key
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.core.forward_keys import ForwardSpec
+from kiln.core.forwards.forward_keys import ForwardSpec
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Literal
 
 from kiln.core.errors import BadInput
 from kiln.core.settings import Setting, form_model, form_value, from_form, parse_assignments, setting, settings_of
-from kiln.core.shape_ranges import (BUCKET_PATTERN, SHAPES_PATTERN, Bucket, ShapeRange, group_buckets, parse_buckets,
+from kiln.core.forwards.shape_ranges import (BUCKET_PATTERN, SHAPES_PATTERN, Bucket, ShapeRange, group_buckets, parse_buckets,
                                     parse_shape_ranges, show_shape_ranges)
 from kiln.core.machine.target import Device
 
@@ -183,7 +183,7 @@ class Recipe:
     @property
     def shapes(self) -> tuple[ShapeRange, ...]:
         """The forwards this recipe compiles: forward_shapes, then the buckets they leave grouped by
-        shape_policy (kiln.core.shape_ranges.group_buckets)."""
+        shape_policy (kiln.core.forwards.shape_ranges.group_buckets)."""
         return group_buckets(self.buckets, self.shape_policy, self.forward_shapes)
 
     @property

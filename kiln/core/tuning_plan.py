@@ -38,10 +38,10 @@ from dataclasses import dataclass
 
 from kiln.core.model.config import ModelConfig
 from kiln.core.errors import IntegrityError
-from kiln.core.forward_keys import digest
+from kiln.core.forwards.forward_keys import digest
 from kiln.core.layout import tuning_key
 from kiln.core.recipe import TUNING_MODES, Bucket
-from kiln.core.shape_ranges import ShapeRange
+from kiln.core.forwards.shape_ranges import ShapeRange
 
 FORMAT = 1
 """Version of the stored result layout; part of every result id."""

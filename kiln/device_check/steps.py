@@ -145,8 +145,8 @@ def compile_forwards(check: Check, forwards: dict) -> dict:
     """Compile name -> (ModelConfig, tp, Bucket, compiler options) for the device; name -> figures."""
     import torch
 
-    from kiln.core.forward_keys import forward_spec
-    from kiln.core.shape_ranges import static_shape
+    from kiln.core.forwards.forward_keys import forward_spec
+    from kiln.core.forwards.shape_ranges import static_shape
     from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import inductor_env
 

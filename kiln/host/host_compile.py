@@ -8,7 +8,7 @@ import logging
 
 from kiln.core import layout
 from kiln.core.errors import IntegrityError, StoreConflict
-from kiln.core.forward_keys import ForwardSpec
+from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.layout import artifact_key, compile_log_key, inspection_key, vouch_key, worker_memory_key
 from kiln.core.vouch import make_vouch

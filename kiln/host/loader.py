@@ -335,7 +335,7 @@ def compare_with_eager(compiled, cfg, tp: int, rank: int, weights: dict, bucket,
 
 def compare_at_corners(compiled, cfg, tp: int, rank: int, weights: dict, shapes, *, page_tokens: int,
                        pages_per_seq: int, atol: float, half_ratio: float, device: str = "cpu") -> dict:
-    """The compiled forward over `shapes` (kiln.core.shape_ranges.ShapeRange) against the eager shard at each
+    """The compiled forward over `shapes` (kiln.core.forwards.shape_ranges.ShapeRange) against the eager shard at each
     of its corners (smallest, hint, largest): the worst one's check (kiln.core.outcome.worst_corner)."""
     from kiln.core.outcome import worst_corner
 

@@ -83,7 +83,7 @@ def _record_path(record: Path, forward: dict, tp: int, rank: int, weights: str) 
 
 
 def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict]) -> dict:
-    from kiln.core.shape_ranges import parse_shape_range
+    from kiln.core.forwards.shape_ranges import parse_shape_range
     from kiln.core.machine.target import device_of
     from kiln.host.loader import compare_at_corners, load_forward, place_weights
     from kiln.host.verify_ranks import rank_device

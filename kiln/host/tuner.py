@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from kiln.core import tuning_plan
 from kiln.core.errors import IntegrityError, KilnError
-from kiln.core.forward_keys import ForwardSpec
+from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.tuning_plan import GemmShape
 from kiln.core.machine.target import device_of
 from kiln.host import probe

@@ -96,7 +96,7 @@ def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLi
     from kiln.core.model.config import ModelConfig
     from kiln.core.model.cache_layout import cache_layout
     from kiln.core.outcome import worst_corner
-    from kiln.core.shape_ranges import parse_shape_range
+    from kiln.core.forwards.shape_ranges import parse_shape_range
     from kiln.host.loader import check_against_eager, load_forward, place_weights
     from kiln.host.weights import load_rank_weights
     from kiln.host.model import example_inputs, host_group
@@ -176,7 +176,7 @@ def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[
     model at the worst corner of the forward's range (kiln.host.loader.check_against_eager,
     kiln.core.outcome.worst_corner), the ranks' peak MiB added up); raises on any rank's error.
 
-    `artifacts` maps forward shapes' name ('2-8x16-64@8x64', kiln.core.shape_ranges) to {'path', 'sha256'} of
+    `artifacts` maps forward shapes' name ('2-8x16-64@8x64', kiln.core.forwards.shape_ranges) to {'path', 'sha256'} of
     a verified local copy, compiled for
     `device` ('cpu' or 'cuda': each rank on its GPU, see rank_device; the group is gloo either way).
     """

@@ -35,9 +35,9 @@ print(json.dumps([r["diff"] for r in results]))
 
 def test_a_compiled_decode_step_reads_its_pages_in_place_as_eager_computes(tmp_path):
     from kiln.core.model.config import TINY
-    from kiln.core.forward_keys import forward_spec
+    from kiln.core.forwards.forward_keys import forward_spec
     from kiln.core.recipe import Bucket
-    from kiln.core.shape_ranges import static_shape
+    from kiln.core.forwards.shape_ranges import static_shape
     from kiln.host.compiler import CompilePool
     from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS

@@ -2,7 +2,7 @@
 in transformers (`generate(do_sample=False)`) on the same checkpoint.
 
 Two buckets (1x4, 1x8) per export, served by one forward over a range of
-tokens (1x4-8, compiled for 1x8: kiln.core.shape_ranges): the 12-token prompt is
+tokens (1x4-8, compiled for 1x8: kiln.core.forwards.shape_ranges): the 12-token prompt is
 fed as a chunk of 8 and a chunk of 4, and every decode step is a padded 1x4
 call, so a range's smallest and largest shapes, chunked prefill, padding and
 the paged cache all take part.

@@ -37,9 +37,9 @@ def export(tmp_path_factory) -> dict:
     from kiln.core.model.config import TINY
     from kiln.core.model.contract import PROCESS_GROUP, weight_layout
     from kiln.core.model.interface import forward_interface
-    from kiln.core.forward_keys import forward_spec
+    from kiln.core.forwards.forward_keys import forward_spec
     from kiln.core.recipe import Bucket
-    from kiln.core.shape_ranges import static_shape
+    from kiln.core.forwards.shape_ranges import static_shape
     from kiln.host.checkpoint import write_checkpoint
     from kiln.host.compiler import CompilePool
     from kiln.host.key_sources import model_code_fingerprint
@@ -152,7 +152,7 @@ def test_cpp_runner_runs_what_kiln_export_wrote(runner, tp2_export, tmp_path):
     cfg = ModelConfig(**manifest["model"]["config"])
     eager = ShardedDecoder(cfg, 1).eval()
     eager.load_state_dict(load_rank_weights(manifest["model"]["checkpoint"], cfg, 1, 0))
-    from kiln.core.shape_ranges import parse_shape_range
+    from kiln.core.forwards.shape_ranges import parse_shape_range
 
     for f, (batch, tokens) in [(f, (c.batch, c.tokens)) for f in manifest["forwards"]
                                for c in parse_shape_range(f["shapes"]).corners()]:

@@ -1,7 +1,7 @@
 """One package over a range of shapes computes what eager computes at the range's corners, and only there.
 
 The session's `small_forward` is compiled once over batch 2-3 and tokens 4-8
-for 3x6 (kiln.core.shape_ranges); a fresh interpreter loads it (native code)
+for 3x6 (kiln.core.forwards.shape_ranges); a fresh interpreter loads it (native code)
 with random weights and compares it with the eager model at the range's
 smallest, hint and largest shapes and at one shape inside, then calls it just
 outside each bound, where the package must refuse the call.

@@ -19,7 +19,7 @@ import pytest
 from kiln.core import tuning_plan
 from kiln.core.model.config import TINY
 from kiln.core.errors import IntegrityError, KilnError
-from kiln.core.forward_keys import ForwardSpec
+from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.job import ExportJob
 from kiln.core.recipe import Recipe, parse_buckets
 from kiln.host import tuner

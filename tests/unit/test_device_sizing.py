@@ -8,12 +8,12 @@ import pytest
 from kiln.core.model.config import TINY
 from kiln.core.decisions import check_devices, decide_export, kv_plan
 from kiln.core.errors import BadInput, GateRefused
-from kiln.core.forward_keys import ForwardSpec
+from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.gate import HostReport, decide
 from kiln.core.job import ExportJob
 from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import Bucket, Recipe
-from kiln.core.shape_ranges import parse_shape_range
+from kiln.core.forwards.shape_ranges import parse_shape_range
 from kiln.core.sizing import device_required_mib, required_mib, worker_capacity
 
 R = Recipe(headroom_floor_mib=4096, recipe_headroom_mib=1024, worker_host_mib=3000, worker_device_mib=2000)

@@ -1,8 +1,8 @@
 """Forward keys change with what changes the code, and only with that."""
 
-from kiln.core.forward_keys import forward_spec
+from kiln.core.forwards.forward_keys import forward_spec
 from kiln.core.recipe import Bucket
-from kiln.core.shape_ranges import static_shape
+from kiln.core.forwards.shape_ranges import static_shape
 
 BASE = dict(shapes=static_shape(Bucket(1, 16)), graph={"config": {"h": 1}, "tp": 2, "code": "abc"}, target="avx2",
             torch_version="2.13.0", page_tokens=16, pages_per_seq=16, compiler={"max_autotune": False})
@@ -36,7 +36,7 @@ def test_spec_leaves_the_page_count_dynamic():
 
 def test_key_records_the_package_layout(monkeypatch):
     """A package of another constant layout (say, unrolled layers) never shares a key with a scanned one."""
-    import kiln.core.forward_keys as forward_keys
+    import kiln.core.forwards.forward_keys as forward_keys
 
     base = key()
     monkeypatch.setattr(forward_keys, "LAYOUT", "unrolled")

@@ -11,10 +11,10 @@ import pytest
 
 from kiln.core.model.config import TINY
 from kiln.core.errors import KilnError
-from kiln.core.forward_keys import forward_spec
+from kiln.core.forwards.forward_keys import forward_spec
 from kiln.core.job import ExportJob
 from kiln.core.recipe import Bucket, Recipe
-from kiln.core.shape_ranges import static_shape
+from kiln.core.forwards.shape_ranges import static_shape
 from kiln.host import key_sources
 from kiln.host.inductor_options import INDUCTOR_ENV_UNKEYED, inductor_env
 from kiln.host.key_sources import KEY_SOURCES, code_fingerprint, keyed_code, model_code_fingerprint, source_files

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from kiln.core import layout
-from kiln.core.forward_keys import ForwardSpec
+from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.key_rules import validate_key
-from kiln.core.shape_ranges import parse_shape_range
+from kiln.core.forwards.shape_ranges import parse_shape_range
 
 KEY = "0123456789abcdef0123456789abcdef"
 SPEC = ForwardSpec(key=KEY, shapes=parse_shape_range("1x8"), target="cpu-x86_64", graph={"layers": 2}, inputs={},

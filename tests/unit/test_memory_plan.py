@@ -9,12 +9,12 @@ from kiln.core.model.config import TINY
 from kiln.core.decisions import (RANGE_COMPILE_FACTOR, compile_estimates, describe, host_reports,
                                  measured_worker_mib, plan_kv_for, planned_workers, run_gate)
 from kiln.core.errors import GateRefused
-from kiln.core.forward_keys import ForwardSpec
+from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.gate import HostReport, decide
 from kiln.core.job import ExportJob
 from kiln.core.probe_result import HostProbe
 from kiln.core.recipe import Bucket, Recipe, recipe_from_text
-from kiln.core.shape_ranges import parse_shape_range
+from kiln.core.forwards.shape_ranges import parse_shape_range
 
 
 def test_the_per_worker_figure_says_where_it_comes_from():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kiln.core.errors import BadInput
-from kiln.core.forward_keys import forward_spec
+from kiln.core.forwards.forward_keys import forward_spec
 from kiln.core.recipe import Recipe, recipe_from_text
-from kiln.core.shape_ranges import (Bucket, choose_forward, group_buckets, parse_shape_range, parse_shape_ranges,
+from kiln.core.forwards.shape_ranges import (Bucket, choose_forward, group_buckets, parse_shape_range, parse_shape_ranges,
                                     static_shape)
 
 INCIDENT = tuple(Bucket(b, 1) for b in [1, 2, 4, *range(8, 257, 8)]) + (Bucket(1, 128), Bucket(1, 256),

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kiln.core.errors import BadInput
-from kiln.core.forward_keys import forward_spec
+from kiln.core.forwards.forward_keys import forward_spec
 from kiln.core.recipe import Bucket, Recipe, recipe_from_text
-from kiln.core.shape_ranges import static_shape
+from kiln.core.forwards.shape_ranges import static_shape
 from kiln.core.machine.target import (CUDA_WRAPPER_MARCH, Target, cpu_target_of, cuda_target_of, device_of, host_device,
                               resolve_device)
 

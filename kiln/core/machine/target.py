@@ -2,7 +2,7 @@
 
 One place defines a target and its fingerprint. Hosts of one fingerprint share
 forwards (the fingerprint is hashed into every forward key beside the torch
-version, kiln.core.forward_keys), so everything that changes the generated code
+version, kiln.core.forwards.forward_keys), so everything that changes the generated code
 and is not hashed elsewhere is in it:
 
 - `cpu`: the host CPU's ISA (kiln.core.machine.cpu_target). Inductor compiles CPU

@@ -10,7 +10,7 @@ paged KV cache:
     outputs: logits[batch, tokens, vocab] <dtype>, new_kv[layers, entries, batch, tokens, heads, width] <dtype>
 
 `num_pages` is always dynamic; `batch` and `tokens` are where the forward
-takes a range of them (kiln.core.shape_ranges). A dynamic dimension is named in
+takes a range of them (kiln.core.forwards.shape_ranges). A dynamic dimension is named in
 the shapes as a string, with its bounds under the interface's `dynamic_dims`.
 What a cached token holds is the cache layout (`cache_layout`): per-head keys
 and values (entries 2, heads kv_heads/tp, width head_dim), or, for latent

@@ -89,7 +89,7 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
     weighted by its routing weight or 0, as one scan over the experts (`_every_expert`): one expert's body
     in the graph, one expert's [n, I/tp] activations at a time, its compute every expert's. The choice is
     made when the graph is traced: at a static shape by its size; over a range of shapes
-    (kiln.core.shape_ranges) it gathers only when every shape of the range would, without a guard that
+    (kiln.core.forwards.shape_ranges) it gathers only when every shape of the range would, without a guard that
     would narrow the range.
     """
     module, names = EXPERTS[cfg.architecture]

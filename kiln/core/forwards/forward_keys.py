@@ -11,7 +11,7 @@ weights (they are loaded at run time), not the KV page count (a dynamic
 dimension) and not the code that only schedules compiles, so every rank of an
 export shares one artifact per forward, a new KV plan reuses every forward and
 an edit to the compile pool or to a message compiles nothing again. A forward
-covers a range of shapes (kiln.core.shape_ranges): its key hashes the range's
+covers a range of shapes (kiln.core.forwards.shape_ranges): its key hashes the range's
 bounds and its hint (the shape it is compiled for), not any one bucket, so the
 same range compiled for another hint is another forward.
 Pure: no torch import.
@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 
 from kiln.core.model.contract import LAYOUT
-from kiln.core.shape_ranges import ShapeRange
+from kiln.core.forwards.shape_ranges import ShapeRange
 
 KEY_HEX_CHARS = 32
 
