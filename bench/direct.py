@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     from kiln.core import decisions, outcome
     from kiln.core.model.contract import weight_layout
     from kiln.core.machine.home import kiln_home
-    from kiln.core.manifest import build_manifest
+    from kiln.core.trust.manifest import build_manifest
     from kiln.host import probe
     from kiln.host import host_compile, host_probe, rank_check, share
     from tasks.store import store_of

@@ -16,7 +16,7 @@ from bench.figures import median, ratio
 from bench.parts_single import measured_compile_s
 from bench.runs import FAKE_AWS, KILN, PYTHON, BenchFailed
 from bench.scale import simulate
-from kiln.core import layout
+from kiln.core.trust import layout
 
 BUCKET = "kiln-bench"
 

@@ -41,7 +41,7 @@ def _signing_key() -> str:
     if not _KEY:
         import base64
 
-        from kiln.core.signing import generate
+        from kiln.core.trust.signing import generate
         _KEY.append(base64.b64encode(generate().private_bytes_raw()).decode())
     return _KEY[0]
 

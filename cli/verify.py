@@ -18,8 +18,8 @@ from kiln.core.model.config import BUNDLED_MODEL, ModelConfig
 from kiln.core.errors import BadInput, MemoryShort, VerifyMismatch
 from kiln.core.forwards.forward_keys import check_export_id
 from kiln.core.machine.home import kiln_home
-from kiln.core.layout import manifest_key
-from kiln.core.manifest import check_manifest, forwards_for_host, manifest_device
+from kiln.core.trust.layout import manifest_key
+from kiln.core.trust.manifest import check_manifest, forwards_for_host, manifest_device
 from kiln.core.outcome import routing_note
 from kiln.host.package_check import check_package
 from kiln.core.recipe import Recipe
@@ -37,12 +37,12 @@ def fetch_verified_export(store: Store, export_id: str, dest: Path, *, trusted,
 
     The signature first (`trusted` returns the trusted keys), then the
     manifest's structure, then which forwards this host can run (its device and
-    target: kiln.core.manifest.forwards_for_host refuses by name before anything
+    target: kiln.core.trust.manifest.forwards_for_host refuses by name before anything
     is fetched), then each artifact's sha256 (against the signed manifest) as it
     lands in `dest`, then each package's members. `artifacts` maps forward
     shapes ('1x8', '2-8x16-64@8x64') to {'path', 'sha256'}; load them with
     kiln.host.loader.load_forward on the manifest's device
-    (kiln.core.manifest.manifest_device), which checks both again.
+    (kiln.core.trust.manifest.manifest_device), which checks both again.
     """
     check_export_id(export_id)
     raw, signature_line = read_verified_manifest(store, export_id, trusted=trusted, allow_unsigned=allow_unsigned)

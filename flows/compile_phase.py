@@ -18,7 +18,8 @@ from prefect.artifacts import update_progress_artifact
 
 from flows import artifacts
 from flows.hosts import HostRunner
-from kiln.core import decisions, layout, outcome
+from kiln.core import decisions, outcome
+from kiln.core.trust import layout
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.gate import HostReport, Plan
 from kiln.core.job import ExportJob, HostSpec

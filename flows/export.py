@@ -29,7 +29,7 @@ from kiln.core.errors import GateRefused, KilnError
 from kiln.core.retry_rule import worth_retrying
 from kiln.core.gate import Plan
 from kiln.core.job import ExportJob, HostSpec
-from kiln.core.manifest import export_manifest
+from kiln.core.trust.manifest import export_manifest
 from kiln.core.probe_result import HostProbe
 from kiln.core.machine.target import resolve_device
 from kiln.core.recipe import Recipe

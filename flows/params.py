@@ -20,7 +20,7 @@ from kiln.core.forwards.forward_keys import check_export_id
 from kiln.core.machine.home import kiln_home
 from kiln.core.model.config import BUNDLED_MODEL, DTYPE_BYTES
 from kiln.core.job import CHECKSUM_MODES, DEFAULT_TP, ExportJob, HostSpec, place_ranks
-from kiln.core.layout import manifest_key
+from kiln.core.trust.layout import manifest_key
 from kiln.core.recipe import SETTING, Recipe, form_overrides, recipe_form, recipe_of_form
 from kiln.core.settings import GROUPS, form_value, worded_text
 from kiln.core.model.v4_fields import export_refusal

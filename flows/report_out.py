@@ -15,8 +15,8 @@ import json
 import os
 from pathlib import Path
 
-from kiln.core.key_rules import sha256_bytes
-from kiln.core.layout import ledger_picture_key
+from kiln.core.trust.key_rules import sha256_bytes
+from kiln.core.trust.layout import ledger_picture_key
 
 
 def write_report(report, path: str | os.PathLike) -> None:

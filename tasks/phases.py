@@ -3,7 +3,7 @@
 Purpose: each task is one phase (or one host's share of it). Contracts: the
 per-host tasks run on the host they name; reductions (KV plan, gate, outcome
 check, manifest) take every host's result. Anti-patterns: decisions in here;
-they belong to kiln.core.gate, kiln.core.sizing and kiln.core.manifest. Pitfalls: retries
+they belong to kiln.core.gate, kiln.core.sizing and kiln.core.trust.manifest. Pitfalls: retries
 only on I/O, and only for errors that can heal and that no lower level retried
 (kiln.core.retry_rule.retry_in_task): a store error has spent the store's
 per-request retries and is not retried here; anything else that is not
@@ -21,7 +21,7 @@ from prefect import task
 from kiln.core import decisions, outcome
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.job import ExportJob, HostSpec
-from kiln.core.layout import artifact_key, manifest_key
+from kiln.core.trust.layout import artifact_key, manifest_key
 from kiln.core.probe_result import HostProbe
 from kiln.core.retry_rule import mark_retried_in_task, retry_in_task
 from kiln.host import faults, host_compile, host_probe, rank_check, share, tuner
@@ -101,7 +101,7 @@ def _trusted(job: ExportJob, keys: list[str], own: dict[str, str]) -> dict[str, 
 @io_task("check-reused")
 def check_reused(job: ExportJob, keys: list[str]) -> dict[str, str]:
     """Before the gate: key -> trusted sha256 of each stored forward among `keys`; IntegrityError naming
-    those no trusted key vouched for (kiln.core.vouch), so nothing compiles or loads."""
+    those no trusted key vouched for (kiln.core.trust.vouch), so nothing compiles or loads."""
     return _trusted(job, keys, {})
 
 

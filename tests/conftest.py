@@ -225,7 +225,7 @@ def signing_key_env() -> dict[str, str]:
     """{'KILN_SIGNING_KEY': base64 seed} of a key made for this session (S3 exports must be signed)."""
     import base64
 
-    from kiln.core.signing import generate
+    from kiln.core.trust.signing import generate
 
     return {"KILN_SIGNING_KEY": base64.b64encode(generate().private_bytes_raw()).decode()}
 

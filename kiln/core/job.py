@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kiln.core.model.config import ModelConfig
 from kiln.core.forwards.forward_keys import ForwardSpec, forward_spec
 from kiln.core.recipe import Recipe
-from kiln.core.signing import SigningPlan
+from kiln.core.trust.signing import SigningPlan
 
 DEFAULT_TP = 2
 """Tensor-parallel ranks when none are given (the CLI, the run form)."""

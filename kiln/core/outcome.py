@@ -13,7 +13,7 @@ from kiln.core.model.contract import constant_sources
 from kiln.core.errors import ForwardsMissing, IntegrityError, NotPythonFree, VerifyMismatch
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.model.interface import forward_interface
-from kiln.core.layout import artifact_key
+from kiln.core.trust.layout import artifact_key
 
 
 def check_outcome(found: dict[str, dict], missing: list[str], specs: dict[str, ForwardSpec]) -> dict[str, dict]:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from kiln.core.model.config import ModelConfig
 from kiln.core.errors import IntegrityError
 from kiln.core.forwards.forward_keys import digest
-from kiln.core.layout import tuning_key
+from kiln.core.trust.layout import tuning_key
 from kiln.core.recipe import TUNING_MODES, Bucket
 from kiln.core.forwards.shape_ranges import ShapeRange
 
@@ -135,7 +135,7 @@ def result_id(target: str, torch_version: str, backends: str, shape: GemmShape) 
 
 
 def object_key(target: str, torch_version: str, backends: str, shape: GemmShape) -> str:
-    """Store key of one shape's result (kiln.core.layout.tuning_key)."""
+    """Store key of one shape's result (kiln.core.trust.layout.tuning_key)."""
     return tuning_key(result_id(target, torch_version, backends, shape))
 
 

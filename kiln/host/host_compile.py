@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import logging
 
-from kiln.core import layout
+from kiln.core.trust import layout
 from kiln.core.errors import IntegrityError, StoreConflict
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.job import ExportJob, HostSpec
-from kiln.core.layout import artifact_key, compile_log_key, inspection_key, vouch_key, worker_memory_key
-from kiln.core.vouch import make_vouch
+from kiln.core.trust.layout import artifact_key, compile_log_key, inspection_key, vouch_key, worker_memory_key
+from kiln.core.trust.vouch import make_vouch
 from kiln.host import faults, tuner
 from kiln.host.cache import local_path
 from kiln.host.compiler import CompilePool, CompileResult
@@ -92,7 +92,7 @@ def publish(store, job: ExportJob, host_name: str, result: CompileResult, signer
     """Vouch for a compiled forward (signed export), then upload it create-once; the sha256 stored under
     its key. That is `result.sha256`, or the digest of another compile of the key stored first (.pt2
     bytes differ between compiles): a second compile is reuse, never an error; whether the other bytes
-    may be loaded is the reader's check of their vouch (kiln.core.vouch).
+    may be loaded is the reader's check of their vouch (kiln.core.trust.vouch).
 
     The vouch goes first, so a package this export stored is never without one, even if the host
     dies right after the upload.

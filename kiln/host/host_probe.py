@@ -6,7 +6,7 @@ from __future__ import annotations
 from kiln.core import tuning_plan
 from kiln.core.job import ExportJob, HostSpec
 from kiln.core.errors import IntegrityError
-from kiln.core.layout import artifact_key, worker_memory_prefix
+from kiln.core.trust.layout import artifact_key, worker_memory_prefix
 from kiln.core.probe_result import HostProbe
 from kiln.core.machine.target import host_device
 from kiln.host import cache, probe, tuner

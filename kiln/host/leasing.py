@@ -11,10 +11,11 @@ import logging
 import time
 from typing import Callable
 
-from kiln.core import layout, leases
+from kiln.core.trust import layout
+from kiln.core import leases
 from kiln.core.errors import IntegrityError, KilnError
 from kiln.core.holders import describe
-from kiln.core.layout import artifact_key
+from kiln.core.trust.layout import artifact_key
 from kiln.host import procs
 from kiln.host.compiler import CompilePool, CompileResult
 from kiln.store import ObjectMissing

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.core.errors import BadInput, IntegrityError
-from kiln.core.key_rules import check_no_collisions
+from kiln.core.trust.key_rules import check_no_collisions
 
 # Second-level entries of a PT2 archive (torch/csrc/export/pt2_archive_constants.h).
 PT2_ENTRIES = frozenset({"archive_format", "archive_version", "byteorder", ".data", "data", "extra", "models",

@@ -270,7 +270,7 @@ def detect_target(device: str, reading: gpus.GpuReading | None = None) -> Target
 
 def consumer_target(device: str) -> tuple[str, int]:
     """(this host's target fingerprint for `device`, its usable GPUs): what a consumer of an export asks
-    before fetching its forwards (kiln.core.manifest.forwards_for_host). No CUDA context is made; a host
+    before fetching its forwards (kiln.core.trust.manifest.forwards_for_host). No CUDA context is made; a host
     that cannot run `device` answers fingerprint 'none'."""
     if device == "cpu":
         return detect_target("cpu").fingerprint, 0

@@ -94,7 +94,7 @@ def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict])
     cfg = job.model_config
     diffs: dict[str, dict] = {}
     # One rank alone: its collectives sum over itself, in the compiled forward and in eager alike.
-    # The export's forwards share one device (kiln.core.manifest); rank r takes GPU r mod GPUs on a GPU host.
+    # The export's forwards share one device (kiln.core.trust.manifest); rank r takes GPU r mod GPUs on a GPU host.
     device = rank_device(device_of(forwards[0]["target"]), rank) if forwards else "cpu"
     with PeakSampler(interval_s=0.1) as sampler, solo_group():
         # One copy of the rank's weights on its device, bound by every forward's package (kiln.host.loader).

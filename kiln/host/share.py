@@ -7,20 +7,20 @@ from pathlib import Path
 
 from kiln.core.errors import DISK_ERRNOS, DiskError, IntegrityError, StoreError
 from kiln.core.job import ExportJob, HostSpec
-from kiln.core.layout import artifact_key, inspection_key, vouch_key
+from kiln.core.trust.layout import artifact_key, inspection_key, vouch_key
 from kiln.host.cache import local_path
 from kiln.store import ObjectMissing
 
 
 def trusted_digests(store, keys: list[str], trusted: dict, own: dict[str, str]) -> dict[str, str]:
-    """key -> the sha256 of its stored forward that may be loaded; IntegrityError (kiln.core.vouch) naming
+    """key -> the sha256 of its stored forward that may be loaded; IntegrityError (kiln.core.trust.vouch) naming
     the stored forwards nobody trusted vouched for. Keys not in the store are left out.
 
     A stored digest is trusted when the vouch for it verifies with one of `trusted` (fingerprint ->
     public key), or when it is this export's own compile (`own`: key -> the digest its compiling host's
     task returned, not the store's word).
     """
-    from kiln.core.vouch import check_vouch, unvouched_error
+    from kiln.core.trust.vouch import check_vouch, unvouched_error
 
     out, recorded, unvouched = {}, {}, []
     for key in keys:

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from kiln.core import signing
+from kiln.core.trust import signing
 from kiln.core.errors import BadInput, IntegrityError, KilnError
-from kiln.core.layout import manifest_key, signature_key
-from kiln.core.signing import SigningPlan
+from kiln.core.trust.layout import manifest_key, signature_key
+from kiln.core.trust.signing import SigningPlan
 from kiln.store import LocalStore, ObjectMissing, Store
 
 SIGNING_KEY_ENV = "KILN_SIGNING_KEY"
@@ -191,7 +191,7 @@ def write_signed_manifest(store: Store, export_id: str, manifest: dict, plan: Si
 
 def export_signer(plan: SigningPlan | None, home: Path, host: str) -> Ed25519PrivateKey | None:
     """The export's signing key where this runs (a compile host, which vouches for what it compiles
-    before uploading it: kiln.core.vouch); None for an unsigned export. BadInput naming the host when
+    before uploading it: kiln.core.trust.vouch); None for an unsigned export. BadInput naming the host when
     the key cannot be read there, before anything compiles."""
     if plan is None or not plan.sign:
         return None

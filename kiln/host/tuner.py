@@ -43,7 +43,7 @@ from kiln.host.inductor_options import compiler_options
 from kiln.host.spawned import call_in_spawned
 from kiln.store import Store, open_store, sha256_bytes
 
-if TYPE_CHECKING:  # not at run time: kiln.core.job brings kiln.core.signing (cryptography) into every
+if TYPE_CHECKING:  # not at run time: kiln.core.job brings kiln.core.trust.signing (cryptography) into every
     from kiln.core.job import ExportJob  # compile worker, which imports this module to install tuning results
 
 

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from kiln.core.errors import BadInput
-from kiln.core.key_rules import (
+from kiln.core.trust.key_rules import (
     check_no_collisions,
     normalized_key,
     sha256_bytes,

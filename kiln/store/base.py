@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from kiln.core.errors import IntegrityError, StoreConflict
-from kiln.core.key_rules import CHUNK_BYTES
+from kiln.core.trust.key_rules import CHUNK_BYTES
 
 
 class ObjectMissing(KeyError):

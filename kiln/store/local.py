@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from kiln.core.errors import DISK_ERRNOS, BadInput, DiskError, IntegrityError, StoreError
-from kiln.core.key_rules import (
+from kiln.core.trust.key_rules import (
     CHUNK_BYTES,
     normalized_key,
     sha256_bytes,

@@ -62,7 +62,7 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 
 from kiln.core.errors import BadInput, IntegrityError, StoreError
 from kiln.core.job import CHECKSUM_MODES
-from kiln.core.key_rules import (
+from kiln.core.trust.key_rules import (
     sha256_bytes,
     validate_bucket,
     validate_key,

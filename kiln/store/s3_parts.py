@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from kiln.core.key_rules import CHUNK_BYTES
+from kiln.core.trust.key_rules import CHUNK_BYTES
 
 
 def byte_ranges(start_byte: int, size_bytes: int, part_size_bytes: int) -> list[tuple[int, int]]:

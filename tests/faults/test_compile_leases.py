@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from kiln.core.layout import artifact_key
+from kiln.core.trust.layout import artifact_key
 from kiln.host.compiler import CompilePool, CompileResult
 from kiln.host.leasing import Leases, compile_leased
 from kiln.store import open_store

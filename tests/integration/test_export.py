@@ -240,7 +240,7 @@ def test_a_stale_lease_of_a_dead_export_is_taken_over(kiln, exported, tmp_path):
     """A key leased by an export that died long ago is compiled at once, not waited for."""
     import time
 
-    from kiln.core.layout import lease_key
+    from kiln.core.trust.layout import lease_key
     from kiln.core.leases import new_lease
     from kiln.store import LocalStore
 

@@ -5,7 +5,7 @@ import hashlib
 import pytest
 
 from kiln.core.errors import BadInput
-from kiln.core.key_rules import validate_bucket, validate_sha256
+from kiln.core.trust.key_rules import validate_bucket, validate_sha256
 from kiln.store import sha256_bytes, sha256_file, validate_key, validate_prefix
 
 

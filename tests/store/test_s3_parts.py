@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kiln.core.key_rules import CHUNK_BYTES
+from kiln.core.trust.key_rules import CHUNK_BYTES
 from kiln.store.s3_parts import byte_ranges, fetch_in_order, upload_in_parts, write_at
 
 PART = 1000

@@ -3,7 +3,7 @@ of every model's forwards (on S3 that is paginated LIST calls over all of them).
 
 from __future__ import annotations
 
-from kiln.core.layout import artifact_key
+from kiln.core.trust.layout import artifact_key
 from kiln.store import open_store
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.core.errors import BadInput
-from kiln.core.layout import manifest_key
+from kiln.core.trust.layout import manifest_key
 
 
 def test_prepare_refuses_an_export_id_whose_manifest_exists(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 from kiln.host import trust
 from cli.verify import fetch_verified_export
 from kiln.core.errors import IntegrityError
-from kiln.core.manifest import build_manifest
+from kiln.core.trust.manifest import build_manifest
 from kiln.store import LocalStore
 
 KEY = "ab" * 16

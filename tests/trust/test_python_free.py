@@ -72,8 +72,8 @@ def test_kiln_packages_inspect_as_python_free_with_native_collectives(tp2_export
 
 def test_the_outcome_check_inspects_a_package_that_has_no_record(tp2_export, tp2_store_copy):
     """A host that died between uploading a package and its record: the outcome check inspects the bytes."""
-    from kiln.core import layout
-    from kiln.core.layout import inspection_key
+    from kiln.core.trust import layout
+    from kiln.core.trust.layout import inspection_key
     from kiln.host import share
 
     store = LocalStore(tp2_store_copy["root"])

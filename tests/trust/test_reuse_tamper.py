@@ -1,5 +1,5 @@
 """The store's word is not trust: a forward key pointed at other real native code, with that code's own
-correct digest in the store's records, is never loaded, and no signed manifest lists it (kiln.core.vouch).
+correct digest in the store's records, is never loaded, and no signed manifest lists it (kiln.core.trust.vouch).
 
 The session's tp 2 export (a copy of its store) stands in for "compiled into two stores": its other buckets'
 packages are real packages of the same model with other bytes, which is what a second compile of the key
@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from kiln.core import layout
+from kiln.core.trust import layout
 from kiln.store import LocalStore
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from kiln.core import signing
+from kiln.core.trust import signing
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from kiln.core import signing
+from kiln.core.trust import signing
 from kiln.core.errors import BadInput, IntegrityError
-from kiln.core.signing import SigningPlan
+from kiln.core.trust.signing import SigningPlan
 
 MANIFEST = {"version": 4, "export_id": "e1", "tp": 2, "signing": {"signed": True, "key_fingerprint": None},
             "forwards": [{"key": "ab" * 16, "shapes": "1x8", "batch": [1, 1], "tokens": [8, 8], "hint": [1, 8], "sha256": "0" * 64, "object": f"forwards/{'ab' * 16}.pt2", "python_free": True}],
@@ -154,7 +154,7 @@ def test_signing_plan_carries_no_secret(key):
 
 
 def test_signing_module_imports_no_torch_prefect_or_boto3():
-    code = ("import sys, kiln.core.signing, kiln.core.manifest, kiln.host.package_check, kiln.host.cache, kiln.host.faults; "
+    code = ("import sys, kiln.core.trust.signing, kiln.core.trust.manifest, kiln.host.package_check, kiln.host.cache, kiln.host.faults; "
             "print(sorted(m for m in ('torch', 'prefect', 'boto3') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -9,10 +9,10 @@ import stat
 import pytest
 
 from kiln.host import trust
-from kiln.core import signing
+from kiln.core.trust import signing
 from kiln.core.errors import BadInput, IntegrityError, KilnError
-from kiln.core.manifest import check_manifest
-from kiln.core.signing import SigningPlan
+from kiln.core.trust.manifest import check_manifest
+from kiln.core.trust.signing import SigningPlan
 from kiln.store import LocalStore, open_store
 
 

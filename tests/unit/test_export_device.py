@@ -8,7 +8,7 @@ import pytest
 from kiln.core.model.config import TINY
 from kiln.core.errors import BadInput, IntegrityError
 from kiln.core.job import ExportJob
-from kiln.core.manifest import build_manifest, check_manifest, forwards_for_host, manifest_device
+from kiln.core.trust.manifest import build_manifest, check_manifest, forwards_for_host, manifest_device
 from kiln.core.recipe import Recipe, parse_buckets
 from kiln.core.forwards.shape_ranges import parse_shape_range
 

@@ -1,4 +1,4 @@
-"""The store layout has one owner (kiln/core/layout.py): every builder's key parses back to its arguments,
+"""The store layout has one owner (kiln/core/trust/layout.py): every builder's key parses back to its arguments,
 no two kinds of object can share a key, and no other module spells a store path."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln.core import layout
+from kiln.core.trust import layout
 from kiln.core.forwards.forward_keys import ForwardSpec
-from kiln.core.key_rules import validate_key
+from kiln.core.trust.key_rules import validate_key
 from kiln.core.forwards.shape_ranges import parse_shape_range
 
 KEY = "0123456789abcdef0123456789abcdef"
@@ -66,4 +66,4 @@ def test_no_other_module_spells_a_store_path():
                 code = line.split("#", 1)[0]
                 if literal.search(code) and not code.strip().startswith(('"""', "'")):
                     found.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
-    assert not found, "store paths outside kiln/core/layout.py:\n" + "\n".join(found)
+    assert not found, "store paths outside kiln/core/trust/layout.py:\n" + "\n".join(found)

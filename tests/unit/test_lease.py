@@ -1,4 +1,4 @@
-from kiln.core.layout import generation_of, lease_key
+from kiln.core.trust.layout import generation_of, lease_key
 from kiln.core.leases import decide_lease, new_lease
 
 

@@ -88,7 +88,7 @@ def test_the_key_covers_the_range_and_the_hint():
 
 def test_the_manifest_refuses_a_forward_whose_shapes_do_not_state_its_range():
     from kiln.core.errors import IntegrityError
-    from kiln.core.manifest import MANIFEST_VERSION, check_manifest
+    from kiln.core.trust.manifest import MANIFEST_VERSION, check_manifest
 
     good = {"key": "a" * 32, "object": f"forwards/{'a' * 32}.pt2", "sha256": "0" * 64, "python_free": True,
             **parse_shape_range("2-8x1@4x1").to_dict()}

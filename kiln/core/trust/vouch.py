@@ -31,11 +31,11 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from kiln.core.errors import IntegrityError
-from kiln.core.signing import fingerprint
+from kiln.core.trust.signing import fingerprint
 
 VOUCH_VERSION = 1
 DOMAIN = b"kiln-forward-vouch-v1\n"
-"""Prefix of the signed bytes; differs from the manifest's (kiln.core.signing.DOMAIN)."""
+"""Prefix of the signed bytes; differs from the manifest's (kiln.core.trust.signing.DOMAIN)."""
 
 _BODY = ("key", "sha256", "export_id", "compiled_by")
 
@@ -59,7 +59,7 @@ def check_vouch(doc: object, key: str, sha256: str, trusted: dict[str, Ed25519Pu
     None covers every way a vouch fails: malformed, for another key or digest,
     signed by a key not in `trusted` (fingerprint -> public key), or a
     signature that does not verify. The caller decides what an unvouched
-    forward means (kiln.core.vouch.unvouched_error).
+    forward means (kiln.core.trust.vouch.unvouched_error).
     """
     if not isinstance(doc, dict) or doc.get("kiln_vouch") != VOUCH_VERSION or doc.get("algorithm") != "ed25519":
         return None

@@ -6,7 +6,7 @@ the round trip):
 
     forwards/<key>.pt2                       a compiled forward (AOTInductor package, no weights)
     inspections/<key>.json                   what that package calls (kiln.host.package_check)
-    vouches/<key>/<sha256>.json              a signed word that those bytes are Kiln's (kiln.core.vouch)
+    vouches/<key>/<sha256>.json              a signed word that those bytes are Kiln's (kiln.core.trust.vouch)
     memory/<graph digest>/<key>.json         a compile worker's measured peak, per (graph, target, compiler)
     tuning/<result id>.json                  one GEMM shape's kernel-tuning result
     leases/<key>/<generation:08d>.json       a compile lease on a forward key
@@ -41,7 +41,7 @@ def inspection_key(key: str) -> str:
 
 
 def vouch_key(key: str, sha256: str) -> str:
-    """Where the vouch for forward `key`'s package with `sha256` lives (kiln.core.vouch)."""
+    """Where the vouch for forward `key`'s package with `sha256` lives (kiln.core.trust.vouch)."""
     return f"{VOUCHES}{key}/{sha256}.json"
 
 

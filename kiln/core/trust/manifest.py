@@ -1,6 +1,6 @@
 """The export manifest: what an export produced, written last, checked before use. Pure.
 
-The manifest is signed (kiln.core.signing; the signature lives beside it) and says
+The manifest is signed (kiln.core.trust.signing; the signature lives beside it) and says
 so in its `signing` entry: {'signed': bool, 'key_fingerprint': str | None}.
 `check_manifest` is the structural check that follows the signature check: every
 forward names a well-formed key, its object `forwards/<key>.pt2`, the shapes
@@ -22,8 +22,8 @@ from __future__ import annotations
 import re
 
 from kiln.core.errors import BadInput, IntegrityError
-from kiln.core.key_rules import check_no_collisions
-from kiln.core.layout import artifact_key
+from kiln.core.trust.key_rules import check_no_collisions
+from kiln.core.trust.layout import artifact_key
 from kiln.core.forwards.shape_ranges import parse_shape_range
 from kiln.core.machine.target import device_of
 
@@ -50,7 +50,7 @@ def build_manifest(*, export_id: str, model: dict, recipe: dict, tp: int, bucket
                    forwards: list[dict], weights: dict, kv_plan: dict, hosts: list[dict], phases: list[dict],
                    signing: dict) -> dict:
     """`forwards` are kiln.core.outcome.forward_records; `weights` is kiln.core.model.contract.weight_layout;
-    `signing` is {'signed', 'key_fingerprint'} (kiln.core.signing.SigningPlan.manifest_entry)."""
+    `signing` is {'signed', 'key_fingerprint'} (kiln.core.trust.signing.SigningPlan.manifest_entry)."""
     groups = sorted({f["interface"]["process_group"] for f in forwards if f["interface"]["process_group"]})
     devices = sorted({device_of(f["target"]) for f in forwards})
     if len(devices) > 1:
