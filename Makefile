@@ -112,6 +112,6 @@ bench-widths: setup
 clean:
 	rm -rf .kiln report.json runner/build
 
-# docs/recipe.md is generated from the recipe's declarations (kiln/core/recipe.py); a test fails when it is stale.
+# docs/recipe.md is generated from the recipe's declarations (kiln/core/plan/recipe.py); a test fails when it is stale.
 docs: setup
 	$(BIN)/python -m cli.recipe_doc

@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from flows.params import default_host_names, export_params, parse_assume_available, prepare
-    from kiln.core import decisions
-    from kiln.core.recipe import SETTINGS, parse_buckets
-    from kiln.core.settings import parse_assignments
-    from kiln.core.sizing import required_mib, worker_capacity
+    from kiln.core.plan import decisions
+    from kiln.core.plan.recipe import SETTINGS, parse_buckets
+    from kiln.core.plan.settings import parse_assignments
+    from kiln.core.plan.sizing import required_mib, worker_capacity
     from kiln.host.host_compile import compile_on_host
     from kiln.host.host_probe import probe_host
     from tasks.store import store_of

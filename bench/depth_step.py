@@ -37,7 +37,7 @@ def config(layers: int):
 
 def _spec(layers: int) -> dict:
     from kiln.core.forwards.forward_keys import forward_spec
-    from kiln.core.recipe import Bucket
+    from kiln.core.plan.recipe import Bucket
     from kiln.core.forwards.shape_ranges import static_shape
     from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS

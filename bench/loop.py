@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from kiln.core.forwards.forward_keys import forward_spec
-    from kiln.core.recipe import Recipe, parse_buckets
+    from kiln.core.plan.recipe import Recipe, parse_buckets
     from kiln.host.checkpoint import inspect_checkpoint
     from kiln.host.compiler import compile_forward
     from kiln.host.key_sources import model_code_fingerprint

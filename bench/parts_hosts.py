@@ -157,6 +157,6 @@ def part_gate_scale(ctx: Context) -> dict:
     return {"figures": {"gate_scale_s": median(sim["gate_run_s"]), "gate_scale_predicted_s": sim["predicted_s"]},
             "samples": {"gate_scale_s": sim["gate_run_s"]},
             "raw": {**sim, "compile_s_source": source},
-            "notes": "kiln.core.gate.decide on paper: 64 GB10-like hosts x 8 ranks, 67 buckets (1, 2, 4, 8..512 step "
+            "notes": "kiln.core.plan.gate.decide on paper: 64 GB10-like hosts x 8 ranks, 67 buckets (1, 2, 4, 8..512 step "
                      "8), the incident's memory settings with host memory spread over 10-20 GiB (some hosts "
                      f"lend), every forward at {compile_s:.1f} s ({source}); run time is the median of 5 calls"}

@@ -13,7 +13,7 @@ from bench.context import Context
 from bench.figures import median, ratio
 from bench.rank_peak import PACKAGES
 from bench.runs import PYTHON
-from kiln.core.sizing import FORWARD_FIXED_MIB
+from kiln.core.plan.sizing import FORWARD_FIXED_MIB
 
 
 def part_rank_peak(ctx: Context) -> dict:

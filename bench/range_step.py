@@ -25,7 +25,7 @@ PAGE_TOKENS, PAGES_PER_SEQ = 16, 4
 def incident_buckets():
     """38 buckets: the decode batches a serving engine captures (1, 2, 4, then every 8 up to 256, the
     gate_scale part's spacing) and three prefill lengths up to 512."""
-    from kiln.core.recipe import Bucket
+    from kiln.core.plan.recipe import Bucket
 
     return tuple(Bucket(b, 1) for b in (1, 2, 4, *range(8, 257, 8))) + tuple(Bucket(1, t) for t in (128, 256, 512))
 

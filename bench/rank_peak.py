@@ -14,7 +14,7 @@ what it held before the weights were read:
 It prints {'weight_bytes', 'base_bytes', 'run_peak_bytes', 'check_peak_bytes', 'package_bytes',
 'predicted_check_mib'}: base is the process's resident memory before the weights (torch imported, the
 process group joined), package_bytes what the packages added after the weights (the runtime's fixed cost, all
-of them), predicted_check_mib kiln.core.sizing.check_peak_mib with the measured base.
+of them), predicted_check_mib kiln.core.plan.sizing.check_peak_mib with the measured base.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def measure(out: Path, num_packages: int, quick: bool) -> dict:
     import torch
 
     from bench.loader_peak import _reset_peak, _status_bytes
-    from kiln.core.recipe import Bucket
-    from kiln.core.sizing import check_peak_mib
+    from kiln.core.plan.recipe import Bucket
+    from kiln.core.plan.sizing import check_peak_mib
     from kiln.host.checkpoint import load_rank_weights
     from kiln.host.loader import compare_with_eager, load_forward
     from kiln.store import sha256_file

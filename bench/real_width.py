@@ -140,7 +140,7 @@ def wrong_forward(path: Path, store_url: str, report: Path) -> dict:
     from kiln.core.model.config import ModelConfig
     from kiln.core.model.contract import EXPERTS
     from kiln.core.trust.layout import artifact_key
-    from kiln.core.recipe import Bucket, Recipe
+    from kiln.core.plan.recipe import Bucket, Recipe
     from kiln.host.checkpoint import read_config
     from kiln.host.loader import compare_with_eager, eager_model, load_forward
     from kiln.host.model import example_inputs, solo_group

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 
 from bench.context import INCIDENT_SETTINGS
-from kiln.core.gate import HostReport, decide
-from kiln.core.recipe import Bucket, Recipe, recipe_from_text
+from kiln.core.plan.gate import HostReport, decide
+from kiln.core.plan.recipe import Bucket, Recipe, recipe_from_text
 
 
 def capture_sizes(max_size: int = 512) -> list[int]:
@@ -24,7 +24,7 @@ def capture_sizes(max_size: int = 512) -> list[int]:
 
 def scale_layout(*, num_hosts: int = 64, ranks_per_host: int = 8, compile_s: float = 20.0,
                  num_cpus: int = 20, policy: str = "borrow") -> dict:
-    """Everything `kiln.core.gate.decide` needs for the paper layout, plus a description of it."""
+    """Everything `kiln.core.plan.gate.decide` needs for the paper layout, plus a description of it."""
     buckets = tuple(Bucket(s, 1) for s in capture_sizes())
     # The incident's own hosts (GB10, a CUDA export on unified memory): 2048 MiB per worker plus its CUDA context.
     recipe = recipe_from_text(INCIDENT_SETTINGS, Recipe(buckets=buckets)).replace(

@@ -6,7 +6,7 @@ from __future__ import annotations
 def bench_spec(cfg, *, tp: int, bucket: tuple[int, int] = (1, 1), page_tokens: int, pages_per_seq: int) -> dict:
     """kiln.core.forwards.forward_keys.forward_spec of `cfg` at `bucket` (batch, tokens), target and torch 'bench'."""
     from kiln.core.forwards.forward_keys import forward_spec
-    from kiln.core.recipe import Bucket
+    from kiln.core.plan.recipe import Bucket
     from kiln.core.forwards.shape_ranges import static_shape
     from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS

@@ -4,7 +4,7 @@
    fresh store (every GEMM candidate benchmarked in a spawned process) and
    the same call again (every shape a verified store hit). CPU forwards cannot
    use Inductor's C++ GEMM templates (they prepack weights at compile time;
-   see kiln/core/tuning_plan.py), so this measures CPU's ATen-vs-C++ candidates
+   see kiln/core/plan/tuning_plan.py), so this measures CPU's ATen-vs-C++ candidates
    explicitly (backends ATEN,CPP): the mechanism's cost, and what the store saves.
 2. tune_target with mode full vs cached on that warm store.
 3. `kiln export --tuning full` vs `--tuning cached`: two real exports on one
@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kiln.core.model.config import TINY  # noqa: E402
-from kiln.core.job import ExportJob  # noqa: E402
-from kiln.core.recipe import Recipe, parse_buckets  # noqa: E402
+from kiln.core.plan.job import ExportJob  # noqa: E402
+from kiln.core.plan.recipe import Recipe, parse_buckets  # noqa: E402
 from kiln.host import probe, tuner
 
 BACKENDS = "ATEN,CPP"

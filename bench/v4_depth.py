@@ -30,7 +30,7 @@ def compile_one(layers: int, out: Path) -> dict:
     from kiln.core.forwards.forward_keys import forward_spec
     from kiln.core.model.hf_config import from_hf
     from kiln.core.model.layer_runs import segments
-    from kiln.core.recipe import Bucket
+    from kiln.core.plan.recipe import Bucket
     from kiln.core.forwards.shape_ranges import static_shape
     from kiln.host.compiler import _warm, compile_forward
     from kiln.host.key_sources import model_code_fingerprint

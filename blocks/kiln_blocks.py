@@ -17,8 +17,8 @@ from prefect_aws import AwsCredentials, MinIOCredentials
 from pydantic import Field
 
 from kiln.core.errors import BadInput
-from kiln.core.job import CHECKSUM_MODES
-from kiln.core.recipe import Recipe, recipe_form, recipe_of_form
+from kiln.core.plan.job import CHECKSUM_MODES
+from kiln.core.plan.recipe import Recipe, recipe_form, recipe_of_form
 
 
 class KilnStore(Block):
@@ -61,7 +61,7 @@ class KilnRecipe(Block):
     _block_type_name = "Kiln Recipe"
     _description = "Buckets, memory constants, gate policy, tuning mode and retries of Kiln exports."
 
-    # The fields are the recipe's settings as declared in kiln/core/recipe.py: nothing is restated here.
+    # The fields are the recipe's settings as declared in kiln/core/plan/recipe.py: nothing is restated here.
     __annotations__ = {name: field.annotation for name, field in _SETTINGS.model_fields.items()}
     locals().update(_SETTINGS.model_fields)
 

@@ -4,7 +4,7 @@ Purpose: parse the command line, check every input before Prefect starts,
 and print expected errors as one or two sentences (main.py).
 
 Contracts: the top layer; it may import every other. Recipe flags are derived
-from kiln/core/recipe.py, never declared here. Exit codes come from
+from kiln/core/plan/recipe.py, never declared here. Exit codes come from
 kiln.core.errors: 0 done, 2 bad input, 3 gate refused or memory short, 1 else.
 
 Pitfalls: heavy imports (torch, prefect) stay inside the command functions, so

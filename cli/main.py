@@ -15,8 +15,8 @@ import sys
 
 from kiln.core.model.config import BUNDLED_MODEL, DTYPE_BYTES
 from kiln.core.errors import BadInput, KilnError
-from kiln.core.job import CHECKSUM_MODES, DEFAULT_TP
-from kiln.core.recipe import SETTING, SETTINGS
+from kiln.core.plan.job import CHECKSUM_MODES, DEFAULT_TP
+from kiln.core.plan.recipe import SETTING, SETTINGS
 from kiln.host.procs import Reaper
 
 
@@ -33,7 +33,7 @@ def _params(args):
 
 def _recipe_settings(args) -> dict:
     """{setting: typed value} from the recipe flags and `--set NAME=VALUE` (one spelling per setting)."""
-    from kiln.core.settings import parse_assignments
+    from kiln.core.plan.settings import parse_assignments
     flags = {s.name: v for s in SETTINGS if (v := getattr(args, _dest(s))) is not None}
     sets = parse_assignments(SETTINGS, args.set)
     both = sorted(set(flags) & set(sets))
@@ -58,7 +58,7 @@ def _typed(s):
 
 
 def _recipe_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per recipe setting, derived from its declaration (kiln/core/recipe.py)."""
+    """One flag per recipe setting, derived from its declaration (kiln/core/plan/recipe.py)."""
     g = p.add_argument_group("recipe settings", "each defaults to the recipe's (see docs/recipe.md); "
                              "--set NAME=VALUE sets any of them too")
     for s in SETTINGS:

@@ -6,10 +6,10 @@ import time
 from collections.abc import Callable
 
 from flows.params import ExportParams, default_host_names, prepare
-from kiln.core import decisions
+from kiln.core.plan import decisions
 from kiln.core.errors import BadInput, KilnError
-from kiln.core.job import ExportJob, HostSpec
-from kiln.core.probe_result import HostProbe
+from kiln.core.plan.job import ExportJob, HostSpec
+from kiln.core.plan.probe_result import HostProbe
 from kiln.core.report import Report
 from kiln.host import host_probe, probe
 from kiln.host.weights import check_job_caches

@@ -21,7 +21,7 @@ from cli.verify import open_export
 from kiln.core.model.cache_layout import cache_layout
 from kiln.core.decode import check_request, prefill_steps, refills_cache, step_bucket
 from kiln.core.trust.manifest import manifest_device
-from kiln.core.recipe import Bucket, parse_buckets
+from kiln.core.plan.recipe import Bucket, parse_buckets
 from kiln.core.forwards.shape_ranges import choose_forward, parse_shape_range
 from kiln.host.verify_ranks import RankLink, join_ranks, rank_device, spawn_ranks
 

@@ -22,8 +22,8 @@ from kiln.core.trust.layout import manifest_key
 from kiln.core.trust.manifest import check_manifest, forwards_for_host, manifest_device
 from kiln.core.outcome import routing_note
 from kiln.host.package_check import check_package
-from kiln.core.recipe import Recipe
-from kiln.core.sizing import verify_peak_mib
+from kiln.core.plan.recipe import Recipe
+from kiln.core.plan.sizing import verify_peak_mib
 from kiln.host import weights
 from kiln.host.checkpoint import tiny_checkpoint
 from kiln.host.probe import consumer_target, host_memory

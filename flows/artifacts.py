@@ -29,7 +29,7 @@ from prefect.context import FlowRunContext
 
 from flows import report_out
 from kiln.core import run_page
-from kiln.core.job import ExportJob
+from kiln.core.plan.job import ExportJob
 from kiln.core.report import Report
 from tasks.store import store_of
 

@@ -18,11 +18,12 @@ from prefect.artifacts import update_progress_artifact
 
 from flows import artifacts
 from flows.hosts import HostRunner
-from kiln.core import decisions, outcome
+from kiln.core.plan import decisions
+from kiln.core import outcome
 from kiln.core.trust import layout
 from kiln.core.forwards.forward_keys import ForwardSpec
-from kiln.core.gate import HostReport, Plan
-from kiln.core.job import ExportJob, HostSpec
+from kiln.core.plan.gate import HostReport, Plan
+from kiln.core.plan.job import ExportJob, HostSpec
 from tasks import phases
 from tasks.store import store_of
 

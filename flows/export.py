@@ -24,15 +24,16 @@ from flows.hosts import HostRunner
 from flows.logs import hide_expected_tracebacks
 from flows.params import ExportParams, default_host_names, prepare
 from flows.report_out import draw, ledger_key, write_report
-from kiln.core import decisions, outcome, tuning_plan
+from kiln.core.plan import decisions, tuning_plan
+from kiln.core import outcome
 from kiln.core.errors import GateRefused, KilnError
 from kiln.core.retry_rule import worth_retrying
-from kiln.core.gate import Plan
-from kiln.core.job import ExportJob, HostSpec
+from kiln.core.plan.gate import Plan
+from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.trust.manifest import export_manifest
-from kiln.core.probe_result import HostProbe
+from kiln.core.plan.probe_result import HostProbe
 from kiln.core.machine.target import resolve_device
-from kiln.core.recipe import Recipe
+from kiln.core.plan.recipe import Recipe
 from kiln.core.report import Report
 from kiln.host import probe
 from kiln.host.weights import check_job_caches
@@ -158,7 +159,7 @@ def _export(params: ExportParams, recipe: Recipe, outcome: "outcome_events.Expor
 
 def _changed_settings(params: ExportParams, recipe: Recipe) -> dict[str, str]:
     """{form title: value} of every field and recipe setting of this try that differs from its default."""
-    from kiln.core.recipe import SETTING
+    from kiln.core.plan.recipe import SETTING
 
     out = {ExportParams.model_fields[k].title: v for k, v in params.model_dump(exclude_defaults=True).items()
            if k not in ("recipe", "export_id")}

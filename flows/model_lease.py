@@ -53,7 +53,7 @@ from prefect.variables import Variable
 
 from flows.embedded_api import is_embedded
 from flows.params import ExportParams, model_name
-from kiln.core.recipe import Recipe
+from kiln.core.plan.recipe import Recipe
 from kiln.host.lease_wait import hold
 
 LEASE_S = Recipe().model_lease_s

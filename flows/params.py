@@ -19,10 +19,10 @@ from kiln.core.errors import BadInput
 from kiln.core.forwards.forward_keys import check_export_id
 from kiln.core.machine.home import kiln_home
 from kiln.core.model.config import BUNDLED_MODEL, DTYPE_BYTES
-from kiln.core.job import CHECKSUM_MODES, DEFAULT_TP, ExportJob, HostSpec, place_ranks
+from kiln.core.plan.job import CHECKSUM_MODES, DEFAULT_TP, ExportJob, HostSpec, place_ranks
 from kiln.core.trust.layout import manifest_key
-from kiln.core.recipe import SETTING, Recipe, form_overrides, recipe_form, recipe_of_form
-from kiln.core.settings import GROUPS, form_value, worded_text
+from kiln.core.plan.recipe import SETTING, Recipe, form_overrides, recipe_form, recipe_of_form
+from kiln.core.plan.settings import GROUPS, form_value, worded_text
 from kiln.core.model.v4_fields import export_refusal
 from kiln.host.cache import cache_root, cache_status, check_caches
 
@@ -42,7 +42,7 @@ class HostMemory(BaseModel):
 
 
 RecipeSettings = recipe_form()
-"""The recipe's settings as the run form's typed fields (derived from kiln/core/recipe.py)."""
+"""The recipe's settings as the run form's typed fields (derived from kiln/core/plan/recipe.py)."""
 
 
 # The Prefect UI renders ExportParams as the run form (its docstring is the
@@ -179,7 +179,7 @@ def default_export_id(params: ExportParams, when: dt.datetime | None = None, sal
 
 def build_recipe(params: ExportParams) -> Recipe:
     """The try's recipe: the recipe block's (or the defaults), then the settings that override it
-    (kiln.core.recipe.form_overrides)."""
+    (kiln.core.plan.recipe.form_overrides)."""
     base = Recipe()
     if params.recipe_block:
         from blocks.kiln_blocks import load_recipe_block

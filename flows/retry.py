@@ -37,7 +37,7 @@ from prefect.states import Failed
 from flows.logs import said, said_already
 from flows.params import ExportParams, build_recipe, default_export_id
 from kiln.core.errors import GateRefused, KilnError
-from kiln.core.recipe import SETTING, Recipe, where_to_set
+from kiln.core.plan.recipe import SETTING, Recipe, where_to_set
 from kiln.core.run_page import state_message
 from kiln.core.retry_rule import transient, worth_retrying
 

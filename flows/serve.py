@@ -24,7 +24,7 @@ from prefect.deployments.runner import EntrypointType
 from flows.params import ExportParams
 from kiln.core import events
 from kiln.core.errors import BadInput
-from kiln.core.recipe import form_overrides
+from kiln.core.plan.recipe import form_overrides
 
 DEPLOYMENT = "default"
 """Deployment name; the full name is 'kiln-export/default'."""
@@ -32,7 +32,7 @@ DEPLOYMENT = "default"
 
 def deployment_parameters(params: ExportParams) -> dict:
     """Default parameters of the deployment: what differs from ExportParams' defaults, and the recipe
-    settings that would override a recipe block's (kiln.core.recipe.form_overrides: a flag given to
+    settings that would override a recipe block's (kiln.core.plan.recipe.form_overrides: a flag given to
     `kiln serve` stays given in every run)."""
     out = params.model_dump(mode="json", exclude_defaults=True, exclude={"recipe"})
     return {**out, "recipe": overrides} if (overrides := form_overrides(params.recipe)) else out

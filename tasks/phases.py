@@ -3,7 +3,7 @@
 Purpose: each task is one phase (or one host's share of it). Contracts: the
 per-host tasks run on the host they name; reductions (KV plan, gate, outcome
 check, manifest) take every host's result. Anti-patterns: decisions in here;
-they belong to kiln.core.gate, kiln.core.sizing and kiln.core.trust.manifest. Pitfalls: retries
+they belong to kiln.core.plan.gate, kiln.core.plan.sizing and kiln.core.trust.manifest. Pitfalls: retries
 only on I/O, and only for errors that can heal and that no lower level retried
 (kiln.core.retry_rule.retry_in_task): a store error has spent the store's
 per-request retries and is not retried here; anything else that is not
@@ -18,11 +18,12 @@ import functools
 
 from prefect import task
 
-from kiln.core import decisions, outcome
+from kiln.core.plan import decisions
+from kiln.core import outcome
 from kiln.core.forwards.forward_keys import ForwardSpec
-from kiln.core.job import ExportJob, HostSpec
+from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.trust.layout import artifact_key, manifest_key
-from kiln.core.probe_result import HostProbe
+from kiln.core.plan.probe_result import HostProbe
 from kiln.core.retry_rule import mark_retried_in_task, retry_in_task
 from kiln.host import faults, host_compile, host_probe, rank_check, share, tuner
 from tasks.store import store_of
@@ -75,7 +76,7 @@ def tune(job: ExportJob, target: str) -> dict:
 
 @task(name="kv-plan-gate", cache_policy=None)
 def decide(job: ExportJob, probes: list[HostProbe]) -> decisions.Decision:
-    """The KV plan and the gate's plan (kiln.core.decisions.decide_export); a refusal fails this task run
+    """The KV plan and the gate's plan (kiln.core.plan.decisions.decide_export); a refusal fails this task run
     (the refusal carries the decision as `.decision`, for the report's KV plan and timings)."""
     decision = decisions.decide_export(job, probes)
     if decision.refusal is not None:

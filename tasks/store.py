@@ -5,7 +5,7 @@ Imports no Prefect unless the job names a block, so `kiln plan` and `kiln export
 
 from __future__ import annotations
 
-from kiln.core.job import ExportJob
+from kiln.core.plan.job import ExportJob
 from kiln.store import open_store
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from kiln.core.model.config import ModelConfig
 from kiln.core.errors import BadInput
-from kiln.core.recipe import Bucket
+from kiln.core.plan.recipe import Bucket
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ class Report:
         self.signing: dict = {"signed": None}
         """{'signed', 'key_fingerprint', 'source', 'signature', 'note'}: how the manifest is signed."""
         self.warnings: list[str] = []
-        """Recipe settings that had no effect on this export (kiln.core.decisions.settings_without_effect), one
+        """Recipe settings that had no effect on this export (kiln.core.plan.decisions.settings_without_effect), one
         sentence each: on the run's page and in the JSON."""
 
     @classmethod
@@ -95,14 +95,14 @@ class Report:
 
     def record_probes(self, probes) -> None:
         """Each probed host's compile target, cache status and what set its memory and CPU figures ('host', or
-        the cgroup file whose limit allows less) (probes: kiln.core.probe_result.HostProbe)."""
+        the cgroup file whose limit allows less) (probes: kiln.core.plan.probe_result.HostProbe)."""
         for p in probes:
             entry = self.host(p.name, target=p.target)
             entry["cache"] = p.cache
             entry["limits"] = {"memory": p.memory_source, "cpus": p.cpus_source}
 
     def record_plan(self, plan) -> None:
-        """The gate's plan (kiln.core.gate.Plan): its decision, assignments, estimate and each host's figures."""
+        """The gate's plan (kiln.core.plan.gate.Plan): its decision, assignments, estimate and each host's figures."""
         self.gate.update(decision=plan.decision, assignments=plan.assignments, message=plan.message,
                          predicted_s=plan.predicted_s, hosts={n: h.to_dict() for n, h in plan.hosts.items()})
         for name, hp in plan.hosts.items():

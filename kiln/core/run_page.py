@@ -15,10 +15,10 @@ from collections import Counter
 from kiln.core.outcome import routing_note
 
 REFUSED = "export refused before compiling: "
-"""How every gate refusal's text begins (kiln.core.gate)."""
+"""How every gate refusal's text begins (kiln.core.plan.gate)."""
 
 GATE_WORDS = {"compile": "compiling", "nothing_to_do": "nothing to compile", "refused": "refused"}
-"""The gate's decisions (kiln.core.gate.Plan.decision, or 'refused') as the run's page says them."""
+"""The gate's decisions (kiln.core.plan.gate.Plan.decision, or 'refused') as the run's page says them."""
 
 
 def state_message(error: Exception, why_final: str) -> str:
@@ -117,7 +117,7 @@ def checks_lines(verify: dict[str, dict]) -> list[str]:
 
 
 def worker_lines(hosts: dict[str, dict]) -> list[str]:
-    """Per host the gate looked at: what one compile worker was counted at and why (kiln.core.gate.worker_words),
+    """Per host the gate looked at: what one compile worker was counted at and why (kiln.core.plan.gate.worker_words),
     what one worker needs with the floor, and what the compile processes peaked at, if they ran."""
     out = []
     for name in sorted(hosts):

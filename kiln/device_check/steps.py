@@ -22,7 +22,7 @@ from pathlib import Path
 PAGE_TOKENS = 16
 PAGES_PER_SEQ = 4
 ATOL, HALF_RATIO = 1e-3, 2.0
-"""The recipe's defaults for verify_atol and verify_half_ratio (kiln.core.recipe)."""
+"""The recipe's defaults for verify_atol and verify_half_ratio (kiln.core.plan.recipe)."""
 PREDICTED_WORKER_DEVICE_MIB = 2048
 """What a GPU host's compile worker was assumed to take on the device (the incident's 2 GiB, the recipe's
 worker_device_mib advice): each CUDA compile's measured device peak is reported against it."""
@@ -187,7 +187,7 @@ def compile_forwards(check: Check, forwards: dict) -> dict:
 
 def compile_tiny(check: Check) -> dict:
     from kiln.core.model.config import TINY
-    from kiln.core.recipe import Bucket
+    from kiln.core.plan.recipe import Bucket
     from kiln.host.inductor_options import COMPILER_OPTIONS
     from kiln.host.loader import compare_with_eager, load_forward, place_weights
     from kiln.host.model import random_state_dict, shard_state_dict
@@ -220,7 +220,7 @@ def hf_checkpoint(check: Check) -> dict:
 
 
 def compile_hf(check: Check) -> dict:
-    from kiln.core.recipe import Bucket
+    from kiln.core.plan.recipe import Bucket
     from kiln.device_check.hf_llama import PROMPT_TOKENS
     from kiln.host.inductor_options import COMPILER_OPTIONS
 
@@ -360,9 +360,9 @@ def decode_time(check: Check) -> dict:
 
 def tuning(check: Check) -> dict:
     if check.device == "cpu":
-        return {"skipped": "weightless CPU packages have nothing to tune (kiln.core.tuning_plan)"}
+        return {"skipped": "weightless CPU packages have nothing to tune (kiln.core.plan.tuning_plan)"}
     from kiln.core.model.config import TINY
-    from kiln.core.recipe import Bucket
+    from kiln.core.plan.recipe import Bucket
     from kiln.host.inductor_options import compiler_options
 
     options = compiler_options("ATEN,TRITON")

@@ -21,7 +21,7 @@ from kiln.core.errors import BadInput
 from kiln.store import sha256_file
 
 if TYPE_CHECKING:
-    from kiln.core.job import HostSpec
+    from kiln.core.plan.job import HostSpec
 
 CACHE_DIR_ENV = "KILN_CACHE_DIR"
 MIB = 2**20
@@ -100,7 +100,7 @@ def need_mib(num_forwards: int, num_local: int, artifact_mib_estimate: int) -> i
 
 
 def check_probed_caches(probes: list, artifact_mib_estimate: int, weights_mib_per_rank: int = 0) -> None:
-    """`check_caches` over every host's probe (kiln.core.probe_result.HostProbe.cache): room for the forwards
+    """`check_caches` over every host's probe (kiln.core.plan.probe_result.HostProbe.cache): room for the forwards
     it lacks and, with `weights_mib_per_rank`, for each of its ranks' weights (kept there when read from S3,
     kiln.host.s3_weight_cache). Pure."""
     check_caches({p.name: p.cache for p in probes if p.cache},

@@ -129,7 +129,7 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
 
 
 def _compile_forward(spec: dict, out_path: str) -> CompileResult:
-    from kiln.core import tuning_plan
+    from kiln.core.plan import tuning_plan
     from kiln.host import tuner
 
     start = time.perf_counter()

@@ -9,7 +9,7 @@ import logging
 from kiln.core.trust import layout
 from kiln.core.errors import IntegrityError, StoreConflict
 from kiln.core.forwards.forward_keys import ForwardSpec
-from kiln.core.job import ExportJob, HostSpec
+from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.trust.layout import artifact_key, compile_log_key, inspection_key, vouch_key, worker_memory_key
 from kiln.core.trust.vouch import make_vouch
 from kiln.host import faults, tuner

@@ -3,11 +3,11 @@ or the store holds, and what compiles of its graph measured before. Runs on the 
 
 from __future__ import annotations
 
-from kiln.core import tuning_plan
-from kiln.core.job import ExportJob, HostSpec
+from kiln.core.plan import tuning_plan
+from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.errors import IntegrityError
 from kiln.core.trust.layout import artifact_key, worker_memory_prefix
-from kiln.core.probe_result import HostProbe
+from kiln.core.plan.probe_result import HostProbe
 from kiln.core.machine.target import host_device
 from kiln.host import cache, probe, tuner
 from kiln.host.cache import cache_dir, local_path
@@ -20,7 +20,7 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
     """Memory, CPUs, GPUs, target, this host's forward specs and which of them are local or stored.
 
     The target is for the recipe's device as this host alone sees it (auto: cuda where it has a GPU; cuda
-    on a host without one probes as cpu, and kiln.core.decisions.check_devices refuses the export naming
+    on a host without one probes as cpu, and kiln.core.plan.decisions.check_devices refuses the export naming
     every such host). With tuning on, each spec carries the stored tuning results of its GEMMs (verified)
     and its key their digest. `store`: the export's store (opened by the caller).
     """

@@ -7,8 +7,8 @@ import logging
 from pathlib import Path
 
 from kiln.core.errors import CheckCrashed, MemoryShort
-from kiln.core.job import ExportJob, HostSpec
-from kiln.core.sizing import check_peak_mib
+from kiln.core.plan.job import ExportJob, HostSpec
+from kiln.core.plan.sizing import check_peak_mib
 from kiln.host import cache, faults, probe
 from kiln.host.cache import cache_dir, local_path
 from kiln.host.procs import PeakSampler

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiln.core.errors import DISK_ERRNOS, DiskError, IntegrityError, StoreError
-from kiln.core.job import ExportJob, HostSpec
+from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.trust.layout import artifact_key, inspection_key, vouch_key
 from kiln.host.cache import local_path
 from kiln.store import ObjectMissing

@@ -1,14 +1,14 @@
 """Kernel tuning with Inductor max-autotune: measure, store, look up, install.
 
 Side effects only; the decisions (shapes, ids, what to measure, digests,
-applicability) are in `kiln.core.tuning_plan`.
+applicability) are in `kiln.core.plan.tuning_plan`.
 
 - `tune_target(job, target)`: the tune phase for one target, on one host of
   that target. Looks up every GEMM shape's result in the store (verified),
   measures what the mode asks for in a *spawned* process (never a thread:
   Inductor is not thread-safe), stores each shape's result with its sha256.
   When weightless forwards have nothing to choose between on the forward
-  device (CPU: see kiln.core.tuning_plan), it measures nothing and says why.
+  device (CPU: see kiln.core.plan.tuning_plan), it measures nothing and says why.
 - `lookup(...)`: per bucket, the stored results a forward is compiled with
   and their digest (for the forward's key); used by the probe.
 - `load_for_compile(...)`: the verified union of the results a host's
@@ -33,18 +33,18 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
-from kiln.core import tuning_plan
+from kiln.core.plan import tuning_plan
 from kiln.core.errors import IntegrityError, KilnError
 from kiln.core.forwards.forward_keys import ForwardSpec
-from kiln.core.tuning_plan import GemmShape
+from kiln.core.plan.tuning_plan import GemmShape
 from kiln.core.machine.target import device_of
 from kiln.host import probe
 from kiln.host.inductor_options import compiler_options
 from kiln.host.spawned import call_in_spawned
 from kiln.store import Store, open_store, sha256_bytes
 
-if TYPE_CHECKING:  # not at run time: kiln.core.job brings kiln.core.trust.signing (cryptography) into every
-    from kiln.core.job import ExportJob  # compile worker, which imports this module to install tuning results
+if TYPE_CHECKING:  # not at run time: kiln.core.plan.job brings kiln.core.trust.signing (cryptography) into every
+    from kiln.core.plan.job import ExportJob  # compile worker, which imports this module to install tuning results
 
 
 def benchmark_count() -> int:

@@ -58,7 +58,7 @@ def load_rank_weights(checkpoint: str, cfg: ModelConfig, tp: int, rank: int, *, 
 
 
 def check_job_caches(job, probes: list) -> None:
-    """kiln.host.cache.check_probed_caches for `job` (kiln.core.job.ExportJob): room for its forwards, and for
+    """kiln.host.cache.check_probed_caches for `job` (kiln.core.plan.job.ExportJob): room for its forwards, and for
     its ranks' weights when its checkpoint is in S3 (a host's check keeps each rank's tensors in its cache,
     kiln.host.s3_weight_cache)."""
     from kiln.host.cache import check_probed_caches

@@ -61,7 +61,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from kiln.core.errors import BadInput, IntegrityError, StoreError
-from kiln.core.job import CHECKSUM_MODES
+from kiln.core.plan.job import CHECKSUM_MODES
 from kiln.core.trust.key_rules import (
     sha256_bytes,
     validate_bucket,

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from kiln.core.errors import DiskError
-from kiln.core.job import ExportJob, HostSpec
+from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.trust.layout import artifact_key
-from kiln.core.recipe import Recipe
+from kiln.core.plan.recipe import Recipe
 from kiln.host.share import fetch_missing
 from kiln.store import LocalStore
 

@@ -18,7 +18,7 @@ CHECK = r"""
 import json, sys
 import torch
 from kiln.core.model.config import ModelConfig
-from kiln.core.recipe import Bucket
+from kiln.core.plan.recipe import Bucket
 from kiln.host.loader import compare_with_eager, load_forward, place_weights
 from kiln.host.model import random_state_dict, shard_state_dict, solo_group
 
@@ -36,7 +36,7 @@ print(json.dumps([r["diff"] for r in results]))
 def test_a_compiled_decode_step_reads_its_pages_in_place_as_eager_computes(tmp_path):
     from kiln.core.model.config import TINY
     from kiln.core.forwards.forward_keys import forward_spec
-    from kiln.core.recipe import Bucket
+    from kiln.core.plan.recipe import Bucket
     from kiln.core.forwards.shape_ranges import static_shape
     from kiln.host.compiler import CompilePool
     from kiln.host.key_sources import model_code_fingerprint

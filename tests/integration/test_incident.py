@@ -25,7 +25,7 @@ INCIDENT = ["--hosts", "3", "--tp", "3",
             "--assume-available", "host-1=12038", "--assume-available", "host-2=11939"]
 # The fewest forwards that show each point (each compiles for tp 3, tens of seconds on 2 cores): the
 # refusal compiles nothing, so it keeps four; host-0 compiling everything needs two; every host
-# compiling needs three (the gate gives idle hosts the next key, kiln/core/gate.py's _assign).
+# compiling needs three (the gate gives idle hosts the next key, kiln/core/plan/gate.py's _assign).
 REFUSED_BUCKETS, BORROWED_BUCKETS, SPREAD_BUCKETS = "1x8,2x8,4x8,8x8", "1x8,2x8", "1x8,2x8,4x8"
 
 

@@ -10,9 +10,9 @@ import pytest
 from flows.export import _probe
 from kiln.core.model.config import TINY
 from kiln.core.errors import BadInput
-from kiln.core.job import ExportJob, HostSpec
-from kiln.core.probe_result import HostProbe
-from kiln.core.recipe import Recipe
+from kiln.core.plan.job import ExportJob, HostSpec
+from kiln.core.plan.probe_result import HostProbe
+from kiln.core.plan.recipe import Recipe
 from kiln.core.report import Report
 from kiln.core.machine.target import host_device
 

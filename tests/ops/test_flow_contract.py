@@ -20,7 +20,7 @@ from flows.serve import deployment_parameters
 from kiln.core.errors import BadInput, CheckCrashed, GateRefused, HostsLost, IntegrityError, StoreError
 from kiln.core.retry_rule import mark_retried_in_task
 from kiln.host.compiler import CompileFailed
-from kiln.core.recipe import SETTINGS
+from kiln.core.plan.recipe import SETTINGS
 
 
 def test_the_flow_parameters_are_top_level_fields_with_defaults():

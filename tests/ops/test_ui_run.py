@@ -139,7 +139,7 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
         _prop(page, "Run Name").locator("input").first.fill(run_name)
 
         # The form: human titles, no type switches, typed defaults (derived from flows/params.py and
-        # kiln/core/recipe.py). ("Optional": each has a default, so an API caller may leave it out.)
+        # kiln/core/plan/recipe.py). ("Optional": each has a default, so an API caller may leave it out.)
         labels = _labels(page)
         assert "S3 endpoint (Optional)" in labels and "Most KV pages per rank (Optional)" in labels, labels
         assert not [t for t in labels if "_" in t], labels
@@ -175,8 +175,8 @@ def test_custom_run_from_the_ui_completes_and_shows_kiln_artifacts(serve, prefec
         [created] = api.flow_runs(name={"any_": [run_name]})
         assert created["deployment_id"] == served.deployment["id"]
         assert created["parameters"]["recipe"]["buckets"] == "1x8"
-        # The form sends every setting, untouched ones at their defaults (kiln.core.recipe.form_overrides).
-        from kiln.core.recipe import SETTINGS
+        # The form sends every setting, untouched ones at their defaults (kiln.core.plan.recipe.form_overrides).
+        from kiln.core.plan.recipe import SETTINGS
         assert set(created["parameters"]["recipe"]) == {s.name for s in SETTINGS}
         run = api.wait_final(created["id"], timeout_s=900)
         assert run["state_type"] == "COMPLETED", (run["state"], served.log.read_text()[-4000:])

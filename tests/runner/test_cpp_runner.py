@@ -38,7 +38,7 @@ def export(tmp_path_factory) -> dict:
     from kiln.core.model.contract import PROCESS_GROUP, weight_layout
     from kiln.core.model.interface import forward_interface
     from kiln.core.forwards.forward_keys import forward_spec
-    from kiln.core.recipe import Bucket
+    from kiln.core.plan.recipe import Bucket
     from kiln.core.forwards.shape_ranges import static_shape
     from kiln.host.checkpoint import write_checkpoint
     from kiln.host.compiler import CompilePool

@@ -62,8 +62,8 @@ def test_probe_asks_for_its_own_forwards_without_listing_them_all(tmp_path, monk
     import dataclasses
 
     from kiln.core.model.config import TINY
-    from kiln.core.job import ExportJob, HostSpec
-    from kiln.core.recipe import Recipe, parse_buckets
+    from kiln.core.plan.job import ExportJob, HostSpec
+    from kiln.core.plan.recipe import Recipe, parse_buckets
     from kiln.host.host_probe import probe_host
 
     job = ExportJob(export_id="e1", model_name="tiny", checkpoint=str(tmp_path / "none"),

@@ -1,7 +1,7 @@
 """The tuning mechanism for real: measure, store, reuse, and a compile worker that benchmarks nothing.
 
 CPU forwards cannot use what CPU max-autotune offers besides ATen (the C++
-GEMM templates prepack weights at compile time; see kiln.core.tuning_plan), so the tune
+GEMM templates prepack weights at compile time; see kiln.core.plan.tuning_plan), so the tune
 phase of a CPU export measures nothing. These tests measure CPU's ATen and
 C++ candidates explicitly (backends 'ATEN,CPP') to check the mechanism every
 tuned target relies on, and keep checking why CPU forwards do not use it: if a
@@ -21,10 +21,10 @@ import time
 
 import pytest
 
-from kiln.core import tuning_plan
+from kiln.core.plan import tuning_plan
 from kiln.core.model.config import TINY
-from kiln.core.job import ExportJob
-from kiln.core.recipe import Recipe, parse_buckets
+from kiln.core.plan.job import ExportJob
+from kiln.core.plan.recipe import Recipe, parse_buckets
 from kiln.host import probe, tuner
 from kiln.host.compiler import CompilePool
 from kiln.host.inductor_options import compiler_options

@@ -1,14 +1,14 @@
 """Two exports in a row through the real flow, with tuning forced onto CPU's C++ GEMM candidates.
 
 A CPU export measures nothing (weightless forwards cannot use the C++
-templates; see kiln.core.tuning_plan). To run the flow's tuning path for real on this
+templates; see kiln.core.plan.tuning_plan). To run the flow's tuning path for real on this
 CPU machine, the flow runs in a subprocess that admits 'CPP' for CPU forwards
 first (in this process: one local host, so the tasks run here and see it).
 What it shows:
 
 - tuning runs once for the target, measures every candidate of a fresh
   store, and the next export measures nothing, quickly (that several hosts of
-  one target tune once is kiln.core.tuning_plan.tuning_hosts, unit-tested);
+  one target tune once is kiln.core.plan.tuning_plan.tuning_hosts, unit-tested);
 - the compile workers, given the stored results, autotune every GEMM and
   benchmark nothing;
 - the forwards then carry C++ kernels whose prepacked weights no rank can
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 RUN_FLOW = textwrap.dedent("""
     import json, sys
-    from kiln.core import tuning_plan
+    from kiln.core.plan import tuning_plan
     tuning_plan.WEIGHTLESS_GEMM_BACKENDS["cpu"] = ("ATEN", "CPP")  # what CPU forwards must not use (see module doc)
     from flows.export import export
     from flows.params import ExportParams
@@ -110,7 +110,7 @@ def test_share_verify_refuses_forwards_with_prepacked_weights(two_exports):
     r = two_exports["first"]
     store = two_exports["dir"] / "store"
     from kiln.core.model.config import TINY
-    from kiln.core.tuning_plan import winners
+    from kiln.core.plan.tuning_plan import winners
 
     # The output head is the one GEMM the compile autotunes (see above): only its winner reaches a forward.
     runs = [json.loads(p.read_text()) for p in (store / "tuning").glob("*.json")]

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from kiln.core import tuning_plan
+from kiln.core.plan import tuning_plan
 from kiln.core.model.config import TINY
 from kiln.core.errors import IntegrityError, KilnError
 from kiln.core.forwards.forward_keys import ForwardSpec
-from kiln.core.job import ExportJob
-from kiln.core.recipe import Recipe, parse_buckets
+from kiln.core.plan.job import ExportJob
+from kiln.core.plan.recipe import Recipe, parse_buckets
 from kiln.host import tuner
 from kiln.host.inductor_options import compiler_options
 from kiln.store import open_store

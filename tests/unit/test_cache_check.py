@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.core.errors import BadInput
-from kiln.core.probe_result import HostProbe
+from kiln.core.plan.probe_result import HostProbe
 from kiln.host.cache import cache_root, cache_status, check_caches, check_probed_caches, need_mib
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from kiln.core.machine import cgroup_limits as cg
-from kiln.core.decisions import describe
+from kiln.core.plan.decisions import describe
 from kiln.core.errors import GateRefused
-from kiln.core.gate import HostReport, decide
-from kiln.core.recipe import Recipe
+from kiln.core.plan.gate import HostReport, decide
+from kiln.core.plan.recipe import Recipe
 from kiln.core.report import Report
 from kiln.host import probe
 

@@ -4,7 +4,7 @@ import pytest
 
 from kiln.core.decode import Step, check_request, parse_tokens, pick_bucket, prefill_steps
 from kiln.core.errors import BadInput
-from kiln.core.recipe import Bucket
+from kiln.core.plan.recipe import Bucket
 
 BUCKETS = [Bucket(1, 16), Bucket(2, 16), Bucket(4, 32), Bucket(1, 4)]
 

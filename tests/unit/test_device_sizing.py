@@ -1,20 +1,20 @@
 """Compile workers' device memory: counted only for CUDA exports, from the device on a discrete GPU and from
-the host's pool on unified memory (kiln.core.sizing, gate, decisions). Pure: no GPU, no torch."""
+the host's pool on unified memory (kiln.core.plan.sizing, gate, decisions). Pure: no GPU, no torch."""
 
 from __future__ import annotations
 
 import pytest
 
 from kiln.core.model.config import TINY
-from kiln.core.decisions import check_devices, decide_export, kv_plan
+from kiln.core.plan.decisions import check_devices, decide_export, kv_plan
 from kiln.core.errors import BadInput, GateRefused
 from kiln.core.forwards.forward_keys import ForwardSpec
-from kiln.core.gate import HostReport, decide
-from kiln.core.job import ExportJob
-from kiln.core.probe_result import HostProbe
-from kiln.core.recipe import Bucket, Recipe
+from kiln.core.plan.gate import HostReport, decide
+from kiln.core.plan.job import ExportJob
+from kiln.core.plan.probe_result import HostProbe
+from kiln.core.plan.recipe import Bucket, Recipe
 from kiln.core.forwards.shape_ranges import parse_shape_range
-from kiln.core.sizing import device_required_mib, required_mib, worker_capacity
+from kiln.core.plan.sizing import device_required_mib, required_mib, worker_capacity
 
 R = Recipe(headroom_floor_mib=4096, recipe_headroom_mib=1024, worker_host_mib=3000, worker_device_mib=2000)
 
@@ -113,7 +113,7 @@ def test_kv_plan_of_a_cpu_export_on_a_gpu_host_draws_from_host_memory():
 
 
 def test_worker_device_mib_set_for_a_cpu_export_is_named():
-    from kiln.core.decisions import settings_without_effect
+    from kiln.core.plan.decisions import settings_without_effect
 
     recipe = Recipe(worker_device_mib=4096)
     cpu = decide([HostReport("h", (0,), available_mib=60_000, num_cpus=8, target="cpu-x86_64-avx2-0")], recipe,

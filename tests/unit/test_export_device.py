@@ -7,9 +7,9 @@ import pytest
 
 from kiln.core.model.config import TINY
 from kiln.core.errors import BadInput, IntegrityError
-from kiln.core.job import ExportJob
+from kiln.core.plan.job import ExportJob
 from kiln.core.trust.manifest import build_manifest, check_manifest, forwards_for_host, manifest_device
-from kiln.core.recipe import Recipe, parse_buckets
+from kiln.core.plan.recipe import Recipe, parse_buckets
 from kiln.core.forwards.shape_ranges import parse_shape_range
 
 H200 = "cuda-sm_90-cu13.0-triton3.6.0-x86-64-v3"

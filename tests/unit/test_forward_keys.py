@@ -1,7 +1,7 @@
 """Forward keys change with what changes the code, and only with that."""
 
 from kiln.core.forwards.forward_keys import forward_spec
-from kiln.core.recipe import Bucket
+from kiln.core.plan.recipe import Bucket
 from kiln.core.forwards.shape_ranges import static_shape
 
 BASE = dict(shapes=static_shape(Bucket(1, 16)), graph={"config": {"h": 1}, "tp": 2, "code": "abc"}, target="avx2",

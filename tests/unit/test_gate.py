@@ -3,8 +3,8 @@
 import pytest
 
 from kiln.core.errors import GateRefused
-from kiln.core.gate import HostReport, decide
-from kiln.core.recipe import Recipe
+from kiln.core.plan.gate import HostReport, decide
+from kiln.core.plan.recipe import Recipe
 
 INCIDENT = Recipe(headroom_floor_mib=8192, recipe_headroom_mib=1024, worker_host_mib=2048,
                   worker_device_mib=2048, unified_memory=True)
@@ -172,8 +172,8 @@ def test_scale_on_paper_assigns_every_key_once():
 
 
 def test_replan_without_lost_hosts_gives_their_keys_to_the_rest():
-    from kiln.core.decisions import replan_without
-    from kiln.core.job import ExportJob
+    from kiln.core.plan.decisions import replan_without
+    from kiln.core.plan.job import ExportJob
 
     job = ExportJob(export_id="e", model_name="m", checkpoint="/x", config={}, tp=2, recipe=Recipe(),
                     store_url="file:///s")
@@ -185,9 +185,9 @@ def test_replan_without_lost_hosts_gives_their_keys_to_the_rest():
 
 
 def test_the_replan_rule_gives_up_after_max_replans():
-    from kiln.core.decisions import MAX_REPLANS, replan_after_loss
+    from kiln.core.plan.decisions import MAX_REPLANS, replan_after_loss
     from kiln.core.errors import HostsLost
-    from kiln.core.job import ExportJob
+    from kiln.core.plan.job import ExportJob
 
     job = ExportJob(export_id="e", model_name="m", checkpoint="/x", config={}, tp=2, recipe=Recipe(),
                     store_url="file:///s")
@@ -199,7 +199,7 @@ def test_the_replan_rule_gives_up_after_max_replans():
 
 
 def test_a_setting_that_cannot_matter_is_named():
-    from kiln.core.decisions import settings_without_effect
+    from kiln.core.plan.decisions import settings_without_effect
 
     hosts = [host("a", 100_000, local_keys=frozenset(KEYS))]
     recipe = Recipe(worker_host_mib=65536, page_tokens=8, max_context_tokens=64)

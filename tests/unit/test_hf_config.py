@@ -12,8 +12,8 @@ import pytest
 from kiln.core.model.config import TINY, ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.model.hf_config import from_hf, to_hf
-from kiln.core.job import ExportJob
-from kiln.core.recipe import Recipe
+from kiln.core.plan.job import ExportJob
+from kiln.core.plan.recipe import Recipe
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 128,
          "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -12,13 +12,13 @@ import pytest
 from kiln.core.model.cache_layout import cache_layout
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.contract import constant_shapes
-from kiln.core.decisions import page_size
+from kiln.core.plan.decisions import page_size
 from kiln.core.errors import BadInput
 from kiln.core.model.hf_config import from_hf, to_hf
 from kiln.core.model.interface import forward_interface
-from kiln.core.job import ExportJob
+from kiln.core.plan.job import ExportJob
 from kiln.core.model.layer_runs import layer_runs
-from kiln.core.recipe import Recipe
+from kiln.core.plan.recipe import Recipe
 from kiln.core.model.v4_fields import CSA, HCA, SLIDING, V4Fields
 
 SMALL = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 256,
@@ -225,7 +225,7 @@ def test_a_slot_width_gives_back_a_context_with_the_same_states():
 
 
 def test_a_v4_export_needs_a_one_token_bucket_and_static_shapes():
-    from kiln.core.recipe import parse_buckets
+    from kiln.core.plan.recipe import parse_buckets
     from kiln.core.model.v4_fields import export_refusal
 
     assert export_refusal(Recipe(buckets=parse_buckets("1x1,1x8"), shape_policy="static")) is None

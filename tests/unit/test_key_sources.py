@@ -12,8 +12,8 @@ import pytest
 from kiln.core.model.config import TINY
 from kiln.core.errors import KilnError
 from kiln.core.forwards.forward_keys import forward_spec
-from kiln.core.job import ExportJob
-from kiln.core.recipe import Bucket, Recipe
+from kiln.core.plan.job import ExportJob
+from kiln.core.plan.recipe import Bucket, Recipe
 from kiln.core.forwards.shape_ranges import static_shape
 from kiln.host import key_sources
 from kiln.host.inductor_options import INDUCTOR_ENV_UNKEYED, inductor_env
@@ -159,7 +159,7 @@ def _probe_keys(monkeypatch, tmp_path) -> list[str]:
     from kiln.host import host_probe
     from kiln.store import open_store
     from kiln.core.machine.gpus import GpuReading
-    from kiln.core.job import HostSpec
+    from kiln.core.plan.job import HostSpec
     from kiln.core.machine.target import cpu_target_of
 
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(__version__="2.13.0"))

@@ -6,14 +6,14 @@ from dataclasses import replace
 import pytest
 
 from kiln.core.model.config import TINY
-from kiln.core.decisions import (RANGE_COMPILE_FACTOR, compile_estimates, describe, host_reports,
+from kiln.core.plan.decisions import (RANGE_COMPILE_FACTOR, compile_estimates, describe, host_reports,
                                  measured_worker_mib, plan_kv_for, planned_workers, run_gate)
 from kiln.core.errors import GateRefused
 from kiln.core.forwards.forward_keys import ForwardSpec
-from kiln.core.gate import HostReport, decide
-from kiln.core.job import ExportJob
-from kiln.core.probe_result import HostProbe
-from kiln.core.recipe import Bucket, Recipe, recipe_from_text
+from kiln.core.plan.gate import HostReport, decide
+from kiln.core.plan.job import ExportJob
+from kiln.core.plan.probe_result import HostProbe
+from kiln.core.plan.recipe import Bucket, Recipe, recipe_from_text
 from kiln.core.forwards.shape_ranges import parse_shape_range
 
 
@@ -114,7 +114,7 @@ def test_reports_carry_the_measured_figure():
 
 def test_checks_that_would_not_fit_are_refused_before_they_start():
     from kiln.core.errors import MemoryShort
-    from kiln.core.sizing import check_peak_mib, verify_peak_mib
+    from kiln.core.plan.sizing import check_peak_mib, verify_peak_mib
     from kiln.host.rank_check import check_memory
 
     j = job()
@@ -133,7 +133,7 @@ def test_checks_that_would_not_fit_are_refused_before_they_start():
 def test_every_forward_of_a_rank_binds_one_copy_of_its_weights_so_more_buckets_cost_only_their_code():
     # Llama-3.1-70B at tp 8 in bfloat16 (a ~17 GiB shard): 38 buckets, the incident's count, cost 38 x 16 MiB
     # more than one, not 37 more shards.
-    from kiln.core.sizing import FORWARD_FIXED_MIB, check_peak_mib, verify_peak_mib
+    from kiln.core.plan.sizing import FORWARD_FIXED_MIB, check_peak_mib, verify_peak_mib
 
     shard = 17 * 2**30
     one, many = (check_peak_mib(shard_bytes=shard, num_forwards=n, half=True, process_base_mib=512) for n in (1, 38))
@@ -146,7 +146,7 @@ def test_every_forward_of_a_rank_binds_one_copy_of_its_weights_so_more_buckets_c
 
 def test_a_rank_check_that_would_not_fit_is_refused_before_anything_compiles():
     # Qwen3-30B-A3B's width, 2 layers, bfloat16: a host with room for compile workers but not for the check.
-    from kiln.core.sizing import check_peak_mib
+    from kiln.core.plan.sizing import check_peak_mib
 
     cfg = TINY.replace(architecture="qwen3_moe", qk_norm=True, num_layers=2, hidden_size=2048, num_heads=32,
                        num_kv_heads=4, head_dim=128, intermediate_size=6144, vocab_size=151936, num_experts=128,

@@ -21,7 +21,7 @@ from kiln.core.errors import (
     VerifyMismatch,
 )
 from flows.report_out import draw, ledger_key, markdown
-from kiln.core.recipe import Recipe, recipe_from_text
+from kiln.core.plan.recipe import Recipe, recipe_from_text
 from kiln.core.retry_rule import worth_retrying
 from kiln.core.report import Report
 from kiln.host import faults as fault_points

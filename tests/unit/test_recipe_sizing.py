@@ -5,8 +5,8 @@ import pytest
 from kiln.core.model.config import TINY, ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.model.hf_config import from_hf, to_hf
-from kiln.core.recipe import Bucket, Recipe, parse_buckets, recipe_from_text
-from kiln.core.sizing import floor_admitting_one, floor_with_margin, page_bytes, plan_kv, required_mib, worker_capacity
+from kiln.core.plan.recipe import Bucket, Recipe, parse_buckets, recipe_from_text
+from kiln.core.plan.sizing import floor_admitting_one, floor_with_margin, page_bytes, plan_kv, required_mib, worker_capacity
 
 
 def test_incident_one_worker_needs_12288():

@@ -82,7 +82,7 @@ def test_what_an_io_task_retried_is_not_retried_by_the_flow():
 
 def test_one_store_call_is_tried_at_most_its_per_request_budget():
     # botocore x task x flow used to reach 8 x 4 x 3 = 96 tries of one store call: now only botocore's 8.
-    from kiln.core.recipe import Recipe
+    from kiln.core.plan.recipe import Recipe
     from kiln.store.s3_client import REQUEST_RETRIES
 
     after_botocore = StoreError("S3 get failed: SlowDown", transient=True)

@@ -7,8 +7,8 @@ import logging
 from flows.logs import HideExpectedTracebacks
 from kiln.core import run_page
 from kiln.core.errors import GateRefused
-from kiln.core.gate import worker_words
-from kiln.core.recipe import Recipe
+from kiln.core.plan.gate import worker_words
+from kiln.core.plan.recipe import Recipe
 
 SHA = "ab" * 32
 

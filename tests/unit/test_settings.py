@@ -20,8 +20,8 @@ from cli import recipe_doc
 from cli.main import parser
 from flows.params import ExportParams, build_recipe, export_params
 from kiln.core.errors import BadInput
-from kiln.core.recipe import SETTING, SETTINGS, Bucket, Recipe, form_overrides, recipe_from_text, recipe_of_form
-from kiln.core.settings import GROUPS, form_description, form_value
+from kiln.core.plan.recipe import SETTING, SETTINGS, Bucket, Recipe, form_overrides, recipe_from_text, recipe_of_form
+from kiln.core.plan.settings import GROUPS, form_description, form_value
 
 ROOT = Path(__file__).resolve().parents[2]
 

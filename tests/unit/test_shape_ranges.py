@@ -7,7 +7,7 @@ import pytest
 
 from kiln.core.errors import BadInput
 from kiln.core.forwards.forward_keys import forward_spec
-from kiln.core.recipe import Recipe, recipe_from_text
+from kiln.core.plan.recipe import Recipe, recipe_from_text
 from kiln.core.forwards.shape_ranges import (Bucket, choose_forward, group_buckets, parse_shape_range, parse_shape_ranges,
                                     static_shape)
 

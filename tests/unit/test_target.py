@@ -6,7 +6,7 @@ import pytest
 
 from kiln.core.errors import BadInput
 from kiln.core.forwards.forward_keys import forward_spec
-from kiln.core.recipe import Bucket, Recipe, recipe_from_text
+from kiln.core.plan.recipe import Bucket, Recipe, recipe_from_text
 from kiln.core.forwards.shape_ranges import static_shape
 from kiln.core.machine.target import (CUDA_WRAPPER_MARCH, Target, cpu_target_of, cuda_target_of, device_of, host_device,
                               resolve_device)

@@ -4,10 +4,10 @@ import pytest
 
 from kiln.core.model.config import TINY
 from kiln.core.forwards.forward_keys import forward_spec
-from kiln.core.probe_result import HostProbe
-from kiln.core.recipe import Bucket
+from kiln.core.plan.probe_result import HostProbe
+from kiln.core.plan.recipe import Bucket
 from kiln.core.forwards.shape_ranges import parse_shape_range, static_shape
-from kiln.core.tuning_plan import (
+from kiln.core.plan.tuning_plan import (
     GemmShape,
     TuningMismatch,
     bucket_shapes,

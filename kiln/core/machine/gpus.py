@@ -10,7 +10,7 @@ Jetson) has no memory of its own. NVML says so by answering "Not Supported" to
 device's `is_integrated`. A name of a known integrated part (INTEGRATED_NAMES)
 also counts, for drivers that answer with the host pool's figures. On unified
 memory compile workers' device memory comes out of the host's pool
-(kiln.core.sizing); the device figures are then None.
+(kiln.core.plan.sizing); the device figures are then None.
 """
 
 from __future__ import annotations

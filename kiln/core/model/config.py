@@ -2,7 +2,7 @@
 
 Pure: no torch import. `ModelConfig` holds every setting that changes the
 math of a forward step; each of its fields goes into the forward key (through
-kiln.core.job), so two models that compute differently never share a compiled
+kiln.core.plan.job), so two models that compute differently never share a compiled
 forward. `kiln.core.model.hf_config.from_hf` builds one from a Hugging Face
 `config.json`, refusing what Kiln does not compute; `check_tp` says whether a
 tensor-parallel degree can split the model.

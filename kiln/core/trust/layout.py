@@ -60,7 +60,7 @@ def worker_memory_key(spec: ForwardSpec, key: str) -> str:
 
 
 def tuning_key(result_id: str) -> str:
-    """Where one GEMM shape's tuning result lives (its id: kiln.core.tuning_plan.result_id)."""
+    """Where one GEMM shape's tuning result lives (its id: kiln.core.plan.tuning_plan.result_id)."""
     return f"{TUNING}{result_id}.json"
 
 

@@ -33,7 +33,7 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def export_manifest(job, report) -> dict:
-    """The manifest of a finished export: `job` (kiln.core.job.ExportJob) and its `report` (forwards,
+    """The manifest of a finished export: `job` (kiln.core.plan.job.ExportJob) and its `report` (forwards,
     KV plan, hosts and phases recorded)."""
     from kiln.core.model.contract import weight_layout
 

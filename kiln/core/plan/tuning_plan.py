@@ -40,7 +40,7 @@ from kiln.core.model.config import ModelConfig
 from kiln.core.errors import IntegrityError
 from kiln.core.forwards.forward_keys import digest
 from kiln.core.trust.layout import tuning_key
-from kiln.core.recipe import TUNING_MODES, Bucket
+from kiln.core.plan.recipe import TUNING_MODES, Bucket
 from kiln.core.forwards.shape_ranges import ShapeRange
 
 FORMAT = 1

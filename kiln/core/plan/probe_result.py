@@ -1,7 +1,7 @@
 """What a host's probe found, as one frozen record: the gate's, KV planner's and tuner's only input from a host.
 
 Pure. `kiln.host.host_probe.probe_host` builds it on the host; it travels to the
-flow (Prefect task result, Dask) and into `kiln.core.decisions`.
+flow (Prefect task result, Dask) and into `kiln.core.plan.decisions`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class HostProbe:
     """Compile worker peaks measured before for this graph and target (from the store)."""
     compile_seconds: tuple[tuple[str, float], ...] = ()
     """(forward shapes, compile seconds) of compiles measured before for this graph and target (from the store):
-    the gate's time estimate (kiln.core.decisions.compile_estimates)."""
+    the gate's time estimate (kiln.core.plan.decisions.compile_estimates)."""
     cpus_source: str = "host"
     """What set num_cpus: 'host' (the process's affinity), or the cgroup file whose quota allows fewer."""
     num_gpus: int = 0

@@ -20,7 +20,7 @@ import math
 
 from dataclasses import dataclass
 
-from kiln.core.recipe import Recipe
+from kiln.core.plan.recipe import Recipe
 
 
 def required_mib(recipe: Recipe, num_workers: int, unified: bool, measured_host_mib: int | None = None, *,

@@ -12,13 +12,13 @@ import time
 from dataclasses import dataclass, replace
 
 from kiln.core.errors import BadInput, GateRefused, HostsLost
-from kiln.core.gate import HostReport, Plan, check_kv, decide
-from kiln.core.job import ExportJob
-from kiln.core.probe_result import HostProbe
-from kiln.core.recipe import SETTING, SETTINGS, Recipe
+from kiln.core.plan.gate import HostReport, Plan, check_kv, decide
+from kiln.core.plan.job import ExportJob
+from kiln.core.plan.probe_result import HostProbe
+from kiln.core.plan.recipe import SETTING, SETTINGS, Recipe
 from kiln.core.model.cache_layout import cache_layout
 from kiln.core.forwards.shape_ranges import parse_shape_range
-from kiln.core.sizing import check_peak_mib, device_required_mib, plan_kv, required_mib
+from kiln.core.plan.sizing import check_peak_mib, device_required_mib, plan_kv, required_mib
 from kiln.core.machine.target import device_of, resolve_device
 
 
@@ -151,7 +151,7 @@ def run_gate(job: ExportJob, probes: list[HostProbe], kv: dict | None = None) ->
 
 def check_rank_checks_fit(job: ExportJob, reports: list[HostReport], probes: list[HostProbe]) -> None:
     """GateRefused (exit 3) before anything compiles when a host could not check one of its ranks against
-    eager with its forwards (kiln.core.sizing.check_peak_mib; the check itself refuses alike, but only
+    eager with its forwards (kiln.core.plan.sizing.check_peak_mib; the check itself refuses alike, but only
     after the compile phase): the refusal names each such host and the figures."""
     cfg = job.model_config
     shard_bytes = cfg.weight_bytes_per_rank(job.tp)

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, field
 
 from kiln.core.errors import GateRefused
-from kiln.core.recipe import Recipe, where_to_set
-from kiln.core.sizing import device_required_mib, floor_with_margin, required_mib, worker_capacity
+from kiln.core.plan.recipe import Recipe, where_to_set
+from kiln.core.plan.sizing import device_required_mib, floor_with_margin, required_mib, worker_capacity
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def decide(hosts: list[HostReport], recipe: Recipe, needed: dict[str, list[str]]
 
     `needed` maps each target to the forward keys its ranks need; `store_keys`
     are keys already in the store; `compile_s` holds the seconds each key is expected to take to compile
-    (kiln.core.decisions.compile_estimates: measured for its graph, or the recipe's estimate).
+    (kiln.core.plan.decisions.compile_estimates: measured for its graph, or the recipe's estimate).
     """
     if not hosts:
         raise GateRefused("no hosts reported; start at least one host (Dask worker) and try again.")

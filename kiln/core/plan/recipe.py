@@ -3,7 +3,7 @@
 Pure: no torch, prefect or boto3 import. Each field of `Recipe` is a setting,
 declared once with `setting(...)`: its type (`Literal` for a list of choices),
 default, unit, bounds and a docstring. Everything else is derived from these
-declarations by `kiln.core.settings`: the CLI's flags, the deployment's form
+declarations by `kiln.core.plan.settings`: the CLI's flags, the deployment's form
 fields, the `Kiln Recipe` block and `docs/recipe.md`. Overrides are typed
 replacements (`Recipe.replace`); text (`--set NAME=VALUE`) is parsed only at
 the edge, by the setting it names.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kiln.core.errors import BadInput
-from kiln.core.settings import Setting, form_model, form_value, from_form, parse_assignments, setting, settings_of
+from kiln.core.plan.settings import Setting, form_model, form_value, from_form, parse_assignments, setting, settings_of
 from kiln.core.forwards.shape_ranges import (BUCKET_PATTERN, SHAPES_PATTERN, Bucket, ShapeRange, group_buckets, parse_buckets,
                                     parse_shape_ranges, show_shape_ranges)
 from kiln.core.machine.target import Device

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kiln.core.model.config import ModelConfig
 from kiln.core.forwards.forward_keys import ForwardSpec, forward_spec
-from kiln.core.recipe import Recipe
+from kiln.core.plan.recipe import Recipe
 from kiln.core.trust.signing import SigningPlan
 
 DEFAULT_TP = 2
