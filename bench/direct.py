@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     from kiln.host.trust import write_signed_manifest
     from flows.params import ExportParams, default_host_names, prepare
     from kiln.core.plan import decisions
-    from kiln.core import outcome
+    from kiln.core.run import outcome
     from kiln.core.model.contract import weight_layout
     from kiln.core.machine.home import kiln_home
     from kiln.core.trust.manifest import build_manifest

@@ -116,7 +116,7 @@ def cmd_announce(args) -> int:
     sends nothing."""
     from flows.params import export_params, model_name
     from flows.prefect_server import check_server
-    from kiln.core.events import CHECKPOINT_READY
+    from kiln.core.run.events import CHECKPOINT_READY
     from kiln.core.forwards.forward_keys import check_export_id
     params = export_params(model=args.model, export_id=args.export_id)
     if params.export_id:
@@ -167,7 +167,7 @@ def cmd_verify(args) -> int:
 
 def cmd_run(args) -> int:
     from cli.run import run_export
-    from kiln.core.decode import parse_tokens
+    from kiln.core.run.decode import parse_tokens
     result = run_export(args.store, args.export_id, prompt=parse_tokens(args.tokens),
                         max_new_tokens=args.max_new_tokens, json_path=args.json, model=args.model,
                         s3_endpoint=args.s3_endpoint, verify_keys=args.verify_key,

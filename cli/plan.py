@@ -10,7 +10,7 @@ from kiln.core.plan import decisions
 from kiln.core.errors import BadInput, KilnError
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.plan.probe_result import HostProbe
-from kiln.core.report import Report
+from kiln.core.run.report import Report
 from kiln.host import host_probe, probe
 from kiln.host.weights import check_job_caches
 from tasks.store import store_of

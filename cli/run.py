@@ -4,7 +4,7 @@ The export is fetched and checked as `kiln verify` checks it (signature,
 sha256, package members), then `tp` spawned processes join one gloo group;
 each loads every forward through the checked loader with its own weight
 shard and keeps its own paged KV cache (its share of the KV heads). The
-prompt is fed in the export's buckets as a server would (kiln.core.decode), then
+prompt is fed in the export's buckets as a server would (kiln.core.run.decode), then
 one decode step per new token; each step runs on the forward whose range holds
 its bucket, chosen by the consumer contract's rule (kiln.core.forwards.shape_ranges.choose_forward). Rank 0 picks each token (argmax of the last
 position's logits) and broadcasts it, so every rank feeds the same one. That
@@ -19,7 +19,7 @@ import os
 
 from cli.verify import open_export
 from kiln.core.model.cache_layout import cache_layout
-from kiln.core.decode import check_request, prefill_steps, refills_cache, step_bucket
+from kiln.core.run.decode import check_request, prefill_steps, refills_cache, step_bucket
 from kiln.core.trust.manifest import manifest_device
 from kiln.core.plan.recipe import Bucket, parse_buckets
 from kiln.core.forwards.shape_ranges import choose_forward, parse_shape_range

@@ -20,7 +20,7 @@ from kiln.core.forwards.forward_keys import check_export_id
 from kiln.core.machine.home import kiln_home
 from kiln.core.trust.layout import manifest_key
 from kiln.core.trust.manifest import check_manifest, forwards_for_host, manifest_device
-from kiln.core.outcome import routing_note
+from kiln.core.run.outcome import routing_note
 from kiln.host.package_check import check_package
 from kiln.core.plan.recipe import Recipe
 from kiln.core.plan.sizing import verify_peak_mib

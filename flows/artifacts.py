@@ -28,9 +28,9 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from prefect.context import FlowRunContext
 
 from flows import report_out
-from kiln.core import run_page
+from kiln.core.run import run_page
 from kiln.core.plan.job import ExportJob
-from kiln.core.report import Report
+from kiln.core.run.report import Report
 from tasks.store import store_of
 
 KINDS = ("summary", "forwards", "memory", "manifest")

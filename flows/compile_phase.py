@@ -19,7 +19,7 @@ from prefect.artifacts import update_progress_artifact
 from flows import artifacts
 from flows.hosts import HostRunner
 from kiln.core.plan import decisions
-from kiln.core import outcome
+from kiln.core.run import outcome
 from kiln.core.trust import layout
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.plan.gate import HostReport, Plan

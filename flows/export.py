@@ -25,16 +25,16 @@ from flows.logs import hide_expected_tracebacks
 from flows.params import ExportParams, default_host_names, prepare
 from flows.report_out import draw, ledger_key, write_report
 from kiln.core.plan import decisions, tuning_plan
-from kiln.core import outcome
+from kiln.core.run import outcome
 from kiln.core.errors import GateRefused, KilnError
-from kiln.core.retry_rule import worth_retrying
+from kiln.core.run.retry_rule import worth_retrying
 from kiln.core.plan.gate import Plan
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.trust.manifest import export_manifest
 from kiln.core.plan.probe_result import HostProbe
 from kiln.core.machine.target import resolve_device
 from kiln.core.plan.recipe import Recipe
-from kiln.core.report import Report
+from kiln.core.run.report import Report
 from kiln.host import probe
 from kiln.host.weights import check_job_caches
 from tasks import phases

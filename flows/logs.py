@@ -1,6 +1,6 @@
 """Console and run logging: an expected error is said once, in a sentence or two, never with a traceback.
 
-The rule is kiln.core.said_once's; here it is a logging filter on the handlers Prefect and the root
+The rule is kiln.core.run.said_once's; here it is a logging filter on the handlers Prefect and the root
 logger use. A record is rewritten once (the first handler's filter marks it), whichever handlers it
 reaches.
 """
@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 
 from kiln.core.errors import KilnError
-from kiln.core.said_once import SaidOnce
+from kiln.core.run.said_once import SaidOnce
 
 
 class HideExpectedTracebacks(logging.Filter):
     """Drop the traceback of a record whose exception is a KilnError (its message says it all), and say each
-    KilnError's text once (kiln.core.said_once)."""
+    KilnError's text once (kiln.core.run.said_once)."""
 
     def __init__(self, said: SaidOnce | None = None):
         super().__init__()

@@ -13,7 +13,7 @@ lease, and the holder record below). The holder records itself in the variable
 lease id and an expiry it pushes forward every quarter of the lease (the
 recipe's model_lease_s, LEASE_S by default). A waiting run
 checks that record every POLL_S; a holder that is provably gone
-(kiln.core.holders: its process on this host is dead, or its record past
+(kiln.core.run.holders: its process on this host is dead, or its record past
 expiry) is taken over at once, logged naming the dead holder. Its slot is
 freed through Prefect's API: by its lease id on a Prefect server; by name on
 the embedded API, where a lease lives in the memory of the process that took

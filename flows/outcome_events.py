@@ -1,7 +1,7 @@
 """Kiln's Prefect events, emitted: an export try's outcome, and a checkpoint announced (`kiln announce`).
 
 Purpose: automations react to exports without polling. The names, resources
-and labels are kiln/core/events.py's; this module only sends them.
+and labels are kiln/core/run/events.py's; this module only sends them.
 
 Contracts: an event goes to the Prefect server of PREFECT_API_URL (inside a
 flow run, the run's; Prefect adds the flow run, flow and deployment as related
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from prefect.events import emit_event
 
-from kiln.core import events
+from kiln.core.run import events
 from kiln.core.model.config import BUNDLED_MODEL
 from kiln.core.errors import GateRefused, KilnError
-from kiln.core.retry_rule import worth_retrying
+from kiln.core.run.retry_rule import worth_retrying
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The export report's outputs: its JSON file (`write_report`) and its memory ledger as a picture (`draw`).
 
-kiln.core.report builds the report, pure; writing and drawing are edges. `draw`
+kiln.core.run.report builds the report, pure; writing and drawing are edges. `draw`
 (matplotlib, Agg backend, no display) takes the report's host entries and
 returns PNG bytes: per host, per phase boundary, host available and device free
 MiB. The flow stores them with the export (`ledger_key`) and links them from
@@ -20,7 +20,7 @@ from kiln.core.trust.layout import ledger_picture_key
 
 
 def write_report(report, path: str | os.PathLike) -> None:
-    """Write `report` (kiln.core.report.Report) as JSON at `path`, whole or not at all (a temporary file
+    """Write `report` (kiln.core.run.report.Report) as JSON at `path`, whole or not at all (a temporary file
     renamed over it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,10 +5,10 @@ flow-level `retry_condition_fn`. The server decides whether a failed flow run
 is tried again from the run's own policy (`empirical_policy.retries` against
 `run_count`), so `resumable` sets that policy from the run's recipe when each
 try starts and sets it to 0 when a try fails with an error that would fail the
-same way again (kiln.core.retry_rule.worth_retrying: only what can heal is retried): a gate refusal among them,
+same way again (kiln.core.run.retry_rule.worth_retrying: only what can heal is retried): a gate refusal among them,
 unless the recipe's `retry_refusals` says the deployment waits for memory. A transient error that a lower
 level retried already (a store error after the store's per-request retries, an error an I/O task retried) is
-not retried here a second time: each failure is retried at one level (kiln.core.retry_rule's docstring).
+not retried here a second time: each failure is retried at one level (kiln.core.run.retry_rule's docstring).
 
 Contracts: the decorator's `retries`/`retry_delay_seconds` are only the
 defaults until the first try reads the recipe. A try that fails before the
@@ -38,8 +38,8 @@ from flows.logs import said, said_already
 from flows.params import ExportParams, build_recipe, default_export_id
 from kiln.core.errors import GateRefused, KilnError
 from kiln.core.plan.recipe import SETTING, Recipe, where_to_set
-from kiln.core.run_page import state_message
-from kiln.core.retry_rule import transient, worth_retrying
+from kiln.core.run.run_page import state_message
+from kiln.core.run.retry_rule import transient, worth_retrying
 
 
 def _set_policy(flow_run_id, *, retries: int, delay_s: float | None = None) -> None:

@@ -9,7 +9,7 @@ default store (KILN_HOME/store of the serving process).
 
 With `--on-checkpoint` the deployment also has a trigger (an automation on the
 server): each `kiln.checkpoint.ready` event (`kiln announce`) starts a run of
-the model its resource's label `kiln.model` names (kiln/core/events.py).
+the model its resource's label `kiln.model` names (kiln/core/run/events.py).
 
 Contracts: needs a Prefect server (PREFECT_API_URL); the embedded API would
 vanish with this process. Runs of one model queue on the model's lease
@@ -22,7 +22,7 @@ from __future__ import annotations
 from prefect.deployments.runner import EntrypointType
 
 from flows.params import ExportParams
-from kiln.core import events
+from kiln.core.run import events
 from kiln.core.errors import BadInput
 from kiln.core.plan.recipe import form_overrides
 

@@ -7,7 +7,7 @@ kiln.core for the decisions; a task opens the export's store (store.py's
 
 Contracts: thin tasks: decorators, retries, a call into kiln.core or kiln.host.
 Retries only on I/O (transient_only), only for errors that can heal and that no lower level retried
-(kiln.core.retry_rule: a store error has spent its per-request retries).
+(kiln.core.run.retry_rule: a store error has spent its per-request retries).
 
 Pitfalls: the compile task has no task retries (they would compile its whole
 share again); decisions in a task belong to kiln.core instead.

@@ -5,7 +5,7 @@ per-host tasks run on the host they name; reductions (KV plan, gate, outcome
 check, manifest) take every host's result. Anti-patterns: decisions in here;
 they belong to kiln.core.plan.gate, kiln.core.plan.sizing and kiln.core.trust.manifest. Pitfalls: retries
 only on I/O, and only for errors that can heal and that no lower level retried
-(kiln.core.retry_rule.retry_in_task): a store error has spent the store's
+(kiln.core.run.retry_rule.retry_in_task): a store error has spent the store's
 per-request retries and is not retried here; anything else that is not
 transient (bad input, a refusal, an integrity failure, a crash, a bug) is
 never retried. What escapes an I/O task is marked as retried here, so the
@@ -19,12 +19,12 @@ import functools
 from prefect import task
 
 from kiln.core.plan import decisions
-from kiln.core import outcome
+from kiln.core.run import outcome
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.trust.layout import artifact_key, manifest_key
 from kiln.core.plan.probe_result import HostProbe
-from kiln.core.retry_rule import mark_retried_in_task, retry_in_task
+from kiln.core.run.retry_rule import mark_retried_in_task, retry_in_task
 from kiln.host import faults, host_compile, host_probe, rank_check, share, tuner
 from tasks.store import store_of
 
@@ -34,7 +34,7 @@ IO_RETRY_DELAYS_S = [2, 5, 10]
 
 def transient_only(task, task_run, state) -> bool:
     """retry_condition_fn: retry only what can heal and was not retried per request already
-    (kiln.core.retry_rule.retry_in_task); a bug or a deterministic error fails at its first try."""
+    (kiln.core.run.retry_rule.retry_in_task); a bug or a deterministic error fails at its first try."""
     try:
         state.result()
     except Exception as exc:
@@ -49,7 +49,7 @@ _IO = dict(retries=len(IO_RETRY_DELAYS_S), retry_delay_seconds=IO_RETRY_DELAYS_S
 
 def io_task(name: str):
     """@task(name=name, **_IO) around a function whose exceptions are marked as retried at the task level
-    (kiln.core.retry_rule.mark_retried_in_task) before they leave it."""
+    (kiln.core.run.retry_rule.mark_retried_in_task) before they leave it."""
     def decorate(fn):
         @functools.wraps(fn)
         def marked(*args, **kwargs):
@@ -110,7 +110,7 @@ def check_reused(job: ExportJob, keys: list[str]) -> dict[str, str]:
 def outcome_check(job: ExportJob, forwards: dict[str, ForwardSpec], own: dict[str, str]) -> dict[str, dict]:
     """Every key of the export must be in the store with a trusted sha256 (vouched for, or `own`: the
     digest this export's compiling host returned), and its package Python-free
-    (kiln.core.outcome.check_outcome); returns key -> {'sha256', 'size_bytes', 'calls'}."""
+    (kiln.core.run.outcome.check_outcome); returns key -> {'sha256', 'size_bytes', 'calls'}."""
     digests = _trusted(job, sorted(forwards), own)
     found, missing = share.stored_forwards(store_of(job), sorted(forwards), digests)
     return outcome.check_outcome(found, missing, forwards)

@@ -1,6 +1,6 @@
 """Errors that Kiln expects, each with the exit code the CLI gives it.
 
-Which errors are retried is decided in one place, kiln.core.retry_rule.
+Which errors are retried is decided in one place, kiln.core.run.retry_rule.
 
 An expected error carries a message of one or two plain sentences: what is
 wrong and how to fix it. The CLI prints it to stderr without a traceback.
@@ -81,7 +81,7 @@ class UnloadablePackage(KilnError):
 
 class CheckCrashed(KilnError):
     """A rank check's process died (a package that crashes when loaded or run, or a kill): final, never
-    retried (kiln.core.retry_rule: a crash fails the same way again)."""
+    retried (kiln.core.run.retry_rule: a crash fails the same way again)."""
 
     exit_code = 1
 
@@ -96,10 +96,10 @@ class StoreError(KilnError):
     """The store (or an S3 checkpoint) failed in a way that its own per-request retries did not fix.
 
     `transient`: the failure may heal later (the store timed out, closed the
-    connection or was throttled: see kiln.core.retry_rule.transient); false for
+    connection or was throttled: see kiln.core.run.retry_rule.transient); false for
     an answer that will not change (access denied, a directory where a key
     should be). Either way its retries are spent: no task or flow retries it
-    again (kiln.core.retry_rule.retried_per_request). An instance attribute, so
+    again (kiln.core.run.retry_rule.retried_per_request). An instance attribute, so
     it survives pickling (Dask, Prefect results), which `__cause__` does not.
     """
 
@@ -130,7 +130,7 @@ DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUO
 
 class RankDied(KilnError):
     """A rank process of `kiln verify` or `kiln run` ended without a result (a crash, the OOM killer);
-    the message names the rank, its exit code or signal and what it was doing (kiln.core.rank_exit)."""
+    the message names the rank, its exit code or signal and what it was doing (kiln.core.run.rank_exit)."""
 
     exit_code = 1
 

@@ -218,7 +218,7 @@ def _alive(pid: int) -> bool:
 class CompileFailed(KilnError):
     """A forward could not be compiled within its attempts: its worker died `max_compile_attempts` times.
 
-    Final (kiln.core.retry_rule): the pool's attempts are this failure's one level of retries."""
+    Final (kiln.core.run.retry_rule): the pool's attempts are this failure's one level of retries."""
 
 
 class CompilePool:

@@ -3,7 +3,7 @@
 `hold(server, me, lease_s)` holds the one slot of a `SlotServer` for the
 duration of a block. Until it gets the slot it tries every `poll_s`; at each
 try, under the server's host lock, it judges the holder's record
-(kiln.core.holders): a holder provably gone (its process on this host is dead,
+(kiln.core.run.holders): a holder provably gone (its process on this host is dead,
 or its record past expiry) has its slot freed at once, and the try follows.
 Once it holds the slot it writes its own record, and a thread pushes the
 record's expiry a lease ahead every quarter of the lease until the block ends.
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
-from kiln.core.holders import describe, holder_gone, holder_record
+from kiln.core.run.holders import describe, holder_gone, holder_record
 from kiln.host import procs
 
 
@@ -99,7 +99,7 @@ def hold(server: SlotServer, me: dict, lease_s: float, log, *, poll_s: float) ->
 
 
 def _free_if_gone(server: SlotServer, holder: dict, proc: dict, log) -> None:
-    """Free the slot of `holder` when it is provably gone (kiln.core.holders), saying so; a failure to free it
+    """Free the slot of `holder` when it is provably gone (kiln.core.run.holders), saying so; a failure to free it
     is said too, and the next poll tries again."""
     why = holder_gone(holder, host=proc["host"], now_s=time.time(), pid_started_at_s=procs.holder_started_at(holder))
     if not why:

@@ -1,6 +1,6 @@
 """Compile leases in the store, per key: taken when a key's compile is submitted, renewed while it compiles.
 
-The I/O side of kiln.core.leases (the decisions) and kiln.core.holders (is a
+The I/O side of kiln.core.run.leases (the decisions) and kiln.core.run.holders (is a
 holder provably gone). `compile_leased` drives a CompilePool under these
 leases; `kiln.host.host_compile.compile_on_host` calls it on each host.
 """
@@ -12,9 +12,9 @@ import time
 from typing import Callable
 
 from kiln.core.trust import layout
-from kiln.core import leases
+from kiln.core.run import leases
 from kiln.core.errors import IntegrityError, KilnError
-from kiln.core.holders import describe
+from kiln.core.run.holders import describe
 from kiln.core.trust.layout import artifact_key
 from kiln.host import procs
 from kiln.host.compiler import CompilePool, CompileResult
@@ -28,7 +28,7 @@ class LeaseWaitExpired(KilnError):
 
 
 class Leases:
-    """Compile leases of one host in one export (see kiln.core.leases): taken per key when its compile
+    """Compile leases of one host in one export (see kiln.core.run.leases): taken per key when its compile
     is submitted, renewed every third of `ttl_s` while it compiles (`renew_due`), released on upload.
 
     A held lease is checked before each renewal: once another export has taken it over (created the

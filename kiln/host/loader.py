@@ -336,8 +336,8 @@ def compare_with_eager(compiled, cfg, tp: int, rank: int, weights: dict, bucket,
 def compare_at_corners(compiled, cfg, tp: int, rank: int, weights: dict, shapes, *, page_tokens: int,
                        pages_per_seq: int, atol: float, half_ratio: float, device: str = "cpu") -> dict:
     """The compiled forward over `shapes` (kiln.core.forwards.shape_ranges.ShapeRange) against the eager shard at each
-    of its corners (smallest, hint, largest): the worst one's check (kiln.core.outcome.worst_corner)."""
-    from kiln.core.outcome import worst_corner
+    of its corners (smallest, hint, largest): the worst one's check (kiln.core.run.outcome.worst_corner)."""
+    from kiln.core.run.outcome import worst_corner
 
     return worst_corner({str(c): compare_with_eager(compiled, cfg, tp, rank, weights, c, page_tokens=page_tokens,
                                                     pages_per_seq=pages_per_seq, atol=atol, half_ratio=half_ratio,

@@ -320,7 +320,7 @@ def started_at(pid: int) -> float | None:
 
 
 def this_process() -> dict:
-    """This process as a lease holder: {'host', 'pid', 'started_at'} (see kiln.core.holders)."""
+    """This process as a lease holder: {'host', 'pid', 'started_at'} (see kiln.core.run.holders)."""
     import socket
 
     return {"host": socket.gethostname(), "pid": os.getpid(), "started_at": started_at(os.getpid())}

@@ -25,7 +25,7 @@ imply) is BadInput naming the object. A blip is not bad input: each request
 is retried by botocore (kiln.store.s3_client.REQUEST_RETRIES) and a body that breaks
 off is fetched again (kiln.store.s3_client.READ_ATTEMPTS); what outlasts that (5xx,
 throttling, read timeouts, closed connections) is StoreError(transient=True)
-and is not retried again by a task or the flow (kiln.core.retry_rule).
+and is not retried again by a task or the flow (kiln.core.run.retry_rule).
 Compile workers need none of this: they compile weightless.
 """
 

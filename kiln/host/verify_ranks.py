@@ -22,7 +22,7 @@ import traceback
 from queue import Empty
 
 from kiln.core.errors import IntegrityError, KilnError, RankDied, RanksTimedOut
-from kiln.core.rank_exit import rank_died_message, ranks_timed_out_message
+from kiln.core.run.rank_exit import rank_died_message, ranks_timed_out_message
 from kiln.host import faults
 
 DOING_BYTES = 200
@@ -95,7 +95,7 @@ def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLi
 
     from kiln.core.model.config import ModelConfig
     from kiln.core.model.cache_layout import cache_layout
-    from kiln.core.outcome import worst_corner
+    from kiln.core.run.outcome import worst_corner
     from kiln.core.forwards.shape_ranges import parse_shape_range
     from kiln.host.loader import check_against_eager, load_forward, place_weights
     from kiln.host.weights import load_rank_weights
@@ -174,7 +174,7 @@ def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[
                      timeout_s: float = 600, device: str = "cpu") -> tuple[dict[str, dict], int]:
     """(forward shapes -> {'diff', 'limit', 'at'} of the compiled ranks combined against the unsharded eager
     model at the worst corner of the forward's range (kiln.host.loader.check_against_eager,
-    kiln.core.outcome.worst_corner), the ranks' peak MiB added up); raises on any rank's error.
+    kiln.core.run.outcome.worst_corner), the ranks' peak MiB added up); raises on any rank's error.
 
     `artifacts` maps forward shapes' name ('2-8x16-64@8x64', kiln.core.forwards.shape_ranges) to {'path', 'sha256'} of
     a verified local copy, compiled for

@@ -38,7 +38,7 @@ native code. A partial body is never kept (a short read is an error, not a
 smaller object). A multipart completion whose answer was lost is recognised
 by the object it created.
 
-Retries are per request and only in kiln.store.s3_client (kiln.core.retry_rule):
+Retries are per request and only in kiln.store.s3_client (kiln.core.run.retry_rule):
 botocore's, `max_attempts` tries of each request, and `read_attempts` GETs of
 a body that breaks off. A StoreError raised after that has spent the budget:
 `transient` says whether it may heal later, and no task or flow retries it
@@ -69,7 +69,7 @@ from kiln.core.trust.key_rules import (
     validate_prefix,
     validate_sha256,
 )
-from kiln.core.retry_rule import transient
+from kiln.core.run.retry_rule import transient
 from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, replaced_on_success
 from kiln.store.s3_client import (
     BODY_ERRORS,

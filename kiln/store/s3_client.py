@@ -6,7 +6,7 @@ connection per part in flight, and S3's API model parsed once per process. A
 GET whose body breaks off while it is read is requested again (`read_body`,
 READ_ATTEMPTS GETs in all): botocore retries requests, not bodies.
 
-Contracts: these are the only retries of an S3 request (kiln.core.retry_rule);
+Contracts: these are the only retries of an S3 request (kiln.core.run.retry_rule);
 what outlasts them is raised as it came, for the caller to name.
 """
 

@@ -5,7 +5,7 @@ bucket, the wrong region, an endpoint nothing can connect to or that is not S3,
 a malformed URL. A blip that outlasted botocore's per-request retries (a read
 timeout, a connection closed mid-answer, throttling, a 5xx answer) is
 StoreError(transient=True): nothing to fix, it may heal later, and no task or
-flow retries it again (kiln.core.retry_rule: one level per failure). Messages
+flow retries it again (kiln.core.run.retry_rule: one level per failure). Messages
 name the endpoint and bucket and never credentials: botocore's own error
 strings are not echoed for credential failures.
 """
@@ -22,7 +22,7 @@ from botocore.exceptions import (
 )
 
 from kiln.core.errors import BadInput, StoreError
-from kiln.core.retry_rule import transient
+from kiln.core.run.retry_rule import transient
 
 MISSING_KEY = ("404", "NoSuchKey", "NotFound")
 _NO_BUCKET = ("404", "NoSuchBucket", "NotFound")
@@ -52,7 +52,7 @@ def lost_race(e: ClientError) -> str | None:
 
 def blip(e: BaseException) -> bool:
     """Whether `e`, from a botocore call that spent its retries, is a blip rather than something to fix: a
-    transient error (kiln.core.retry_rule.transient) other than an endpoint nothing can connect to."""
+    transient error (kiln.core.run.retry_rule.transient) other than an endpoint nothing can connect to."""
     return transient(e) and not isinstance(e, _CANNOT_CONNECT)
 
 

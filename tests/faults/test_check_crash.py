@@ -3,7 +3,7 @@
 The check runs in its own spawned process (kiln/host/rank_check.check_ranks); the fault seam's
 KILN_FAULT_CRASH_CHECK=1 SIGKILLs that process before it loads anything, as such a package would. The
 error names the host and rank and is final: no task retries it (the verify task has none) and the flow
-does not try the export again (kiln.core.retry_rule). No compile: the forward is never loaded.
+does not try the export again (kiln.core.run.retry_rule). No compile: the forward is never loaded.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.core.errors import CheckCrashed
-from kiln.core.retry_rule import transient, worth_retrying
+from kiln.core.run.retry_rule import transient, worth_retrying
 
 
 def test_a_rank_check_whose_process_dies_fails_at_its_first_try(tmp_path, monkeypatch):

@@ -70,7 +70,7 @@ def test_a_peers_error_after_a_death_reports_the_death(tmp_path):
 
 
 def test_ranks_that_hang_time_out_saying_what_each_was_doing(tmp_path):
-    # What each says, unless the machine is too busy to start them in 3 s (kiln.core.rank_exit's own test).
+    # What each says, unless the machine is too busy to start them in 3 s (kiln.core.run.rank_exit's own test).
     with pytest.raises(RanksTimedOut, match=r"^the ranks did not finish within 3 s \(rank 0 (waiting in all_gather|"
                                             r"had not started), rank 1 (running forward 1x16|had not started)\); "
                                             r"they were stopped"):

@@ -241,7 +241,7 @@ def test_a_stale_lease_of_a_dead_export_is_taken_over(kiln, exported, tmp_path):
     import time
 
     from kiln.core.trust.layout import lease_key
-    from kiln.core.leases import new_lease
+    from kiln.core.run.leases import new_lease
     from kiln.store import LocalStore
 
     f = next(f for f in exported["cold_report"]["forwards"] if f["shapes"] == "1x16")

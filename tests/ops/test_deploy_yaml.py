@@ -40,7 +40,7 @@ def test_prefect_yaml_deploys_and_a_process_worker_runs_it(prefect_server, ops_e
     [trigger] = [a for a in api.post("/automations/filter", {}).json()
                  if any(act.get("deployment_id") == dep["id"] for act in a["actions"])]
     assert trigger["enabled"] is False and trigger["trigger"]["expect"] == ["kiln.checkpoint.ready"]
-    from kiln.core.events import trigger_parameters
+    from kiln.core.run.events import trigger_parameters
     assert trigger["actions"][0]["parameters"] == trigger_parameters()
 
     # A run the gate refuses right after its probe: it exercises the pull step, the

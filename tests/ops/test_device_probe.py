@@ -13,7 +13,7 @@ from kiln.core.errors import BadInput
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.plan.probe_result import HostProbe
 from kiln.core.plan.recipe import Recipe
-from kiln.core.report import Report
+from kiln.core.run.report import Report
 from kiln.core.machine.target import host_device
 
 

@@ -18,7 +18,7 @@ from flows.model_lease import lease_name
 from flows.params import ExportParams
 from flows.serve import deployment_parameters
 from kiln.core.errors import BadInput, CheckCrashed, GateRefused, HostsLost, IntegrityError, StoreError
-from kiln.core.retry_rule import mark_retried_in_task
+from kiln.core.run.retry_rule import mark_retried_in_task
 from kiln.host.compiler import CompileFailed
 from kiln.core.plan.recipe import SETTINGS
 
@@ -145,7 +145,7 @@ def _retried_by_an_io_task() -> ConnectionResetError:
                                    BrokenProcessPool("a rank check's process died"), CheckCrashed("rank 1 died"),
                                    CompileFailed("killed its compile worker 2 times")], ids=type)
 def test_a_crash_or_what_a_lower_level_retried_is_not_retried_by_the_flow(monkeypatch, error):
-    # One level per failure (kiln.core.retry_rule): botocore's tries x the task's x the flow's no longer multiply.
+    # One level per failure (kiln.core.run.retry_rule): botocore's tries x the task's x the flow's no longer multiply.
     t = _Try(monkeypatch)
     with pytest.raises(type(error)):
         t.run(ExportParams(), fail_with=error)

@@ -17,7 +17,7 @@ from botocore.exceptions import (
 )
 
 from kiln.core.errors import BadInput, StoreError
-from kiln.core.retry_rule import retry_in_task, worth_retrying
+from kiln.core.run.retry_rule import retry_in_task, worth_retrying
 from kiln.host.s3_checkpoint import read_failure
 from kiln.store.s3_errors import explain_check_error
 

@@ -11,7 +11,7 @@ from kiln.core.plan.decisions import describe
 from kiln.core.errors import GateRefused
 from kiln.core.plan.gate import HostReport, decide
 from kiln.core.plan.recipe import Recipe
-from kiln.core.report import Report
+from kiln.core.run.report import Report
 from kiln.host import probe
 
 MIB = 2**20

@@ -12,7 +12,7 @@ from kiln.core.model.contract import FUSED, constant_sources, parameter_shapes, 
 from kiln.core.errors import IntegrityError, KilnError, NotPythonFree
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.model.interface import forward_interface
-from kiln.core.outcome import check_digests, check_outcome, forward_records
+from kiln.core.run.outcome import check_digests, check_outcome, forward_records
 from kiln.core.model.param_counts import params_per_rank
 from kiln.core.forwards.shape_ranges import parse_shape_range
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kiln.core.decode import Step, check_request, parse_tokens, pick_bucket, prefill_steps
+from kiln.core.run.decode import Step, check_request, parse_tokens, pick_bucket, prefill_steps
 from kiln.core.errors import BadInput
 from kiln.core.plan.recipe import Bucket
 

@@ -1,11 +1,11 @@
-"""Kiln's event names, resources and labels (kiln/core/events.py), and the trigger's templates rendered as
+"""Kiln's event names, resources and labels (kiln/core/run/events.py), and the trigger's templates rendered as
 Prefect's server renders them."""
 
 from __future__ import annotations
 
 import pytest
 
-from kiln.core import events
+from kiln.core.run import events
 
 
 def test_a_completed_export_names_its_manifest_and_is_final():

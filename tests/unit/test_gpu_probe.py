@@ -164,7 +164,7 @@ def test_cuda_target_refused_without_a_gpu_or_a_cuda_torch(monkeypatch):
 
 
 def test_the_ledger_records_device_figures_only_where_there_is_a_gpu():
-    from kiln.core.report import Report
+    from kiln.core.run.report import Report
 
     report = Report("e", model="m", tp=1, store="file:///s")
     host = {"host_available_mib": 9000, "device_free_mib": None, "allocated_mib": None, "reserved_mib": None}

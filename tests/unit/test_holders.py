@@ -1,6 +1,6 @@
-"""Whether a lease holder is provably gone (kiln.core.holders): its process here dead, or its record expired."""
+"""Whether a lease holder is provably gone (kiln.core.run.holders): its process here dead, or its record expired."""
 
-from kiln.core.holders import describe, holder_gone, holder_record
+from kiln.core.run.holders import describe, holder_gone, holder_record
 
 HOST = "node-a"
 

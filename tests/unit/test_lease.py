@@ -1,5 +1,5 @@
 from kiln.core.trust.layout import generation_of, lease_key
-from kiln.core.leases import decide_lease, new_lease
+from kiln.core.run.leases import decide_lease, new_lease
 
 
 def test_free_key_creates_generation_zero():
@@ -39,5 +39,5 @@ def test_a_lease_whose_process_died_here_is_taken_over_before_its_expiry():
 
 
 def test_renewal_is_due_every_third_of_the_ttl():
-    from kiln.core.leases import renewal_due
+    from kiln.core.run.leases import renewal_due
     assert not renewal_due(100.0, 119.0, 60.0) and renewal_due(100.0, 120.0, 60.0)

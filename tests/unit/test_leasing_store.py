@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kiln.core.trust import layout
-from kiln.core.leases import new_lease
+from kiln.core.run.leases import new_lease
 from kiln.host.leasing import LeaseWaitExpired, Leases, compile_leased
 from kiln.store import open_store
 

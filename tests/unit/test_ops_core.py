@@ -22,8 +22,8 @@ from kiln.core.errors import (
 )
 from flows.report_out import draw, ledger_key, markdown
 from kiln.core.plan.recipe import Recipe, recipe_from_text
-from kiln.core.retry_rule import worth_retrying
-from kiln.core.report import Report
+from kiln.core.run.retry_rule import worth_retrying
+from kiln.core.run.report import Report
 from kiln.host import faults as fault_points
 from kiln.host.compiler import CompileFailed
 
@@ -234,7 +234,7 @@ def test_probe_fault_fires_n_times(monkeypatch):
 
 def test_the_verify_verdict_names_the_worst_forward():
     from kiln.core.errors import VerifyMismatch
-    from kiln.core.outcome import check_verified
+    from kiln.core.run.outcome import check_verified
 
     check_verified({"1x8 rank 0": {"diff": 1e-4, "limit": 1e-3}}, "h", "float32")
     checks = {"1x8 rank 0": {"diff": 2e-3, "limit": 1e-3}, "2x8 rank 1": {"diff": 5e-3, "limit": 1e-3},

@@ -1,8 +1,8 @@
-"""What `kiln verify` and `kiln run` say when a rank dies or the ranks hang (kiln.core.rank_exit)."""
+"""What `kiln verify` and `kiln run` say when a rank dies or the ranks hang (kiln.core.run.rank_exit)."""
 
 from __future__ import annotations
 
-from kiln.core.rank_exit import describe_exit, rank_died_message, ranks_timed_out_message
+from kiln.core.run.rank_exit import describe_exit, rank_died_message, ranks_timed_out_message
 
 
 def test_an_exit_status_in_words():

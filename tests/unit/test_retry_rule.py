@@ -1,4 +1,4 @@
-"""Only what can heal is retried, at one level (kiln.core.retry_rule): real third-party error classes, matched by
+"""Only what can heal is retried, at one level (kiln.core.run.retry_rule): real third-party error classes, matched by
 name."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from distributed.comm.core import CommClosedError
 from distributed.scheduler import KilledWorker
 
 from kiln.core.errors import BadInput, CheckCrashed, HostsLost, IntegrityError, StoreError
-from kiln.core.retry_rule import (
+from kiln.core.run.retry_rule import (
     mark_retried_in_task,
     retried_in_task,
     retried_per_request,

@@ -1,11 +1,11 @@
-"""What a run's page says (kiln.core.run_page, the gate's worker figure, the log filter): pure, no server."""
+"""What a run's page says (kiln.core.run.run_page, the gate's worker figure, the log filter): pure, no server."""
 
 from __future__ import annotations
 
 import logging
 
 from flows.logs import HideExpectedTracebacks
-from kiln.core import run_page
+from kiln.core.run import run_page
 from kiln.core.errors import GateRefused
 from kiln.core.plan.gate import worker_words
 from kiln.core.plan.recipe import Recipe

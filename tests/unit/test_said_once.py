@@ -1,9 +1,9 @@
-"""An expected error is said once in a run's log (kiln.core.said_once): the text rules, without logging."""
+"""An expected error is said once in a run's log (kiln.core.run.said_once): the text rules, without logging."""
 
 from __future__ import annotations
 
 from kiln.core.errors import GateRefused
-from kiln.core.said_once import FLOW_SAYS_WHY, SAID_ABOVE, SaidOnce
+from kiln.core.run.said_once import FLOW_SAYS_WHY, SAID_ABOVE, SaidOnce
 
 REFUSAL = GateRefused("export refused before compiling: host-1 is 1200 MiB short of one compile worker")
 

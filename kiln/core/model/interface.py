@@ -60,7 +60,7 @@ def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:
 
     lengths = [arg("seq_lens", "int64", [b])] if cfg.length_dependent_rope else []
     rope = {}
-    if cfg.rope_type == "longrope":  # kiln.core.decode: seq_lens, and the cache rebuilt at the switch
+    if cfg.rope_type == "longrope":  # kiln.core.run.decode: seq_lens, and the cache rebuilt at the switch
         rope = {"rope": {"type": "longrope", "long_after_tokens": cfg.rope_original_max_position,
                          "refill_cache_at_length": cfg.rope_original_max_position + 1}}
     elif cfg.rope_type == "dynamic":

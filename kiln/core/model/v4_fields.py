@@ -197,7 +197,7 @@ def tp_counts(cfg: "ModelConfig") -> list[tuple[str, int]]:
 def export_refusal(recipe: "Recipe") -> str | None:
     """Why Kiln does not export DeepSeek-V4 with `recipe`, or None. Its compiled step carries the compressed
     cache as a slot per sequence (kiln.core.model.contract.cache_layout) that every token of a step rewrites, so:
-    - a step is never padded in tokens (kiln.core.decode.prefill_steps): a bucket of 1 token serves decoding
+    - a step is never padded in tokens (kiln.core.run.decode.prefill_steps): a bucket of 1 token serves decoding
       and finishes any prompt;
     - static shapes only so far: over a range of batches Inductor's lowering of the scanned step fails
       (KeyError on the batch's symbol), over a range of tokens torch.export specializes it (the windows a

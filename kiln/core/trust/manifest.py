@@ -49,7 +49,7 @@ def export_manifest(job, report) -> dict:
 def build_manifest(*, export_id: str, model: dict, recipe: dict, tp: int, buckets: list[str],
                    forwards: list[dict], weights: dict, kv_plan: dict, hosts: list[dict], phases: list[dict],
                    signing: dict) -> dict:
-    """`forwards` are kiln.core.outcome.forward_records; `weights` is kiln.core.model.contract.weight_layout;
+    """`forwards` are kiln.core.run.outcome.forward_records; `weights` is kiln.core.model.contract.weight_layout;
     `signing` is {'signed', 'key_fingerprint'} (kiln.core.trust.signing.SigningPlan.manifest_entry)."""
     groups = sorted({f["interface"]["process_group"] for f in forwards if f["interface"]["process_group"]})
     devices = sorted({device_of(f["target"]) for f in forwards})

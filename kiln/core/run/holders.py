@@ -4,7 +4,7 @@ A holder record names the process that holds a lease: `host` (its hostname),
 `pid`, `started_at` (the process's start time, epoch seconds, so a reused pid
 is not mistaken for the holder) and `expires_at` (epoch seconds; the holder
 pushes it forward while it runs). The model lease (flows/model_lease.py) and
-the compile leases per key (kiln.core.leases) both carry such a record.
+the compile leases per key (kiln.core.run.leases) both carry such a record.
 
 A holder is provably gone when its process on this host is dead (no process
 with its pid, or one started at another time), or when its record is past

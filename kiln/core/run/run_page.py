@@ -12,7 +12,7 @@ import json
 import re
 from collections import Counter
 
-from kiln.core.outcome import routing_note
+from kiln.core.run.outcome import routing_note
 
 REFUSED = "export refused before compiling: "
 """How every gate refusal's text begins (kiln.core.plan.gate)."""
@@ -58,7 +58,7 @@ SHORT_HEX = 12
 
 
 def origin(forward: dict) -> str:
-    """Where a forward of this export comes from (a kiln.core.outcome.forward_records entry)."""
+    """Where a forward of this export comes from (a kiln.core.run.outcome.forward_records entry)."""
     if forward.get("compiled_by"):
         took = f" ({forward['compile_s']:.1f} s)" if forward.get("compile_s") is not None else ""
         return f"compiled by {forward['compiled_by']}{took}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiln.core import run_page
+from kiln.core.run import run_page
 
 
 class Report:
@@ -122,7 +122,7 @@ class Report:
             self.host(name)["lost"] = True
 
     def record_forwards(self, forwards: list[dict], compiled: dict) -> None:
-        """The export's forwards (kiln.core.outcome.forward_records) and how many this export compiled."""
+        """The export's forwards (kiln.core.run.outcome.forward_records) and how many this export compiled."""
         self.forwards = forwards
         self.counts.update(forwards=len(forwards), compiled=len(compiled), reused=len(forwards) - len(compiled))
 

@@ -1,7 +1,7 @@
 """Compile leases: two exports of one model never compile the same key at the same time.
 
 A lease is a create-once object `leases/<key>/<generation>.json` holding its
-owner, its holder process (kiln.core.holders) and expiry. A key is leased when
+owner, its holder process (kiln.core.run.holders) and expiry. A key is leased when
 its compile is submitted to a worker and the lease is renewed (rewritten with a
 later expiry) while it compiles. Whoever creates generation g holds the key; a
 lease whose holder is provably gone (past its expiry, or its process on this
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.core.holders import holder_gone
+from kiln.core.run.holders import holder_gone
 
 
 def new_lease(owner: str, now_s: float, ttl_s: float, holder: dict | None = None) -> dict:
@@ -40,7 +40,7 @@ def decide_lease(latest: tuple[int, dict] | None, owner: str, now_s: float, *, h
                  pid_started_at_s: float | None = None) -> LeaseDecision:
     """What to do about a key given its newest lease (generation, document), if any.
 
-    `host` and `pid_started_at_s` are as in kiln.core.holders.holder_gone: this host, and the start
+    `host` and `pid_started_at_s` are as in kiln.core.run.holders.holder_gone: this host, and the start
     time of the process with the lease's pid here now (None when there is none).
     """
     if latest is None:
