@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     from kiln.host.compiler import compile_forward
     from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS, inductor_env
-    from kiln.host.probe import detect_target
+    from kiln.host.machine.probe import detect_target
 
     imported = time.perf_counter()
     cfg = inspect_checkpoint(args.model)

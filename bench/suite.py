@@ -93,7 +93,7 @@ def code_state() -> dict:
 def _machine() -> dict:
     import psutil
 
-    from kiln.host.probe import num_cpus
+    from kiln.host.machine.probe import num_cpus
 
     def version(name: str) -> str | None:
         try:

@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 from kiln.core.model.config import TINY  # noqa: E402
 from kiln.core.plan.job import ExportJob  # noqa: E402
 from kiln.core.plan.recipe import Recipe, parse_buckets  # noqa: E402
-from kiln.host import probe, tuner
+from kiln.host.machine import probe
+from kiln.host import tuner
 
 BACKENDS = "ATEN,CPP"
 

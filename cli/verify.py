@@ -26,7 +26,7 @@ from kiln.core.plan.recipe import Recipe
 from kiln.core.plan.sizing import verify_peak_mib
 from kiln.host import weights
 from kiln.host.checkpoint import tiny_checkpoint
-from kiln.host.probe import consumer_target, host_memory
+from kiln.host.machine.probe import consumer_target, host_memory
 from kiln.host.verify_ranks import verify_all_ranks
 from kiln.store import Store, open_store, validate_key
 

@@ -35,7 +35,7 @@ from kiln.core.plan.probe_result import HostProbe
 from kiln.core.machine.target import resolve_device
 from kiln.core.plan.recipe import Recipe
 from kiln.core.run.report import Report
-from kiln.host import probe
+from kiln.host.machine import probe
 from kiln.host.weights import check_job_caches
 from tasks import phases
 

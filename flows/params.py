@@ -24,7 +24,7 @@ from kiln.core.trust.layout import manifest_key
 from kiln.core.plan.recipe import SETTING, Recipe, form_overrides, recipe_form, recipe_of_form
 from kiln.core.plan.settings import GROUPS, form_value, worded_text
 from kiln.core.model.v4_fields import export_refusal
-from kiln.host.cache import cache_root, cache_status, check_caches
+from kiln.host.machine.cache import cache_root, cache_status, check_caches
 
 _NAME = r"^[A-Za-z0-9._-]*$"
 _BLOCK = worded_text(_NAME, "a block name: letters, digits, '.', '_' or '-'; or empty")

@@ -103,7 +103,7 @@ def versions(check: Check) -> dict:
     import torch
     from torch._inductor import select_algorithm
 
-    from kiln.host import device_memory
+    from kiln.host.machine import device_memory
 
     model_cls = _compiled_model_class()
     load_params = _params(model_cls.load_constants)

@@ -177,12 +177,12 @@ def checkpoint_fingerprint(path: Path | str, digests: Path | None = None) -> str
     config.json, index and *.safetensors files (headers and weights alike).
 
     `digests` (a directory in the host's cache) remembers each file's digest by
-    its inode, size, mtime and ctime (kiln.host.cache.file_digest), so a second
+    its inode, size, mtime and ctime (kiln.host.machine.cache.file_digest), so a second
     call reads no weights; None reads every file every time.
     """
     import hashlib
 
-    from kiln.host.cache import file_digest
+    from kiln.host.machine.cache import file_digest
     path = Path(path)
     files = sorted(f for f in path.iterdir()
                    if f.is_file() and (f.suffix == ".safetensors" or f.name in ("config.json", INDEX)))

@@ -56,7 +56,7 @@ class CompileResult:
     """A CUDA forward's worker's device memory at its peak: its context (device_context_mib; 0 when unknown)
     plus the most its caching allocator reserved while compiling this forward. 0 for a CPU forward."""
     device_context_mib: int | None = None
-    """The worker's CUDA context, measured at its first CUDA call (kiln.host.device_memory.start_cuda);
+    """The worker's CUDA context, measured at its first CUDA call (kiln.host.machine.device_memory.start_cuda);
     None when unknown (no nvidia-ml-py) or for a CPU forward."""
     device_allocated_mib: int = 0
     """The most device memory the worker's tensors used while compiling this forward (within the peak)."""
@@ -113,7 +113,7 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
     device = forward_device(spec["graph"])
     context = None
     if device != "cpu":
-        from kiln.host import device_memory
+        from kiln.host.machine import device_memory
 
         context = device_memory.start_cuda(device)  # before anything else on the device: see device_memory
         device_memory.reset_peak(device)

@@ -13,7 +13,7 @@ from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.trust.layout import artifact_key, compile_log_key, inspection_key, vouch_key, worker_memory_key
 from kiln.core.trust.vouch import make_vouch
 from kiln.host import faults, tuner
-from kiln.host.cache import local_path
+from kiln.host.machine.cache import local_path
 from kiln.host.compiler import CompilePool, CompileResult
 from kiln.host.leasing import Leases, compile_leased
 from kiln.host.procs import PeakSampler

@@ -27,7 +27,7 @@ import time
 
 import psutil
 
-from kiln.host.probe import host_memory_bytes
+from kiln.host.machine.probe import host_memory_bytes
 
 MIB = 2**20
 PARENT_POLL_S = 0.5

@@ -9,8 +9,9 @@ from pathlib import Path
 from kiln.core.errors import CheckCrashed, MemoryShort
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.plan.sizing import check_peak_mib
-from kiln.host import cache, faults, probe
-from kiln.host.cache import cache_dir, local_path
+from kiln.host.machine import cache, probe
+from kiln.host import faults
+from kiln.host.machine.cache import cache_dir, local_path
 from kiln.host.procs import PeakSampler
 from kiln.host.spawned import ChildDied, call_in_spawned
 

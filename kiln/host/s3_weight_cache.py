@@ -11,7 +11,7 @@ Contracts:
 - eviction: writing a version of a checkpoint removes that address's versions of other objects (they were
   replaced: those bytes cannot be read again), and every version not read or written for KEEP_S;
 - an entry that cannot be read counts as absent (it is read from S3 again and rewritten);
-- the room entries take is counted by the host's cache check (kiln.host.cache.check_job_caches).
+- the room entries take is counted by the host's cache check (kiln.host.machine.cache.check_job_caches).
 """
 
 from __future__ import annotations

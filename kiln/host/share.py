@@ -8,7 +8,7 @@ from pathlib import Path
 from kiln.core.errors import DISK_ERRNOS, DiskError, IntegrityError, StoreError
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.trust.layout import artifact_key, inspection_key, vouch_key
-from kiln.host.cache import local_path
+from kiln.host.machine.cache import local_path
 from kiln.store import ObjectMissing
 
 

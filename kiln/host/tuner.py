@@ -38,7 +38,7 @@ from kiln.core.errors import IntegrityError, KilnError
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.plan.tuning_plan import GemmShape
 from kiln.core.machine.target import device_of
-from kiln.host import probe
+from kiln.host.machine import probe
 from kiln.host.inductor_options import compiler_options
 from kiln.host.spawned import call_in_spawned
 from kiln.store import Store, open_store, sha256_bytes

@@ -58,10 +58,10 @@ def load_rank_weights(checkpoint: str, cfg: ModelConfig, tp: int, rank: int, *, 
 
 
 def check_job_caches(job, probes: list) -> None:
-    """kiln.host.cache.check_probed_caches for `job` (kiln.core.plan.job.ExportJob): room for its forwards, and for
+    """kiln.host.machine.cache.check_probed_caches for `job` (kiln.core.plan.job.ExportJob): room for its forwards, and for
     its ranks' weights when its checkpoint is in S3 (a host's check keeps each rank's tensors in its cache,
     kiln.host.s3_weight_cache)."""
-    from kiln.host.cache import check_probed_caches
+    from kiln.host.machine.cache import check_probed_caches
 
     per_rank = -(-job.model_config.weight_bytes_per_rank(job.tp) // 2**20) if is_s3(job.checkpoint) else 0
     check_probed_caches(probes, job.recipe.artifact_mib_estimate, per_rank)

@@ -25,7 +25,8 @@ from kiln.core.plan import tuning_plan
 from kiln.core.model.config import TINY
 from kiln.core.plan.job import ExportJob
 from kiln.core.plan.recipe import Recipe, parse_buckets
-from kiln.host import probe, tuner
+from kiln.host.machine import probe
+from kiln.host import tuner
 from kiln.host.compiler import CompilePool
 from kiln.host.inductor_options import compiler_options
 from kiln.store import open_store

@@ -6,7 +6,7 @@ import pytest
 
 from kiln.core.errors import BadInput
 from kiln.core.plan.probe_result import HostProbe
-from kiln.host.cache import cache_root, cache_status, check_caches, check_probed_caches, need_mib
+from kiln.host.machine.cache import cache_root, cache_status, check_caches, check_probed_caches, need_mib
 
 
 def test_a_writable_cache_reports_free_space_and_leaves_no_probe(tmp_path):

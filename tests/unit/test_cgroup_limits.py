@@ -12,7 +12,7 @@ from kiln.core.errors import GateRefused
 from kiln.core.plan.gate import HostReport, decide
 from kiln.core.plan.recipe import Recipe
 from kiln.core.run.report import Report
-from kiln.host import probe
+from kiln.host.machine import probe
 
 MIB = 2**20
 

@@ -8,7 +8,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from kiln.host import cache
+from kiln.host.machine import cache
 from kiln.host.checkpoint import checkpoint_fingerprint
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from kiln.core.machine import gpus
 from kiln.core.errors import BadInput
-from kiln.host import probe
+from kiln.host.machine import probe
 
 MIB = 2**20
 

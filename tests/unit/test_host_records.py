@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kiln.host import cache
+from kiln.host.machine import cache
 
 
 def test_a_record_round_trips_and_leaves_no_temp_file(tmp_path):

@@ -2,7 +2,7 @@
 
 psutil and sched_getaffinity describe the node. In a container (infra/compose.yaml runs hosts in them)
 the kernel OOM-kills a process at its cgroup's memory limit and throttles it at its CPU quota, whatever
-the node has free. kiln.host.probe reads the files; this module turns their text into figures.
+the node has free. kiln.host.machine.probe reads the files; this module turns their text into figures.
 
 Where the files are: /proc/self/cgroup names the process's cgroup per hierarchy ("0::/path" for v2,
 "N:memory:/path" for v1); /proc/self/mountinfo says where each hierarchy is mounted and which cgroup

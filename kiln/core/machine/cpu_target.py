@@ -13,7 +13,7 @@ kernel, its boot options and the hypervisor, and never with the generated
 code. Keeping them out lets identical CPUs on different kernels share
 forwards. A flag counts when it is in `ISA_FLAGS` or starts with one of
 `ISA_PREFIXES` (so a new AVX/AMX/SVE extension splits targets without an edit
-here). Pure: no torch import; kiln.host.probe reads the text and the ISA level.
+here). Pure: no torch import; kiln.host.machine.probe reads the text and the ISA level.
 """
 
 from __future__ import annotations

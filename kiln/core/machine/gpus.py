@@ -1,6 +1,6 @@
 """A host's GPUs as its probe reads them, without holding a CUDA context: pure interpretation of the answers.
 
-kiln.host.probe asks NVML (nvidia-ml-py's `pynvml`) or, without it, a
+kiln.host.machine.probe asks NVML (nvidia-ml-py's `pynvml`) or, without it, a
 short-lived child process running torch.cuda queries, and hands the raw
 answers here. Memory is MiB.
 
@@ -122,7 +122,7 @@ def visible_indices(cuda_visible_devices: str | None, count: int) -> list[int] |
 
 
 def answers_from_child(rows: list[dict]) -> list[GpuAnswer]:
-    """GpuAnswers from the torch child process's JSON rows (kiln.host.probe.CHILD_QUERY): name, capability,
+    """GpuAnswers from the torch child process's JSON rows (kiln.host.machine.probe.CHILD_QUERY): name, capability,
     memory_bytes [free, total], integrated."""
     return [GpuAnswer(name=str(r["name"]), capability=(int(r["capability"][0]), int(r["capability"][1])),
                       memory_bytes=None if r.get("memory_bytes") is None

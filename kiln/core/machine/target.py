@@ -18,7 +18,7 @@ and is not hashed elsewhere is in it:
   x86-64-v3, armv8.2-a) so GPU hosts with different CPUs share packages; the
   wrapper only launches kernels, so the baseline costs no GPU time. Where torch
   has no `cpp.march` (2.13 has it; it came with pytorch#184297, May 2026, so
-  older releases may not: kiln.host.probe.has_cpp_march asks), the wrapper is
+  older releases may not: kiln.host.machine.probe.has_cpp_march asks), the wrapper is
   native and the fingerprint carries the host's CPU target instead:
   'cuda-sm_90-cu13.0-triton3.6.0-x86-64-v3' or
   'cuda-sm_90-cu12.8-triton3.3.1-cpu-x86_64-avx512-1a2b3c4d'.
@@ -35,7 +35,7 @@ beside it, and leaving it out keeps a CPU fingerprint what it always was.
 The recipe's `device` picks the device: `cpu` always (a GPU host compiles CPU
 forwards too: its CPU runs them), `cuda` on hosts that have a GPU (else the
 export is refused by name before anything starts), `auto` CUDA where every
-rank's host has a GPU, else cpu. Pure: no torch import (kiln.host.probe reads
+rank's host has a GPU, else cpu. Pure: no torch import (kiln.host.machine.probe reads
 the host and builds a Target with `cpu_target_of` / `cuda_target_of`).
 """
 

@@ -19,10 +19,10 @@ class HostProbe:
     ranks: tuple[int, ...]
     """The tensor-parallel ranks this host runs."""
     memory: dict
-    """The memory reading (kiln.host.probe.memory_snapshot): host_available_mib, memory_source (the limit
+    """The memory reading (kiln.host.machine.probe.memory_snapshot): host_available_mib, memory_source (the limit
     that set it: 'host', or a cgroup file), device_free_mib, and with a GPU gpu_count, device_unified, ..."""
     num_cpus: int
-    """CPUs this process may use (kiln.host.probe.cpus_and_source): affinity, or a tighter cgroup quota."""
+    """CPUs this process may use (kiln.host.machine.probe.cpus_and_source): affinity, or a tighter cgroup quota."""
     unified: bool
     """Whether device memory is the host's pool (probed, or the recipe's unified_memory)."""
     target: str
@@ -34,7 +34,7 @@ class HostProbe:
     store_keys: tuple[str, ...]
     """Keys of `specs` already in the store."""
     cache: dict
-    """The host cache's status (kiln.host.cache.cache_status): path, error, free_mib."""
+    """The host cache's status (kiln.host.machine.cache.cache_status): path, error, free_mib."""
     worker_peaks_mib: tuple[int, ...] = ()
     """Compile worker peaks measured before for this graph and target (from the store)."""
     compile_seconds: tuple[tuple[str, float], ...] = ()
@@ -43,7 +43,7 @@ class HostProbe:
     cpus_source: str = "host"
     """What set num_cpus: 'host' (the process's affinity), or the cgroup file whose quota allows fewer."""
     num_gpus: int = 0
-    """GPUs this host can compile for (kiln.host.probe.usable_gpus: visible through NVML or torch, with a
+    """GPUs this host can compile for (kiln.host.machine.probe.usable_gpus: visible through NVML or torch, with a
     CUDA build of torch); the recipe's device auto and cuda look at it."""
     device: str = "cpu"
     """'cpu' or 'cuda': the device `target` and `specs` are for (kiln.core.machine.target)."""

@@ -60,7 +60,7 @@ class Report:
         return entry
 
     def memory(self, host: str, phase: str, snapshot: dict, *, assumed_available_mib: int | None = None) -> None:
-        """One memory-ledger entry: the host's figures at a phase boundary (kiln.host.probe.memory_snapshot);
+        """One memory-ledger entry: the host's figures at a phase boundary (kiln.host.machine.probe.memory_snapshot);
         where the host has a GPU also gpu_count, device_total_mib and device_unified."""
         entry = {"phase": phase, "host_available_mib": snapshot.get("host_available_mib"),
                  "device_free_mib": snapshot.get("device_free_mib"),
