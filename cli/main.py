@@ -17,7 +17,7 @@ from kiln.core.model.config import BUNDLED_MODEL, DTYPE_BYTES
 from kiln.core.errors import BadInput, KilnError
 from kiln.core.plan.job import CHECKSUM_MODES, DEFAULT_TP
 from kiln.core.plan.recipe import SETTING, SETTINGS
-from kiln.host.procs import Reaper
+from kiln.host.processes.procs import Reaper
 
 
 def _params(args):

@@ -25,7 +25,8 @@ from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.trust.layout import artifact_key, manifest_key
 from kiln.core.plan.probe_result import HostProbe
 from kiln.core.run.retry_rule import mark_retried_in_task, retry_in_task
-from kiln.host import faults, host_compile, host_probe, rank_check, share, tuner
+from kiln.host.processes import faults
+from kiln.host import host_compile, host_probe, rank_check, share, tuner
 from tasks.store import store_of
 
 IO_RETRY_DELAYS_S = [2, 5, 10]

@@ -19,7 +19,7 @@ import pytest
 
 # =============================================================================
 # Faults: the seam (tests/fault_seam/) is installed here and, through PYTHONPATH, in every
-# Python process a test starts; Kiln itself only marks the points (kiln/host/faults.py).
+# Python process a test starts; Kiln itself only marks the points (kiln/host/processes/faults.py).
 # =============================================================================
 
 FAULT_SEAM = Path(__file__).resolve().parent / "fault_seam"

@@ -27,7 +27,8 @@ from typing import Callable
 
 from kiln.core.errors import DiskError, KilnError
 from kiln.host.package_check import package_calls
-from kiln.host import export_call, faults, worker_start
+from kiln.host import export_call, worker_start
+from kiln.host.processes import faults
 from kiln.core.errors import DISK_ERRNOS
 from kiln.host.inductor_options import inductor_env
 from kiln.store import sha256_file
@@ -76,7 +77,7 @@ def _warm(tuning_entries: dict | None = None) -> None:
     """Pool initializer: arm the parent watch, hook Inductor's autotuning counter and install the tuning
     results before any compile. torch and Kiln are imported already (kiln.host.worker_start.PRELOAD)."""
     global _TUNING
-    from kiln.host.procs import die_with_parent
+    from kiln.host.processes.procs import die_with_parent
 
     die_with_parent()  # a worker never outlives the pool's owner (it would hold memory the next gate measures)
     import warnings
@@ -108,7 +109,7 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
     """
     from kiln.host.inductor_options import forward_device
     from kiln.host.model import solo_group
-    from kiln.host.procs import PeakSampler
+    from kiln.host.processes.procs import PeakSampler
 
     device = forward_device(spec["graph"])
     context = None

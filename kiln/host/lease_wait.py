@@ -27,7 +27,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
 from kiln.core.run.holders import describe, holder_gone, holder_record
-from kiln.host import procs
+from kiln.host.processes import procs
 
 
 class SlotServer(Protocol):

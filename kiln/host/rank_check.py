@@ -10,10 +10,10 @@ from kiln.core.errors import CheckCrashed, MemoryShort
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.plan.sizing import check_peak_mib
 from kiln.host.machine import cache, probe
-from kiln.host import faults
+from kiln.host.processes import faults
 from kiln.host.machine.cache import cache_dir, local_path
-from kiln.host.procs import PeakSampler
-from kiln.host.spawned import ChildDied, call_in_spawned
+from kiln.host.processes.procs import PeakSampler
+from kiln.host.processes.spawned import ChildDied, call_in_spawned
 
 log = logging.getLogger(__name__)
 

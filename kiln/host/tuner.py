@@ -40,7 +40,7 @@ from kiln.core.plan.tuning_plan import GemmShape
 from kiln.core.machine.target import device_of
 from kiln.host.machine import probe
 from kiln.host.inductor_options import compiler_options
-from kiln.host.spawned import call_in_spawned
+from kiln.host.processes.spawned import call_in_spawned
 from kiln.store import Store, open_store, sha256_bytes
 
 if TYPE_CHECKING:  # not at run time: kiln.core.plan.job brings kiln.core.trust.signing (cryptography) into every

@@ -23,7 +23,7 @@ from queue import Empty
 
 from kiln.core.errors import IntegrityError, KilnError, RankDied, RanksTimedOut
 from kiln.core.run.rank_exit import rank_died_message, ranks_timed_out_message
-from kiln.host import faults
+from kiln.host.processes import faults
 
 DOING_BYTES = 200
 """Room for what a rank says it is doing (RankLink.doing), in bytes; longer text is cut."""
@@ -69,7 +69,7 @@ def _rank_process(target, rank: int, tp: int, rendezvous: str, job: dict, link: 
     """A rank's process: it dies with its parent, its packages check every input's shape, and it posts
     `target(...)`'s result, or the refusal (a KilnError, e.g. a refused artifact: its message says it all)
     or the traceback that ended it."""
-    from kiln.host.procs import die_with_parent
+    from kiln.host.processes.procs import die_with_parent
 
     die_with_parent()
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"  # a wrong shape raises instead of crashing or lying
@@ -82,7 +82,7 @@ def _rank_process(target, rank: int, tp: int, rendezvous: str, job: dict, link: 
 
 
 def _check_rank(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) -> dict:
-    from kiln.host.procs import PeakSampler
+    from kiln.host.processes.procs import PeakSampler
 
     with PeakSampler(interval_s=0.1) as sampler:
         diffs = _check_together(rank, tp, rendezvous, job, link)

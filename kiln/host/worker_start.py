@@ -19,7 +19,7 @@ request. What the spawn start gave is kept:
   servers for another environment are stopped once no pool uses them;
 - dying with the parent: a worker watches the process that asked for it
   (`multiprocessing.parent_process()`), not the server
-  (kiln.host.procs.die_with_parent); the server itself exits when every process
+  (kiln.host.processes.procs.die_with_parent); the server itself exits when every process
   holding its "alive" pipe has gone;
 - per-worker memory: a worker's resident set counts the pages it shares with the
   server, as a spawned worker's counted the ones it imported, so the per-worker

@@ -1,4 +1,4 @@
-"""The test suite's fault seam: hooks on Kiln's fault points (kiln.host.faults), driven by environment
+"""The test suite's fault seam: hooks on Kiln's fault points (kiln.host.processes.faults), driven by environment
 variables so that they reach every process a test starts (compile workers, Dask workers, flow runs).
 
 Installed in each of those processes by sitecustomize.py beside this file (tests/conftest.py puts this
@@ -193,7 +193,7 @@ def install_all() -> None:
     global _installed
     if _installed:
         return
-    from kiln.host import faults
+    from kiln.host.processes import faults
 
     faults.install("probe", mark_probe)
     faults.install("probe", probe)

@@ -1,4 +1,4 @@
-"""kiln.host.spawned.call_in_spawned, which runs each rank check and each tuning measurement: the answer comes
+"""kiln.host.processes.spawned.call_in_spawned, which runs each rank check and each tuning measurement: the answer comes
 back, so does the error, a death is named, and a process that hangs on its way out after answering does not
 hold the caller (the in-flow check of a gemma2 export once waited 15 minutes on ProcessPoolExecutor's
 max_tasks_per_child, which joins each retired worker before it starts the next).
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from kiln.core.errors import BadInput
-from kiln.host.spawned import ChildDied, RemoteTraceback, call_in_spawned
+from kiln.host.processes.spawned import ChildDied, RemoteTraceback, call_in_spawned
 
 
 def _add(a: int, b: int) -> dict:

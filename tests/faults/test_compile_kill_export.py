@@ -1,6 +1,6 @@
 """Fault 1 end to end: a compile worker SIGKILLed mid-compile during a real export.
 
-KILN_FAULT_KILL_COMPILE (kiln/host/faults.py) makes the worker kill itself at a
+KILN_FAULT_KILL_COMPILE (kiln/host/processes/faults.py) makes the worker kill itself at a
 chosen point, a fixed number of times (markers in KILN_FAULT_DIR), so the
 fault is deterministic whatever the scheduling.
 """

@@ -14,7 +14,7 @@ from pathlib import Path
 import kiln_faults as faults
 import pytest
 
-from kiln.host import faults as fault_points
+from kiln.host.processes import faults as fault_points
 from kiln.host.compiler import CompileFailed, CompilePool, CompileResult
 
 

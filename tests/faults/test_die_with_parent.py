@@ -29,7 +29,7 @@ import time
 def child(armed):
     open(armed + ".started", "w").write("started")
     time.sleep(3.0)  # still starting when the parent dies, as a worker importing torch is
-    from kiln.host.procs import die_with_parent
+    from kiln.host.processes.procs import die_with_parent
 
     die_with_parent()
     open(armed, "w").write("armed")
@@ -80,7 +80,7 @@ import time
 
 
 def child(mark):
-    from kiln.host.procs import die_with_parent
+    from kiln.host.processes.procs import die_with_parent
 
     die_with_parent()
     open(mark + ".tmp", "w").write(str(os.getpid()))

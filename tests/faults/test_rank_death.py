@@ -79,7 +79,7 @@ def test_ranks_that_hang_time_out_saying_what_each_was_doing(tmp_path):
 
 
 def test_the_rank_fault_fires_only_for_its_rank_and_text(monkeypatch):
-    from kiln.host import faults  # the seam is installed in this process (tests/conftest.py)
+    from kiln.host.processes import faults  # the seam is installed in this process (tests/conftest.py)
 
     monkeypatch.setenv("KILN_FAULT_KILL_RANK", "1:running forward")
     faults.point("rank", 0, "running forward 1x16")  # another rank: this process lives on

@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from kiln.host.procs import PeakSampler, _tree_rss_psutil, tree_rss_bytes
+from kiln.host.processes.procs import PeakSampler, _tree_rss_psutil, tree_rss_bytes
 
 
 def test_a_spike_between_samples_counts_for_this_process():

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kiln.host import procs
+from kiln.host.processes import procs
 from kiln.host.lease_wait import hold
 
 

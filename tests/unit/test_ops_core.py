@@ -24,7 +24,7 @@ from flows.report_out import draw, ledger_key, markdown
 from kiln.core.plan.recipe import Recipe, recipe_from_text
 from kiln.core.run.retry_rule import worth_retrying
 from kiln.core.run.report import Report
-from kiln.host import faults as fault_points
+from kiln.host.processes import faults as fault_points
 from kiln.host.compiler import CompileFailed
 
 # --- parameters: the run form's bounds --------------------------------------------------------------

@@ -13,7 +13,7 @@ import multiprocessing
 import pickle
 import traceback
 
-from kiln.host.procs import die_with_parent
+from kiln.host.processes.procs import die_with_parent
 
 EXIT_GRACE_S = 30.0
 """How long a process that has answered gets to exit before call_in_spawned kills it."""

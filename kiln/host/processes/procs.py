@@ -239,7 +239,7 @@ class Reaper:
         import sys
 
         # Its own session (a Ctrl-C to ours does not stop it) and no share in our output pipes.
-        self._proc = subprocess.Popen([sys.executable, "-m", "kiln.host.procs"], stdin=subprocess.PIPE, text=True,
+        self._proc = subprocess.Popen([sys.executable, "-m", "kiln.host.processes.procs"], stdin=subprocess.PIPE, text=True,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self._me = psutil.Process()
         self._known: set[tuple[int, float]] = set()
