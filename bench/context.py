@@ -131,7 +131,7 @@ class Context:
         """The bundled tiny checkpoint, written once for the suite (not charged to any run)."""
         def make() -> str:
             home = self.work.path("model")
-            code = ("import sys; from kiln.host.checkpoint import tiny_checkpoint; "
+            code = ("import sys; from kiln.host.weights.checkpoint import tiny_checkpoint; "
                     "print(tiny_checkpoint(sys.argv[1]))")
             self.work.run("setup-model", [PYTHON, "-c", code, str(home)],
                           self.work.env(inductor=None, kiln_home="model")).expect(0)

@@ -1,8 +1,8 @@
 """The loader's memory: one rank's weights read and stacked, peak resident memory against their bytes.
 
 `python -m bench.loader_peak CHECKPOINT TP RANK [S3_ENDPOINT]` loads rank RANK's
-package constants with kiln.host.weights.load_rank_weights (a directory:
-kiln.host.checkpoint's reader; s3://BUCKET/PREFIX: kiln.host.s3_checkpoint's,
+package constants with kiln.host.weights.rank_weights.load_rank_weights (a directory:
+kiln.host.weights.checkpoint's reader; s3://BUCKET/PREFIX: kiln.host.weights.s3_checkpoint's,
 no host cache; stacked constants allocated once, each layer's slice copied in)
 in this fresh process and prints
 {'weight_bytes', 'peak_growth_bytes', 'peak_over_weights'}: the growth of the
@@ -47,7 +47,7 @@ def peak_growth_bytes(call) -> int:
 def measure(checkpoint: str, tp: int, rank: int, s3_endpoint: str | None = None) -> dict:
     import torch  # noqa: F401  (imported before the baseline: its own memory is not the loader's)
 
-    from kiln.host.weights import inspect, load_rank_weights
+    from kiln.host.weights.rank_weights import inspect, load_rank_weights
 
     cfg = inspect(checkpoint, s3_endpoint=s3_endpoint)  # boto3 imported and a client made before the baseline
     _reset_peak()

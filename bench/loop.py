@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from kiln.core.forwards.forward_keys import forward_spec
     from kiln.core.plan.recipe import Recipe, parse_buckets
-    from kiln.host.checkpoint import inspect_checkpoint
+    from kiln.host.weights.checkpoint import inspect_checkpoint
     from kiln.host.compiler import compile_forward
     from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS, inductor_env

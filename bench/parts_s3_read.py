@@ -2,7 +2,7 @@
 
 One checkpoint (the tiny model's width, `s3_read_layers` layers, float32, two safetensors shards) is uploaded
 once to the suite's moto server. Each of the suite's samples, the sides' order rotating:
-- Kiln: `kiln.host.s3_checkpoint.S3Checkpoint` lists the prefix and reads the config and the headers, then
+- Kiln: `kiln.host.weights.s3_checkpoint.S3Checkpoint` lists the prefix and reads the config and the headers, then
   each rank of tp 2 reads its own slices (ranged GETs at the header's offsets, 16 at once, no host cache),
   as a host does in an export: with its default `merge_gap_bytes` (a column-cut tensor read as its rows'
   whole span, one GET) and with 0 ("exact": one GET per row of a column-cut tensor, only the rank's bytes);
@@ -44,8 +44,8 @@ def _client(ctx: Context):
 
 def part_s3_read(ctx: Context) -> dict:
     from kiln.core.model.config import TINY
-    from kiln.host.checkpoint import random_checkpoint
-    from kiln.host.s3_checkpoint import MERGE_GAP_BYTES, S3Checkpoint
+    from kiln.host.weights.checkpoint import random_checkpoint
+    from kiln.host.weights.s3_checkpoint import MERGE_GAP_BYTES, S3Checkpoint
 
     cfg = TINY.replace(num_layers=ctx.s.s3_read_layers)
     folder = random_checkpoint(ctx.work.path("s3_read", "ckpt", "x").parent, cfg, seed=3, num_shards=2)
@@ -106,7 +106,7 @@ def part_s3_read(ctx: Context) -> dict:
 def _loader_peaks(ctx: Context, plain) -> list[dict]:
     """[{'local': bench.loader_peak's result, 's3': the same from S3}, ...] per sample, the sides alternating."""
     from bench.rank_peak import config
-    from kiln.host.checkpoint import random_checkpoint
+    from kiln.host.weights.checkpoint import random_checkpoint
 
     folder = random_checkpoint(ctx.work.path("s3_read", "peak-ckpt", "x").parent, config(quick=False), seed=4)
     prefix = ctx.tag("s3-read/peak-ckpt")

@@ -7,7 +7,7 @@ fresh Inductor cache).
 `python -m bench.rank_peak measure OUT_DIR PACKAGES [QUICK]` then, in a fresh process, does what a rank of
 `kiln run` and of the export's rank check do, measuring the process's peak resident memory (VmHWM) against
 what it held before the weights were read:
-- run: read the rank's weights (kiln.host.checkpoint.load_rank_weights), load PACKAGES packages with them
+- run: read the rank's weights (kiln.host.weights.checkpoint.load_rank_weights), load PACKAGES packages with them
   (the same file each time: the memory of a package does not depend on its bucket beyond its code) and take
   one step of each;
 - check: then compare each with the eager shard (kiln.host.loader.compare_with_eager), as the rank check does.
@@ -38,7 +38,7 @@ def config(quick: bool):
 
 def compile_one(out: Path, quick: bool) -> dict:
     from bench.specs import bench_spec
-    from kiln.host.checkpoint import random_checkpoint
+    from kiln.host.weights.checkpoint import random_checkpoint
     from kiln.host.compiler import _warm, compile_forward
 
     cfg = config(quick)
@@ -55,7 +55,7 @@ def measure(out: Path, num_packages: int, quick: bool) -> dict:
     from bench.loader_peak import _reset_peak, _status_bytes
     from kiln.core.plan.recipe import Bucket
     from kiln.core.plan.sizing import check_peak_mib
-    from kiln.host.checkpoint import load_rank_weights
+    from kiln.host.weights.checkpoint import load_rank_weights
     from kiln.host.loader import compare_with_eager, load_forward
     from kiln.store import sha256_file
     from kiln.host.model import example_inputs, solo_group

@@ -141,11 +141,11 @@ def wrong_forward(path: Path, store_url: str, report: Path) -> dict:
     from kiln.core.model.contract import EXPERTS
     from kiln.core.trust.layout import artifact_key
     from kiln.core.plan.recipe import Bucket, Recipe
-    from kiln.host.checkpoint import read_config
+    from kiln.host.weights.checkpoint import read_config
     from kiln.host.loader import compare_with_eager, eager_model, load_forward
     from kiln.host.model import example_inputs, solo_group
     from kiln.host.routing_ties import RouteProbe, probing
-    from kiln.host.weights import load_rank_weights
+    from kiln.host.weights.rank_weights import load_rank_weights
     from kiln.store import open_store
 
     forward = json.loads(report.read_text())["forwards"][0]

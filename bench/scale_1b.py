@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kiln.core.model.config import ModelConfig  # noqa: E402
-from kiln.host.checkpoint import random_checkpoint  # noqa: E402
+from kiln.host.weights.checkpoint import random_checkpoint  # noqa: E402
 
 LLAMA_32_1B = ModelConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                           head_dim=64, intermediate_size=8192, rope_theta=500000.0, rms_norm_eps=1e-5,

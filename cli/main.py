@@ -125,7 +125,7 @@ def cmd_announce(args) -> int:
     if model != BUNDLED_MODEL:
         from pathlib import Path
 
-        from kiln.host import weights
+        from kiln.host.weights import rank_weights as weights
         if not weights.is_s3(model):
             model = str(Path(model).expanduser().resolve())  # the serving process may run elsewhere
         weights.inspect(model, s3_endpoint=args.s3_endpoint)
@@ -188,7 +188,7 @@ def cmd_keygen(args) -> int:
 
 def cmd_checkpoint(args) -> int:
     from kiln.core.model.config import TINY
-    from kiln.host.checkpoint import random_checkpoint
+    from kiln.host.weights.checkpoint import random_checkpoint
     cfg = TINY.replace(**{k: v for k, v in {
         "num_layers": args.layers, "hidden_size": args.hidden, "num_heads": args.heads,
         "num_kv_heads": args.kv_heads, "head_dim": args.head_dim, "intermediate_size": args.intermediate,

@@ -13,7 +13,7 @@ from kiln.core.plan.probe_result import HostProbe
 from kiln.core.run.report import Report
 from kiln.host import host_probe
 from kiln.host.machine import probe
-from kiln.host.weights import check_job_caches
+from kiln.host.weights.rank_weights import check_job_caches
 from tasks.store import store_of
 
 

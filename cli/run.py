@@ -55,7 +55,7 @@ def _run_rank(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) ->
     import torch.distributed as dist
 
     from kiln.core.model.config import ModelConfig
-    from kiln.host.weights import load_rank_weights
+    from kiln.host.weights.rank_weights import load_rank_weights
     from kiln.host.loader import load_forward, place_weights
     from kiln.host.model import host_group
 

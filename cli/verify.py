@@ -24,8 +24,8 @@ from kiln.core.run.outcome import routing_note
 from kiln.host.package_check import check_package
 from kiln.core.plan.recipe import Recipe
 from kiln.core.plan.sizing import verify_peak_mib
-from kiln.host import weights
-from kiln.host.checkpoint import tiny_checkpoint
+from kiln.host.weights import rank_weights as weights
+from kiln.host.weights.checkpoint import tiny_checkpoint
 from kiln.host.machine.probe import consumer_target, host_memory
 from kiln.host.verify_ranks import verify_all_ranks
 from kiln.store import Store, open_store, validate_key

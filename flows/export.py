@@ -36,7 +36,7 @@ from kiln.core.machine.target import resolve_device
 from kiln.core.plan.recipe import Recipe
 from kiln.core.run.report import Report
 from kiln.host.machine import probe
-from kiln.host.weights import check_job_caches
+from kiln.host.weights.rank_weights import check_job_caches
 from tasks import phases
 
 

@@ -211,8 +211,8 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     """
     if params.hosts and params.dask:
         raise BadInput("--hosts starts a local cluster and --dask names an existing one; give one of them.")
-    from kiln.host import weights
-    from kiln.host.checkpoint import tiny_checkpoint
+    from kiln.host.weights import rank_weights as weights
+    from kiln.host.weights.checkpoint import tiny_checkpoint
     from kiln.store import open_store, validate_key
 
     recipe = recipe or build_recipe(params)

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[7])
 from torch_only import choose_forward, step_inputs
-from kiln.host.checkpoint import load_rank_weights
+from kiln.host.weights.checkpoint import load_rank_weights
 from kiln.core.model.config import ModelConfig
 from kiln.host.loader import load_forward
 manifest = json.loads(Path(sys.argv[1]).read_text())

@@ -27,7 +27,7 @@ def _rank(rank: int, tp: int, rendezvous: str, job: dict, link) -> dict:
 
     from kiln.core.model.config import ModelConfig
     from kiln.device_check.hf_llama import prefill_args
-    from kiln.host.checkpoint import load_rank_weights
+    from kiln.host.weights.checkpoint import load_rank_weights
     from kiln.host.loader import eager_outputs, load_forward, place_weights, scaled_diff
     from kiln.host.model import host_group
     from kiln.host.verify_ranks import join_ranks

@@ -206,7 +206,7 @@ def compile_tiny(check: Check) -> dict:
 
 def hf_checkpoint(check: Check) -> dict:
     from kiln.device_check.hf_llama import prompt, write_llama
-    from kiln.host.checkpoint import inspect_checkpoint
+    from kiln.host.weights.checkpoint import inspect_checkpoint
 
     path = check.work / "llama"
     start = time.perf_counter()
@@ -239,7 +239,7 @@ def tp1_vs_transformers(check: Check) -> dict:
     import torch
 
     from kiln.device_check.hf_llama import prefill_args, reference_logits
-    from kiln.host.checkpoint import load_rank_weights
+    from kiln.host.weights.checkpoint import load_rank_weights
     from kiln.host.loader import load_forward, place_weights, scaled_diff
 
     path, cfg, tokens = check.need("checkpoint", "hf_checkpoint"), check.made["config"], check.made["tokens"]
@@ -333,7 +333,7 @@ def decode_time(check: Check) -> dict:
     import torch
 
     from kiln.device_check.hf_llama import PROMPT_TOKENS
-    from kiln.host.checkpoint import load_rank_weights
+    from kiln.host.weights.checkpoint import load_rank_weights
     from kiln.host.loader import eager_model, load_forward, place_weights
     from kiln.host.model import example_inputs
 

@@ -34,7 +34,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     A check whose process dies raises CheckCrashed, which is never retried.
     """
     from kiln.host.loader import limit_of
-    from kiln.host.weights import fingerprint
+    from kiln.host.weights.rank_weights import fingerprint
 
     weights = fingerprint(job.checkpoint, s3_endpoint=job.s3_endpoint, digests=cache_dir(host) / "digests")
     record = cache_dir(host) / "verified"
@@ -89,7 +89,7 @@ def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict])
     from kiln.host.loader import compare_at_corners, load_forward, place_weights
     from kiln.host.verify_ranks import rank_device
     from kiln.host.model import solo_group
-    from kiln.host.weights import load_rank_weights
+    from kiln.host.weights.rank_weights import load_rank_weights
 
     faults.point("check", rank)
     cfg = job.model_config

@@ -98,7 +98,7 @@ def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLi
     from kiln.core.run.outcome import worst_corner
     from kiln.core.forwards.shape_ranges import parse_shape_range
     from kiln.host.loader import check_against_eager, load_forward, place_weights
-    from kiln.host.weights import load_rank_weights
+    from kiln.host.weights.rank_weights import load_rank_weights
     from kiln.host.model import example_inputs, host_group
 
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""How Kiln talks to S3, for the store (kiln.store.s3) and an S3 checkpoint (kiln.host.s3_checkpoint).
+"""How Kiln talks to S3, for the store (kiln.store.s3) and an S3 checkpoint (kiln.host.weights.s3_checkpoint).
 
 One botocore client per store or checkpoint (`make_client`): path-style
 addressing, botocore's standard retries per request (REQUEST_RETRIES), a

@@ -19,7 +19,7 @@ from kiln.core.model.config import TINY
 @pytest.fixture
 def tiny_in_s3(s3_server, s3_bucket, tmp_path) -> str:
     """A one-layer TINY checkpoint uploaded under s3://BUCKET/ckpt/tiny; returns the bucket."""
-    from kiln.host.checkpoint import random_checkpoint
+    from kiln.host.weights.checkpoint import random_checkpoint
 
     bucket = s3_bucket[5:].split("/")[0]
     folder = random_checkpoint(tmp_path / "tiny", TINY.replace(num_layers=1, vocab_size=64), seed=1)

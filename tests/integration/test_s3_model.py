@@ -14,7 +14,7 @@ import boto3
 import pytest
 
 from kiln.core.model.config import TINY
-from kiln.host.checkpoint import random_checkpoint
+from kiln.host.weights.checkpoint import random_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@
 `examples/torch_only.py` is the consumer a user would write from the manifest
 alone. It runs here as two gloo ranks in fresh interpreters in which importing
 Kiln is made impossible; their logits must match Kiln's own loader (the same
-packages, weights bound by kiln.host.loader.load_forward from kiln.host.checkpoint) and
+packages, weights bound by kiln.host.loader.load_forward from kiln.host.weights.checkpoint) and
 the unsharded eager model.
 """
 
@@ -56,7 +56,7 @@ def test_every_package_runs_with_torch_alone_and_matches_kiln(manifest, tmp_path
     run_with_kiln(path, packages, tmp_path / "kiln")
 
     from kiln.core.model.config import ModelConfig
-    from kiln.host.checkpoint import load_rank_weights
+    from kiln.host.weights.checkpoint import load_rank_weights
     from kiln.host.model import ShardedDecoder
     sys.path.insert(0, str(EXAMPLE.parent))
     from torch_only import choose_forward, step_inputs

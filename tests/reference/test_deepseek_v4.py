@@ -19,7 +19,7 @@ import torch
 from hf_models import transformers
 
 from kiln.core.errors import BadInput
-from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights
+from kiln.host.weights.checkpoint import inspect_checkpoint, load_rank_weights
 from kiln.host.model.deepseek_v4 import DeepseekV4Decoder
 
 CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
@@ -359,7 +359,7 @@ def test_a_random_checkpoint_written_by_kiln_reads_back(tmp_path):
     """`kiln checkpoint`'s writer (random weights, config.json by to_hf) makes a V4 checkpoint that reads back as
     the same config, with tid2eid as expert ids, and runs."""
     from kiln.core.model.hf_config import from_hf
-    from kiln.host.checkpoint import random_checkpoint
+    from kiln.host.weights.checkpoint import random_checkpoint
 
     cfg = from_hf({**{k: v for k, v in V4.items() if k != "initializer_range"}, "model_type": "deepseek_v4"})
     random_checkpoint(tmp_path / "ckpt", cfg)

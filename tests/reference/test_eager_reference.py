@@ -14,7 +14,7 @@ from hf_models import CASES, CLASSES, transformers, write_case
 
 from kiln.core.model.cache_layout import cache_layout
 from kiln.core.model.layer_runs import layer_runs
-from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights
+from kiln.host.weights.checkpoint import inspect_checkpoint, load_rank_weights
 from kiln.host.model import ShardedDecoder
 
 FEATURE_OFF = {

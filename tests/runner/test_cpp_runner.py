@@ -40,7 +40,7 @@ def export(tmp_path_factory) -> dict:
     from kiln.core.forwards.forward_keys import forward_spec
     from kiln.core.plan.recipe import Bucket
     from kiln.core.forwards.shape_ranges import static_shape
-    from kiln.host.checkpoint import write_checkpoint
+    from kiln.host.weights.checkpoint import write_checkpoint
     from kiln.host.compiler import CompilePool
     from kiln.host.key_sources import model_code_fingerprint
     from kiln.host.inductor_options import COMPILER_OPTIONS
@@ -143,7 +143,7 @@ def test_cpp_runner_runs_what_kiln_export_wrote(runner, tp2_export, tmp_path):
     import torch
 
     from kiln.core.model.config import ModelConfig
-    from kiln.host.checkpoint import load_rank_weights
+    from kiln.host.weights.checkpoint import load_rank_weights
     from kiln.host.model import ShardedDecoder
 
     root = Path(tp2_export["store"].removeprefix("file://"))

@@ -1,4 +1,4 @@
-"""A checkpoint in S3 (kiln/host/s3_checkpoint.py) against a real S3 API (moto_server on loopback):
+"""A checkpoint in S3 (kiln/host/weights/s3_checkpoint.py) against a real S3 API (moto_server on loopback):
 the same per-rank tensors as the directory reader, only the rank's bytes read, a cache keyed by ETag and
 size, and bad input naming the object."""
 
@@ -15,9 +15,9 @@ import torch
 from kiln.core.model.config import TINY
 from kiln.core.errors import BadInput
 from kiln.core.model.contract import shard_slice
-from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights, random_checkpoint
+from kiln.host.weights.checkpoint import inspect_checkpoint, load_rank_weights, random_checkpoint
 from kiln.host.model import expected_shapes
-from kiln.host.s3_checkpoint import S3Checkpoint
+from kiln.host.weights.s3_checkpoint import S3Checkpoint
 
 
 def _upload(client, bucket: str, prefix: str, folder: Path) -> None:
@@ -125,7 +125,7 @@ def test_a_replaced_object_has_a_new_etag_so_the_cache_misses(s3_ckpt, tmp_path)
 def test_bodies_stream_into_the_tensors_in_chunks_converting_their_dtype(s3_bucket, s3_server, tmp_path, monkeypatch):
     """A bfloat16 checkpoint read as float32 with 96-byte chunks: every range split across chunks, each chunk
     converted into its place; the directory reader's tensors exactly, at most max_concurrency chunks held."""
-    from kiln.host import s3_checkpoint
+    from kiln.host.weights import s3_checkpoint
 
     monkeypatch.setattr(s3_checkpoint, "CHUNK_BYTES", 96)
     stored = TINY.replace(num_layers=1, dtype="bfloat16")
@@ -222,7 +222,7 @@ def test_bad_input_names_the_object(s3_ckpt):
 
 
 def test_coalesce_merges_close_ranges_and_caps_a_fetch():
-    from kiln.host.s3_checkpoint import coalesce
+    from kiln.host.weights.s3_checkpoint import coalesce
 
     rows = [(i * 100, i * 100 + 49) for i in range(4)]  # 50 wanted bytes, then a 50-byte gap, four times
     assert coalesce(rows, 0) == [(a, b, [(a, b)]) for a, b in rows]

@@ -1,4 +1,4 @@
-"""What S3 failures mean (kiln/store/s3_errors.py, kiln/host/s3_checkpoint.read_failure): what a user must fix is
+"""What S3 failures mean (kiln/store/s3_errors.py, kiln/host/weights/s3_checkpoint.read_failure): what a user must fix is
 BadInput; a blip that outlasted botocore's retries is a transient StoreError. Real botocore error objects, no server.
 """
 
@@ -18,7 +18,7 @@ from botocore.exceptions import (
 
 from kiln.core.errors import BadInput, StoreError
 from kiln.core.run.retry_rule import retry_in_task, worth_retrying
-from kiln.host.s3_checkpoint import read_failure
+from kiln.host.weights.s3_checkpoint import read_failure
 from kiln.store.s3_errors import explain_check_error
 
 ENDPOINT = "http://127.0.0.1:9"
@@ -67,7 +67,7 @@ def test_a_missing_or_replaced_checkpoint_object_is_bad_input():
 
 
 def test_a_body_that_keeps_breaking_off_is_read_again_then_a_transient_error(monkeypatch):
-    from kiln.host.s3_checkpoint import S3Checkpoint
+    from kiln.host.weights.s3_checkpoint import S3Checkpoint
     from kiln.store import s3_client
     from kiln.store.s3_client import READ_ATTEMPTS
 

@@ -11,7 +11,7 @@ from kiln.core.trust.layout import manifest_key
 def test_prepare_refuses_an_export_id_whose_manifest_exists(tmp_path, monkeypatch):
     from flows.params import ExportParams, prepare
     from kiln.core.model.config import TINY
-    from kiln.host.checkpoint import random_checkpoint
+    from kiln.host.weights.checkpoint import random_checkpoint
     from kiln.store import open_store
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))

@@ -1,4 +1,4 @@
-"""A checkpoint's fingerprint is its content, read once per file version (kiln.host.checkpoint)."""
+"""A checkpoint's fingerprint is its content, read once per file version (kiln.host.weights.checkpoint)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from kiln.host.machine import cache
-from kiln.host.checkpoint import checkpoint_fingerprint
+from kiln.host.weights.checkpoint import checkpoint_fingerprint
 
 
 def _checkpoint(path, seed: int):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.core.model.config import ModelConfig
-from kiln.host.checkpoint import inspect_checkpoint, load_rank_weights, random_checkpoint
+from kiln.host.weights.checkpoint import inspect_checkpoint, load_rank_weights, random_checkpoint
 from kiln.host.model import ShardedDecoder, example_inputs, random_state_dict, shard_state_dict
 
 SMALL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -124,7 +124,7 @@ def test_checkpoint_tensors_must_match_the_config(tmp_path):
     import pytest
 
     from kiln.core.errors import BadInput
-    from kiln.host.checkpoint import write_checkpoint
+    from kiln.host.weights.checkpoint import write_checkpoint
 
     state = random_state_dict(SMALL, seed=0)
     write_checkpoint(tmp_path / "extra", SMALL, {**state, "model.layers.0.self_attn.q_proj.bias": torch.zeros(32)})
@@ -161,7 +161,7 @@ def test_direct_reader_cuts_and_converts_as_slicing_does(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
     from kiln.core.errors import BadInput
-    from kiln.host import safetensors_io
+    from kiln.host.weights import safetensors_io
 
     t = torch.randn(37, 24).to(torch.bfloat16)
     save_file({"w": t}, str(tmp_path / "a.safetensors"))

@@ -10,7 +10,7 @@ from device_check_harness import REPO, blocked_env
 
 MODULES = ("kiln.device_check.__main__", "kiln.device_check.steps", "kiln.device_check.ranks",
            "kiln.device_check.hf_llama", "kiln.host.compiler", "kiln.host.export_call", "kiln.host.loader",
-           "kiln.host.verify_ranks", "kiln.host.machine.device_memory", "kiln.host.checkpoint", "kiln.core.forwards.forward_keys")
+           "kiln.host.verify_ranks", "kiln.host.machine.device_memory", "kiln.host.weights.checkpoint", "kiln.core.forwards.forward_keys")
 
 SCRIPT = r"""
 import importlib, sys

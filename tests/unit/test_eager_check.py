@@ -15,7 +15,7 @@ import torch
 
 from kiln.core.model.config import TINY
 from kiln.core.plan.recipe import Bucket
-from kiln.host.checkpoint import load_rank_weights, write_checkpoint
+from kiln.host.weights.checkpoint import load_rank_weights, write_checkpoint
 from kiln.host.loader import compare_with_eager
 from kiln.host.model import ShardedDecoder, random_state_dict
 

@@ -313,7 +313,7 @@ def test_every_config_field_is_in_the_forward_key():
 def test_dtype_override_changes_what_is_compiled(tmp_path, monkeypatch):
     """--dtype replaces the checkpoint's dtype in the job (and so in every forward key); weights are converted."""
     from flows.params import ExportParams, prepare
-    from kiln.host.checkpoint import random_checkpoint
+    from kiln.host.weights.checkpoint import random_checkpoint
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
     small = TINY.replace(num_layers=1, vocab_size=64)

@@ -102,7 +102,7 @@ def need_mib(num_forwards: int, num_local: int, artifact_mib_estimate: int) -> i
 def check_probed_caches(probes: list, artifact_mib_estimate: int, weights_mib_per_rank: int = 0) -> None:
     """`check_caches` over every host's probe (kiln.core.plan.probe_result.HostProbe.cache): room for the forwards
     it lacks and, with `weights_mib_per_rank`, for each of its ranks' weights (kept there when read from S3,
-    kiln.host.s3_weight_cache). Pure."""
+    kiln.host.weights.s3_weight_cache). Pure."""
     check_caches({p.name: p.cache for p in probes if p.cache},
                  {p.name: need_mib(len(p.specs), len(p.local_keys), artifact_mib_estimate)
                   + len(p.ranks) * weights_mib_per_rank for p in probes})

@@ -1,4 +1,4 @@
-"""A host's cache of ranks' weights read from S3 checkpoints (kiln.host.s3_checkpoint).
+"""A host's cache of ranks' weights read from S3 checkpoints (kiln.host.weights.s3_checkpoint).
 
 Layout: `<cache>/s3-checkpoints/<version>/rank<r>-of-<tp>.safetensors`, where `version` hashes every
 object's name, size and ETag, the dtype and the package layout (a replaced object has a new ETag, hence a

@@ -12,12 +12,12 @@ their dtype as it goes), so a rank's read holds its weights once plus at most
 `max_concurrency` chunks. `bytes_read` counts every byte received, `requests`
 every GET.
 
-Contracts: `load_rank_weights` returns what kiln.host.checkpoint's does for a
+Contracts: `load_rank_weights` returns what kiln.host.weights.checkpoint's does for a
 directory holding the same files: one rank's shard of every parameter, in
 `cfg.dtype`. With a `cache_dir`, a rank's tensors are kept there under a key of
 every object's name, size and ETag (plus tp, rank and dtype), so a second load
 of the same checkpoint reads no weights again; a replaced object has a new
-ETag, hence a new key (kiln.host.s3_weight_cache: written atomically, evicted,
+ETag, hence a new key (kiln.host.weights.s3_weight_cache: written atomically, evicted,
 counted by the cache checks). `identity()` is what a manifest records. Bad input
 (a missing config.json, a prefix with no safetensors, an object that is
 missing, refused or replaced, a corrupt header, shapes config.json does not
@@ -44,8 +44,8 @@ from kiln.core.model.config import ModelConfig
 from kiln.core.errors import BadInput, StoreError
 from kiln.core.model.hf_config import from_hf
 from kiln.core.model.safetensors_header import DTYPES, header_length, index_weight_map, parse_header
-from kiln.host import s3_weight_cache
-from kiln.host.safetensors_io import torch_dtype
+from kiln.host.weights import s3_weight_cache
+from kiln.host.weights.safetensors_io import torch_dtype
 
 INDEX = "model.safetensors.index.json"
 
@@ -231,7 +231,7 @@ class S3Checkpoint:
 
     def tensors(self) -> dict[str, TensorInfo]:
         """Every tensor's place, from the headers (read once, concurrently): with an index, the tensors it
-        places in each object (as kiln.host.checkpoint reads a directory)."""
+        places in each object (as kiln.host.weights.checkpoint reads a directory)."""
         if self._tensors is None:
             placed = self._index()
             files = sorted(set(placed.values()) if placed is not None else
@@ -249,14 +249,14 @@ class S3Checkpoint:
 
     def inspect(self) -> ModelConfig:
         """Config and headers only (no weights): every tensor config.json implies there with its shape,
-        and none it does not account for (kiln.host.checkpoint's checks); returns the config."""
+        and none it does not account for (kiln.host.weights.checkpoint's checks); returns the config."""
         cfg = self.read_config()
         self._check(cfg)
         return cfg
 
     def _check(self, cfg: ModelConfig) -> None:
-        """kiln.host.checkpoint.check_tensors over the headers: every tensor `cfg` implies, with its shape."""
-        from kiln.host.checkpoint import check_tensors
+        """kiln.host.weights.checkpoint.check_tensors over the headers: every tensor `cfg` implies, with its shape."""
+        from kiln.host.weights.checkpoint import check_tensors
         check_tensors(f"{self.url}/", cfg, {name: (self._name(t.file), t.shape) for name, t in self.tensors().items()})
 
     def identity(self) -> dict:
@@ -270,7 +270,7 @@ class S3Checkpoint:
         return s3_weight_cache.entry(self.cache_dir, self.identity()["objects"], cfg.dtype, tp, rank)
 
     def load_rank_weights(self, cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
-        """One rank's package constants (kiln.host.checkpoint.load_rank_weights' contract), in `cfg.dtype`;
+        """One rank's package constants (kiln.host.weights.checkpoint.load_rank_weights' contract), in `cfg.dtype`;
         from the cache when it holds them."""
         from kiln.host.model import rank_constants
         cached = self._cache_file(cfg, tp, rank)

@@ -23,7 +23,7 @@ from kiln.core.errors import BadInput
 from kiln.core.model.hf_config import from_hf, to_hf
 from kiln.core.model.safetensors_header import TensorEntry, index_weight_map
 from kiln.host.model import expected_shapes, random_state_dict, rank_constants
-from kiln.host.safetensors_io import SafetensorsFile
+from kiln.host.weights.safetensors_io import SafetensorsFile
 
 INDEX = "model.safetensors.index.json"
 
@@ -134,7 +134,7 @@ def load_rank_weights(path: Path | str, cfg: ModelConfig, tp: int, rank: int) ->
     """One rank's package constants (kiln.core.model.contract), in `cfg.dtype` (the dtype compiled for). The
     files this process reads get inspect_checkpoint's checks first (a host's copy is not the one the flow
     inspected). Each constant is allocated once and its slices read straight from the files into it
-    (kiln.host.safetensors_io): the rank's weights are never held twice, and the checkpoint is not
+    (kiln.host.weights.safetensors_io): the rank's weights are never held twice, and the checkpoint is not
     memory-mapped into this process."""
     have = _checked(Path(path), cfg)
     files: dict[Path, SafetensorsFile] = {}

@@ -1,5 +1,5 @@
-"""A checkpoint by its address: a local directory (kiln/host/checkpoint.py) or s3://BUCKET/PREFIX
-(kiln/host/s3_checkpoint.py). The callers that need a checkpoint's config or a rank's weights go through here.
+"""A checkpoint by its address: a local directory (kiln/host/weights/checkpoint.py) or s3://BUCKET/PREFIX
+(kiln/host/weights/s3_checkpoint.py). The callers that need a checkpoint's config or a rank's weights go through here.
 
 Contracts: the same answers for the same files wherever they are. An S3
 checkpoint is reached at `s3_endpoint` (else AWS_ENDPOINT_URL, else AWS; the
@@ -21,7 +21,7 @@ def is_s3(checkpoint: str) -> bool:
 
 
 def _s3(checkpoint: str, s3_endpoint: str | None, cache_dir: str | Path | None = None):
-    from kiln.host.s3_checkpoint import S3Checkpoint
+    from kiln.host.weights.s3_checkpoint import S3Checkpoint
     return S3Checkpoint(checkpoint, endpoint_url=s3_endpoint, cache_dir=cache_dir)
 
 
@@ -29,7 +29,7 @@ def inspect(checkpoint: str, *, s3_endpoint: str | None = None) -> ModelConfig:
     """The checkpoint's config after its headers are checked (no weights read); BadInput naming what is wrong."""
     if is_s3(checkpoint):
         return _s3(checkpoint, s3_endpoint).inspect()
-    from kiln.host.checkpoint import inspect_checkpoint
+    from kiln.host.weights.checkpoint import inspect_checkpoint
     return inspect_checkpoint(checkpoint)
 
 
@@ -39,28 +39,28 @@ def identity(checkpoint: str, *, s3_endpoint: str | None = None) -> dict | None:
 
 
 def fingerprint(checkpoint: str, *, s3_endpoint: str | None = None, digests: Path | None = None) -> str:
-    """A short identity of the checkpoint's files (a directory's content: kiln.host.checkpoint's, each file's
+    """A short identity of the checkpoint's files (a directory's content: kiln.host.weights.checkpoint's, each file's
     digest remembered under `digests`; S3: names, sizes, ETags)."""
     if is_s3(checkpoint):
         objects = identity(checkpoint, s3_endpoint=s3_endpoint)["objects"]
         return hashlib.sha256(json.dumps(objects).encode()).hexdigest()[:16]
-    from kiln.host.checkpoint import checkpoint_fingerprint
+    from kiln.host.weights.checkpoint import checkpoint_fingerprint
     return checkpoint_fingerprint(checkpoint, digests)
 
 
 def load_rank_weights(checkpoint: str, cfg: ModelConfig, tp: int, rank: int, *, s3_endpoint: str | None = None,
                       cache_dir: str | Path | None = None) -> dict:
-    """One rank's package constants in `cfg.dtype` (kiln.host.checkpoint.load_rank_weights' contract)."""
+    """One rank's package constants in `cfg.dtype` (kiln.host.weights.checkpoint.load_rank_weights' contract)."""
     if is_s3(checkpoint):
         return _s3(checkpoint, s3_endpoint, cache_dir).load_rank_weights(cfg, tp, rank)
-    from kiln.host.checkpoint import load_rank_weights as from_directory
+    from kiln.host.weights.checkpoint import load_rank_weights as from_directory
     return from_directory(checkpoint, cfg, tp, rank)
 
 
 def check_job_caches(job, probes: list) -> None:
     """kiln.host.machine.cache.check_probed_caches for `job` (kiln.core.plan.job.ExportJob): room for its forwards, and for
     its ranks' weights when its checkpoint is in S3 (a host's check keeps each rank's tensors in its cache,
-    kiln.host.s3_weight_cache)."""
+    kiln.host.weights.s3_weight_cache)."""
     from kiln.host.machine.cache import check_probed_caches
 
     per_rank = -(-job.model_config.weight_bytes_per_rank(job.tp) // 2**20) if is_s3(job.checkpoint) else 0
