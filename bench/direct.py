@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
 
-    from kiln.host.trust import write_signed_manifest
+    from kiln.host.trust.signers import write_signed_manifest
     from flows.params import ExportParams, default_host_names, prepare
     from kiln.core.plan import decisions
     from kiln.core.run import outcome

@@ -177,7 +177,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_keygen(args) -> int:
-    from kiln.host.trust import keygen
+    from kiln.host.trust.signers import keygen
     key, pub, fp = keygen(args.dir, args.name)
     print(f"wrote {key} (private, mode 0600) and {pub} (public); fingerprint {fp}")
     print("sign exports:  export KILN_SIGNING_KEY=\"$(cat " + str(key) + ")\"   "

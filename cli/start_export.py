@@ -13,7 +13,7 @@ from kiln.core.errors import BadInput, GateRefused
 def export_with(params, api) -> int:
     """`kiln export` once its flags are parsed: check everything, refuse before Prefect where the gate would,
     run the flow on the server it needs (`api`: the embedded API Kiln started, or None), print the summary."""
-    from kiln.host.trust import DEV_KEY_NAME
+    from kiln.host.trust.signers import DEV_KEY_NAME
     from flows.params import default_host_names, prepare
     from kiln.core.machine.home import kiln_home
     dev_key = kiln_home() / "keys" / f"{DEV_KEY_NAME}.key"

@@ -1,8 +1,8 @@
 """`kiln verify`: re-check a finished export from its manifest.
 
 In this order, and nothing is loaded before all of it passed: the manifest's
-signature against the trusted keys (kiln.host.trust), the manifest's structure, each
-artifact's sha256 on download, each package's members (kiln.host.package_check,
+signature against the trusted keys (kiln.host.trust.signers), the manifest's structure, each
+artifact's sha256 on download, each package's members (kiln.host.trust.package_check,
 inside the loader). Then all `tp` ranks run the compiled forwards together
 under gloo, with AOTInductor's runtime input checks on, and the combined output
 is compared with the unsharded eager model.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from kiln.host.trust import read_verified_manifest, trusted_keys
+from kiln.host.trust.signers import read_verified_manifest, trusted_keys
 from kiln.core.model.config import BUNDLED_MODEL, ModelConfig
 from kiln.core.errors import BadInput, MemoryShort, VerifyMismatch
 from kiln.core.forwards.forward_keys import check_export_id
@@ -21,7 +21,7 @@ from kiln.core.machine.home import kiln_home
 from kiln.core.trust.layout import manifest_key
 from kiln.core.trust.manifest import check_manifest, forwards_for_host, manifest_device
 from kiln.core.run.outcome import routing_note
-from kiln.host.package_check import check_package
+from kiln.host.trust.package_check import check_package
 from kiln.core.plan.recipe import Recipe
 from kiln.core.plan.sizing import verify_peak_mib
 from kiln.host.weights import rank_weights as weights

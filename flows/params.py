@@ -256,7 +256,7 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
         check_caches({h.name: cache_status(cache_root(h.name, h.cache_dir)) for h in hosts}, {})
     plan = None
     if signing:
-        from kiln.host.trust import check_export_id_free, plan_signing
+        from kiln.host.trust.signers import check_export_id_free, plan_signing
         check_export_id_free(store, export_id)
         plan, _ = plan_signing(sign=params.sign, block=params.signing_key_block or None, store=store, home=home)
     job = ExportJob(export_id=export_id, model_name=name, checkpoint=checkpoint,

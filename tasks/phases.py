@@ -94,7 +94,7 @@ def compile_host(job: ExportJob, host: HostSpec, specs: list[ForwardSpec], worke
 
 
 def _trusted(job: ExportJob, keys: list[str], own: dict[str, str]) -> dict[str, str]:
-    from kiln.host.trust import export_trusted_keys
+    from kiln.host.trust.signers import export_trusted_keys
     from kiln.core.machine.home import kiln_home
 
     return share.trusted_digests(store_of(job), keys, export_trusted_keys(job.signing, kiln_home()), own)
@@ -132,7 +132,7 @@ def verify_host(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict:
 @io_task("manifest")
 def write_manifest(job: ExportJob, manifest: dict) -> dict:
     """Sign (the key is loaded here, never passed in) and write the manifest last; the report's signing entry."""
-    from kiln.host.trust import write_signed_manifest
+    from kiln.host.trust.signers import write_signed_manifest
     from kiln.core.machine.home import kiln_home
 
     store = store_of(job)

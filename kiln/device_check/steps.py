@@ -294,7 +294,7 @@ def nccl_rank0(check: Check) -> dict:
         return {"skipped": "NCCL needs CUDA"}
     import torch
 
-    from kiln.host.package_check import package_calls
+    from kiln.host.trust.package_check import package_calls
     from kiln.device_check.ranks import torch_only_rank0
 
     forward = check.need("forwards", "compile_hf").get("hf_tp2_float32")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from kiln.core.errors import DiskError, KilnError
-from kiln.host.package_check import package_calls
+from kiln.host.trust.package_check import package_calls
 from kiln.host import export_call, worker_start
 from kiln.host.processes import faults
 from kiln.core.errors import DISK_ERRNOS
@@ -50,7 +50,7 @@ class CompileResult:
     """GEMMs autotuned ('selections'), candidates benchmarked during this compile ('benchmarked'), and
     the tuning timings installed in the worker ('tuning_timings'); None when compiled without max-autotune."""
     calls: dict | None = None
-    """What the package's wrapper calls (kiln.host.package_check.PackageCalls.to_dict): whether it is Python-free."""
+    """What the package's wrapper calls (kiln.host.trust.package_check.PackageCalls.to_dict): whether it is Python-free."""
     device: str = "cpu"
     """The device the forward was compiled for (kiln.host.inductor_options.forward_device)."""
     device_peak_mib: int = 0

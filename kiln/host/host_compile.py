@@ -45,7 +45,7 @@ def compile_on_host(store, job: ExportJob, host: HostSpec, specs: list[ForwardSp
     import torch
 
     from kiln.core.machine.home import kiln_home
-    from kiln.host.trust import export_signer
+    from kiln.host.trust.signers import export_signer
 
     signer = export_signer(job.signing, kiln_home(), host.name)  # before any compile: a host without the key stops
     entries = tuner.load_for_compile(store, specs, torch.__version__)

@@ -28,7 +28,7 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
     import torch
 
     from kiln.core.machine.home import kiln_home
-    from kiln.host.trust import export_signer
+    from kiln.host.trust.signers import export_signer
 
     export_signer(job.signing, kiln_home(), host.name)  # every host may compile, so every host needs the key
     reading = probe.gpu_reading()

@@ -3,7 +3,7 @@
 A compiled package is native code. The loader copies the file into a private
 directory while hashing it and only ever opens that copy, so the bytes loaded
 are the bytes hashed (nobody can swap the file between the check and the
-load); it opens the copy only when its sha256 matches the manifest and whose zip members pass kiln.host.package_check (no
+load); it opens the copy only when its sha256 matches the manifest and whose zip members pass kiln.host.trust.package_check (no
 absolute or '..' paths, no symlinks, bounded sizes, a PT2 layout) before
 AOTInductor extracts it, checks the rank's weights against the dtype and shape
 of every constant the package records (naming the tensor that does not fit),
@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 from kiln.core.errors import IntegrityError, KilnError, UnloadablePackage
-from kiln.host.package_check import check_package, package_device
+from kiln.host.trust.package_check import check_package, package_device
 
 
 def load_forward(path: Path | str, weights: dict, sha256: str, *, device: str = "cpu"):

@@ -54,13 +54,13 @@ def stored_forwards(store, keys: list[str], digests: dict[str, str]) -> tuple[di
     `digests`: key -> the trusted sha256 of its forward (`trusted_digests`); a key the store holds
     with other bytes than those raises IntegrityError, and a stored key without a trusted digest
     counts as missing. 'calls' is the inspection record of those bytes
-    (kiln.host.package_check.package_calls), written by the host that compiled them; a package
+    (kiln.host.trust.package_check.package_calls), written by the host that compiled them; a package
     without one (its compiler died between the two uploads, or an older Kiln made it) is downloaded,
     checked against the trusted digest and inspected here.
     """
     import tempfile
 
-    from kiln.host.package_check import check_package, package_calls
+    from kiln.host.trust.package_check import check_package, package_calls
 
     found, missing = {}, []
     for key in keys:

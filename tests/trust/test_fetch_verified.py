@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from kiln.host import trust
+from kiln.host.trust import signers as trust
 from cli.verify import fetch_verified_export
 from kiln.core.errors import IntegrityError
 from kiln.core.trust.manifest import build_manifest

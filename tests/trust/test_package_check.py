@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kiln.core.errors import IntegrityError
-from kiln.host.package_check import PackageLimits, check_package
+from kiln.host.trust.package_check import PackageLimits, check_package
 
 ROOT = "fwd"
 GOOD = {

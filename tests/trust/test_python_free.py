@@ -1,4 +1,4 @@
-"""Which packages need Python: kiln.host.package_check.package_calls, proven against a fresh interpreter.
+"""Which packages need Python: kiln.host.trust.package_check.package_calls, proven against a fresh interpreter.
 
 A package that calls a Python `torch.library.custom_op` is what Kiln's forwards
 were before they used torch's native collectives: the inspection must call it
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.host.package_check import check_package, package_calls
+from kiln.host.trust.package_check import check_package, package_calls
 from kiln.store import LocalStore
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import zipfile
 import pytest
 
 from kiln.core.errors import IntegrityError
-from kiln.host.package_check import check_package
+from kiln.host.trust.package_check import check_package
 from kiln.host.loader import load_forward
 from kiln.store import sha256_file
 

@@ -154,7 +154,7 @@ def test_signing_plan_carries_no_secret(key):
 
 
 def test_signing_module_imports_no_torch_prefect_or_boto3():
-    code = ("import sys, kiln.core.trust.signing, kiln.core.trust.manifest, kiln.host.package_check, kiln.host.machine.cache, kiln.host.processes.faults; "
+    code = ("import sys, kiln.core.trust.signing, kiln.core.trust.manifest, kiln.host.trust.package_check, kiln.host.machine.cache, kiln.host.processes.faults; "
             "print(sorted(m for m in ('torch', 'prefect', 'boto3') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from kiln.host import trust
+from kiln.host.trust import signers as trust
 from kiln.core.trust import signing
 from kiln.core.errors import BadInput, IntegrityError, KilnError
 from kiln.core.trust.manifest import check_manifest

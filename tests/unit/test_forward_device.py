@@ -89,7 +89,7 @@ def test_a_package_records_the_device_it_was_compiled_for(tmp_path):
     import json
     import zipfile
 
-    from kiln.host.package_check import package_device
+    from kiln.host.trust.package_check import package_device
 
     path = tmp_path / "f.pt2"
     with zipfile.ZipFile(path, "w") as zf:

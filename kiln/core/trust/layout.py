@@ -5,7 +5,7 @@ builder and `parse` inverts every builder (tests/unit/test_layout.py checks
 the round trip):
 
     forwards/<key>.pt2                       a compiled forward (AOTInductor package, no weights)
-    inspections/<key>.json                   what that package calls (kiln.host.package_check)
+    inspections/<key>.json                   what that package calls (kiln.host.trust.package_check)
     vouches/<key>/<sha256>.json              a signed word that those bytes are Kiln's (kiln.core.trust.vouch)
     memory/<graph digest>/<key>.json         a compile worker's measured peak, per (graph, target, compiler)
     tuning/<result id>.json                  one GEMM shape's kernel-tuning result
