@@ -53,8 +53,8 @@ def _spec() -> dict:
     from kiln.core.forwards.forward_keys import forward_spec
     from kiln.core.plan.recipe import Bucket
     from kiln.core.forwards.shape_ranges import static_shape
-    from kiln.host.key_sources import model_code_fingerprint
-    from kiln.host.inductor_options import COMPILER_OPTIONS
+    from kiln.host.compile.key_sources import model_code_fingerprint
+    from kiln.host.compile.inductor_options import COMPILER_OPTIONS
 
     return forward_spec(shapes=static_shape(Bucket(1, 1)), graph={"config": TINY.to_dict(), "tp": TP, "code": model_code_fingerprint()},
                         target="bench", torch_version="bench", page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ,
@@ -64,7 +64,7 @@ def _spec() -> dict:
 def compile_both(out: Path) -> dict:
     """Compile the native and the custom-op package (one after another, in this process)."""
     import kiln.host.model.collectives
-    from kiln.host.compiler import _warm, compile_forward
+    from kiln.host.compile.compiler import _warm, compile_forward
 
     _warm()
     out.mkdir(parents=True, exist_ok=True)

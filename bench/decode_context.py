@@ -31,7 +31,7 @@ def _spec(pages: int) -> dict:
 
 
 def compile_one(pages: int, out: Path) -> dict:
-    from kiln.host.compiler import _warm, compile_forward
+    from kiln.host.compile.compiler import _warm, compile_forward
 
     _warm()
     out.mkdir(parents=True, exist_ok=True)

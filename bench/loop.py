@@ -4,7 +4,7 @@
 
 What a user would write without Kiln: for each bucket, torch.export the same
 sharded model and `aoti_compile_and_package` it with the same Inductor options
-(`kiln.host.compiler.compile_forward` is exactly that, so both sides compile
+(`kiln.host.compile.compiler.compile_forward` is exactly that, so both sides compile
 identical graphs). No pool, no store, no Prefect. The JSON holds the seconds
 spent importing and compiling, measured inside the process.
 """
@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     from kiln.core.forwards.forward_keys import forward_spec
     from kiln.core.plan.recipe import Recipe, parse_buckets
     from kiln.host.weights.checkpoint import inspect_checkpoint
-    from kiln.host.compiler import compile_forward
-    from kiln.host.key_sources import model_code_fingerprint
-    from kiln.host.inductor_options import COMPILER_OPTIONS, inductor_env
+    from kiln.host.compile.compiler import compile_forward
+    from kiln.host.compile.key_sources import model_code_fingerprint
+    from kiln.host.compile.inductor_options import COMPILER_OPTIONS, inductor_env
     from kiln.host.machine.probe import detect_target
 
     imported = time.perf_counter()

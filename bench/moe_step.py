@@ -56,7 +56,7 @@ def package_name(experts: int, bucket: tuple[int, int] = (1, 1), dtype: str = DT
 
 def compile_one(experts: int, out: Path, bucket: tuple[int, int] = (1, 1), dtype: str = DTYPE) -> dict:
     from bench.specs import bench_spec
-    from kiln.host.compiler import _warm, compile_forward
+    from kiln.host.compile.compiler import _warm, compile_forward
 
     _warm()
     out.mkdir(parents=True, exist_ok=True)

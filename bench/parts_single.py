@@ -151,7 +151,7 @@ def part_pool_vs_loop(ctx: Context) -> dict:
                     "export_compile_phase_s": _phase(cold["report"], "compile"), "same_forward_keys": True},
             "notes": "the export side is the whole `kiln export` (embedded API start-up, probe, gate, pool, "
                      "uploads, share + verify of every rank against eager, manifest); the loop compiles the "
-                     "same graphs (the same keys, enforced) with kiln.host.compiler.compile_forward one after another "
+                     "same graphs (the same keys, enforced) with kiln.host.compile.compiler.compile_forward one after another "
                      f"in one process and does nothing else. {COLD_NOTE}."}
 
 

@@ -34,8 +34,8 @@ def spec(name: str) -> dict:
     from kiln.core.model.config import TINY
     from kiln.core.forwards.forward_keys import forward_spec
     from kiln.core.forwards.shape_ranges import parse_shape_range
-    from kiln.host.key_sources import model_code_fingerprint
-    from kiln.host.inductor_options import COMPILER_OPTIONS
+    from kiln.host.compile.key_sources import model_code_fingerprint
+    from kiln.host.compile.inductor_options import COMPILER_OPTIONS
 
     return forward_spec(shapes=parse_shape_range(name), graph={"config": TINY.to_dict(), "tp": TP,
                                                                 "code": model_code_fingerprint()},
@@ -44,7 +44,7 @@ def spec(name: str) -> dict:
 
 
 def compile_side(out: Path, names: list[str]) -> dict:
-    from kiln.host.compiler import _warm, compile_forward
+    from kiln.host.compile.compiler import _warm, compile_forward
     from kiln.host.model import solo_group
 
     _warm()

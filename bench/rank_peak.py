@@ -39,7 +39,7 @@ def config(quick: bool):
 def compile_one(out: Path, quick: bool) -> dict:
     from bench.specs import bench_spec
     from kiln.host.weights.checkpoint import random_checkpoint
-    from kiln.host.compiler import _warm, compile_forward
+    from kiln.host.compile.compiler import _warm, compile_forward
 
     cfg = config(quick)
     random_checkpoint(out / "ckpt", cfg, seed=5)

@@ -8,8 +8,8 @@ def bench_spec(cfg, *, tp: int, bucket: tuple[int, int] = (1, 1), page_tokens: i
     from kiln.core.forwards.forward_keys import forward_spec
     from kiln.core.plan.recipe import Bucket
     from kiln.core.forwards.shape_ranges import static_shape
-    from kiln.host.key_sources import model_code_fingerprint
-    from kiln.host.inductor_options import COMPILER_OPTIONS
+    from kiln.host.compile.key_sources import model_code_fingerprint
+    from kiln.host.compile.inductor_options import COMPILER_OPTIONS
 
     return forward_spec(shapes=static_shape(Bucket(*bucket)), graph={"config": cfg.to_dict(), "tp": tp,
                                                                          "code": model_code_fingerprint()},

@@ -1,6 +1,6 @@
 """Kernel tuning figures, measured side by side in one run; prints one JSON document.
 
-1. tuning cold vs warm: `kiln.host.tuner.tune_target` for the model's buckets on a
+1. tuning cold vs warm: `kiln.host.compile.tuner.tune_target` for the model's buckets on a
    fresh store (every GEMM candidate benchmarked in a spawned process) and
    the same call again (every shape a verified store hit). CPU forwards cannot
    use Inductor's C++ GEMM templates (they prepack weights at compile time;
@@ -34,7 +34,7 @@ from kiln.core.model.config import TINY  # noqa: E402
 from kiln.core.plan.job import ExportJob  # noqa: E402
 from kiln.core.plan.recipe import Recipe, parse_buckets  # noqa: E402
 from kiln.host.machine import probe
-from kiln.host import tuner
+from kiln.host.compile import tuner
 
 BACKENDS = "ATEN,CPP"
 

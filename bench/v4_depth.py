@@ -32,9 +32,9 @@ def compile_one(layers: int, out: Path) -> dict:
     from kiln.core.model.layer_runs import segments
     from kiln.core.plan.recipe import Bucket
     from kiln.core.forwards.shape_ranges import static_shape
-    from kiln.host.compiler import _warm, compile_forward
-    from kiln.host.key_sources import model_code_fingerprint
-    from kiln.host.inductor_options import COMPILER_OPTIONS
+    from kiln.host.compile.compiler import _warm, compile_forward
+    from kiln.host.compile.key_sources import model_code_fingerprint
+    from kiln.host.compile.inductor_options import COMPILER_OPTIONS
 
     _warm()
     cfg = from_hf({**V4, "num_hidden_layers": layers})

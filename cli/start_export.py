@@ -47,9 +47,9 @@ def _while_the_api_starts() -> None:
 
 def _start_workers_early(probes) -> None:
     """Where this process will compile (a forward the store lacks), start the compile workers' server
-    (kiln.host.worker_start) now: its imports overlap the embedded API's start instead of the compile phase."""
+    (kiln.host.compile.worker_start) now: its imports overlap the embedded API's start instead of the compile phase."""
     if any(spec.key not in probe.store_keys for probe in probes for spec in probe.specs):
-        from kiln.host import worker_start
+        from kiln.host.compile import worker_start
 
         worker_start.prepare()
 

@@ -26,7 +26,8 @@ from kiln.core.trust.layout import artifact_key, manifest_key
 from kiln.core.plan.probe_result import HostProbe
 from kiln.core.run.retry_rule import mark_retried_in_task, retry_in_task
 from kiln.host.processes import faults
-from kiln.host import host_compile, host_probe, rank_check, share, tuner
+from kiln.host import host_compile, host_probe, rank_check, share
+from kiln.host.compile import tuner
 from tasks.store import store_of
 
 IO_RETRY_DELAYS_S = [2, 5, 10]
@@ -71,7 +72,7 @@ def probe_host(job: ExportJob, host: HostSpec) -> HostProbe:
 
 @task(name="tune", cache_policy=None)
 def tune(job: ExportJob, target: str) -> dict:
-    """Kernel tuning for one target, on one host of that target (see kiln.host.tuner.tune_target)."""
+    """Kernel tuning for one target, on one host of that target (see kiln.host.compile.tuner.tune_target)."""
     return tuner.tune_target(job, target)
 
 

@@ -247,9 +247,9 @@ def small_forward(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from kiln.core.model.config import TINY
     from kiln.core.forwards.forward_keys import forward_spec
     from kiln.core.forwards.shape_ranges import parse_shape_range
-    from kiln.host.compiler import CompilePool
-    from kiln.host.key_sources import model_code_fingerprint
-    from kiln.host.inductor_options import COMPILER_OPTIONS
+    from kiln.host.compile.compiler import CompilePool
+    from kiln.host.compile.key_sources import model_code_fingerprint
+    from kiln.host.compile.inductor_options import COMPILER_OPTIONS
 
     cfg = TINY.replace(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=128, vocab_size=128)

@@ -11,7 +11,7 @@ when it failed, so a run cut short still leaves what was done:
   relies on (load_constants' parameters); on a GPU its name, arch and the size
   of one process's CUDA context;
 - `compile_tiny`: the tiny model (kiln.core.model.config.TINY), one bucket, compiled
-  for the device in a compile worker (kiln.host.compiler.CompilePool): seconds,
+  for the device in a compile worker (kiln.host.compile.compiler.CompilePool): seconds,
   host and device peak of the worker, and the package against eager;
 - `hf_checkpoint` and `compile_hf`: a random-init transformers LlamaForCausalLM
   (bfloat16, head_dim 128, GQA, 4 layers) saved with save_pretrained, compiled

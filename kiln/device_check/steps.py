@@ -3,7 +3,7 @@
 A figure 'skipped' (the reason) marks a step that has nothing to do on this
 device. A step that needs an earlier one's result raises Needs when it is
 missing. Compiles run in the Check's pool of compile workers
-(kiln.host.compiler.CompilePool), never in this process.
+(kiln.host.compile.compiler.CompilePool), never in this process.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Check:
     quick: bool
     work: Path
     pool: object = None
-    """A kiln.host.compiler.CompilePool, made by the first step that compiles."""
+    """A kiln.host.compile.compiler.CompilePool, made by the first step that compiles."""
     made: dict = field(default_factory=dict)
     """What steps made for later ones: 'forwards' (name -> CompileResult), 'checkpoint', 'config', 'tokens'."""
 
@@ -134,7 +134,7 @@ def versions(check: Check) -> dict:
 
 
 def _pool(check: Check):
-    from kiln.host.compiler import CompilePool
+    from kiln.host.compile.compiler import CompilePool
 
     if check.pool is None:
         check.pool = CompilePool(2 if not check.quick else 1)
@@ -147,8 +147,8 @@ def compile_forwards(check: Check, forwards: dict) -> dict:
 
     from kiln.core.forwards.forward_keys import forward_spec
     from kiln.core.forwards.shape_ranges import static_shape
-    from kiln.host.key_sources import model_code_fingerprint
-    from kiln.host.inductor_options import inductor_env
+    from kiln.host.compile.key_sources import model_code_fingerprint
+    from kiln.host.compile.inductor_options import inductor_env
 
     jobs, names = [], {}
     for name, (cfg, tp, bucket, options) in forwards.items():
@@ -188,7 +188,7 @@ def compile_forwards(check: Check, forwards: dict) -> dict:
 def compile_tiny(check: Check) -> dict:
     from kiln.core.model.config import TINY
     from kiln.core.plan.recipe import Bucket
-    from kiln.host.inductor_options import COMPILER_OPTIONS
+    from kiln.host.compile.inductor_options import COMPILER_OPTIONS
     from kiln.host.loader import compare_with_eager, load_forward, place_weights
     from kiln.host.model import random_state_dict, shard_state_dict
 
@@ -222,7 +222,7 @@ def hf_checkpoint(check: Check) -> dict:
 def compile_hf(check: Check) -> dict:
     from kiln.core.plan.recipe import Bucket
     from kiln.device_check.hf_llama import PROMPT_TOKENS
-    from kiln.host.inductor_options import COMPILER_OPTIONS
+    from kiln.host.compile.inductor_options import COMPILER_OPTIONS
 
     cfg = check.need("config", "hf_checkpoint")
     f32 = cfg.replace(dtype="float32")
@@ -363,14 +363,14 @@ def tuning(check: Check) -> dict:
         return {"skipped": "weightless CPU packages have nothing to tune (kiln.core.plan.tuning_plan)"}
     from kiln.core.model.config import TINY
     from kiln.core.plan.recipe import Bucket
-    from kiln.host.inductor_options import compiler_options
+    from kiln.host.compile.inductor_options import compiler_options
 
     options = compiler_options("ATEN,TRITON")
     forward = (TINY, 1, Bucket(4, 8), options)
     first = compile_forwards(check, {"tiny_tuned": forward})["tiny_tuned"]
     second = compile_forwards(check, {"tiny_tuned_again": forward})["tiny_tuned_again"]
     return {"first": first, "second": second, "note": "the second compile finds the first's timings in "
-            "Inductor's autotune cache on this host; Kiln's store of tuning results (kiln.host.tuner) is not "
+            "Inductor's autotune cache on this host; Kiln's store of tuning results (kiln.host.compile.tuner) is not "
             "exercised here"}
 
 

@@ -13,9 +13,9 @@ from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.trust.layout import artifact_key, compile_log_key, inspection_key, vouch_key, worker_memory_key
 from kiln.core.trust.vouch import make_vouch
 from kiln.host.processes import faults
-from kiln.host import tuner
+from kiln.host.compile import tuner
 from kiln.host.machine.cache import local_path
-from kiln.host.compiler import CompilePool, CompileResult
+from kiln.host.compile.compiler import CompilePool, CompileResult
 from kiln.host.leasing import Leases, compile_leased
 from kiln.host.processes.procs import PeakSampler
 from kiln.store import ObjectMissing

@@ -10,10 +10,10 @@ from kiln.core.trust.layout import artifact_key, worker_memory_prefix
 from kiln.core.plan.probe_result import HostProbe
 from kiln.core.machine.target import host_device
 from kiln.host.machine import cache, probe
-from kiln.host import tuner
+from kiln.host.compile import tuner
 from kiln.host.machine.cache import cache_dir, local_path
-from kiln.host.inductor_options import compiler_options, inductor_env
-from kiln.host.key_sources import model_code_fingerprint
+from kiln.host.compile.inductor_options import compiler_options, inductor_env
+from kiln.host.compile.key_sources import model_code_fingerprint
 from kiln.store import ObjectMissing
 
 

@@ -17,7 +17,7 @@ from kiln.core.errors import IntegrityError, KilnError
 from kiln.core.run.holders import describe
 from kiln.core.trust.layout import artifact_key
 from kiln.host.processes import procs
-from kiln.host.compiler import CompilePool, CompileResult
+from kiln.host.compile.compiler import CompilePool, CompileResult
 from kiln.store import ObjectMissing
 
 log = logging.getLogger(__name__)

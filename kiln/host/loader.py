@@ -136,7 +136,7 @@ def check_weights(package: str, compiled, weights: dict) -> None:
     `load_constants` accepts a tensor of another dtype and computes garbage
     with it; a constant no rank's weights provide would crash the first call.
     """
-    from kiln.host.export_call import CONSTANTS_METADATA
+    from kiln.host.compile.export_call import CONSTANTS_METADATA
 
     raw = compiled.get_metadata().get(CONSTANTS_METADATA)
     if raw is None:

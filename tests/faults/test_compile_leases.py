@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from kiln.core.trust.layout import artifact_key
-from kiln.host.compiler import CompilePool, CompileResult
+from kiln.host.compile.compiler import CompilePool, CompileResult
 from kiln.host.leasing import Leases, compile_leased
 from kiln.store import open_store
 

@@ -15,7 +15,7 @@ import kiln_faults as faults
 import pytest
 
 from kiln.host.processes import faults as fault_points
-from kiln.host.compiler import CompileFailed, CompilePool, CompileResult
+from kiln.host.compile.compiler import CompileFailed, CompilePool, CompileResult
 
 
 def fake_compile(spec: dict, out_path: str) -> CompileResult:

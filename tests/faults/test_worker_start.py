@@ -1,4 +1,4 @@
-"""Compile workers forked from a preloaded server (kiln.host.worker_start) keep what a spawned worker had.
+"""Compile workers forked from a preloaded server (kiln.host.compile.worker_start) keep what a spawned worker had.
 
 The caller's environment at the time the pool starts (a server per environment), no CUDA context and no
 thread but the parent watch, and the die-with-parent chain through the server: a worker of an export
@@ -15,8 +15,8 @@ import time
 
 import psutil
 
-from kiln.host import worker_start
-from kiln.host.compiler import CompilePool, CompileResult
+from kiln.host.compile import worker_start
+from kiln.host.compile.compiler import CompilePool, CompileResult
 
 
 def report(spec: dict, out_path: str) -> CompileResult:
@@ -56,8 +56,8 @@ OWNER = """
 import sys, threading, time
 from pathlib import Path
 
-from kiln.host.compiler import CompilePool, CompileResult
-from kiln.host import worker_start
+from kiln.host.compile.compiler import CompilePool, CompileResult
+from kiln.host.compile import worker_start
 
 
 def hold(spec, out_path):

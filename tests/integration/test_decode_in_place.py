@@ -38,9 +38,9 @@ def test_a_compiled_decode_step_reads_its_pages_in_place_as_eager_computes(tmp_p
     from kiln.core.forwards.forward_keys import forward_spec
     from kiln.core.plan.recipe import Bucket
     from kiln.core.forwards.shape_ranges import static_shape
-    from kiln.host.compiler import CompilePool
-    from kiln.host.key_sources import model_code_fingerprint
-    from kiln.host.inductor_options import COMPILER_OPTIONS
+    from kiln.host.compile.compiler import CompilePool
+    from kiln.host.compile.key_sources import model_code_fingerprint
+    from kiln.host.compile.inductor_options import COMPILER_OPTIONS
 
     # 4 query heads over 2 KV heads (grouped), a window of 7 on the second layer: 24 cached positions.
     cfg = TINY.replace(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kiln.core.model.config import TINY
-from kiln.host.compiler import CompilePool
-from kiln.host.inductor_options import COMPILER_OPTIONS
+from kiln.host.compile.compiler import CompilePool
+from kiln.host.compile.inductor_options import COMPILER_OPTIONS
 
 pytestmark = pytest.mark.slow
 

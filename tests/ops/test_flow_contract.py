@@ -19,7 +19,7 @@ from flows.params import ExportParams
 from flows.serve import deployment_parameters
 from kiln.core.errors import BadInput, CheckCrashed, GateRefused, HostsLost, IntegrityError, StoreError
 from kiln.core.run.retry_rule import mark_retried_in_task
-from kiln.host.compiler import CompileFailed
+from kiln.host.compile.compiler import CompileFailed
 from kiln.core.plan.recipe import SETTINGS
 
 

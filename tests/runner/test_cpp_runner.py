@@ -41,9 +41,9 @@ def export(tmp_path_factory) -> dict:
     from kiln.core.plan.recipe import Bucket
     from kiln.core.forwards.shape_ranges import static_shape
     from kiln.host.weights.checkpoint import write_checkpoint
-    from kiln.host.compiler import CompilePool
-    from kiln.host.key_sources import model_code_fingerprint
-    from kiln.host.inductor_options import COMPILER_OPTIONS
+    from kiln.host.compile.compiler import CompilePool
+    from kiln.host.compile.key_sources import model_code_fingerprint
+    from kiln.host.compile.inductor_options import COMPILER_OPTIONS
     from kiln.host.model import random_state_dict
 
     root = tmp_path_factory.mktemp("cpp-export")

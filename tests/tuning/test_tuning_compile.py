@@ -26,9 +26,9 @@ from kiln.core.model.config import TINY
 from kiln.core.plan.job import ExportJob
 from kiln.core.plan.recipe import Recipe, parse_buckets
 from kiln.host.machine import probe
-from kiln.host import tuner
-from kiln.host.compiler import CompilePool
-from kiln.host.inductor_options import compiler_options
+from kiln.host.compile import tuner
+from kiln.host.compile.compiler import CompilePool
+from kiln.host.compile.inductor_options import compiler_options
 from kiln.store import open_store
 
 pytestmark = pytest.mark.slow

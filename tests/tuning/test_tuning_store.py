@@ -22,8 +22,8 @@ from kiln.core.errors import IntegrityError, KilnError
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.plan.job import ExportJob
 from kiln.core.plan.recipe import Recipe, parse_buckets
-from kiln.host import tuner
-from kiln.host.inductor_options import compiler_options
+from kiln.host.compile import tuner
+from kiln.host.compile.inductor_options import compiler_options
 from kiln.store import open_store
 
 T, V, B = "cpu-x86_64-avx512-test", "2.13.0+cpu", "ATEN,CPP"
@@ -152,7 +152,7 @@ def test_install_merges_into_inductor_autotune_cache(tmp_path):
     code = textwrap.dedent(f"""
         import json
         from torch._inductor.codecache import CacheBase
-        from kiln.host import tuner
+        from kiln.host.compile import tuner
         CacheBase().update_local_cache({{"mm": {{"other": {{"highest": {{"mm-aten": 1.0}}}}}}}})
         first = tuner.install({entries!r})
         second = tuner.install({entries!r})

@@ -9,14 +9,14 @@ import sys
 from device_check_harness import REPO, blocked_env
 
 MODULES = ("kiln.device_check.__main__", "kiln.device_check.steps", "kiln.device_check.ranks",
-           "kiln.device_check.hf_llama", "kiln.host.compiler", "kiln.host.export_call", "kiln.host.loader",
+           "kiln.device_check.hf_llama", "kiln.host.compile.compiler", "kiln.host.compile.export_call", "kiln.host.loader",
            "kiln.host.verify_ranks", "kiln.host.machine.device_memory", "kiln.host.weights.checkpoint", "kiln.core.forwards.forward_keys")
 
 SCRIPT = r"""
 import importlib, sys
 for name in sys.argv[1:]:
     importlib.import_module(name)
-from kiln.host.compiler import _warm
+from kiln.host.compile.compiler import _warm
 _warm()  # what every compile worker imports before its first forward (the tuner's install among it)
 from sitecustomize import BLOCKED
 leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED and sys.modules[m] is not None)

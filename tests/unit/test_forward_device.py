@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.core.errors import UnloadablePackage
-from kiln.host.inductor_options import forward_device
+from kiln.host.compile.inductor_options import forward_device
 
 
 class FakePackage:

@@ -1,4 +1,4 @@
-"""Forward keys cover what shapes a package, and only that (kiln.host.key_sources, inductor_options)."""
+"""Forward keys cover what shapes a package, and only that (kiln.host.compile.key_sources, inductor_options)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from kiln.core.forwards.forward_keys import forward_spec
 from kiln.core.plan.job import ExportJob
 from kiln.core.plan.recipe import Bucket, Recipe
 from kiln.core.forwards.shape_ranges import static_shape
-from kiln.host import key_sources
-from kiln.host.inductor_options import INDUCTOR_ENV_UNKEYED, inductor_env
-from kiln.host.key_sources import KEY_SOURCES, code_fingerprint, keyed_code, model_code_fingerprint, source_files
+from kiln.host.compile import key_sources
+from kiln.host.compile.inductor_options import INDUCTOR_ENV_UNKEYED, inductor_env
+from kiln.host.compile.key_sources import KEY_SOURCES, code_fingerprint, keyed_code, model_code_fingerprint, source_files
 
 
 _READ = key_sources._read
@@ -44,7 +44,7 @@ def _in_function(source: str, name: str, line: str) -> str:
 
 
 def test_the_model_the_export_call_and_the_options_are_key_sources_the_pool_is_not():
-    assert {"kiln.host.model", "kiln.host.export_call", "kiln.host.inductor_options",
+    assert {"kiln.host.model", "kiln.host.compile.export_call", "kiln.host.compile.inductor_options",
             "kiln.core.model.contract"} <= set(KEY_SOURCES)
     hashed = {path.name for entry in KEY_SOURCES for _, path in source_files(entry)}
     assert "compiler.py" not in hashed  # the pool, its retries and its messages
@@ -140,7 +140,7 @@ def test_a_missing_key_source_is_an_error_not_a_silent_skip():
     with pytest.raises(LookupError, match="kiln.host.no_such_model.*KEY_SOURCES"):
         code_fingerprint(("kiln.host.no_such_model",))
     with pytest.raises(LookupError, match="'no_such_function'.*KEY_SOURCES"):
-        code_fingerprint(("kiln.host.tuner:no_such_function",))
+        code_fingerprint(("kiln.host.compile.tuner:no_such_function",))
 
 
 # ---- The Inductor settings in force ----------------------------------------------------------------------
@@ -193,7 +193,7 @@ def test_a_changed_inductor_setting_changes_the_probed_keys(monkeypatch, tmp_pat
 
 def test_a_worker_refuses_a_key_made_for_other_inductor_settings(monkeypatch):
     """Another host of the target may compile a key: its workers must run the settings the key hashes."""
-    from kiln.host.compiler import _check_inductor_env
+    from kiln.host.compile.compiler import _check_inductor_env
 
     for name in list(inductor_env()):
         monkeypatch.delenv(name)

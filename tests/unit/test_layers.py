@@ -116,7 +116,7 @@ def test_the_checker_sees_violations():
     """The walk finds what it must: a known upward import and a known cycle shape would show."""
     assert "kiln.core.errors" in GRAPH["kiln.core.plan.recipe"]
     assert "flows.export" in GRAPH["cli.start_export"]  # a lazy import inside a function counts
-    assert _layer("flows.export") > _layer("tasks.phases") > _layer("kiln.host.compiler") > _layer("kiln.core.plan.gate")
+    assert _layer("flows.export") > _layer("tasks.phases") > _layer("kiln.host.compile.compiler") > _layer("kiln.core.plan.gate")
 
 
 _PROBE = """

@@ -25,7 +25,7 @@ from kiln.core.plan.recipe import Recipe, recipe_from_text
 from kiln.core.run.retry_rule import worth_retrying
 from kiln.core.run.report import Report
 from kiln.host.processes import faults as fault_points
-from kiln.host.compiler import CompileFailed
+from kiln.host.compile.compiler import CompileFailed
 
 # --- parameters: the run form's bounds --------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from kiln.core.run.retry_rule import (
     transient,
     worth_retrying,
 )
-from kiln.host.compiler import CompileFailed
+from kiln.host.compile.compiler import CompileFailed
 
 
 def _client_error(code: str, status: int) -> ClientError:

@@ -26,7 +26,7 @@ from kiln.core.plan.tuning_plan import (
     untuned_reason,
     winners,
 )
-from kiln.host.inductor_options import COMPILER_OPTIONS, compiler_options
+from kiln.host.compile.inductor_options import COMPILER_OPTIONS, compiler_options
 
 T, V, B = "cpu-x86_64-avx512-1234", "2.13.0+cpu", "ATEN,CPP"
 S16 = GemmShape(16, 384, 192, "float32")

@@ -1,8 +1,8 @@
 """Forward keys: what determines a compiled forward's code, hashed.
 
 A key hashes the graph (model config, tp, the fingerprint of the code that
-shapes the package: kiln.host.key_sources, and the TORCHINDUCTOR_* settings
-the compile workers inherit: kiln.host.inductor_options.inductor_env), the
+shapes the package: kiln.host.compile.key_sources, and the TORCHINDUCTOR_* settings
+the compile workers inherit: kiln.host.compile.inductor_options.inductor_env), the
 package layout (kiln.core.model.contract.LAYOUT: how the constants are stacked, so a
 package of another layout is never loaded as this one), the input specs, the
 compiler options, the torch version, the target and, when kernel tuning is on,
@@ -47,7 +47,7 @@ class ForwardSpec:
     """The batch and token ranges the forward takes and the hint it is compiled for."""
     target: str
     graph: dict
-    """Model config (as config.json), tp, the code fingerprint (kiln.host.key_sources) and, from a probe,
+    """Model config (as config.json), tp, the code fingerprint (kiln.host.compile.key_sources) and, from a probe,
     'inductor_env': the TORCHINDUCTOR_* settings the compile workers inherit."""
     inputs: dict
     """The forward's input dims: 'batch' and 'tokens' as [min, max], 'hint' [batch, tokens], the pages' sizes;
@@ -55,7 +55,7 @@ class ForwardSpec:
     compiler: dict
     """Inductor options that change the generated code."""
     tuning: dict | None = None
-    """With kernel tuning: {'digest', 'objects': [{'key', 'sha256'}], 'missing'} (see kiln.host.tuner.lookup)."""
+    """With kernel tuning: {'digest', 'objects': [{'key', 'sha256'}], 'missing'} (see kiln.host.compile.tuner.lookup)."""
 
     def to_dict(self) -> dict:
         return {"key": self.key, "shapes": str(self.shapes), "target": self.target,

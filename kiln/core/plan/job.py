@@ -60,8 +60,8 @@ class ExportJob:
         """One forward spec per forward shapes of the recipe (Recipe.shapes) for hosts of `target`; `tuning`
         maps the shapes' name -> its tuning.
 
-        `code` is the code fingerprint (kiln.host.key_sources); `inductor_env` the TORCHINDUCTOR_* settings
-        the compile workers inherit (kiln.host.inductor_options.inductor_env), in the graph when given.
+        `code` is the code fingerprint (kiln.host.compile.key_sources); `inductor_env` the TORCHINDUCTOR_* settings
+        the compile workers inherit (kiln.host.compile.inductor_options.inductor_env), in the graph when given.
         `device` ('cpu' or 'cuda', the host's: kiln.core.machine.target.host_device) goes into the graph as its
         'device' for cuda; a CPU graph names none, so CPU keys are what they were before CUDA exports."""
         if device not in ("cpu", "cuda"):

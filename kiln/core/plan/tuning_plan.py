@@ -1,7 +1,7 @@
 """Kernel tuning: which GEMM shapes an export needs, where their results live, and what to measure.
 
 Pure: no torch, prefect or boto3 import. The side effects (measuring in a
-spawned process, the store, Inductor's cache) live in `kiln.host.tuner`.
+spawned process, the store, Inductor's cache) live in `kiln.host.compile.tuner`.
 
 The unit of tuning is one GEMM shape (M, K, N, dtype) on one target with one
 torch version: Inductor's max-autotune benchmarks every candidate kernel for

@@ -38,7 +38,7 @@ def die_with_parent() -> None:
     """Make this process die when its parent does (call first thing in a started process).
 
     The parent is the process that started this one: for a multiprocessing child, the process that asked
-    for it (spawned, or forked by a forkserver: kiln.host.worker_start), watched through the pipe it holds
+    for it (spawned, or forked by a forkserver: kiln.host.compile.worker_start), watched through the pipe it holds
     open for the child (`multiprocessing.parent_process()`'s sentinel), so a forkserver between them does
     not count; for another child, its parent pid, polled every `PARENT_POLL_S`. The parent may die before
     this is called (a spawned worker imports torch first, seconds under load): this process exits at once

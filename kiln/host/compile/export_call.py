@@ -9,17 +9,17 @@ options.
 
 Contracts: runs in a compile worker (imports torch), under the collectives'
 group (kiln.host.model.solo_group), on the graph's device
-(kiln.host.inductor_options.forward_device: 'cpu' or 'cuda', the worker's
+(kiln.host.compile.inductor_options.forward_device: 'cpu' or 'cuda', the worker's
 current GPU). This module is a key source
-(kiln.host.key_sources), hashed whole: the pool, retries, file handling and
-error messages stay in kiln.host.compiler, so editing them keeps every key.
+(kiln.host.compile.key_sources), hashed whole: the pool, retries, file handling and
+error messages stay in kiln.host.compile.compiler, so editing them keeps every key.
 """
 
 from __future__ import annotations
 
 import json
 
-from kiln.host.inductor_options import forward_device
+from kiln.host.compile.inductor_options import forward_device
 
 CONSTANTS_METADATA = "kiln.constants"
 """Package metadata key: JSON {name: [dtype, shape, 'weight' | 'buffer']} of the module's tensors compiled for."""

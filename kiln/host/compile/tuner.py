@@ -39,7 +39,7 @@ from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.plan.tuning_plan import GemmShape
 from kiln.core.machine.target import device_of
 from kiln.host.machine import probe
-from kiln.host.inductor_options import compiler_options
+from kiln.host.compile.inductor_options import compiler_options
 from kiln.host.processes.spawned import call_in_spawned
 from kiln.store import Store, open_store, sha256_bytes
 

@@ -3,7 +3,7 @@
 torch.export and Inductor keep process-global state (the FX tracing flag, mode
 stacks), so concurrent compiles in one process race; each worker is its own
 process, forked from a server that imported torch, Inductor and Kiln once
-(kiln.host.worker_start: a fresh interpreter, no inherited threads or CUDA
+(kiln.host.compile.worker_start: a fresh interpreter, no inherited threads or CUDA
 context, the caller's environment) and kept warm across forwards. Each worker is a
 single-process executor of its own, so a worker that dies (OOM kill, SIGKILL)
 costs only the forward it was compiling: that worker is replaced and that
@@ -27,10 +27,10 @@ from typing import Callable
 
 from kiln.core.errors import DiskError, KilnError
 from kiln.host.trust.package_check import package_calls
-from kiln.host import export_call, worker_start
+from kiln.host.compile import export_call, worker_start
 from kiln.host.processes import faults
 from kiln.core.errors import DISK_ERRNOS
-from kiln.host.inductor_options import inductor_env
+from kiln.host.compile.inductor_options import inductor_env
 from kiln.store import sha256_file
 
 
@@ -52,7 +52,7 @@ class CompileResult:
     calls: dict | None = None
     """What the package's wrapper calls (kiln.host.trust.package_check.PackageCalls.to_dict): whether it is Python-free."""
     device: str = "cpu"
-    """The device the forward was compiled for (kiln.host.inductor_options.forward_device)."""
+    """The device the forward was compiled for (kiln.host.compile.inductor_options.forward_device)."""
     device_peak_mib: int = 0
     """A CUDA forward's worker's device memory at its peak: its context (device_context_mib; 0 when unknown)
     plus the most its caching allocator reserved while compiling this forward. 0 for a CPU forward."""
@@ -75,7 +75,7 @@ def _count_selection(*_args, **_kwargs) -> None:
 
 def _warm(tuning_entries: dict | None = None) -> None:
     """Pool initializer: arm the parent watch, hook Inductor's autotuning counter and install the tuning
-    results before any compile. torch and Kiln are imported already (kiln.host.worker_start.PRELOAD)."""
+    results before any compile. torch and Kiln are imported already (kiln.host.compile.worker_start.PRELOAD)."""
     global _TUNING
     from kiln.host.processes.procs import die_with_parent
 
@@ -90,7 +90,7 @@ def _warm(tuning_entries: dict | None = None) -> None:
     from torch._inductor import select_algorithm
 
     import kiln.host.model  # noqa: F401
-    from kiln.host import tuner
+    from kiln.host.compile import tuner
 
     select_algorithm.add_feedback_saver(_count_selection)
     _TUNING = tuning_entries
@@ -107,7 +107,7 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
     carries the worker's peak memory (itself and its compiler children, sampled) and, for a CUDA forward
     (the graph's 'device'), its device peak: the worker holds a CUDA context from its first CUDA forward on.
     """
-    from kiln.host.inductor_options import forward_device
+    from kiln.host.compile.inductor_options import forward_device
     from kiln.host.model import solo_group
     from kiln.host.processes.procs import PeakSampler
 
@@ -131,7 +131,7 @@ def compile_forward(spec: dict, out_path: str) -> CompileResult:
 
 def _compile_forward(spec: dict, out_path: str) -> CompileResult:
     from kiln.core.plan import tuning_plan
-    from kiln.host import tuner
+    from kiln.host.compile import tuner
 
     start = time.perf_counter()
     _check_inductor_env(spec)
@@ -176,7 +176,7 @@ def _check_inductor_env(spec: dict) -> None:
     """Refuse to compile a forward whose key was made for other TORCHINDUCTOR_* settings than this worker's.
 
     Another host of the target may compile a key: its environment, which its workers inherit, must be the
-    one the key hashes (kiln.host.inductor_options.inductor_env), or the package would not be what the key
+    one the key hashes (kiln.host.compile.inductor_options.inductor_env), or the package would not be what the key
     names. A spec without 'inductor_env' was made for none.
     """
     keyed, here = spec["graph"].get("inductor_env", {}), inductor_env()
@@ -224,11 +224,11 @@ class CompileFailed(KilnError):
 
 class CompilePool:
     """A warm pool of compile workers, one single-process executor per worker, each forked from the
-    preloaded server for the environment at the time the pool is made (kiln.host.worker_start).
+    preloaded server for the environment at the time the pool is made (kiln.host.compile.worker_start).
 
     `compile_fn(spec, out_path) -> CompileResult` runs in the workers (a
     module-level function, so it pickles); `initializer` warms each new worker.
-    `tuning_entries` (verified autotune entries, see kiln.host.tuner) are installed
+    `tuning_entries` (verified autotune entries, see kiln.host.compile.tuner) are installed
     into every worker's Inductor cache when it starts, before it compiles.
     """
 

@@ -40,7 +40,7 @@ from multiprocessing import context as mp_context
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 
 PRELOAD = ["torch", "torch.export", "torch._inductor.compile_fx", "torch._inductor.select_algorithm",
-           "kiln.host.model", "kiln.host.tuner", "kiln.host.export_call", "kiln.host.compiler"]
+           "kiln.host.model", "kiln.host.compile.tuner", "kiln.host.compile.export_call", "kiln.host.compile.compiler"]
 """Modules each server imports before it forks its first worker: what a compile worker needs."""
 
 _LOCK = threading.Lock()

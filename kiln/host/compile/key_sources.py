@@ -21,8 +21,8 @@ import).
 
 Pitfalls: code added to how forwards are built (e.g. a new model file)
 belongs in a key source; code that does not shape the package (scheduling,
-I/O) belongs outside the hashed modules (kiln.host.compiler is not hashed,
-kiln.host.export_call is). ast.unparse may write the same code differently
+I/O) belongs outside the hashed modules (kiln.host.compile.compiler is not hashed,
+kiln.host.compile.export_call is). ast.unparse may write the same code differently
 under another Python version: hosts on different Pythons then compile a
 forward each (a cost, never a wrong package). tests/unit/test_key_sources.py
 checks that a change in each entry changes the keys and that a change
@@ -43,9 +43,9 @@ KEY_SOURCES = (
     "kiln.core.model.layer_runs",  # which layers one scan runs (the stacked constants' layers)
     "kiln.core.model.cache_layout",  # the KV cache's layout (DeepSeek-V4's slot: the states a step unpacks)
     "kiln.core.model.v4_fields",  # DeepSeek-V4's tensors, shard slices and cache states
-    "kiln.host.export_call",  # torch.export, dynamic shapes, constants metadata, the Inductor call
-    "kiln.host.inductor_options",  # the Inductor options of every forward, which Inductor variables are keyed
-    "kiln.host.tuner:install",  # how tuned kernel choices reach Inductor (not the tuner's store I/O)
+    "kiln.host.compile.export_call",  # torch.export, dynamic shapes, constants metadata, the Inductor call
+    "kiln.host.compile.inductor_options",  # the Inductor options of every forward, which Inductor variables are keyed
+    "kiln.host.compile.tuner:install",  # how tuned kernel choices reach Inductor (not the tuner's store I/O)
 )
 """What goes into every forward key, in hashing order: modules, packages and 'module:function' entries."""
 
@@ -57,7 +57,7 @@ def source_files(entry: str) -> list[tuple[str, Path]]:
     module = entry.partition(":")[0]
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None and not spec.submodule_search_locations:
-        raise LookupError(f"key source {entry!r} (kiln.host.key_sources.KEY_SOURCES) has no source file; "
+        raise LookupError(f"key source {entry!r} (kiln.host.compile.key_sources.KEY_SOURCES) has no source file; "
                           "update KEY_SOURCES when a module is renamed or moved")
     if spec.submodule_search_locations:  # a package
         if ":" in entry:
@@ -84,7 +84,7 @@ def keyed_code(source: str, name: str | None = None) -> str:
                      and n.name == name), None)
         if node is None:
             raise LookupError(f"key source {name!r} is not a top-level function or class of its module "
-                              "(kiln.host.key_sources.KEY_SOURCES); update it when a function is renamed or moved")
+                              "(kiln.host.compile.key_sources.KEY_SOURCES); update it when a function is renamed or moved")
     return ast.unparse(_Unkeyed().visit(node))
 
 
