@@ -26,7 +26,7 @@ operator may raise the limit (concurrent exports of one model, accepting
 duplicate compiles) or set it inactive in the UI's Concurrency page to stop
 enforcing it.
 
-The waiting, the takeovers and the renewal are kiln.host.lease_wait's, which
+The waiting, the takeovers and the renewal are kiln.host.leases.lease_wait's, which
 knows no Prefect; this module is Prefect's side of them (`PrefectSlot`).
 """
 
@@ -54,7 +54,7 @@ from prefect.variables import Variable
 from flows.embedded_api import is_embedded
 from flows.params import ExportParams, model_name
 from kiln.core.plan.recipe import Recipe
-from kiln.host.lease_wait import hold
+from kiln.host.leases.lease_wait import hold
 
 LEASE_S = Recipe().model_lease_s
 """Lease of the slot by default (the recipe's model_lease_s); Prefect renews it every 0.75 x the lease while
@@ -90,7 +90,7 @@ def holder_variable(name: str) -> str:
 
 
 class PrefectSlot:
-    """The model lease's slot on Prefect (kiln.host.lease_wait.SlotServer): the global concurrency limit
+    """The model lease's slot on Prefect (kiln.host.leases.lease_wait.SlotServer): the global concurrency limit
     `name`, its holder record in a Prefect variable, the host lock in PREFECT_HOME."""
 
     def __init__(self, name: str, lease_s: float):
@@ -162,7 +162,7 @@ class PrefectSlot:
 
 @contextmanager
 def model_lease(params: ExportParams, lease_s: float = LEASE_S) -> Iterator[str]:
-    """Hold the model's slot for the duration of the block (kiln.host.lease_wait.hold); waits while another
+    """Hold the model's slot for the duration of the block (kiln.host.leases.lease_wait.hold); waits while another
     export holds it, saying for what and whom, and takes it over at once from a holder that is provably
     gone. The variable `<lease>-holder` names the flow run, export and process that took the slot last (the
     holder while the slot is taken)."""

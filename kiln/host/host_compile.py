@@ -16,7 +16,7 @@ from kiln.host.processes import faults
 from kiln.host.compile import tuner
 from kiln.host.machine.cache import local_path
 from kiln.host.compile.compiler import CompilePool, CompileResult
-from kiln.host.leasing import Leases, compile_leased
+from kiln.host.leases.leasing import Leases, compile_leased
 from kiln.host.processes.procs import PeakSampler
 from kiln.store import ObjectMissing
 

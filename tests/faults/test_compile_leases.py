@@ -1,4 +1,4 @@
-"""Compile leases per key, renewed while compiling (kiln.host.leasing) with a cheap stand-in compile (no torch).
+"""Compile leases per key, renewed while compiling (kiln.host.leases.leasing) with a cheap stand-in compile (no torch).
 
 Two contenders (two exports of one store) race over the same keys with a
 lease TTL far shorter than one compile: each key is leased when submitted and
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kiln.core.trust.layout import artifact_key
 from kiln.host.compile.compiler import CompilePool, CompileResult
-from kiln.host.leasing import Leases, compile_leased
+from kiln.host.leases.leasing import Leases, compile_leased
 from kiln.store import open_store
 
 

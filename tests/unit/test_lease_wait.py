@@ -1,4 +1,4 @@
-"""Holding a lease (kiln.host.lease_wait.hold) against an in-memory slot: the waiting, takeovers, records.
+"""Holding a lease (kiln.host.leases.lease_wait.hold) against an in-memory slot: the waiting, takeovers, records.
 
 Prefect's side (flows/model_lease.py's PrefectSlot) runs under real Prefect in tests/ops/test_model_lease.py;
 here the slot is a few lines of Python, so each decision of the loop is seen on its own.
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import pytest
 
 from kiln.host.processes import procs
-from kiln.host.lease_wait import hold
+from kiln.host.leases.lease_wait import hold
 
 
 class Slot:

@@ -1,4 +1,4 @@
-"""kiln.host.leasing's Leases against a local store in a temporary directory: what it reads, writes and deletes."""
+"""kiln.host.leases.leasing's Leases against a local store in a temporary directory: what it reads, writes and deletes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from kiln.core.trust import layout
 from kiln.core.run.leases import new_lease
-from kiln.host.leasing import LeaseWaitExpired, Leases, compile_leased
+from kiln.host.leases.leasing import LeaseWaitExpired, Leases, compile_leased
 from kiln.store import open_store
 
 KEY = "0" * 32
@@ -62,7 +62,7 @@ def test_renewal_stops_once_another_export_took_the_lease_over(store, caplog):
     store.put_json(layout.lease_key(KEY, 1), new_lease("b:host", time.time(), 60.0))
     a.held[KEY] = (0, time.time() - 10)  # renewal due
     before = store.get_json(layout.lease_key(KEY, 0))
-    with caplog.at_level(logging.WARNING, logger="kiln.host.leasing"):
+    with caplog.at_level(logging.WARNING, logger="kiln.host.leases.leasing"):
         a.renew_due()
     assert KEY not in a.held
     assert store.get_json(layout.lease_key(KEY, 0)) == before, "renewed a lease taken over"
