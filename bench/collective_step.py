@@ -90,7 +90,7 @@ def rank(rank: int, rendezvous: str, out: Path, reps: int, steps: int) -> None:
     import torch.distributed as dist
 
     from kiln.core.model.config import TINY
-    from kiln.host.loader import load_forward
+    from kiln.host.ranks.loader import load_forward
     from kiln.store import sha256_file
     from kiln.host.model import example_inputs, host_group, random_state_dict, shard_state_dict
 

@@ -43,7 +43,7 @@ def step(out: Path, reps: int, steps: int, counts: tuple[int, ...]) -> dict:
     import torch
 
     from kiln.core.model.config import TINY
-    from kiln.host.loader import load_forward, place_weights
+    from kiln.host.ranks.loader import load_forward, place_weights
     from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group
 

@@ -71,7 +71,7 @@ def step(layers: int, out: Path, reps: int, steps: int) -> dict:
     """Seconds per decode step at `layers`, scanned and unrolled, the same weights bound to both."""
     import torch
 
-    from kiln.host.loader import load_forward
+    from kiln.host.ranks.loader import load_forward
     from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group
 

@@ -67,7 +67,7 @@ def compile_one(order: str, out: Path) -> dict:
 def step(out: Path, reps: int, steps: int) -> dict:
     import torch
 
-    from kiln.host.loader import load_forward
+    from kiln.host.ranks.loader import load_forward
     from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group
 

@@ -72,7 +72,7 @@ def step(packages: list[Path], reps: int, steps: int) -> dict:
     import torch
 
     from bench.loader_peak import peak_growth_bytes
-    from kiln.host.loader import load_forward
+    from kiln.host.ranks.loader import load_forward
     from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group
 

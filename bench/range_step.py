@@ -63,7 +63,7 @@ def step(out: Path, reps: int, steps: int, pairs: dict[str, tuple[str, str]]) ->
 
     from kiln.core.model.config import TINY
     from kiln.core.forwards.shape_ranges import parse_shape_range
-    from kiln.host.loader import load_forward
+    from kiln.host.ranks.loader import load_forward
     from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group
 

@@ -10,7 +10,7 @@ what it held before the weights were read:
 - run: read the rank's weights (kiln.host.weights.checkpoint.load_rank_weights), load PACKAGES packages with them
   (the same file each time: the memory of a package does not depend on its bucket beyond its code) and take
   one step of each;
-- check: then compare each with the eager shard (kiln.host.loader.compare_with_eager), as the rank check does.
+- check: then compare each with the eager shard (kiln.host.ranks.loader.compare_with_eager), as the rank check does.
 It prints {'weight_bytes', 'base_bytes', 'run_peak_bytes', 'check_peak_bytes', 'package_bytes',
 'predicted_check_mib'}: base is the process's resident memory before the weights (torch imported, the
 process group joined), package_bytes what the packages added after the weights (the runtime's fixed cost, all
@@ -56,7 +56,7 @@ def measure(out: Path, num_packages: int, quick: bool) -> dict:
     from kiln.core.plan.recipe import Bucket
     from kiln.core.plan.sizing import check_peak_mib
     from kiln.host.weights.checkpoint import load_rank_weights
-    from kiln.host.loader import compare_with_eager, load_forward
+    from kiln.host.ranks.loader import compare_with_eager, load_forward
     from kiln.store import sha256_file
     from kiln.host.model import example_inputs, solo_group
 

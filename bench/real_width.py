@@ -142,9 +142,9 @@ def wrong_forward(path: Path, store_url: str, report: Path) -> dict:
     from kiln.core.trust.layout import artifact_key
     from kiln.core.plan.recipe import Bucket, Recipe
     from kiln.host.weights.checkpoint import read_config
-    from kiln.host.loader import compare_with_eager, eager_model, load_forward
+    from kiln.host.ranks.loader import compare_with_eager, eager_model, load_forward
     from kiln.host.model import example_inputs, solo_group
-    from kiln.host.routing_ties import RouteProbe, probing
+    from kiln.host.ranks.routing_ties import RouteProbe, probing
     from kiln.host.weights.rank_weights import load_rank_weights
     from kiln.store import open_store
 

@@ -23,7 +23,7 @@ from kiln.core.run.decode import check_request, prefill_steps, refills_cache, st
 from kiln.core.trust.manifest import manifest_device
 from kiln.core.plan.recipe import Bucket, parse_buckets
 from kiln.core.forwards.shape_ranges import choose_forward, parse_shape_range
-from kiln.host.verify_ranks import RankLink, join_ranks, rank_device, spawn_ranks
+from kiln.host.ranks.verify_ranks import RankLink, join_ranks, rank_device, spawn_ranks
 
 
 def run_export(store_url: str | None, export_id: str, *, prompt: list[int], max_new_tokens: int,
@@ -50,13 +50,13 @@ def run_export(store_url: str | None, export_id: str, *, prompt: list[int], max_
 
 
 def _run_rank(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) -> dict | None:
-    """One rank of `kiln run` (kiln.host.verify_ranks.spawn_ranks): rank 0 returns the tokens and logits."""
+    """One rank of `kiln run` (kiln.host.ranks.verify_ranks.spawn_ranks): rank 0 returns the tokens and logits."""
     import torch
     import torch.distributed as dist
 
     from kiln.core.model.config import ModelConfig
     from kiln.host.weights.rank_weights import load_rank_weights
-    from kiln.host.loader import load_forward, place_weights
+    from kiln.host.ranks.loader import load_forward, place_weights
     from kiln.host.model import host_group
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
@@ -65,7 +65,7 @@ def _run_rank(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) ->
     cfg = ModelConfig(**job["config"])
     link.doing("loading weights")
     device = rank_device(job["device"], rank)
-    # One copy of the rank's weights on its device, bound by every bucket's package (kiln.host.loader).
+    # One copy of the rank's weights on its device, bound by every bucket's package (kiln.host.ranks.loader).
     weights = place_weights(load_rank_weights(job["checkpoint"], cfg, tp, rank, s3_endpoint=job.get("s3_endpoint")),
                             device)
     link.doing("loading the forwards")
@@ -84,7 +84,7 @@ def _decode(forwards: dict, cfg, tp: int, job: dict, torch, dist, side,
     """The decode loop of one rank: prefill in chunks of the export's buckets, then one step per token, each on
     the forward (`forwards`: ShapeRange -> loaded package) the contract's rule picks; the cache is this rank's,
     on `device` with every step's inputs. Each step says its forward and position on `link`
-    (kiln.host.verify_ranks.RankLink)."""
+    (kiln.host.ranks.verify_ranks.RankLink)."""
     page_tokens, pages_per_seq = job["page_tokens"], job["pages_per_seq"]
     dtype = getattr(torch, cfg.dtype)
     layout = cache_layout(cfg, tp, page_tokens * pages_per_seq)

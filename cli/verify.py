@@ -27,7 +27,7 @@ from kiln.core.plan.sizing import verify_peak_mib
 from kiln.host.weights import rank_weights as weights
 from kiln.host.weights.checkpoint import tiny_checkpoint
 from kiln.host.machine.probe import consumer_target, host_memory
-from kiln.host.verify_ranks import verify_all_ranks
+from kiln.host.ranks.verify_ranks import verify_all_ranks
 from kiln.store import Store, open_store, validate_key
 
 
@@ -41,7 +41,7 @@ def fetch_verified_export(store: Store, export_id: str, dest: Path, *, trusted,
     is fetched), then each artifact's sha256 (against the signed manifest) as it
     lands in `dest`, then each package's members. `artifacts` maps forward
     shapes ('1x8', '2-8x16-64@8x64') to {'path', 'sha256'}; load them with
-    kiln.host.loader.load_forward on the manifest's device
+    kiln.host.ranks.loader.load_forward on the manifest's device
     (kiln.core.trust.manifest.manifest_device), which checks both again.
     """
     check_export_id(export_id)

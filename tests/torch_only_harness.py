@@ -3,7 +3,7 @@
 `examples/torch_only.py` is the consumer a user would write from the manifest
 alone; `run_torch_only` runs it in fresh interpreters in which importing Kiln
 is made impossible, `run_with_kiln` runs the same step through
-kiln.host.loader.load_forward. Both leave `{bucket: logits}` in OUT/rank{r}.pt.
+kiln.host.ranks.loader.load_forward. Both leave `{bucket: logits}` in OUT/rank{r}.pt.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ sys.path.insert(0, sys.argv[7])
 from torch_only import choose_forward, step_inputs
 from kiln.host.weights.checkpoint import load_rank_weights
 from kiln.core.model.config import ModelConfig
-from kiln.host.loader import load_forward
+from kiln.host.ranks.loader import load_forward
 manifest = json.loads(Path(sys.argv[1]).read_text())
 packages, rank, world, port, out = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], Path(sys.argv[6])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

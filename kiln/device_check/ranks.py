@@ -1,8 +1,8 @@
 """The device check's ranks: tp 2 as two gloo ranks on one device, and rank 0 alone under NCCL, torch-only.
 
-`gloo_ranks`: two spawned processes (kiln.host.verify_ranks.spawn_ranks) on
+`gloo_ranks`: two spawned processes (kiln.host.ranks.verify_ranks.spawn_ranks) on
 the same device, each loading the tp 2 package with its shard through
-kiln.host.loader; rank 0 gathers both ranks' logits (on the CPU, in a side
+kiln.host.ranks.loader; rank 0 gathers both ranks' logits (on the CPU, in a side
 group) and compares them with each other and with the unsharded eager model.
 gloo takes CUDA tensors, so two ranks may share one GPU (NCCL refuses that).
 
@@ -28,9 +28,9 @@ def _rank(rank: int, tp: int, rendezvous: str, job: dict, link) -> dict:
     from kiln.core.model.config import ModelConfig
     from kiln.device_check.hf_llama import prefill_args
     from kiln.host.weights.checkpoint import load_rank_weights
-    from kiln.host.loader import eager_outputs, load_forward, place_weights, scaled_diff
+    from kiln.host.ranks.loader import eager_outputs, load_forward, place_weights, scaled_diff
     from kiln.host.model import host_group
-    from kiln.host.verify_ranks import join_ranks
+    from kiln.host.ranks.verify_ranks import join_ranks
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // tp))
     device = job["device"]
@@ -70,7 +70,7 @@ def gloo_ranks(*, checkpoint: str, config: dict, path: str, sha256: str, tokens:
                pages_per_seq: int, device: str, rank0_file: str, timeout_s: float = 300) -> dict:
     """Rank 0's figures from two gloo ranks of the tp 2 package at `path` on `device` (see the module);
     rank 0 leaves its weights and inputs in `rank0_file` for torch_only_rank0."""
-    from kiln.host.verify_ranks import spawn_ranks
+    from kiln.host.ranks.verify_ranks import spawn_ranks
 
     job = {"checkpoint": checkpoint, "config": config, "path": path, "sha256": sha256, "tokens": tokens,
            "page_tokens": page_tokens, "pages_per_seq": pages_per_seq, "device": device, "rank0_file": rank0_file}
@@ -113,7 +113,7 @@ def torch_only_rank0(package: str, rank0_file: str, backend: str, device: str, o
                      timeout_s: float = 120) -> dict:
     """Run rank 0 of the tp 2 package under a one-rank `backend` group in a fresh torch-only interpreter;
     {'logits_file', 'top_modules'}. RuntimeError with its output when it fails."""
-    from kiln.host.verify_ranks import _free_port
+    from kiln.host.ranks.verify_ranks import _free_port
 
     script = out.parent / "torch_only_rank0.py"
     script.write_text(TORCH_ONLY)

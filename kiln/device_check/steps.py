@@ -189,7 +189,7 @@ def compile_tiny(check: Check) -> dict:
     from kiln.core.model.config import TINY
     from kiln.core.plan.recipe import Bucket
     from kiln.host.compile.inductor_options import COMPILER_OPTIONS
-    from kiln.host.loader import compare_with_eager, load_forward, place_weights
+    from kiln.host.ranks.loader import compare_with_eager, load_forward, place_weights
     from kiln.host.model import random_state_dict, shard_state_dict
 
     bucket = Bucket(1, 8)
@@ -240,7 +240,7 @@ def tp1_vs_transformers(check: Check) -> dict:
 
     from kiln.device_check.hf_llama import prefill_args, reference_logits
     from kiln.host.weights.checkpoint import load_rank_weights
-    from kiln.host.loader import load_forward, place_weights, scaled_diff
+    from kiln.host.ranks.loader import load_forward, place_weights, scaled_diff
 
     path, cfg, tokens = check.need("checkpoint", "hf_checkpoint"), check.made["config"], check.made["tokens"]
     forwards = check.need("forwards", "compile_hf")
@@ -260,7 +260,7 @@ def tp1_vs_transformers(check: Check) -> dict:
         figures[f"{dtype}_max_abs_diff"] = float((logits - reference[dtype]).abs().max())
         figures[f"{dtype}_scaled_diff_vs_transformers_float32"] = scaled_diff(logits, reference["float32"])
     # Both against transformers in float32; bfloat16 may be off by HALF_RATIO times transformers' own
-    # bfloat16 error (kiln.host.loader.judge's rule).
+    # bfloat16 error (kiln.host.ranks.loader.judge's rule).
     own = scaled_diff(reference["bfloat16"], reference["float32"])
     figures["limits"] = {"float32": ATOL, "bfloat16": max(ATOL, HALF_RATIO * own)}
     bad = [d for d, limit in figures["limits"].items() if figures[f"{d}_scaled_diff_vs_transformers_float32"] > limit]
@@ -271,7 +271,7 @@ def tp1_vs_transformers(check: Check) -> dict:
 
 def tp2_gloo(check: Check) -> dict:
     from kiln.device_check.ranks import gloo_ranks
-    from kiln.host.loader import limit_of
+    from kiln.host.ranks.loader import limit_of
 
     path, cfg, tokens = check.need("checkpoint", "hf_checkpoint"), check.made["config"], check.made["tokens"]
     forward = check.need("forwards", "compile_hf").get("hf_tp2_float32")
@@ -334,7 +334,7 @@ def decode_time(check: Check) -> dict:
 
     from kiln.device_check.hf_llama import PROMPT_TOKENS
     from kiln.host.weights.checkpoint import load_rank_weights
-    from kiln.host.loader import eager_model, load_forward, place_weights
+    from kiln.host.ranks.loader import eager_model, load_forward, place_weights
     from kiln.host.model import example_inputs
 
     path, cfg = check.need("checkpoint", "hf_checkpoint"), check.made["config"]

@@ -22,7 +22,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     """Load each forward with each of this host's rank weights and compare with eager.
 
     Returns {'checks': 'rank<r>/<shapes>' -> {'diff', 'limit', 'at', ...} (the worst of the forward's range's
-    corners, kiln.host.loader.compare_at_corners), 'memory':
+    corners, kiln.host.ranks.loader.compare_at_corners), 'memory':
     {'predicted_mib', 'peak_mib'} of the largest rank check}. A check that would not fit in the
     host's available memory is refused (MemoryShort) before its process starts.
 
@@ -33,7 +33,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     checkpoint content is remembered in the host's cache and not run again.
     A check whose process dies raises CheckCrashed, which is never retried.
     """
-    from kiln.host.loader import limit_of
+    from kiln.host.ranks.loader import limit_of
     from kiln.host.weights.rank_weights import fingerprint
 
     weights = fingerprint(job.checkpoint, s3_endpoint=job.s3_endpoint, digests=cache_dir(host) / "digests")
@@ -79,15 +79,15 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
 
 def _record_path(record: Path, forward: dict, tp: int, rank: int, weights: str) -> Path:
     """Where a passed check of `forward`'s bytes with rank `rank`'s weights (fingerprint `weights`) is kept.
-    v3: 'own' is eager's error against float32 routed as eager was (kiln.host.routing_ties)."""
+    v3: 'own' is eager's error against float32 routed as eager was (kiln.host.ranks.routing_ties)."""
     return record / f"{forward['sha256']}-tp{tp}-rank{rank}-{weights}.v3.json"
 
 
 def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict]) -> dict:
     from kiln.core.forwards.shape_ranges import parse_shape_range
     from kiln.core.machine.target import device_of
-    from kiln.host.loader import compare_at_corners, load_forward, place_weights
-    from kiln.host.verify_ranks import rank_device
+    from kiln.host.ranks.loader import compare_at_corners, load_forward, place_weights
+    from kiln.host.ranks.verify_ranks import rank_device
     from kiln.host.model import solo_group
     from kiln.host.weights.rank_weights import load_rank_weights
 
@@ -98,7 +98,7 @@ def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict])
     # The export's forwards share one device (kiln.core.trust.manifest); rank r takes GPU r mod GPUs on a GPU host.
     device = rank_device(device_of(forwards[0]["target"]), rank) if forwards else "cpu"
     with PeakSampler(interval_s=0.1) as sampler, solo_group():
-        # One copy of the rank's weights on its device, bound by every forward's package (kiln.host.loader).
+        # One copy of the rank's weights on its device, bound by every forward's package (kiln.host.ranks.loader).
         weights = place_weights(load_rank_weights(job.checkpoint, cfg, job.tp, rank, s3_endpoint=job.s3_endpoint,
                                                   cache_dir=cache_dir(host)), device)
         for f in forwards:

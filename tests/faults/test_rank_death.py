@@ -1,7 +1,7 @@
 """A rank of `kiln verify` or `kiln run` that dies posts nothing: spawn_ranks notices its exit within
 seconds, names it, and stops the other ranks (which would wait on it in gloo forever).
 
-The ranks here are stand-ins without torch (kiln.host.verify_ranks.spawn_ranks runs any target): one
+The ranks here are stand-ins without torch (kiln.host.ranks.verify_ranks.spawn_ranks runs any target): one
 dies as a segfault or the OOM killer would end it, the other waits as a rank blocked in a collective.
 `kiln verify` itself under the same fault: tests/integration/test_export.py.
 """
@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from kiln.core.errors import RankDied, RanksTimedOut
-from kiln.host.verify_ranks import spawn_ranks
+from kiln.host.ranks.verify_ranks import spawn_ranks
 
 
 def _rank(rank: int, tp: int, rendezvous: str, job: dict, link) -> None:

@@ -19,7 +19,7 @@ import json, sys
 import torch
 from kiln.core.model.config import ModelConfig
 from kiln.core.plan.recipe import Bucket
-from kiln.host.loader import compare_with_eager, load_forward, place_weights
+from kiln.host.ranks.loader import compare_with_eager, load_forward, place_weights
 from kiln.host.model import random_state_dict, shard_state_dict, solo_group
 
 job = json.loads(sys.argv[1])

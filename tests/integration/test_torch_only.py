@@ -3,7 +3,7 @@
 `examples/torch_only.py` is the consumer a user would write from the manifest
 alone. It runs here as two gloo ranks in fresh interpreters in which importing
 Kiln is made impossible; their logits must match Kiln's own loader (the same
-packages, weights bound by kiln.host.loader.load_forward from kiln.host.weights.checkpoint) and
+packages, weights bound by kiln.host.ranks.loader.load_forward from kiln.host.weights.checkpoint) and
 the unsharded eager model.
 """
 

@@ -19,7 +19,7 @@ import json, sys
 import torch
 from kiln.core.model.config import ModelConfig
 from kiln.core.errors import UnloadablePackage
-from kiln.host.loader import load_forward
+from kiln.host.ranks.loader import load_forward
 from kiln.host.model import ShardedDecoder
 
 job = json.loads(sys.argv[1])
@@ -64,7 +64,7 @@ SHARED = r"""
 import json, sys
 import torch
 from kiln.core.model.config import ModelConfig
-from kiln.host.loader import load_forward, place_weights
+from kiln.host.ranks.loader import load_forward, place_weights
 from kiln.host.model import ShardedDecoder, example_inputs
 
 job = json.loads(sys.argv[1])

@@ -23,7 +23,7 @@ os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
 import torch
 from kiln.core.model.config import ModelConfig
 from kiln.core.plan.recipe import Bucket
-from kiln.host.loader import compare_with_eager, load_forward
+from kiln.host.ranks.loader import compare_with_eager, load_forward
 from kiln.host.model import ShardedDecoder, example_inputs
 
 job = json.loads(sys.argv[1])

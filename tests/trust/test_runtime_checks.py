@@ -17,7 +17,7 @@ import pytest
 
 from kiln.core.errors import IntegrityError
 from kiln.host.trust.package_check import check_package
-from kiln.host.loader import load_forward
+from kiln.host.ranks.loader import load_forward
 from kiln.store import sha256_file
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ LOAD_AND_CALL = r"""
 import json, sys
 import torch
 from kiln.core.model.config import ModelConfig
-from kiln.host.loader import load_forward
+from kiln.host.ranks.loader import load_forward
 from kiln.host.model import ShardedDecoder, example_inputs
 
 job = json.loads(sys.argv[1])

@@ -141,7 +141,7 @@ def test_the_loader_loads_the_bytes_it_hashed_from_a_private_copy(tmp_path, monk
     while hashing, so changing the file at `path` after the check changes nothing that is loaded."""
     import torch._inductor
 
-    from kiln.host import loader
+    from kiln.host.ranks import loader
 
     path = tmp_path / "fwd.pt2"
     path.write_bytes(b"the package that was vouched for")

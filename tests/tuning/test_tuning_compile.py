@@ -108,7 +108,7 @@ def test_compile_uses_stored_choices_without_benchmarking(tuned, tmp_path, monke
     assert (loaded["error"] is not None) == (cpp_gemms > 0), loaded
     if cpp_gemms:  # Kiln's loader names the cause instead of AOTInductor's bare RuntimeError
         from kiln.core.errors import KilnError
-        from kiln.host.loader import load_forward
+        from kiln.host.ranks.loader import load_forward
         from kiln.host.model import random_state_dict, shard_state_dict
 
         weights = shard_state_dict(random_state_dict(TINY), TINY, 2, 0)
@@ -122,7 +122,7 @@ def _load_with_rank_weights(path: str) -> dict:
         import json, torch
         import kiln.host.model
         from kiln.core.model.config import TINY
-        from kiln.host.loader import _compact
+        from kiln.host.ranks.loader import _compact
         weights = kiln.host.model.shard_state_dict(kiln.host.model.random_state_dict(TINY), TINY, 2, 0)
         package = torch._inductor.aoti_load_package({path!r})
         names = set(package.get_constant_fqns())

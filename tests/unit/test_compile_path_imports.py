@@ -9,8 +9,8 @@ import sys
 from device_check_harness import REPO, blocked_env
 
 MODULES = ("kiln.device_check.__main__", "kiln.device_check.steps", "kiln.device_check.ranks",
-           "kiln.device_check.hf_llama", "kiln.host.compile.compiler", "kiln.host.compile.export_call", "kiln.host.loader",
-           "kiln.host.verify_ranks", "kiln.host.machine.device_memory", "kiln.host.weights.checkpoint", "kiln.core.forwards.forward_keys")
+           "kiln.device_check.hf_llama", "kiln.host.compile.compiler", "kiln.host.compile.export_call", "kiln.host.ranks.loader",
+           "kiln.host.ranks.verify_ranks", "kiln.host.machine.device_memory", "kiln.host.weights.checkpoint", "kiln.core.forwards.forward_keys")
 
 SCRIPT = r"""
 import importlib, sys

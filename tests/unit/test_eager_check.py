@@ -1,5 +1,5 @@
 """The eager check of a bfloat16 mixture of experts: a routing tie the dtype leaves open, broken the other way,
-passes; a wrong forward, at a tie or elsewhere, fails (kiln.host.loader.compare_with_eager, eager only).
+passes; a wrong forward, at a tie or elsewhere, fails (kiln.host.ranks.loader.compare_with_eager, eager only).
 
 The model is built so that ties are certain, not left to rounding: in each expert layer experts 1 and 2 have
 the same router row and expert 0 twice it, so every token that leans towards them takes expert 0 and one of
@@ -16,7 +16,7 @@ import torch
 from kiln.core.model.config import TINY
 from kiln.core.plan.recipe import Bucket
 from kiln.host.weights.checkpoint import load_rank_weights, write_checkpoint
-from kiln.host.loader import compare_with_eager
+from kiln.host.ranks.loader import compare_with_eager
 from kiln.host.model import ShardedDecoder, random_state_dict
 
 CFG = TINY.replace(architecture="qwen3_moe", qk_norm=True, num_layers=2, hidden_size=128, num_heads=4,
@@ -99,7 +99,7 @@ def test_the_same_forward_passes_without_any_swap(weights):
 def test_ties_broken_each_their_own_way_pass_the_check(weights):
     """A forward that breaks the tie one way at some tokens and the other way at others, in every expert layer
     (as a compiled topk may, rounding differently token by token): the check reads each token's choice."""
-    from kiln.host.routing_ties import RouteProbe, probing
+    from kiln.host.ranks.routing_ties import RouteProbe, probing
 
     args = _inputs(Bucket(1, 16))
     with probing(RouteProbe()) as seen:
@@ -143,7 +143,7 @@ def test_a_wrong_forward_fails_the_check(weights, wrong):
 def test_swaps_reach_every_expert_of_an_exact_tie():
     # bfloat16 scores are often exactly equal: the second- and third-best unchosen experts must be two experts
     # (topk orders equal values differently for each k), and only those within the slack are taken.
-    from kiln.host.routing_ties import swapped
+    from kiln.host.ranks.routing_ties import swapped
 
     scores = torch.full((1, 128), 0.10)  # 128 experts, as Qwen3-30B-A3B's: topk's order of equals varies with k
     scores[0, :2] = torch.tensor([0.30, 0.20])

@@ -10,7 +10,7 @@ from kiln.host.compile.inductor_options import forward_device
 
 
 class FakePackage:
-    """What kiln.host.loader.check_device reads of a loaded package."""
+    """What kiln.host.ranks.loader.check_device reads of a loaded package."""
 
     def __init__(self, device: str | None, names=("w",)):
         self._meta = {} if device is None else {"AOTI_DEVICE_KEY": device}
@@ -33,7 +33,7 @@ def test_a_graph_without_a_device_is_a_cpu_forward_and_an_unknown_device_is_refu
 def test_a_package_for_another_device_is_refused_by_name():
     import torch
 
-    from kiln.host.loader import check_device
+    from kiln.host.ranks.loader import check_device
 
     with pytest.raises(UnloadablePackage, match="f.pt2 was compiled for cuda, but it was asked to run on cpu"):
         check_device("f.pt2", FakePackage("cuda"), {"w": torch.zeros(1)}, torch.device("cpu"))
@@ -44,7 +44,7 @@ def test_a_package_for_another_device_is_refused_by_name():
 def test_weights_elsewhere_than_the_forward_are_refused_naming_the_tensor():
     import torch
 
-    from kiln.host.loader import check_device
+    from kiln.host.ranks.loader import check_device
 
     weights = {"w": torch.zeros(1, device="meta")}
     with pytest.raises(UnloadablePackage, match="weight w is on meta, but the forward runs on cpu.*place_weights"):
@@ -54,7 +54,7 @@ def test_weights_elsewhere_than_the_forward_are_refused_naming_the_tensor():
 def test_placing_weights_on_the_cpu_keeps_them_as_they_are():
     import torch
 
-    from kiln.host.loader import place_weights
+    from kiln.host.ranks.loader import place_weights
 
     weights = {"w": torch.ones(2)}
     assert place_weights(weights, "cpu") is weights
@@ -63,7 +63,7 @@ def test_placing_weights_on_the_cpu_keeps_them_as_they_are():
 def test_placing_views_on_the_cpu_compacts_them_once_so_every_package_binds_the_same_tensors():
     import torch
 
-    from kiln.host.loader import _compact, place_weights
+    from kiln.host.ranks.loader import _compact, place_weights
 
     whole = torch.arange(6.0)
     weights = {"w": whole[2:4], "v": torch.ones(3)}
@@ -76,7 +76,7 @@ def test_placing_views_on_the_cpu_compacts_them_once_so_every_package_binds_the_
 def test_a_rank_runs_on_its_gpu_round_robin_and_on_the_cpu_as_asked(monkeypatch):
     import torch
 
-    from kiln.host.verify_ranks import rank_device
+    from kiln.host.ranks.verify_ranks import rank_device
 
     assert rank_device("cpu", 3) == "cpu"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

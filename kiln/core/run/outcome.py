@@ -89,7 +89,7 @@ def worst_corner(checks: dict[str, dict]) -> dict:
 
 def routing_note(check: dict) -> str:
     """', against the nearest of N float32 routings (T expert choices left open by the dtype)' when the check
-    of a mixture of experts took its routing ties into account (kiln.host.routing_ties); '' otherwise."""
+    of a mixture of experts took its routing ties into account (kiln.host.ranks.routing_ties); '' otherwise."""
     if not check.get("ties"):
         return ""
     return (f", against the nearest of {check['routings']} float32 routings: {check['ties']} expert choice(s) "

@@ -30,7 +30,7 @@ most the experts (a gathered expert's weights are read, copied and read again; f
 expert once costs less)."""
 
 ROUTE_PROBE = None
-"""The checker's routing probe (kiln.host.routing_ties.RouteProbe), None otherwise: when set, each router
+"""The checker's routing probe (kiln.host.ranks.routing_ties.RouteProbe), None otherwise: when set, each router
 call hands it (the float32 scores the experts are chosen by [n, E], the chosen [n, k]) and takes back the
 experts to use, whose weights are then gathered as the router weighs its own choice. Only the eager
 checker sets it; nothing is traced while it is set, so compiled graphs never contain it."""

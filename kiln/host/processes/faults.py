@@ -13,7 +13,7 @@ Points and their arguments:
 - "check" (rank,): in a rank check's own process, before it loads anything.
 - "rank" (rank, doing): in a rank process of `kiln verify` or `kiln run`, as it starts
   something (`doing`: 'joining the gloo group', 'running forward 4x32', ...;
-  kiln.host.verify_ranks.RankLink.doing).
+  kiln.host.ranks.verify_ranks.RankLink.doing).
 
 Contracts: `install` is called by whoever wants faults in this process (the
 test suite's seam, tests/fault_seam/, installs itself in every Python process

@@ -115,7 +115,7 @@ def check_device(package: str, compiled, weights: dict, want) -> None:
         got = weights[name].device
         if got.type != want.type or (want.index is not None and got.index not in (None, want.index)):
             raise UnloadablePackage(f"{package}: weight {name} is on {got}, but the forward runs on {want}; "
-                                    "place the rank's weights there once (kiln.host.loader.place_weights) and "
+                                    "place the rank's weights there once (kiln.host.ranks.loader.place_weights) and "
                                     "hand them to every package.")
 
 
@@ -187,7 +187,7 @@ def judge(got, eager, exact=None, alternatives=(), *, atol: float, half_ratio: f
 
     float32 (`exact` None): diff is the scaled difference from `eager`, limit
     `atol`. bfloat16/float16: `exact` is eager in float32 on the same weights,
-    routed as `eager` was (kiln.host.routing_ties); `own` is eager's scaled
+    routed as `eager` was (kiln.host.ranks.routing_ties); `own` is eager's scaled
     difference from it, and the limit is `half_ratio` times that (at least
     `atol`): the compiled forward may not be much worse than the dtype itself
     makes the reference implementation. diff is, per output position
@@ -277,13 +277,13 @@ def check_against_eager(got, cfg, tp: int, weights: dict, args, *, atol: float, 
     """judge's {'diff', 'own', 'limit'} of outputs `got` against the eager shard on `args`, with 'ties' (the
     (layer, token) routing choices the low dtype leaves open) and 'routings' (float32 references run).
 
-    In a low dtype the float32 references are routed as kiln.host.routing_ties says: R0 as eager chose, and
+    In a low dtype the float32 references are routed as kiln.host.ranks.routing_ties says: R0 as eager chose, and
     one that takes each tie the way `got` did (identified_routing); one eager model is alive at a time (the
     low-dtype one, then the float32 one, run once per reference).
     """
     import torch
 
-    from kiln.host.routing_ties import RouteProbe, find_ties, forced_as, identified_routing, probing, tie_count
+    from kiln.host.ranks.routing_ties import RouteProbe, find_ties, forced_as, identified_routing, probing, tie_count
 
     def cast(dtype):
         return tuple((a.to(getattr(torch, dtype)) if a.is_floating_point() else a).to(device) for a in args)

@@ -7,7 +7,7 @@ choose differently. One such flip moves that token's output by a share of an
 expert's output, far more than rounding does; comparing outputs alone cannot
 tell it from a wrong forward.
 
-The checker therefore (kiln.host.loader.check_against_eager):
+The checker therefore (kiln.host.ranks.loader.check_against_eager):
 
 1. runs eager in the low dtype, recording every expert layer's scores and
    choices (a RouteProbe);

@@ -97,7 +97,7 @@ def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLi
     from kiln.core.model.cache_layout import cache_layout
     from kiln.core.run.outcome import worst_corner
     from kiln.core.forwards.shape_ranges import parse_shape_range
-    from kiln.host.loader import check_against_eager, load_forward, place_weights
+    from kiln.host.ranks.loader import check_against_eager, load_forward, place_weights
     from kiln.host.weights.rank_weights import load_rank_weights
     from kiln.host.model import example_inputs, host_group
 
@@ -173,7 +173,7 @@ def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[
                      pages_per_seq: int, atol: float, half_ratio: float, s3_endpoint: str | None = None,
                      timeout_s: float = 600, device: str = "cpu") -> tuple[dict[str, dict], int]:
     """(forward shapes -> {'diff', 'limit', 'at'} of the compiled ranks combined against the unsharded eager
-    model at the worst corner of the forward's range (kiln.host.loader.check_against_eager,
+    model at the worst corner of the forward's range (kiln.host.ranks.loader.check_against_eager,
     kiln.core.run.outcome.worst_corner), the ranks' peak MiB added up); raises on any rank's error.
 
     `artifacts` maps forward shapes' name ('2-8x16-64@8x64', kiln.core.forwards.shape_ranges) to {'path', 'sha256'} of
