@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.core.plan.recipe import SETTINGS, parse_buckets
     from kiln.core.plan.settings import parse_assignments
     from kiln.core.plan.sizing import required_mib, worker_capacity
-    from kiln.host.host_compile import compile_on_host
-    from kiln.host.host_probe import probe_host
+    from kiln.host.phases.host_compile import compile_on_host
+    from kiln.host.phases.host_probe import probe_host
     from tasks.store import store_of
 
     params = export_params(model=args.model, hosts=args.hosts, tp=args.tp, store=args.store,

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     from kiln.core.machine.home import kiln_home
     from kiln.core.trust.manifest import build_manifest
     from kiln.host.machine import probe
-    from kiln.host import host_compile, host_probe, rank_check, share
+    from kiln.host.phases import host_compile, host_probe, rank_check, share
     from tasks.store import store_of
 
     phases: dict[str, float] = {}

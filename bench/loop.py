@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     imported = time.perf_counter()
     cfg = inspect_checkpoint(args.model)
     recipe = Recipe(buckets=parse_buckets(args.buckets), shape_policy="static")  # as the bench's exports
-    # The graph, target and options an export's probe keys its forwards with (kiln.host.host_probe.probe_host).
+    # The graph, target and options an export's probe keys its forwards with (kiln.host.phases.host_probe.probe_host).
     graph = {"config": cfg.__dict__.copy(), "tp": args.tp, "code": model_code_fingerprint(),
              "inductor_env": inductor_env()}
     host_target = detect_target("cpu")

@@ -11,7 +11,7 @@ from kiln.core.errors import BadInput, KilnError
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.plan.probe_result import HostProbe
 from kiln.core.run.report import Report
-from kiln.host import host_probe
+from kiln.host.phases import host_probe
 from kiln.host.machine import probe
 from kiln.host.weights.rank_weights import check_job_caches
 from tasks.store import store_of

@@ -1,7 +1,7 @@
 """The export's phases as Prefect tasks (phases.py).
 
 Purpose: one task per phase or per host's share of one. Their bodies are the
-library's: kiln.host.host_probe, host_compile, share and rank_check on a host,
+library's: kiln.host.phases.host_probe, host_compile, share and rank_check on a host,
 kiln.core for the decisions; a task opens the export's store (store.py's
 `store_of`: a Kiln Store block or a URL) and passes it in.
 

@@ -26,7 +26,7 @@ from kiln.core.trust.layout import artifact_key, manifest_key
 from kiln.core.plan.probe_result import HostProbe
 from kiln.core.run.retry_rule import mark_retried_in_task, retry_in_task
 from kiln.host.processes import faults
-from kiln.host import host_compile, host_probe, rank_check, share
+from kiln.host.phases import host_compile, host_probe, rank_check, share
 from kiln.host.compile import tuner
 from tasks.store import store_of
 
@@ -154,7 +154,7 @@ def missing_forwards(job: ExportJob, keys: list[str]) -> list[str]:
 
 @io_task("break-leases")
 def break_leases(job: ExportJob, keys: list[str], hosts: set[str]) -> int:
-    """Drop the compile leases lost `hosts` of this export held on `keys` (kiln.host.host_compile.break_leases)."""
+    """Drop the compile leases lost `hosts` of this export held on `keys` (kiln.host.phases.host_compile.break_leases)."""
     return host_compile.break_leases(store_of(job), job, keys, hosts)
 
 

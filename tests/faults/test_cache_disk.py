@@ -21,7 +21,7 @@ from kiln.core.errors import DiskError
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.trust.layout import artifact_key
 from kiln.core.plan.recipe import Recipe
-from kiln.host.share import fetch_missing
+from kiln.host.phases.share import fetch_missing
 from kiln.store import LocalStore
 
 

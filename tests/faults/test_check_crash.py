@@ -1,6 +1,6 @@
 """A rank check whose process crashes (a package that segfaults when loaded) fails once and for good.
 
-The check runs in its own spawned process (kiln/host/rank_check.check_ranks); the fault seam's
+The check runs in its own spawned process (kiln/host/phases/rank_check.check_ranks); the fault seam's
 KILN_FAULT_CRASH_CHECK=1 SIGKILLs that process before it loads anything, as such a package would. The
 error names the host and rank and is final: no task retries it (the verify task has none) and the flow
 does not try the export again (kiln.core.run.retry_rule). No compile: the forward is never loaded.
@@ -16,7 +16,7 @@ from kiln.core.run.retry_rule import transient, worth_retrying
 
 def test_a_rank_check_whose_process_dies_fails_at_its_first_try(tmp_path, monkeypatch):
     from flows.params import ExportParams, prepare
-    from kiln.host import rank_check
+    from kiln.host.phases import rank_check
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("KILN_FAULT_CRASH_CHECK", "1")  # read by the check's process (tests/fault_seam)

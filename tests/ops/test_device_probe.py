@@ -26,7 +26,7 @@ class Done:
 
 
 class FakeHosts:
-    """Each host answers the probe as kiln.host.host_probe.probe_host would with `gpus` GPUs; records each probe."""
+    """Each host answers the probe as kiln.host.phases.host_probe.probe_host would with `gpus` GPUs; records each probe."""
 
     def __init__(self, gpus: dict[str, int]):
         self.gpus, self.probed = gpus, []

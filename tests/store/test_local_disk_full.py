@@ -37,9 +37,9 @@ def test_an_unreadable_file_to_upload_is_not_called_a_full_store(tmp_path):
 
 
 def test_a_failed_record_of_a_passed_check_only_warns(tmp_path, monkeypatch, caplog):
-    from kiln.host import rank_check
+    from kiln.host.phases import rank_check
 
     monkeypatch.setattr(rank_check.cache, "write_record", lambda path, record: no_space())
-    with caplog.at_level(logging.WARNING, logger="kiln.host.rank_check"):
+    with caplog.at_level(logging.WARNING, logger="kiln.host.phases.rank_check"):
         rank_check.remember_check(tmp_path / "verified" / "x.json", {"diff": 0.0})
     assert "could not remember a passed check" in caplog.text and "No space left" in caplog.text

@@ -64,7 +64,7 @@ def test_probe_asks_for_its_own_forwards_without_listing_them_all(tmp_path, monk
     from kiln.core.model.config import TINY
     from kiln.core.plan.job import ExportJob, HostSpec
     from kiln.core.plan.recipe import Recipe, parse_buckets
-    from kiln.host.host_probe import probe_host
+    from kiln.host.phases.host_probe import probe_host
 
     job = ExportJob(export_id="e1", model_name="tiny", checkpoint=str(tmp_path / "none"),
                     config=dataclasses.asdict(TINY), tp=1,

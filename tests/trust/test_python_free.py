@@ -74,7 +74,7 @@ def test_the_outcome_check_inspects_a_package_that_has_no_record(tp2_export, tp2
     """A host that died between uploading a package and its record: the outcome check inspects the bytes."""
     from kiln.core.trust import layout
     from kiln.core.trust.layout import inspection_key
-    from kiln.host import share
+    from kiln.host.phases import share
 
     store = LocalStore(tp2_store_copy["root"])
     keys = sorted(f["key"] for f in tp2_export["cold_report"]["forwards"])

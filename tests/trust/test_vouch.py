@@ -1,4 +1,4 @@
-"""Vouches (kiln/core/trust/vouch.py) and the store reads that rely on them (kiln/host/share.py, kiln/host/host_compile.py): a stored forward's
+"""Vouches (kiln/core/trust/vouch.py) and the store reads that rely on them (kiln/host/phases/share.py, kiln/host/phases/host_compile.py): a stored forward's
 digest is trusted only when a trusted key vouched for it, and a second compile of a key is reuse. Local store
 in a tmp directory; no compile (the 'packages' are arbitrary bytes: nothing here loads them)."""
 
@@ -14,7 +14,7 @@ from kiln.core.trust import layout, signing
 from kiln.core.errors import IntegrityError, StoreConflict
 from kiln.core.trust.vouch import check_vouch, make_vouch
 from kiln.store import LocalStore
-from kiln.host import host_compile, share
+from kiln.host.phases import host_compile, share
 
 KEY = "0123456789abcdef0123456789abcdef"
 

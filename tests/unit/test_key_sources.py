@@ -155,8 +155,8 @@ def test_inductor_env_is_the_inductor_variables_that_change_code():
 
 
 def _probe_keys(monkeypatch, tmp_path) -> list[str]:
-    """The forward keys kiln.host.host_probe.probe_host reports, torch and the machine stubbed (no torch import)."""
-    from kiln.host import host_probe
+    """The forward keys kiln.host.phases.host_probe.probe_host reports, torch and the machine stubbed (no torch import)."""
+    from kiln.host.phases import host_probe
     from kiln.store import open_store
     from kiln.core.machine.gpus import GpuReading
     from kiln.core.plan.job import HostSpec

@@ -115,7 +115,7 @@ def test_reports_carry_the_measured_figure():
 def test_checks_that_would_not_fit_are_refused_before_they_start():
     from kiln.core.errors import MemoryShort
     from kiln.core.plan.sizing import check_peak_mib, verify_peak_mib
-    from kiln.host.rank_check import check_memory
+    from kiln.host.phases.rank_check import check_memory
 
     j = job()
     shard = TINY.weight_bytes_per_rank(2)

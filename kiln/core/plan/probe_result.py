@@ -1,6 +1,6 @@
 """What a host's probe found, as one frozen record: the gate's, KV planner's and tuner's only input from a host.
 
-Pure. `kiln.host.host_probe.probe_host` builds it on the host; it travels to the
+Pure. `kiln.host.phases.host_probe.probe_host` builds it on the host; it travels to the
 flow (Prefect task result, Dask) and into `kiln.core.plan.decisions`.
 """
 

@@ -6,7 +6,7 @@ its compile is submitted to a worker and the lease is renewed (rewritten with a
 later expiry) while it compiles. Whoever creates generation g holds the key; a
 lease whose holder is provably gone (past its expiry, or its process on this
 host dead) is taken over by creating generation g+1, which exactly one
-contender can do. The decisions here are pure; `kiln.host.host_compile` does the I/O.
+contender can do. The decisions here are pure; `kiln.host.phases.host_compile` does the I/O.
 """
 
 from __future__ import annotations

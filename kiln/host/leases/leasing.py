@@ -2,7 +2,7 @@
 
 The I/O side of kiln.core.run.leases (the decisions) and kiln.core.run.holders (is a
 holder provably gone). `compile_leased` drives a CompilePool under these
-leases; `kiln.host.host_compile.compile_on_host` calls it on each host.
+leases; `kiln.host.phases.host_compile.compile_on_host` calls it on each host.
 """
 
 from __future__ import annotations
