@@ -63,13 +63,13 @@ def _spec() -> dict:
 
 def compile_both(out: Path) -> dict:
     """Compile the native and the custom-op package (one after another, in this process)."""
-    import kiln.host.model.collectives
+    import kiln.host.model.layers.collectives
     from kiln.host.compile.compiler import _warm, compile_forward
 
     _warm()
     out.mkdir(parents=True, exist_ok=True)
     native = compile_forward(_spec(), str(out / "native.pt2"))
-    kiln.host.model.collectives.all_reduce = _custom_all_reduce()  # what collectives.reduce calls while tracing
+    kiln.host.model.layers.collectives.all_reduce = _custom_all_reduce()  # what collectives.reduce calls while tracing
     custom = compile_forward(_spec(), str(out / "custom.pt2"))
     info = {"native": native.calls, "custom": custom.calls,
             "compile_s": {"native": native.compile_s, "custom": custom.compile_s}}
@@ -80,7 +80,7 @@ def compile_both(out: Path) -> dict:
 def rank(rank: int, rendezvous: str, out: Path, reps: int, steps: int) -> None:
     """One rank. The custom op reduces over a group of its own and the timing barriers over another, so the
     default group carries only the native package's collectives: a Python collective on the packages' group
-    between package calls can leave gloo waiting forever (kiln.host.model.collectives.host_group; the quick
+    between package calls can leave gloo waiting forever (kiln.host.model.layers.collectives.host_group; the quick
     bench hung here once in CI, at load, with the custom op on the default group). The ranks meet in a file,
     not on a port picked free beforehand that another process may take meanwhile."""
     import datetime

@@ -50,7 +50,7 @@ def _spec() -> dict:
 
 
 def compile_one(order: str, out: Path) -> dict:
-    import kiln.host.model.latent_attention as mla
+    import kiln.host.model.layers.latent_attention as mla
     from kiln.host.compile.compiler import _warm, compile_forward
 
     _warm()

@@ -1,4 +1,4 @@
-"""A compiled decode step reads its cached pages in place (kiln.host.model.paged_attention) and computes what
+"""A compiled decode step reads its cached pages in place (kiln.host.model.layers.paged_attention) and computes what
 the eager shard does, over a context of several pages in a shuffled block table and a sliding window.
 
 The load runs in a subprocess (native code) that reports on its last line.

@@ -94,7 +94,7 @@ def test_each_way_of_computing_the_experts_computes_the_same(case, hf_root):
     gathered expert's output (the same routing: float32 and bfloat16 may route a near tie apart)."""
     from kiln.core.model.contract import EXPERTS
     from kiln.host.model import GATHER_BELOW, mixture_of_experts
-    from kiln.host.model.moe import _gathered, _grouped, groups_trace, route
+    from kiln.host.model.layers.moe import _gathered, _grouped, groups_trace, route
 
     path = write_case(case, hf_root)
     cfg = inspect_checkpoint(path)
@@ -140,10 +140,10 @@ def test_deepseek_routing_correction_matters(hf_root):
 
 @pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-bf16"])
 def test_latent_attention_absorbed_or_expanded_computes_what_transformers_computes(case, hf_root, monkeypatch):
-    """Latent attention's two orders of the same math (kiln.host.model.latent_attention.absorbs): each matches
+    """Latent attention's two orders of the same math (kiln.host.model.layers.latent_attention.absorbs): each matches
     transformers (float32 within 1e-4; bfloat16 within twice transformers' own error). At DeepSeek-V3's own
     sizes a decode step at a long context takes the absorbed one, a long prefill the expanded one."""
-    import kiln.host.model.latent_attention as mla
+    import kiln.host.model.layers.latent_attention as mla
 
     family, _, dtype = CASES[case]
     path = write_case(case, hf_root)

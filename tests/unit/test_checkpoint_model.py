@@ -83,7 +83,7 @@ def _prefill_then_decode(cfg: ModelConfig, tokens, prefilled: int):
     {"dtype": "bfloat16"},
 ], ids=["gqa", "softcap-window", "bf16"])
 def test_a_decode_step_reading_its_pages_in_place_computes_what_a_whole_recompute_does(changes):
-    """Decode steps (one token: kiln.host.model.paged_attention reads the cached pages where they lie) after a
+    """Decode steps (one token: kiln.host.model.layers.paged_attention reads the cached pages where they lie) after a
     prefill give the logits of one step over the whole sequence (its cached pages gathered); in bfloat16 they
     are no farther from float32's than that step itself is."""
     cfg = SMALL.replace(**changes)

@@ -89,7 +89,7 @@ def test_a_tie_broken_the_other_way_passes_the_check(weights, bucket):
 
 
 def test_the_same_forward_passes_without_any_swap(weights):
-    from kiln.host.model import moe
+    from kiln.host.model.layers import moe
 
     result = _check(_eager(CFG, weights), weights)
     assert result["diff"] <= result["limit"] and result["diff"] <= result["own"] * 1.01, result

@@ -25,12 +25,12 @@ and intermediate/tp MLP columns (each expert's too); embeddings, norms, routers
 and the output head are replicated.
 """
 
-from kiln.host.model.collectives import all_reduce, host_group, solo_group
+from kiln.host.model.layers.collectives import all_reduce, host_group, solo_group
 from kiln.host.model.decoder import ShardedDecoder, layer_of
 from kiln.host.model.deepseek_v4 import DeepseekV4Decoder
-from kiln.host.model.moe import GATHER_BELOW, mixture_of_experts
-from kiln.host.model.rotary import rope_inv_freq
-from kiln.host.model.step import FULL_ATTENTION
+from kiln.host.model.layers.moe import GATHER_BELOW, mixture_of_experts
+from kiln.host.model.layers.rotary import rope_inv_freq
+from kiln.host.model.layers.step import FULL_ATTENTION
 from kiln.host.model.shards import (example_inputs, expected_shapes, random_state_dict, rank_constants,
                                      shard_state_dict)
 

@@ -37,8 +37,8 @@ from kiln.core.model.contract import RUN_PREFIX, constant_dtype, constant_shapes
 from kiln.core.model.layer_runs import Segment, layer_runs, segments
 from kiln.host.model import deepseek, gemma, llama
 from kiln.host.model.llama import Layer
-from kiln.host.model.norms import RMSNorm, softcap
-from kiln.host.model.step import FULL_ATTENTION, StepContext, step_context
+from kiln.host.model.layers.norms import RMSNorm, softcap
+from kiln.host.model.layers.step import FULL_ATTENTION, StepContext, step_context
 
 def layer_of(cfg: ModelConfig) -> Layer:
     """The decoder layer `cfg` computes: DeepSeek's (latent attention), Gemma's (norms around attention and

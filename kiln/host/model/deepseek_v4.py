@@ -3,14 +3,14 @@ tokens over its compressed cache (`step`), a prompt from position 0 in one call 
 step over each sequence's slot of the contract's cache (`forward`, kiln.core.model.contract.cache_layout).
 
     streams = embed(tokens) copied to hc_mult streams
-    each layer:  post, comb, x = mix(streams)          (kiln.host.model.hyper_connections)
+    each layer:  post, comb, x = mix(streams)          (kiln.host.model.layers.hyper_connections)
                  streams = expand(post, comb, attention(attn_norm(x)), streams)
                  post, comb, x = mix(streams)
                  streams = expand(post, comb, experts(ffn_norm(x), tokens), streams)
     logits = head(norm(hyper_head(streams)))
 
-The attention is kiln.host.model.compressed_attention (sliding, CSA or HCA by the layer's kind), the MLP
-kiln.host.model.clipped_experts (hash-routed or top-k). The cache (`new_cache`) holds, per run, each state
+The attention is kiln.host.model.layers.compressed_attention (sliding, CSA or HCA by the layer's kind), the MLP
+kiln.host.model.layers.clipped_experts (hash-routed or top-k). The cache (`new_cache`) holds, per run, each state
 tensor of kiln.core.model.v4_fields.layer_state stacked over the run's layers: [layers, batch, rows, width].
 Layers are not unrolled: each run of layers of one
 kind (kiln.core.model.layer_runs: same attention kind and routing, so the same tensors) stacks its tensors, and each
@@ -27,11 +27,11 @@ from torch import nn
 from kiln.core.model.cache_layout import CacheLayout, cache_layout, slot_context
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.layer_runs import Segment, layer_runs
-from kiln.host.model.clipped_experts import experts
-from kiln.host.model.compressed_attention import attention
-from kiln.host.model.compressor import rms_norm32
+from kiln.host.model.layers.clipped_experts import experts
+from kiln.host.model.layers.compressed_attention import attention
+from kiln.host.model.layers.compressor import rms_norm32
 from kiln.host.model.decoder import Holder, LayerRun, keep_float32, segment_runs
-from kiln.host.model.hyper_connections import expand, hyper_head, mix_weights
+from kiln.host.model.layers.hyper_connections import expand, hyper_head, mix_weights
 from kiln.core.model.v4_fields import HASH_MOE
 
 Cache = list[dict[str, torch.Tensor]]

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from kiln.core.model.config import ModelConfig
-from kiln.host.model.attention import grouped_query_attention
-from kiln.host.model.mlp import gated_mlp
-from kiln.host.model.norms import rms_norm
-from kiln.host.model.step import StepContext
+from kiln.host.model.layers.attention import grouped_query_attention
+from kiln.host.model.layers.mlp import gated_mlp
+from kiln.host.model.layers.norms import rms_norm
+from kiln.host.model.layers.step import StepContext
 
 
 def layer(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], x: torch.Tensor, kv: torch.Tensor,

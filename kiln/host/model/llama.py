@@ -17,11 +17,11 @@ from collections.abc import Callable
 import torch
 
 from kiln.core.model.config import ModelConfig
-from kiln.host.model.attention import grouped_query_attention
-from kiln.host.model.mlp import gated_mlp
-from kiln.host.model.moe import mixture_of_experts
-from kiln.host.model.norms import rms_norm
-from kiln.host.model.step import StepContext
+from kiln.host.model.layers.attention import grouped_query_attention
+from kiln.host.model.layers.mlp import gated_mlp
+from kiln.host.model.layers.moe import mixture_of_experts
+from kiln.host.model.layers.norms import rms_norm
+from kiln.host.model.layers.step import StepContext
 
 Layer = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """layer(cfg, tp, p, x, kv, window, ctx) -> (x after the layer, this step's cache entry [E, b, t, heads, width]):

@@ -73,7 +73,7 @@ class RouteProbe:
 @contextlib.contextmanager
 def probing(probe: RouteProbe):
     """Route every expert layer through `probe` while inside (eager only)."""
-    from kiln.host.model import moe
+    from kiln.host.model.layers import moe
 
     before, moe.ROUTE_PROBE = moe.ROUTE_PROBE, probe
     try:

@@ -30,7 +30,7 @@ def rms_norm32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 def pair_tables(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [..., qk_rope_head_dim / 2] of `positions` at cfg's rope, one entry per rotated pair."""
-    from kiln.host.model.rotary import rope_inv_freq
+    from kiln.host.model.layers.rotary import rope_inv_freq
 
     freqs = positions[..., None].to(torch.float32) * rope_inv_freq(cfg, positions.device)
     factor = cfg.rope_attention_factor

@@ -7,7 +7,7 @@ in interleaved pairs, attend over a sliding window with a learned sink logit per
 that is then dropped); the output's rotated dims are turned back by the query's position, and the heads
 are projected per group (wo_a, o_groups groups) then together (wo_b, row-parallel). Sliding layers rotate
 at the main rope; compressed layers at the compress rope (kiln.core.model.v4_fields) and also attend to
-compressed entries (kiln.host.model.compressor: one per window of rate tokens):
+compressed entries (kiln.host.model.layers.compressor: one per window of rate tokens):
 - HCA: a query sees every entry whose window ends at or before it;
 - CSA: a lightning indexer (its own overlapping compressor at index_head_dim, index_n_heads query
   heads from the low-rank query) scores the entries a query may see, sum_h w_h relu(q_h . k) scaled,
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.v4_fields import CSA, SLIDING
-from kiln.host.model.collectives import reduce
-from kiln.host.model.compressor import compress, pair_tables, ring_read, ring_write, rms_norm32, rotate_pairs
-from kiln.host.model.hyper_connections import unweighted_rms_norm
+from kiln.host.model.layers.collectives import reduce
+from kiln.host.model.layers.compressor import compress, pair_tables, ring_read, ring_write, rms_norm32, rotate_pairs
+from kiln.host.model.layers.hyper_connections import unweighted_rms_norm
 
 
 def main_rope(cfg: ModelConfig) -> ModelConfig:

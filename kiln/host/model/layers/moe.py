@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.contract import EXPERTS, SHARED_EXPERTS
-from kiln.host.model.collectives import reduce
+from kiln.host.model.layers.collectives import reduce
 
 GATHER_BELOW = 3
 """Outside bfloat16, a step gathers its chosen experts when GATHER_BELOW x its (token, expert) pairs are at

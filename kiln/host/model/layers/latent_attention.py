@@ -33,11 +33,11 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kiln.core.model.config import ModelConfig
-from kiln.host.model.attention import attend
-from kiln.host.model.collectives import linear_then_reduce
-from kiln.host.model.norms import rms_norm
-from kiln.host.model.rotary import rotate, rotate_interleaved
-from kiln.host.model.step import StepContext, gather_pages
+from kiln.host.model.layers.attention import attend
+from kiln.host.model.layers.collectives import linear_then_reduce
+from kiln.host.model.layers.norms import rms_norm
+from kiln.host.model.layers.rotary import rotate, rotate_interleaved
+from kiln.host.model.layers.step import StepContext, gather_pages
 
 LATENT_NORM_EPS = 1e-6
 """q_a_layernorm's and kv_a_layernorm's epsilon: DeepseekV3RMSNorm's default, whatever rms_norm_eps says."""

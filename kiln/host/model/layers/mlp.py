@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.core.model.config import ModelConfig
-from kiln.host.model.collectives import linear_then_reduce
+from kiln.host.model.layers.collectives import linear_then_reduce
 
 
 def activation(cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:

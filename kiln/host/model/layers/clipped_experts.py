@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.core.model.config import ModelConfig
-from kiln.host.model.collectives import reduce
+from kiln.host.model.layers.collectives import reduce
 
 
 def route(cfg: ModelConfig, p: dict[str, torch.Tensor], x: torch.Tensor,

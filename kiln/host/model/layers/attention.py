@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kiln.core.model.config import ModelConfig
-from kiln.host.model.collectives import linear_then_reduce
-from kiln.host.model.norms import rms_norm, softcap
-from kiln.host.model.paged_attention import IN_PLACE_TOKENS, attend_in_place
-from kiln.host.model.rotary import rotate
-from kiln.host.model.step import StepContext, gather_pages
+from kiln.host.model.layers.collectives import linear_then_reduce
+from kiln.host.model.layers.norms import rms_norm, softcap
+from kiln.host.model.layers.paged_attention import IN_PLACE_TOKENS, attend_in_place
+from kiln.host.model.layers.rotary import rotate
+from kiln.host.model.layers.step import StepContext, gather_pages
 
 
 def attend(cfg: ModelConfig, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

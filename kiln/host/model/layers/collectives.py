@@ -10,7 +10,7 @@ makes a one-rank group for a process that runs alone (a compile worker, a
 per-rank check), whose sums are then its own partial sums.
 
 Every layer sums through `reduce` here, which looks `all_reduce` up when it runs,
-so a bench can swap `kiln.host.model.collectives.all_reduce` for another
+so a bench can swap `kiln.host.model.layers.collectives.all_reduce` for another
 collective before tracing.
 """
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.core.model.config import ModelConfig
-from kiln.host.model import rotary
+from kiln.host.model.layers import rotary
 
 FULL_ATTENTION = 1 << 62
 """The window of a full-attention layer among sliding ones: no distance reaches it."""

@@ -1,6 +1,6 @@
 """Attention of a decode step over the paged KV cache, the pages read where they lie.
 
-Gathering a step's context (kiln.host.model.step.gather_pages) copies every cached key and value of every
+Gathering a step's context (kiln.host.model.layers.step.gather_pages) copies every cached key and value of every
 sequence into one tensor per layer, then (grouped-query attention) repeats them for each query head of a
 group, before torch's fused attention reads them again: at a long context a decode step spends more on the
 copies than on the attention. Here the scores and the weighted sum are written as products summed over an
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from kiln.core.model.config import ModelConfig
-from kiln.host.model.norms import softcap
+from kiln.host.model.layers.norms import softcap
 
 IN_PLACE_TOKENS = 1
 """Steps of at most this many new tokens per sequence read the pages in place. Eager (the reference) holds
