@@ -20,7 +20,7 @@ from hf_models import transformers
 
 from kiln.core.errors import BadInput
 from kiln.host.weights.checkpoint import inspect_checkpoint, load_rank_weights
-from kiln.host.model.deepseek_v4 import DeepseekV4Decoder
+from kiln.host.model.families.deepseek_v4 import DeepseekV4Decoder
 
 CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 V4 = dict(vocab_size=512, hidden_size=128, moe_intermediate_size=48, num_hidden_layers=6, num_attention_heads=4,
@@ -337,7 +337,7 @@ def test_the_compiled_step_reads_and_writes_each_sequence_slot(v4_path):
     hold (kiln.core.model.contract.cache_layout), returning each sequence's slot after the step; two sequences at
     other positions in slots 2 and 0 of 3."""
     from kiln.core.model.cache_layout import cache_layout
-    from kiln.host.model.deepseek_v4 import pack, unpack
+    from kiln.host.model.families.deepseek_v4 import pack, unpack
 
     cfg = inspect_checkpoint(v4_path)
     model = DeepseekV4Decoder(cfg, 1).eval()

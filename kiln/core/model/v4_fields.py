@@ -1,6 +1,6 @@
 """DeepSeek-V4's own settings (ModelConfig.v4), its tensors by checkpoint name, and how tp splits it. Pure.
 
-What transformers' DeepseekV4ForCausalLM computes (kiln.host.model.deepseek_v4 computes the same):
+What transformers' DeepseekV4ForCausalLM computes (kiln.host.model.families.deepseek_v4 computes the same):
 - every layer attends over a sliding window of one shared key=value head (head_dim wide, its trailing
   qk_rope_head_dim dims rotated in interleaved pairs), with a learned sink logit per query head, a
   low-rank query (q_lora_rank) and a grouped low-rank output (o_groups groups to o_lora_rank each);

@@ -27,7 +27,7 @@ and the output head are replicated.
 
 from kiln.host.model.layers.collectives import all_reduce, host_group, solo_group
 from kiln.host.model.decoder import ShardedDecoder, layer_of
-from kiln.host.model.deepseek_v4 import DeepseekV4Decoder
+from kiln.host.model.families.deepseek_v4 import DeepseekV4Decoder
 from kiln.host.model.layers.moe import GATHER_BELOW, mixture_of_experts
 from kiln.host.model.layers.rotary import rope_inv_freq
 from kiln.host.model.layers.step import FULL_ATTENTION

@@ -35,8 +35,8 @@ from torch import nn
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.contract import RUN_PREFIX, constant_dtype, constant_shapes, is_expert
 from kiln.core.model.layer_runs import Segment, layer_runs, segments
-from kiln.host.model import deepseek, gemma, llama
-from kiln.host.model.llama import Layer
+from kiln.host.model.families import deepseek, gemma, llama
+from kiln.host.model.families.llama import Layer
 from kiln.host.model.layers.norms import RMSNorm, softcap
 from kiln.host.model.layers.step import FULL_ATTENTION, StepContext, step_context
 

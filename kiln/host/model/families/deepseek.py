@@ -13,7 +13,7 @@ shared experts every token runs (kiln.host.model.layers.moe).
 from __future__ import annotations
 
 from kiln.host.model.layers.latent_attention import latent_attention
-from kiln.host.model.llama import Layer, pre_norm_layer
+from kiln.host.model.families.llama import Layer, pre_norm_layer
 
 layer: Layer = pre_norm_layer(latent_attention)
-"""One DeepSeek-V3 decoder layer of one rank (see kiln.host.model.llama.Layer)."""
+"""One DeepSeek-V3 decoder layer of one rank (see kiln.host.model.families.llama.Layer)."""
