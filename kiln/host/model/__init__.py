@@ -1,24 +1,15 @@
-"""The decoders Kiln compiles, in plain torch, tensor-parallel: one rank's step over a paged KV cache.
+"""The decoders Kiln compiles, in plain torch, tensor-parallel: one rank's step over its cache.
 
-It computes what transformers' classes compute for the configs kiln.core.model.hf_config
-accepts. The shared layers, each as its transformers counterpart computes it:
-- `attention`: grouped-query attention over the paged cache (q/k/v, o and their
-  biases, per-head q/k norms, sliding windows, soft-capped scores);
-- `latent_attention`: DeepSeek's multi-head latent attention (the cache holds
-  each token's latent and rotary key);
-- `mlp`: the gated MLP (SwiGLU, GeGLU); `moe`: mixtures of experts (softmax or
-  DeepSeek's grouped sigmoid routing, shared experts);
-- `norms` (RMSNorm, Gemma's (1 + weight) kind, soft caps), `rotary` (default,
-  linear, llama3 and yarn frequencies; halves or interleaved pairs);
-- `collectives`: the tensor-parallel sum, torch's native functional all_reduce
-  (a package needs neither Python nor Kiln to run);
-and one module per family's decoder layer: `llama` (Llama, Mistral, Qwen2,
-Qwen3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE), `gemma` (Gemma 2 and 3),
-`deepseek` (DeepSeek-V3), and `deepseek_v4` (DeepSeek-V4: its own decoder over a
-slot cache, with `compressed_attention`, `compressor`, `hyper_connections`
-and `clipped_experts`; `decoder_of` picks the decoder of a config). `decoder` holds the module that scans them, `step`
-what every layer of a step shares, `shards` a rank's constants and example
-inputs.
+It computes what transformers' classes compute for the configs
+kiln.core.model.hf_config accepts, in three rooms:
+- `layers/`: what every family shares (attention kinds, the MLP and experts,
+  norms, rotary, collectives, the step's context, stacked runs of layers);
+- `families/`: one module per family's decoder layer, assembled from those
+  layers and read top to bottom (`llama`, `gemma`, `deepseek`, `deepseek_v4`);
+- here: `decoder` (ShardedDecoder: embeddings, the scanned runs of layers, the
+  head, for every paged family), `shards` (a rank's constants and example
+  inputs) and `decoder_of`, which picks the decoder of a config (DeepSeek-V4's
+  slot-cache decoder or ShardedDecoder).
 
 One rank's module holds its shard: heads/tp query heads, kv_heads/tp KV heads
 and intermediate/tp MLP columns (each expert's too); embeddings, norms, routers

@@ -30,7 +30,7 @@ from kiln.core.model.layer_runs import Segment, layer_runs
 from kiln.host.model.layers.clipped_experts import experts
 from kiln.host.model.layers.compressed_attention import attention
 from kiln.host.model.layers.compressor import rms_norm32
-from kiln.host.model.decoder import Holder, LayerRun, keep_float32, segment_runs
+from kiln.host.model.layers.stacked import Holder, LayerRun, keep_float32, segment_runs
 from kiln.host.model.layers.hyper_connections import expand, hyper_head, mix_weights
 from kiln.core.model.v4_fields import HASH_MOE
 
