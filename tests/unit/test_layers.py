@@ -1,9 +1,11 @@
 """The folders are layers: imports point down only, there is no cycle, the core is pure, and
 importing a module configures nothing.
 
-Layers, bottom to top: kiln.core (pure decisions) < kiln.store (object stores) < kiln.host (what runs
-on one host: torch) < blocks (Prefect block classes) < tasks (Prefect tasks and their
-bodies) < flows < bench < cli (`kiln bench` runs the bench). Every import counts, also one inside a function.
+Layers, bottom to top: kiln.core (pure decisions; its rooms in the order of CORE_ROOMS) < kiln.store
+(object stores) < kiln.host (what runs on one host: torch; its rooms in the order of HOST_ROOMS) <
+kiln.device_check < blocks (Prefect block classes) < tasks (Prefect tasks and their bodies) < flows < bench
+< cli (`kiln bench` runs the bench). Inside kiln.core and kiln.host each room is a layer of its own, so a
+room imports only the rooms below it. Every import counts, also one inside a function.
 """
 
 from __future__ import annotations
@@ -17,7 +19,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = ("kiln.core", "kiln.store", "kiln.host", "kiln.device_check", "blocks", "tasks", "flows", "bench", "cli")
+CORE_ROOMS = ("kiln.core.errors", "kiln.core.model", "kiln.core.machine", "kiln.core.forwards", "kiln.core.trust",
+              "kiln.core.plan", "kiln.core.run")
+"""kiln.core's rooms, bottom to top: the errors every room raises, the model's description, a host's
+description, a forward's identity, trust and the store's layout, the plan, the run."""
+HOST_ROOMS = ("kiln.host.machine", "kiln.host.processes", "kiln.host.model.layers", "kiln.host.model.families",
+              "kiln.host.model", "kiln.host.weights", "kiln.host.trust", "kiln.host.compile", "kiln.host.leases",
+              "kiln.host.ranks", "kiln.host.phases")
+"""kiln.host's rooms, bottom to top: this host's readings, processes, the model (shared layers, families,
+decoders), weights, trust, compiling, leases, ranks at work, a host's part of each phase."""
+LAYERS = (*CORE_ROOMS, "kiln.store", *HOST_ROOMS, "kiln.device_check", "blocks", "tasks", "flows", "bench", "cli")
+PACKAGES = ("kiln", "kiln.core", "kiln.host")
+"""Packages whose __init__ holds a docstring only: they belong to no layer."""
+MAX_ROOM_MODULES = 20
+"""No folder of the library holds more modules of its own than this: more is several jobs side by side."""
 CORE_FORBIDDEN = {"prefect", "prefect_aws", "prefect_dask", "torch", "boto3", "botocore", "s3transfer", "dask",
                   "distributed", "safetensors", "transformers", "matplotlib"}
 
@@ -62,17 +77,16 @@ def _local(target: str) -> str | None:
 
 
 def _layer(name: str) -> int | None:
-    for i, prefix in enumerate(LAYERS):
-        if name == prefix or name.startswith(prefix + "."):
-            return i
-    return None
+    """The index in LAYERS of the most specific prefix of `name` (a room inside kiln.host.model before it)."""
+    found = [(len(prefix), i) for i, prefix in enumerate(LAYERS) if name == prefix or name.startswith(prefix + ".")]
+    return max(found)[1] if found else None
 
 
 GRAPH = {name: {t for t in map(_local, _imports(name, path)) if t and t != name} for name, path in MODULES.items()}
 
 
 def test_every_module_belongs_to_a_layer():
-    loose = sorted(n for n in MODULES if _layer(n) is None and n not in ("kiln",))
+    loose = sorted(n for n in MODULES if _layer(n) is None and n not in PACKAGES)
     assert not loose, f"modules outside every layer {LAYERS}: {loose}"
 
 
@@ -115,6 +129,9 @@ def test_core_is_pure():
 def test_the_checker_sees_violations():
     """The walk finds what it must: a known upward import and a known cycle shape would show."""
     assert "kiln.core.errors" in GRAPH["kiln.core.plan.recipe"]
+    assert _layer("kiln.core.run.outcome") > _layer("kiln.core.plan.gate") > _layer("kiln.core.model.config")
+    assert _layer("kiln.host.model.decoder") > _layer("kiln.host.model.families.llama") > _layer(
+        "kiln.host.model.layers.attention")
     assert "flows.export" in GRAPH["cli.start_export"]  # a lazy import inside a function counts
     assert _layer("flows.export") > _layer("tasks.phases") > _layer("kiln.host.compile.compiler") > _layer("kiln.core.plan.gate")
 
@@ -151,7 +168,7 @@ def test_importing_configures_nothing():
     assert changed == {"env": {}, "gone": [], "dask": False, "levels": {}}, changed
 
 
-FAMILY_SIDES = ("kiln.core.model.hf_config.", "kiln.host.model.")
+FAMILY_SIDES = ("kiln.core.model.hf_config.", "kiln.host.model.families.")
 """A model family has one module on each side, by its name: its config.json reading and its decoder layer."""
 
 
@@ -189,3 +206,18 @@ def test_rooms_stay_small():
             extra = [n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)
                      and not any(getattr(b, "id", None) == "Block" for b in n.bases)]
             assert not extra, f"{name}: {extra} are not Prefect blocks; the library holds them"
+
+
+def test_rooms_say_what_they_hold():
+    """Every folder of the library has an __init__.py whose docstring says what it holds, and holds at most
+    MAX_ROOM_MODULES modules of its own."""
+    for top in ("kiln", "blocks", "tasks", "flows", "cli"):
+        for folder in sorted(p for p in (ROOT / top).rglob("*") if p.is_dir() and p.name != "__pycache__"):
+            if not any(folder.glob("*.py")):
+                continue
+            rel = folder.relative_to(ROOT).as_posix()
+            init = folder / "__init__.py"
+            assert init.exists(), f"{rel}/ has no __init__.py saying what it holds"
+            assert ast.get_docstring(ast.parse(init.read_text())), f"{rel}/__init__.py: a docstring saying what it holds"
+            own = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+            assert len(own) <= MAX_ROOM_MODULES, f"{rel}/ holds {len(own)} modules: group them by job"
