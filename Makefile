@@ -6,7 +6,7 @@ PYTHON ?= python3
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup lock test-setup postgres runner-deps runner runner-build export test test-fast bench bench-quick bench-tuning bench-1b bench-widths docs clean
+.PHONY: setup lock test-setup postgres runner-missing runner-deps runner runner-build export test test-fast bench bench-quick bench-tuning bench-1b bench-widths docs clean
 
 setup: $(VENV)/.installed
 
@@ -57,12 +57,21 @@ postgres:
 # (its test skips). `make test` installs the packages only: tests/runner/ builds the runner with the same
 # cmake steps, inside the run, where its one compile shares the cores with the suite instead of holding
 # one while the other idles (a build before the tests took 45-60 s of the run's wall time).
-RUNNER_DEBS := cmake g++ nlohmann-json3-dev libgloo-dev libssl-dev
-RUNNER_HEADERS := /usr/include/nlohmann/json.hpp /usr/include/gloo/context.h /usr/include/openssl/evp.h
+# The one list of what the runner's build needs: each Debian package with the header that shows it is there.
+# tests/cpp_runner_harness.py asks `make -s runner-missing` rather than keeping a list of its own.
+RUNNER_NEEDS := nlohmann-json3-dev:/usr/include/nlohmann/json.hpp libgloo-dev:/usr/include/gloo/context.h \
+	libssl-dev:/usr/include/openssl/evp.h
+RUNNER_DEBS := cmake g++ $(foreach need,$(RUNNER_NEEDS),$(firstword $(subst :, ,$(need))))
+
+# What the runner's build lacks here, one name a line (a tool, or a Debian package whose header is absent).
+RUNNER_MISSING = for tool in cmake c++; do command -v $$tool >/dev/null 2>&1 || echo $$tool; done; \
+	for need in $(RUNNER_NEEDS); do [ -e "$${need\#*:}" ] || echo "$${need%%:*}"; done
+
+runner-missing:
+	@$(RUNNER_MISSING)
 
 runner-deps:
-	@if ! command -v cmake >/dev/null 2>&1 || ! command -v c++ >/dev/null 2>&1 || \
-	   ! ls $(RUNNER_HEADERS) >/dev/null 2>&1; then \
+	@if [ -n "$$($(RUNNER_MISSING))" ]; then \
 		if command -v apt-get >/dev/null 2>&1; then \
 			$(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y $(RUNNER_DEBS) \
 			|| echo "warning: could not install $(RUNNER_DEBS); the C++ runner is not built and its test will skip"; \
@@ -70,9 +79,7 @@ runner-deps:
 	fi
 
 runner: setup runner-deps
-	@if command -v cmake >/dev/null 2>&1 && command -v c++ >/dev/null 2>&1 && ls $(RUNNER_HEADERS) >/dev/null 2>&1; then \
-		$(MAKE) -s runner-build; \
-	fi
+	@if [ -z "$$($(RUNNER_MISSING))" ]; then $(MAKE) -s runner-build; fi
 
 # The build itself, against the venv's libtorch; tests/runner/ builds the runner with this target too.
 runner-build:

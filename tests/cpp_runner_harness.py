@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -14,15 +13,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = REPO / "runner" / "build" / "kiln_runner"
-HEADERS = {"nlohmann-json3-dev": "nlohmann/json.hpp", "libgloo-dev": "gloo/context.h", "libssl-dev": "openssl/evp.h"}
 
 
 def build_runner() -> Path:
     """The runner, built by `make runner-build` as `make runner` builds it (an up-to-date build costs ~1 s);
     skips the test, naming what is missing, where it cannot be built. Test processes build one at a time
     (a lock file beside the build directory)."""
-    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
-    missing += [pkg for pkg, header in HEADERS.items() if not (Path("/usr/include") / header).exists()]
+    missing = subprocess.run(["make", "-s", "runner-missing"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.split()  # the Makefile's one list of what the build needs
     if missing:
         pytest.skip(f"cannot build the C++ runner without {', '.join(missing)} (make runner installs them via apt)")
     step = ["make", "-s", "runner-build", f"BIN={Path(sys.executable).parent}"]  # this interpreter's libtorch
