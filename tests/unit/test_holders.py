@@ -46,4 +46,5 @@ def test_a_record_without_process_or_expiry_is_no_proof():
 
 def test_describe_names_process_run_and_export():
     text = describe({**rec(), "flow_run_name": "grateful-tody", "flow_run_id": "r1", "export_id": "e1"})
-    assert text == "process 4242 on node-a, flow run grateful-tody (r1), export e1"
+    assert text == "flow run grateful-tody (r1), export e1, process 4242 on node-a"
+    assert describe({}) == "another export"

@@ -47,10 +47,17 @@ def holder_gone(holder: Mapping, *, host: str, now_s: float, pid_started_at_s: f
 
 
 def describe(holder: Mapping) -> str:
-    """'process <pid> on <host>' (+ the flow run and export when the record names them), for log lines."""
-    parts = [f"process {holder.get('pid')} on {holder.get('host')}"]
+    """Who holds a lease, for log lines: its flow run and export (when the record names them), since when,
+    and its process and host (when it names one); 'another export' for an empty record."""
+    if not holder:
+        return "another export"
+    parts = []
     if holder.get("flow_run_name") or holder.get("flow_run_id"):
         parts.append(f"flow run {holder.get('flow_run_name')} ({holder.get('flow_run_id')})")
     if holder.get("export_id") or holder.get("owner"):
         parts.append(f"export {holder.get('export_id') or holder.get('owner')}")
-    return ", ".join(parts)
+    if holder.get("since"):
+        parts.append(f"since {holder['since']}")
+    if holder.get("pid"):
+        parts.append(f"process {holder['pid']} on {holder.get('host')}")
+    return ", ".join(parts) or "a holder whose record names no process"

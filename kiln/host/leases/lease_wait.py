@@ -54,15 +54,6 @@ class SlotServer(Protocol):
         """Write the holder's record (raises when it cannot)."""
 
 
-def who(holder: dict) -> str:
-    """The holder of a slot, for a waiting run's line: its flow run, export, start and process."""
-    if not holder:
-        return "another export"
-    text = (f"flow run {holder.get('flow_run_name')} ({holder.get('flow_run_id')}), export "
-            f"{holder.get('export_id')}, since {holder.get('since')}")
-    return text + (f", process {holder['pid']} on {holder.get('host')}" if holder.get("pid") else "")
-
-
 @contextmanager
 def hold(server: SlotServer, me: dict, lease_s: float, log, *, poll_s: float) -> Iterator[dict]:
     """Hold the server's slot for the block, waiting while another holds it and taking it over at once from
@@ -88,7 +79,7 @@ def hold(server: SlotServer, me: dict, lease_s: float, log, *, poll_s: float) ->
                     break
             if not announced:
                 log.warning("waiting for the model lease %s (one export per model at a time): held by %s",
-                            server.name, who(holder or {}))
+                            server.name, describe(holder or {}))
                 announced = True
             time.sleep(poll_s)
         log.info("took the model lease %s after %.1f s", server.name, time.monotonic() - start)
