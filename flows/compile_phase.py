@@ -93,8 +93,8 @@ class _Progress:
     (in the artifact's description).
 
     Each reading asks the store about this export's keys not yet seen stored, at most `per_reading` of
-    them (in turn; the final reading asks about all): one HEAD per key, never a listing of every
-    model's forwards.
+    them (in turn; the final reading asks about all): one listing of a key's packages per key, never a
+    listing of every model's forwards.
     """
 
     def __init__(self, job: ExportJob, store, keys: list[str], per_reading: int = 16):
@@ -118,7 +118,7 @@ class _Progress:
         ask = self._pending if final else self._pending[:self.per_reading]
         for key in ask:
             try:  # a reading for the progress line, not a phase: a failed one waits for the next
-                if self.store.exists(layout.artifact_key(key)):
+                if self.store.list(layout.artifact_prefix(key)):  # a package of it (a display, not a check)
                     self.stored.add(key)
             except Exception:
                 break

@@ -183,8 +183,12 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         probes = _probe(job, hosts, runner, report)
     with phase("tune") as info:
         probes = _tune(job, hosts, runner, report, probes, info)
-    # Nothing is reused on the store's word: a stored forward no trusted key vouched for stops the export here.
-    phases.check_reused(job, sorted({k for p in probes for k in p.store_keys}))
+    # Nothing is reused on the store's word: the probes counted only packages a trusted key vouched for; any
+    # other package at a needed key is named here and left alone (this export compiles its own).
+    untrusted = phases.check_reused(job, sorted({s.key for p in probes for s in p.specs}))
+    if untrusted:
+        get_run_logger().warning(untrusted)
+        report.warnings.append(untrusted)
     plan = _gate(job, probes, report, phase)
     specs = {s.key: s for p in probes for s in p.specs}
     with phase("compile") as info:

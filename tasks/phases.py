@@ -22,7 +22,7 @@ from kiln.core.plan import decisions
 from kiln.core.run import outcome
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.plan.job import ExportJob, HostSpec
-from kiln.core.trust.layout import artifact_key, manifest_key
+from kiln.core.trust.layout import manifest_key
 from kiln.core.plan.probe_result import HostProbe
 from kiln.core.run.retry_rule import mark_retried_in_task, retry_in_task
 from kiln.host.processes import faults
@@ -94,18 +94,19 @@ def compile_host(job: ExportJob, host: HostSpec, specs: list[ForwardSpec], worke
     return host_compile.compile_on_host(store_of(job), job, host, specs, workers)
 
 
-def _trusted(job: ExportJob, keys: list[str], own: dict[str, str]) -> dict[str, str]:
-    from kiln.host.trust.signers import export_trusted_keys
+def _trusted_keys(job: ExportJob) -> dict:
     from kiln.core.machine.home import kiln_home
+    from kiln.host.trust.signers import export_trusted_keys
 
-    return share.trusted_digests(store_of(job), keys, export_trusted_keys(job.signing, kiln_home()), own)
+    return export_trusted_keys(job.signing, kiln_home())
 
 
 @io_task("check-reused")
-def check_reused(job: ExportJob, keys: list[str]) -> dict[str, str]:
-    """Before the gate: key -> trusted sha256 of each stored forward among `keys`; IntegrityError naming
-    those no trusted key vouched for (kiln.core.trust.vouch), so nothing compiles or loads."""
-    return _trusted(job, keys, {})
+def check_reused(job: ExportJob, keys: list[str]) -> str | None:
+    """Before the gate: the warning naming packages the store holds at `keys` that no key this export trusts
+    vouched for, or None (kiln.host.phases.share.untrusted_note). They are never loaded: the probe counted
+    those keys as missing, so this export compiles its own beside them."""
+    return share.untrusted_note(store_of(job), keys, _trusted_keys(job))
 
 
 @io_task("outcome-check")
@@ -113,8 +114,8 @@ def outcome_check(job: ExportJob, forwards: dict[str, ForwardSpec], own: dict[st
     """Every key of the export must be in the store with a trusted sha256 (vouched for, or `own`: the
     digest this export's compiling host returned), and its package Python-free
     (kiln.core.run.outcome.check_outcome); returns key -> {'sha256', 'size_bytes', 'calls'}."""
-    digests = _trusted(job, sorted(forwards), own)
-    found, missing = share.stored_forwards(store_of(job), sorted(forwards), digests)
+    packages, _ = share.trusted_packages(store_of(job), sorted(forwards), _trusted_keys(job), own)
+    found, missing = share.stored_forwards(store_of(job), sorted(forwards), packages)
     return outcome.check_outcome(found, missing, forwards)
 
 
@@ -147,9 +148,9 @@ def write_manifest(job: ExportJob, manifest: dict) -> dict:
 
 @io_task("missing-forwards")
 def missing_forwards(job: ExportJob, keys: list[str]) -> list[str]:
-    """The keys whose forward is not in the store (after hosts were lost mid-compile)."""
-    store = store_of(job)
-    return sorted(k for k in keys if not store.exists(artifact_key(k)))
+    """The keys without a package in the store this export may load (after hosts were lost mid-compile)."""
+    packages, _ = share.trusted_packages(store_of(job), keys, _trusted_keys(job), {})
+    return sorted(k for k in keys if k not in packages)
 
 
 @io_task("break-leases")

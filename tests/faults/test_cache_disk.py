@@ -116,12 +116,13 @@ def test_a_disk_that_fills_up_while_downloading_names_the_path(tmp_path, mounts)
     store = LocalStore(tmp_path / "store")
     data = hashlib.sha256(b"seed").digest() * 65536  # 2 MiB
     key = uuid.uuid4().hex
-    store.put_bytes(artifact_key(key), data)
+    store.put_bytes(artifact_key(key, hashlib.sha256(data).hexdigest()), data)
     cache = tmpfs(mounts, tmp_path / "dl", "1m")
     job = ExportJob(export_id="e", model_name="m", checkpoint="/nonexistent", config={}, tp=1, recipe=Recipe(),
                     store_url=store.url)
     host = HostSpec("h", (0,), cache_dir=str(cache))
     with pytest.raises(DiskError) as err:
-        fetch_missing(store, job, host, [{"key": key, "sha256": hashlib.sha256(data).hexdigest()}])
+        fetch_missing(store, job, host, [{"key": key, "sha256": hashlib.sha256(data).hexdigest(),
+                                          "object": artifact_key(key, hashlib.sha256(data).hexdigest())}])
     assert "No space left on device" in str(err.value) and str(cache) in str(err.value) and key in str(err.value)
     assert not [p for p in cache.rglob("*") if p.is_file()]  # the partial download was removed

@@ -40,7 +40,8 @@ def test_export_completes_when_a_worker_dies_after_writing_its_package(kiln, tmp
         assert hashlib.sha256((store / f["object"]).read_bytes()).hexdigest() == f["sha256"]
     # The dead worker's half-published file was cleaned up, never uploaded.
     assert not list((tmp_path / "cache").rglob("*.tmp-*.pt2"))
-    assert sorted(p.name for p in (store / "forwards").iterdir()) == sorted(f"{f['key']}.pt2" for f in r["forwards"])
+    assert sorted(p.relative_to(store).as_posix() for p in (store / "forwards").rglob("*.pt2")) \
+        == sorted(f["object"] for f in r["forwards"])
 
 
 def test_a_forward_that_keeps_killing_its_worker_fails_naming_it_and_keeps_the_rest(kiln, tmp_path):

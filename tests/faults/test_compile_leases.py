@@ -3,8 +3,8 @@
 Two contenders (two exports of one store) race over the same keys with a
 lease TTL far shorter than one compile: each key is leased when submitted and
 renewed while it compiles, so each is compiled exactly once and both finish.
-The stand-in writes bytes that differ per compile, as real packages do, so a
-key compiled twice would also fail its create-once upload.
+The stand-in writes bytes that differ per compile, as real packages do: a key
+compiled twice would store two packages.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import time
 import uuid
 from pathlib import Path
 
-from kiln.core.trust.layout import artifact_key
+import hashlib
+
+from kiln.core.trust.layout import artifact_key, artifact_prefix
 from kiln.host.compile.compiler import CompilePool, CompileResult
 from kiln.host.leases.leasing import Leases, compile_leased
 from kiln.store import open_store
@@ -31,6 +33,15 @@ def stand_in(spec: dict, out_path: str) -> CompileResult:
                          pid=os.getpid())
 
 
+def put_package(store, key: str, data: bytes) -> None:
+    store.put_bytes(artifact_key(key, hashlib.sha256(data).hexdigest()), data)  # create-once
+
+
+def stored_in(store):
+    """compile_leased's `stored`: the store holds a package of the key (no vouches in these stand-ins)."""
+    return lambda key: bool(store.list(artifact_prefix(key)))
+
+
 def starts(log: Path) -> dict[str, int]:
     out: dict[str, int] = {}
     for line in log.read_text().splitlines():
@@ -40,19 +51,19 @@ def starts(log: Path) -> dict[str, int]:
 
 def contender(store_url: str, owner: str, jobs, ttl_s: float, out: dict, renew: bool = True) -> None:
     store = open_store(store_url)
-    leases = Leases(store, owner, ttl_s)
+    leases = Leases(store, owner, ttl_s, scope="signer-1")
     if not renew:
         leases.renew_due = lambda: None  # what a share leased once and never renewed amounts to
     uploaded: list[str] = []
 
     def upload(result: CompileResult) -> None:
-        store.put_bytes(artifact_key(result.key), Path(result.path).read_bytes())  # create-once
+        put_package(store, result.key, Path(result.path).read_bytes())
         leases.release(result.key)
         uploaded.append(result.key)
 
     try:
         with CompilePool(1, compile_fn=stand_in, initializer=None) as pool:
-            out["waited"] = compile_leased(pool, leases, store, jobs, upload, poll_s=0.1)
+            out["waited"] = compile_leased(pool, leases, jobs, upload, stored=stored_in(store), poll_s=0.1)
         out["uploaded"] = uploaded
     except BaseException as exc:
         out["error"] = exc
@@ -90,7 +101,7 @@ def test_two_exports_racing_with_a_ttl_shorter_than_a_compile_compile_each_key_o
     assert counts == {k: 1 for k in keys}  # exactly once each, over both exports
     assert sorted(outs["a"]["uploaded"] + outs["b"]["uploaded"]) == keys
     assert outs["a"]["uploaded"] and outs["b"]["uploaded"]  # both worked: the keys were shared out, one at a time
-    assert all(store.exists(artifact_key(k)) for k in keys)
+    assert all(len(store.list(artifact_prefix(k))) == 1 for k in keys)
     assert not store.list("leases/")  # every lease released on upload
 
 
@@ -131,14 +142,14 @@ def test_a_key_stored_while_its_lease_was_taken_is_reused_not_compiled(tmp_path)
 
     class UploadedMeanwhile(Leases):
         def acquire(self, key: str) -> bool:
-            store.put_bytes(artifact_key(key), b"the other export's package")
+            put_package(store, key, b"the other export's package")
             return super().acquire(key)
 
-    leases = UploadedMeanwhile(store, "export-b:host", 30.0)
+    leases = UploadedMeanwhile(store, "export-b:host", 30.0, scope="signer-1")
     jobs = [({"key": "k1", "shapes": "1x8", "log": str(tmp_path / "starts.log"), "sleep_s": 0.1},
              str(tmp_path / "k1.pt2"))]
     with CompilePool(1, compile_fn=stand_in, initializer=None) as pool:
-        assert compile_leased(pool, leases, store, jobs, lambda r: None, poll_s=0.1) == set()
+        assert compile_leased(pool, leases, jobs, lambda r: None, stored=stored_in(store), poll_s=0.1) == set()
     assert not (tmp_path / "starts.log").exists()  # never compiled
     assert not store.list("leases/") and not leases.held
 
@@ -159,7 +170,7 @@ def test_on_an_error_the_workers_stop_before_the_leases_are_released(tmp_path):
                                      and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
             super().release(key)
 
-    leases = Watched(store, "export-a:host", 60.0)
+    leases = Watched(store, "export-a:host", 60.0, scope="signer-1")
 
     def upload(result: CompileResult) -> None:
         pids.extend(pool.worker_pids())
@@ -168,7 +179,7 @@ def test_on_an_error_the_workers_stop_before_the_leases_are_released(tmp_path):
     start = time.monotonic()
     with CompilePool(2, compile_fn=stand_in, initializer=None) as pool:
         try:
-            compile_leased(pool, leases, store, jobs, upload, poll_s=0.1)
+            compile_leased(pool, leases, jobs, upload, stored=stored_in(store), poll_s=0.1)
         except RuntimeError:
             pass
         else:

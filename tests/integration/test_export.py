@@ -183,15 +183,18 @@ def test_export_refused_by_gate_exits_3_and_leaves_nothing_behind(kiln, tmp_path
     assert wait_gone(mark, timeout_s=30) == [], "processes of the refused export outlived it"
 
 
-def test_export_refuses_a_corrupted_stored_artifact(kiln, exported, tp2_store_copy, tmp_path):
-    """A host that must download a forward whose stored bytes no longer match their sha256 stops, naming it."""
+def test_export_refuses_a_corrupted_stored_artifact(kiln, kiln_env, exported, tp2_store_copy, tmp_path):
+    """A host that must download a forward whose stored bytes no longer match their sha256 stops, naming it.
+    (A fresh KILN_HOME, so a fresh host cache, trusting the exporting user's key.)"""
     r = exported["cold_report"]
     victim = r["forwards"][1]
     blob = (tp2_store_copy["root"] / victim["object"]).resolve()
     good = blob.read_bytes()
     blob.write_bytes(good[:-100] + b"\0" * 100)
     run = kiln("export", "--model", "tiny", "--tp", "2", "--store", tp2_store_copy["store"],
-               "--report", str(tmp_path / "r.json"), env={"KILN_HOME": str(tmp_path / "fresh-host")})
+               "--report", str(tmp_path / "r.json"),
+               env={"KILN_HOME": str(tmp_path / "fresh-host"),
+                    "KILN_VERIFY_KEY": str(Path(kiln_env["KILN_HOME"]) / "keys" / "dev-signing.pub")})
     assert run.code == 1, run.err[-2000:]
     assert victim["key"] in run.err or victim["object"] in run.err
     report = json.loads((tmp_path / "r.json").read_text())
@@ -236,17 +239,21 @@ def test_verification_is_remembered_until_the_checkpoint_changes(kiln, kiln_main
     assert {c["at"] for c in checks.values()} <= {"1x16", "2x16", "8x64"}  # the worst corner of each range
 
 
-def test_a_stale_lease_of_a_dead_export_is_taken_over(kiln, exported, tmp_path):
+def test_a_stale_lease_of_a_dead_export_is_taken_over(kiln, kiln_env, exported, tmp_path):
     """A key leased by an export that died long ago is compiled at once, not waited for."""
     import time
 
-    from kiln.core.trust.layout import lease_key
     from kiln.core.run.leases import new_lease
+    from kiln.core.trust.layout import lease_key
+    from kiln.host.phases.host_compile import lease_scope
+    from kiln.host.trust.signers import dev_key
     from kiln.store import LocalStore
 
     f = next(f for f in exported["cold_report"]["forwards"] if f["shapes"] == "1x16")
     store = LocalStore(tmp_path / "store")
-    store.put_json(lease_key(f["key"], 0), new_lease("dead-export:host-x", time.time() - 3600, 60))
+    # The dead export signed with this user's development key: its lease is in this export's scope.
+    scope = lease_scope(dev_key(Path(kiln_env["KILN_HOME"]))[0])
+    store.put_json(lease_key(f["key"], scope, 0), new_lease("dead-export:host-x", time.time() - 3600, 60))
     run = kiln("export", "--model", "tiny", "--tp", "2", "--buckets", "1x16", "--store", f"file://{tmp_path / 'store'}",
                "--report", str(tmp_path / "r.json"))
     assert run.code == 0, run.err[-2000:]

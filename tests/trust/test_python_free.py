@@ -70,20 +70,20 @@ def test_kiln_packages_inspect_as_python_free_with_native_collectives(tp2_export
         assert f["python_free"] is True and f["ops"] == list(calls.ops)
 
 
-def test_the_outcome_check_inspects_a_package_that_has_no_record(tp2_export, tp2_store_copy):
-    """A host that died between uploading a package and its record: the outcome check inspects the bytes."""
-    from kiln.core.trust import layout
-    from kiln.core.trust.layout import inspection_key
+def test_what_a_package_calls_comes_from_its_signed_vouch_or_from_the_bytes(tp2_export, tp2_store_copy, kiln_env):
+    """The manifest's Python-free claim is the compiling host's signed word (the vouch carries it), or, for a
+    package nobody's vouch describes (an unsigned export's own compile, an older store's vouch), what the
+    outcome check finds in the bytes themselves: never an unsigned record."""
+    from kiln.core.trust import signing
     from kiln.host.phases import share
+    from kiln.host.trust.signers import dev_key
 
     store = LocalStore(tp2_store_copy["root"])
-    keys = sorted(f["key"] for f in tp2_export["cold_report"]["forwards"])
-    before = {k: store.get_json(inspection_key(k)) for k in keys}
-    store.delete(inspection_key(keys[0]))
-    store.put_json(inspection_key(keys[1]), {**before[keys[1]], "sha256": "0" * 64, "python_free": False},
-                   overwrite=True)  # a record of other bytes is not this package's
-    digests = {k: store.stat(layout.artifact_key(k)).sha256 for k in keys}
-    found, missing = share.stored_forwards(store, keys + ["f" * 32], digests)
+    forwards = {f["key"]: f for f in tp2_export["cold_report"]["forwards"]}
+    key = dev_key(Path(kiln_env["KILN_HOME"]))[0].public_key()  # the export's signer
+    vouched, untrusted = share.trusted_packages(store, sorted(forwards), {signing.fingerprint(key): key}, {})
+    assert not untrusted and all(p.calls and p.calls["python_free"] for p in vouched.values())
+    bare = {k: share.Stored(k, f["sha256"], f["object"], None, None) for k, f in forwards.items()}
+    found, missing = share.stored_forwards(store, sorted(forwards) + ["f" * 32], bare)
     assert missing == ["f" * 32]
-    assert all(found[k]["calls"]["python_free"] for k in keys)
-    assert {k: store.get_json(inspection_key(k)) for k in keys} == before
+    assert all(found[k]["calls"] == vouched[k].calls for k in forwards)  # inspected: the same answer

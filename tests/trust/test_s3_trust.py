@@ -139,8 +139,9 @@ def test_a_replaced_artifact_with_a_consistent_store_digest_is_still_refused(kil
 
 
 def test_an_export_reusing_a_replaced_forward_stops_before_loading_it(kiln, world):
-    """The store's metadata agrees with the replaced bytes; only a vouch could make them trusted, and nobody
-    with the key vouched for them: the next export stops before anything compiles or loads."""
+    """The store's metadata agrees with the replaced bytes, but the package's name is the digest a trusted key
+    vouched for, and those bytes are not it: the next export stops at its outcome check, naming both digests,
+    before anything is downloaded or loaded."""
     f = world["report"]["forwards"][0]
     good, meta = get_raw(world, f["object"])
     evil = good[::-1]
@@ -153,7 +154,7 @@ def test_an_export_reusing_a_replaced_forward_stops_before_loading_it(kiln, worl
     finally:
         put_raw(world, f["object"], good, meta)
     assert run.code == 1 and f["key"] in run.err and evil_sha in run.err, run.err[-3000:]
-    assert "no key this export trusts vouched" in run.err
+    assert "changed behind this export" in run.err
     r = json.loads(report.read_text())
     assert r["status"] == "failed" and not r["forwards"] and not r["manifest"]
     listed = world["s3"].list_objects_v2(Bucket=world["bucket"], Prefix="kiln/exports/")["Contents"]

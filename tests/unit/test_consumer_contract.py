@@ -172,7 +172,7 @@ def test_interface_matches_the_inputs_and_outputs_of_a_real_step(name):
 
 
 def _found(python_free=True):
-    return {"sha256": "a" * 64, "size_bytes": 10,
+    return {"sha256": "a" * 64, "size_bytes": 10, "object": "forwards/k1/" + "a" * 64 + ".pt2",
             "calls": {"python_free": python_free, "ops": ["aoti_torch_cpu_mm_out"],
                       "why": None if python_free else "it calls ops that have no C shim (1 proxy-executor call(s))"}}
 
@@ -192,7 +192,7 @@ def test_outcome_refuses_a_missing_forward_and_one_that_needs_python():
 
 def test_forward_records_carry_the_contract_and_who_compiled():
     [rec] = forward_records(SPECS, {"k1": _found()}, {"k1": {"compiled_by": "h0", "compile_s": 2.0}}, TINY, 2)
-    assert rec["object"] == "forwards/k1.pt2" and rec["compiled_by"] == "h0" and rec["compile_attempts"] == 1
+    assert rec["object"] == "forwards/k1/" + "a" * 64 + ".pt2" and rec["compiled_by"] == "h0" and rec["compile_attempts"] == 1
     assert (rec["shapes"], rec["batch"], rec["tokens"], rec["hint"]) == ("1x8", [1, 1], [8, 8], [1, 8])
     assert rec["python_free"] and rec["interface"]["process_group"] == "0"
     assert rec["constants"] == sorted(constant_sources(TINY))

@@ -26,7 +26,7 @@ def test_garbled_lease_counts_as_stale():
 
 
 def test_generation_round_trip_sorts():
-    keys = [lease_key("k", g) for g in (10, 2, 1)]
+    keys = [lease_key("k", "s", g) for g in (10, 2, 1)]
     assert [generation_of(k) for k in sorted(keys)] == [1, 2, 10]
 
 

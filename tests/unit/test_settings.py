@@ -155,7 +155,7 @@ CHECK = textwrap.dedent('''
 def test_a_new_setting_appears_everywhere_with_no_other_edit(tmp_path):
     for package in ("kiln", "flows", "tasks", "blocks", "cli", "bench"):
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    recipe = tmp_path / "kiln" / "core" / "recipe.py"
+    recipe = tmp_path / "kiln" / "core" / "plan" / "recipe.py"
     text = recipe.read_text()
     anchor = "    def __post_init__(self) -> None:"
     assert anchor in text

@@ -13,11 +13,10 @@ from kiln.core.model.contract import constant_sources
 from kiln.core.errors import ForwardsMissing, IntegrityError, NotPythonFree, VerifyMismatch
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.model.interface import forward_interface
-from kiln.core.trust.layout import artifact_key
 
 
 def check_outcome(found: dict[str, dict], missing: list[str], specs: dict[str, ForwardSpec]) -> dict[str, dict]:
-    """`found` key -> {'sha256', 'size_bytes', 'calls'}; raises unless every spec's forward is stored
+    """`found` key -> {'sha256', 'size_bytes', 'object', 'calls'}; raises unless every spec's forward is stored
     and Python-free. Returns `found`."""
     if missing:
         raise ForwardsMissing(f"{len(missing)} forward(s) are not in the store after compilation, e.g. {missing[0]}; "
@@ -58,7 +57,7 @@ def forward_records(specs: dict[str, ForwardSpec], stored: dict[str, dict], comp
         out.append({"key": key, "shapes": str(spec.shapes), "batch": spec.inputs["batch"],
                     "tokens": spec.inputs["tokens"], "hint": spec.inputs["hint"], "target": spec.target,
                     "sha256": s["sha256"],
-                    "size_bytes": s["size_bytes"], "object": artifact_key(key),
+                    "size_bytes": s["size_bytes"], "object": s["object"],
                     "compiled_by": c.get("compiled_by"), "compile_s": c.get("compile_s"),
                     "autotune": c.get("autotune"), "tuning": (spec.tuning or {}).get("digest"),
                     "compile_attempts": c.get("attempts", 1) if c else 0,

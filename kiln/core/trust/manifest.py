@@ -3,9 +3,9 @@
 The manifest is signed (kiln.core.trust.signing; the signature lives beside it) and says
 so in its `signing` entry: {'signed': bool, 'key_fingerprint': str | None}.
 `check_manifest` is the structural check that follows the signature check: every
-forward names a well-formed key, its object `forwards/<key>.pt2`, the shapes
-it takes (a range and its hint, kiln.core.forwards.shape_ranges) and a sha256, says
-whether it is Python-free, its target agrees with `runtime.device`, and no two
+forward names a well-formed key, its object `forwards/<key>/<sha256>.pt2` (or
+a store's older `forwards/<key>.pt2`), the shapes it takes (a range and its
+hint, kiln.core.forwards.shape_ranges) and a sha256, says whether it is Python-free, its target agrees with `runtime.device`, and no two
 keys or objects collide after normalisation.
 
 It is also a consumer contract (kiln.core.model.contract; docs/run-without-kiln.md):
@@ -23,7 +23,7 @@ import re
 
 from kiln.core.errors import BadInput, IntegrityError
 from kiln.core.trust.key_rules import check_no_collisions
-from kiln.core.trust.layout import artifact_key
+from kiln.core.trust.layout import artifact_key, legacy_artifact_key
 from kiln.core.forwards.shape_ranges import parse_shape_range
 from kiln.core.machine.target import device_of
 
@@ -86,12 +86,12 @@ def check_manifest(manifest: object, *, export_id: str | None = None) -> dict:
             raise IntegrityError(f"manifest entry {f!r} lacks key, shapes, sha256 or object.")
         if not _KEY.match(f["key"]):
             raise IntegrityError(f"manifest entry {f['key']!r} is not a forward key (16-64 lowercase hex digits).")
-        if f["object"] != artifact_key(f["key"]):
-            raise IntegrityError(f"manifest entry for {f['key']} points at {f['object']!r}, "
-                                 f"not at {artifact_key(f['key'])!r}.")
-        _check_shapes(f)
         if not _SHA256.match(f["sha256"]):
             raise IntegrityError(f"manifest entry for {f['key']} has a malformed sha256.")
+        if f["object"] not in (artifact_key(f["key"], f["sha256"]), legacy_artifact_key(f["key"])):
+            raise IntegrityError(f"manifest entry for {f['key']} points at {f['object']!r}, "
+                                 f"not at {artifact_key(f['key'], f['sha256'])!r}.")
+        _check_shapes(f)
         if not isinstance(f.get("python_free"), bool):
             raise IntegrityError(f"manifest entry for {f['key']} does not say whether it is Python-free.")
     device = manifest_device(manifest)

@@ -1,4 +1,5 @@
-"""Compile leases in the store, per key: taken when a key's compile is submitted, renewed while it compiles.
+"""Compile leases in the store, per key among the exports of one signer (a scope): taken when a key's compile
+is submitted, renewed while it compiles.
 
 The I/O side of kiln.core.run.leases (the decisions) and kiln.core.run.holders (is a
 holder provably gone). `compile_leased` drives a CompilePool under these
@@ -15,7 +16,6 @@ from kiln.core.trust import layout
 from kiln.core.run import leases
 from kiln.core.errors import IntegrityError, KilnError
 from kiln.core.run.holders import describe
-from kiln.core.trust.layout import artifact_key
 from kiln.host.processes import procs
 from kiln.host.compile.compiler import CompilePool, CompileResult
 from kiln.store import ObjectMissing
@@ -35,15 +35,15 @@ class Leases:
     next generation) or it is gone (broken by the orchestrator), this host stops holding it.
     """
 
-    def __init__(self, store, owner: str, ttl_s: float):
-        self.store, self.owner, self.ttl_s = store, owner, ttl_s
+    def __init__(self, store, owner: str, ttl_s: float, *, scope: str):
+        self.store, self.owner, self.ttl_s, self.scope = store, owner, ttl_s, scope
         self.me = procs.this_process()
         self.held: dict[str, tuple[int, float]] = {}
         """key -> (generation, when it was last written) of each lease held now."""
 
     def latest(self, key: str) -> tuple[int, dict] | None:
         """(generation, document) of the newest lease of `key`, if any; an unreadable document reads as {}."""
-        found = layout.lease_generations(key, self.store.list(layout.lease_prefix(key)))
+        found = layout.lease_generations(key, self.scope, self.store.list(layout.lease_prefix(key, self.scope)))
         if not found:
             return None
         generation = max(found)
@@ -70,7 +70,7 @@ class Leases:
             return decision.action == "hold"
         now = time.time()
         try:
-            created = self.store.put_json(layout.lease_key(key, decision.generation),
+            created = self.store.put_json(layout.lease_key(key, self.scope, decision.generation),
                                           leases.new_lease(self.owner, now, self.ttl_s, self.me))
         except IntegrityError:
             return False  # another contender created that generation first
@@ -83,10 +83,10 @@ class Leases:
     def lost_to(self, key: str, generation: int) -> dict | None:
         """None while generation `generation` of `key` is ours and the newest; else the lease that replaced
         it ({} when it was deleted, e.g. broken by the orchestrator)."""
-        newer = self._read(layout.lease_key(key, generation + 1))
+        newer = self._read(layout.lease_key(key, self.scope, generation + 1))
         if newer is not None:
             return newer  # taken over: only a contender that judged ours gone creates the next generation
-        doc = self._read(layout.lease_key(key, generation))
+        doc = self._read(layout.lease_key(key, self.scope, generation))
         return None if doc is not None and doc.get("owner") == self.owner else (doc or {})
 
     def renew_due(self) -> None:
@@ -98,7 +98,7 @@ class Leases:
             try:
                 lost = self.lost_to(key, generation)
                 if lost is None:
-                    self.store.put_json(layout.lease_key(key, generation),
+                    self.store.put_json(layout.lease_key(key, self.scope, generation),
                                         leases.new_lease(self.owner, now, self.ttl_s, self.me), overwrite=True)
             except Exception as exc:  # tried again at the next tick; the TTL outlasts two misses
                 log.warning("could not renew the compile lease of %s: %s", key, exc)
@@ -118,21 +118,21 @@ class Leases:
         if held is None:
             return
         generation = held[0]
-        doc = self._read(layout.lease_key(key, generation))
+        doc = self._read(layout.lease_key(key, self.scope, generation))
         if doc is None or doc.get("owner") != self.owner:
             return
-        found = layout.lease_generations(key, self.store.list(layout.lease_prefix(key)))
+        found = layout.lease_generations(key, self.scope, self.store.list(layout.lease_prefix(key, self.scope)))
         for g in sorted(found):
             if g < generation:
                 self.store.delete(found[g])  # superseded: their holders were gone when they were taken over
-        self.store.delete(layout.lease_key(key, generation))
+        self.store.delete(layout.lease_key(key, self.scope, generation))
 
 
-def compile_leased(pool: CompilePool, ours: Leases, store, jobs: list[tuple[dict, str]],
-                   upload: Callable[[CompileResult], None], *, poll_s: float = 2.0,
+def compile_leased(pool: CompilePool, ours: Leases, jobs: list[tuple[dict, str]],
+                   upload: Callable[[CompileResult], None], *, stored: Callable[[str], bool], poll_s: float = 2.0,
                    wait_s: float = 3 * 3600.0) -> set[str]:
-    """Compile in `pool` each job whose key is not stored, each under its lease in `ours` (this host's); returns
-    the keys waited for.
+    """Compile in `pool` each job whose key is not stored (`stored(key)`: the store holds a package of it
+    this export may load), each under its lease in `ours` (this host's); returns the keys waited for.
 
     A key is leased when its compile is submitted to a worker (`upload` must release it) and its lease
     is renewed while it compiles; a key another export holds is skipped, then tried again every `poll_s`
@@ -144,12 +144,12 @@ def compile_leased(pool: CompilePool, ours: Leases, store, jobs: list[tuple[dict
     waited: set[str] = set()
 
     def submit(spec: dict) -> bool:
-        if store.exists(artifact_key(spec["key"])):
+        if stored(spec["key"]):
             return False
         if not ours.acquire(spec["key"]):
             waited.add(spec["key"])
             return False
-        if store.exists(artifact_key(spec["key"])):  # stored between the first look and the lease: reuse it
+        if stored(spec["key"]):  # stored between the first look and the lease: reuse it
             ours.release(spec["key"])
             return False
         return True
@@ -160,7 +160,7 @@ def compile_leased(pool: CompilePool, ours: Leases, store, jobs: list[tuple[dict
         while waiting:
             done = {r.key for r in pool.run(waiting, upload, on_submit=submit, on_tick=ours.renew_due,
                                             tick_s=ours.ttl_s / 6)}
-            left = [j for j in waiting if j[0]["key"] not in done and not store.exists(artifact_key(j[0]["key"]))]
+            left = [j for j in waiting if j[0]["key"] not in done and not stored(j[0]["key"])]
             if len(left) < len(waiting):
                 moved_at = time.monotonic()
             waiting = left

@@ -6,7 +6,8 @@ from __future__ import annotations
 from kiln.core.plan import tuning_plan
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.errors import IntegrityError
-from kiln.core.trust.layout import artifact_key, worker_memory_prefix
+from kiln.core.trust.layout import worker_memory_prefix
+from kiln.core.trust.signed_record import trusted_body
 from kiln.core.plan.probe_result import HostProbe
 from kiln.core.machine.target import host_device
 from kiln.host.machine import cache, probe
@@ -14,6 +15,7 @@ from kiln.host.compile import tuner
 from kiln.host.machine.cache import cache_dir, local_path
 from kiln.host.compile.inductor_options import compiler_options, inductor_env
 from kiln.host.compile.key_sources import model_code_fingerprint
+from kiln.host.phases.share import find_trusted
 from kiln.store import ObjectMissing
 
 
@@ -28,9 +30,10 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
     import torch
 
     from kiln.core.machine.home import kiln_home
-    from kiln.host.trust.signers import export_signer
+    from kiln.host.trust.signers import export_signer, export_trusted_keys
 
     export_signer(job.signing, kiln_home(), host.name)  # every host may compile, so every host needs the key
+    trusted = export_trusted_keys(job.signing, kiln_home())
     reading = probe.gpu_reading()
     snap = probe.memory_snapshot(reading)
     cpus, cpus_source = probe.cpus_and_source()
@@ -48,21 +51,23 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
         unified=reading.unified if job.recipe.unified_memory is None else job.recipe.unified_memory,
         target=target, device=device, num_gpus=num_gpus, specs=tuple(specs),
         local_keys=tuple(sorted(s.key for s in specs if local_path(host, s.key).exists())),
-        store_keys=tuple(sorted(s.key for s in specs if store.exists(artifact_key(s.key)))),  # no listing
+        # Stored means loadable: a package of the key that a key this export trusts vouched for.
+        store_keys=tuple(sorted(s.key for s in specs if find_trusted(store, s.key, trusted)[0] is not None)),
         cache=cache.cache_status(cache_dir(host)),
-        **measured_compiles(store, specs))
+        **measured_compiles(store, specs, trusted))
 
 
-def measured_compiles(store, specs: list) -> dict:
-    """What compiles of the graph and target of `specs` (one graph per host) measured before: HostProbe's
+def measured_compiles(store, specs: list, trusted: dict) -> dict:
+    """What compiles of the graph and target of `specs` (one graph per host) measured before, as records a
+    key of `trusted` signed (kiln.core.trust.signed_record; any other record is ignored): HostProbe's
     {'worker_peaks_mib': peaks (MiB), 'compile_seconds': (shapes, seconds) of those that recorded them}."""
     peaks, seconds = [], []
     for obj in store.list(worker_memory_prefix(specs[0])) if specs else ():
         try:
-            record = store.get_json(obj)
+            record = trusted_body(store.get_json(obj), "worker_memory", trusted)
             peaks.append(int(record["compile_peak_mib"]))
         except (IntegrityError, ObjectMissing, KeyError, TypeError, ValueError):
-            continue  # an unreadable record is not a measurement
+            continue  # an unreadable or untrusted record is not a measurement
         if isinstance(record.get("compile_s"), (int, float)) and isinstance(record.get("shapes"), str):
             seconds.append((record["shapes"], float(record["compile_s"])))
     return {"worker_peaks_mib": tuple(peaks), "compile_seconds": tuple(seconds)}
