@@ -39,7 +39,8 @@ HEAVIEST = ("ops", "tp2_export", "tests/bench/test_bench_quick.py", "tests/refer
             "tests/integration/test_faults_cluster.py", "tests/integration/test_incident.py",
             "small_forward", "tests/tuning/test_tuning_export.py", "tests/tuning/test_tuning_compile.py",
             "tests/integration/test_s3_model.py", "tests/integration/test_dask_cluster.py",
-            "tests/trust/test_s3_trust.py", "tests/faults/test_compile_kill_export.py",
+            "tests/trust/test_s3_trust.py", "tests/trust/test_many_signers.py",
+            "tests/faults/test_compile_kill_export.py",
             "tests/integration/test_device_check.py")
 """Groups that take minutes (docs/testing.md's slowest), in the order they are handed out."""
 
