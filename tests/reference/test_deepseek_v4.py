@@ -197,7 +197,7 @@ def test_kiln_export_and_run_decode_what_transformers_generates(v4_path, v4_expo
 
 
 @pytest.mark.slow
-def test_the_cpp_runner_steps_the_v4_export_as_kiln_computes(v4_path, v4_exports, tmp_path):
+def test_the_cpp_runner_steps_the_v4_export_as_kiln_computes(v4_path, v4_exports, dev_verify_key, tmp_path):
     """The C++ runner's 1x8 prefill of the tp 2 export (two ranks, each sequence's slot from the manifest's
     cache layout) gives Kiln's eager logits on every rank, within 1e-4 in float32."""
     import numpy as np
@@ -209,7 +209,7 @@ def test_the_cpp_runner_steps_the_v4_export_as_kiln_computes(v4_path, v4_exports
     root = v4_exports["root"]
     out = tmp_path / "logits-{rank}.f32"
     results = run_ranks(runner, root / "store" / "exports" / "v4-tp2" / "manifest.json", root / "store" / "forwards",
-                        "1x8", tokens[0].tolist(), out)
+                        "1x8", tokens[0].tolist(), out, extra=("--verify-key", str(dev_verify_key)))
     for rank, (code, stderr) in enumerate(results):
         assert code == 0, f"rank {rank}: {stderr[-3000:]}"
     want = kiln_logits(cfg, load_rank_weights(v4_path, cfg, 1, 0), tokens).numpy()
