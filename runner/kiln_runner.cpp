@@ -1,9 +1,11 @@
 // kiln_runner: run one prefill step of a Kiln export on one tensor-parallel rank, without Python.
 //
-// It reads the export manifest (version 5), picks the forward whose range of shapes holds --bucket BxT by
-// the consumer contract's rule (docs/run-without-kiln.md: the fewest shapes, then the nearest hint, then the
-// smallest name), verifies that forward's package against the manifest's
-// sha256, reads and cuts this rank's weights from the checkpoint's safetensors file(s), registers a
+// It reads the export manifest (version 5) once and checks its Ed25519 signature (manifest.sig beside it)
+// against the keys it is given (--verify-key, KILN_VERIFY_KEY), picks the forward whose range of shapes
+// holds --bucket BxT by the consumer contract's rule (docs/run-without-kiln.md: the fewest shapes, then the
+// nearest hint, then the smallest name) among those whose target this CPU runs, copies that forward's
+// package into a private directory while hashing it against the signed manifest's sha256 (the copy is what
+// it loads: trust.h), reads and cuts this rank's weights from the checkpoint's safetensors file(s), registers a
 // gloo process group under the manifest's group name (the packages' all-reduce is compiled against
 // that name), binds the weights with load_constants (always before the first call: calling first
 // crashes the process) and runs the forward on an empty KV cache. Rank 0 writes the logits.
@@ -17,7 +19,10 @@
 //
 // Output: <out> holds the logits as raw little-endian float32, row-major; <out>.json says
 // {"shape": [batch, tokens, vocab], "dtype": "float32", ...}.
-#include <openssl/evp.h>
+#include "trust.h"
+
+#include <ATen/Version.h>
+#include <sys/utsname.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -32,6 +37,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -63,6 +69,8 @@ struct Args {
   fs::path manifest, checkpoint, packages, out;
   int rank = 0, world_size = 1, master_port = 29500;
   std::string master_addr = "127.0.0.1", bucket, key;
+  std::vector<std::string> verify_keys;  // --verify-key FILE, repeatable (KILN_VERIFY_KEY is read as well)
+  bool allow_unsigned = false;
   int64_t batch = 0, seq_tokens = 0;  // --bucket BxT: sequences, new tokens per sequence
   std::vector<int64_t> tokens;
   int64_t start_pos = 0;
@@ -73,7 +81,11 @@ const char* kUsage =
     "usage: kiln_runner --manifest M.json --packages DIR --bucket BxT --tokens ID,ID,...\n"
     "                   [--checkpoint DIR] [--rank R --world-size W --master-addr A --master-port P]\n"
     "                   [--start-pos N] [--out PATH] [--timeout-s S] [--key KEY]\n"
-    "  --packages: the folder holding <key>.pt2 (a local store's forwards/ folder)\n"
+    "                   [--verify-key FILE ...] [--allow-unsigned]\n"
+    "  --verify-key: a public key (PEM or base64) trusted to sign the manifest; repeatable. KILN_VERIFY_KEY\n"
+    "                (PEM, base64 or a file path) is trusted too. The manifest's manifest.sig must verify.\n"
+    "  --allow-unsigned: accept a manifest without manifest.sig if it says it was exported --unsigned\n"
+    "  --packages: a local store's forwards/ folder (each forward is read at its manifest object under it)\n"
     "  --checkpoint: defaults to the manifest's model.checkpoint\n"
     "  --bucket: the shape to run; the forward whose range holds it is chosen (docs/run-without-kiln.md)\n"
     "  --key: the forward to run when the bucket has one per target (hosts of different ISAs)\n"
@@ -89,8 +101,14 @@ Args parse_args(int argc, char** argv) {
       std::cout << kUsage;
       std::exit(0);
     }
+    if (k == "--allow-unsigned") {  // the one flag without a value
+      a.allow_unsigned = true;
+      --i;
+      continue;
+    }
     if (k.rfind("--", 0) != 0 || i + 1 >= argc) fail("bad argument '" + k + "'\n" + kUsage);
-    kv[k.substr(2)] = argv[i + 1];
+    if (k == "--verify-key") a.verify_keys.push_back(argv[i + 1]);
+    else if (!kv.emplace(k.substr(2), argv[i + 1]).second) fail("--" + k.substr(2) + " is given twice\n" + kUsage);
   }
   auto take = [&](const std::string& k, bool required) {
     auto it = kv.find(k);
@@ -281,23 +299,6 @@ std::unordered_map<std::string, at::Tensor> rank_weights(const json& layout, con
 
 // ----------------------------------------------------------------------------------- package
 
-std::string sha256_hex(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open " + path.string());
-  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
-  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
-  std::vector<char> buf(1 << 20);
-  while (in.read(buf.data(), buf.size()) || in.gcount() > 0) EVP_DigestUpdate(ctx, buf.data(), in.gcount());
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned int n = 0;
-  EVP_DigestFinal_ex(ctx, md, &n);
-  EVP_MD_CTX_free(ctx);
-  std::string hex;
-  char byte[3];
-  for (unsigned int i = 0; i < n; ++i) std::snprintf(byte, sizeof byte, "%02x", md[i]), hex += byte;
-  return hex;
-}
-
 // A gloo world of `world_size` ranks over a TCPStore on master_addr:master_port (rank 0 hosts it),
 // registered under `group_name`, the name the packages' _c10d_functional.all_reduce resolves. The
 // registry holds only a weak reference: the caller keeps the group alive while the forward runs.
@@ -382,8 +383,34 @@ void write_logits(const at::Tensor& logits, const Args& a, const json& forward) 
   std::ofstream(path + ".json") << side.dump(2) << "\n";
 }
 
+// Where a forward's package is under --packages (the store's forwards/ folder): its manifest object without the
+// leading "forwards/" (<key>/<sha256>.pt2; a store written before keeps <key>.pt2). The manifest is signed, but
+// a path that would leave the folder is refused all the same.
+fs::path package_under_forwards(const json& forward) {
+  std::string object = forward.at("object").get<std::string>();
+  const std::string prefix = "forwards/";
+  if (object.rfind(prefix, 0) == 0) object = object.substr(prefix.size());
+  fs::path rel(object);
+  if (rel.is_absolute()) fail("forward " + forward.at("key").get<std::string>() + ": its object leaves the packages folder");
+  for (const auto& part : rel)
+    if (part == "..") fail("forward " + forward.at("key").get<std::string>() + ": its object leaves the packages folder");
+  return rel;
+}
+
+// Why a forward cannot run on this CPU ("" when it can): its target's machine and ISA level against
+// uname's machine and torch's CPU capability (trust.h).
+std::string target_problem(const json& forward) {
+  struct utsname host {};
+  uname(&host);
+  return kiln_trust::cpu_target_problem(forward.value("target", "(none)"), host.machine, at::get_cpu_capability());
+}
+
 int run(const Args& a) {
-  json manifest = read_json(a.manifest);
+  // Read once and checked before anything else is read; everything below trusts only these bytes.
+  std::string signature_note;
+  json manifest = kiln_trust::read_verified_manifest(a.manifest, kiln_trust::trusted_keys(a.verify_keys),
+                                                     a.allow_unsigned, &signature_note);
+  std::cerr << "rank " << a.rank << ": " << signature_note << "\n";
   if (manifest.value("version", 0) != 5)
     fail(a.manifest.string() + ": manifest version " + manifest.value("version", json()).dump() + ", this runner reads 5");
   // This runner is built against libtorch for the CPU and binds weights and inputs on the CPU: a CUDA
@@ -407,11 +434,18 @@ int run(const Args& a) {
   };
   std::vector<const json*> found;
   std::set<std::string> targets;
+  std::string cannot_run;  // the forwards that hold the bucket but whose code this CPU cannot run, and why
   for (const auto& f : manifest.at("forwards"))
     if (holds(f) && (a.key.empty() || f.at("key") == a.key)) {
+      if (std::string why = target_problem(f); !why.empty()) {
+        cannot_run += "; forward " + f.at("key").get<std::string>() + ": " + why;
+        continue;
+      }
       found.push_back(&f);
       targets.insert(f.value("target", "?"));
     }
+  if (found.empty() && !cannot_run.empty())
+    fail("no forward of bucket " + a.bucket + " can run on this host" + cannot_run);
   if (found.empty()) fail("the export has no forward whose range holds bucket " + a.bucket + (a.key.empty() ? "" : " with key " + a.key));
   if (targets.size() > 1) {
     std::string keys;
@@ -425,10 +459,12 @@ int run(const Args& a) {
   if (!forward->value("python_free", true))
     fail("forward " + forward->at("key").get<std::string>() + " calls Python ops: it cannot run without Python");
 
-  fs::path package = a.packages / (forward->at("key").get<std::string>() + ".pt2");
-  std::string digest = sha256_hex(package);  // a package is native code: load only what the manifest names
-  if (digest != forward->at("sha256"))
-    fail(package.string() + ": sha256 " + digest + " does not match the manifest's; refusing to load it");
+  // A package is native code: load only what the signed manifest names, and only the bytes that were hashed
+  // (the private copy; the store's file is never opened again, however long the other ranks take).
+  fs::path package = a.packages / package_under_forwards(*forward);
+  auto copy = std::make_unique<kiln_trust::PrivateCopy>(package, forward->at("sha256").get<std::string>());
+  std::cerr << "rank " << a.rank << ": " << package.string() << " sha256 ok; loading its private copy "
+            << copy->path().string() << "\n";
 
   fs::path ckpt_dir = a.checkpoint.empty() ? fs::path(manifest.at("model").at("checkpoint").get<std::string>()) : a.checkpoint;
   Checkpoint ckpt(ckpt_dir);
@@ -442,7 +478,8 @@ int run(const Args& a) {
   }
 
   setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", 1);  // read at load time: a wrong input shape raises, not corrupts
-  torch::inductor::AOTIModelPackageLoader loader(package.string());
+  torch::inductor::AOTIModelPackageLoader loader(copy->path().string());
+  copy.reset();  // the loader has extracted what it needs
   std::vector<std::string> names = loader.get_constant_fqns();
   auto weights = rank_weights(manifest.at("weights"), names, ckpt, a.rank);
   // Before the first run. user_managed: the package reads `weights` where they lie instead of copying them

@@ -381,6 +381,14 @@ def kiln_main(kiln_env, monkeypatch, capsys) -> Callable[..., Run]:
 
 
 @pytest.fixture(scope="session")
+def dev_verify_key(kiln_env) -> Path:
+    """The public half of the development key that signs the session's exports to local stores (KILN_HOME/keys,
+    kiln.host.trust.signers.dev_key): what a consumer outside Kiln (the C++ runner, examples/torch_only.py) is given as
+    --verify-key. It exists once an export to a local store has run."""
+    return Path(kiln_env["KILN_HOME"]) / "keys" / "dev-signing.pub"
+
+
+@pytest.fixture(scope="session")
 def tp2_export(kiln, tmp_path_factory):
     """`kiln export --model tiny --tp 2` cold, then the same export warm, into one fresh local store.
 

@@ -38,16 +38,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def runner_command(runner: Path, manifest: Path, packages: Path, bucket: str, tokens: list[int], out: Path,
+                   rank: int, world_size: int, port: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """The command line of one rank of one runner step (`extra`: more flags, e.g. --verify-key FILE)."""
+    return [str(runner), "--manifest", str(manifest), "--packages", str(packages), "--bucket", bucket,
+            "--tokens", ",".join(map(str, tokens)), "--rank", str(rank), "--world-size", str(world_size),
+            "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout-s", "120", "--out", str(out),
+            *extra]
+
+
+# Two ranks on a 2-core machine; the keys a rank trusts are the ones a test gives it, not the caller's.
+RUNNER_ENV = {**{k: v for k, v in os.environ.items() if k != "KILN_VERIFY_KEY"}, "OMP_NUM_THREADS": "1"}
+
+
 def run_ranks(runner: Path, manifest: Path, packages: Path, bucket: str, tokens: list[int], out: Path,
-              world_size: int = 2) -> list[tuple[int, str]]:
-    """(exit code, stderr) of each rank of one runner step; rank r writes `out` with {rank} = r."""
+              world_size: int = 2, extra: tuple[str, ...] = (), env: dict | None = None) -> list[tuple[int, str]]:
+    """(exit code, stderr) of each rank of one runner step; rank r writes `out` with {rank} = r. `env`: more
+    environment (KILN_VERIFY_KEY)."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two ranks on a 2-core machine
-    procs = [subprocess.Popen([str(runner), "--manifest", str(manifest), "--packages", str(packages),
-                               "--bucket", bucket, "--tokens", ",".join(map(str, tokens)),
-                               "--rank", str(rank), "--world-size", str(world_size), "--master-addr", "127.0.0.1",
-                               "--master-port", str(port), "--timeout-s", "120", "--out", str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    procs = [subprocess.Popen(runner_command(runner, manifest, packages, bucket, tokens, out, rank, world_size, port,
+                                             extra),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**RUNNER_ENV, **(env or {})})
              for rank in range(world_size)]
     results = []
     for proc in procs:

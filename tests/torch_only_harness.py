@@ -54,7 +54,7 @@ for bucket in manifest["buckets"]:
     batch, tokens = map(int, bucket.split("x"))
     f = choose_forward(manifest["forwards"], batch, tokens)
     if f["key"] not in loaded:
-        loaded[f["key"]] = load_forward(packages / f"{f['key']}.pt2", weights, f["sha256"])
+        loaded[f["key"]] = load_forward(packages / f["object"].removeprefix("forwards/"), weights, f["sha256"])
     with torch.no_grad():
         logits[bucket] = loaded[f["key"]](*step_inputs(f, cfg.vocab_size, batch, tokens))[0]
 dist.barrier(group=side)
@@ -71,10 +71,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ranks(cmd_of, world: int) -> list[subprocess.CompletedProcess]:
+def _ranks(cmd_of, world: int, ranks: tuple[int, ...] | None = None) -> list[subprocess.CompletedProcess]:
     port = _free_port()
     procs = [subprocess.Popen(cmd_of(rank, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(world)]
+             for rank in (range(world) if ranks is None else ranks)]
     done = []
     for p in procs:
         out, err = p.communicate(timeout=600)
@@ -83,12 +83,21 @@ def _ranks(cmd_of, world: int) -> list[subprocess.CompletedProcess]:
 
 
 
-def run_torch_only(manifest_path: Path, packages: Path, checkpoint: str, out: Path, world: int = 2) -> None:
-    done = _ranks(lambda rank, port: [
+def torch_only_ranks(manifest_path: Path, packages: Path, checkpoint: str, out: Path, world: int = 2,
+                     extra: tuple[str, ...] = (), ranks: tuple[int, ...] | None = None
+                     ) -> list[subprocess.CompletedProcess]:
+    """The example's ranks (`ranks`, default all `world`), Kiln unimportable; `extra`: more flags (--verify-key
+    FILE, ...). A rank alone is enough to see a refusal: the example refuses before it joins the others."""
+    return _ranks(lambda rank, port: [
         sys.executable, "-I", "-c", NO_KILN, str(EXAMPLE), "--manifest", str(manifest_path), "--packages",
         str(packages), "--checkpoint", checkpoint, "--rank", str(rank), "--world-size", str(world), "--port",
-        str(port), "--out", str(out)], world)
-    for p in done:
+        str(port), "--out", str(out), *extra], world, ranks)
+
+
+def run_torch_only(manifest_path: Path, packages: Path, checkpoint: str, out: Path, world: int = 2, *,
+                   verify_key: Path) -> None:
+    """The example's ranks, trusting the public key in `verify_key` to have signed the manifest."""
+    for p in torch_only_ranks(manifest_path, packages, checkpoint, out, world, ("--verify-key", str(verify_key))):
         assert p.returncode == 0 and "TORCH-ONLY-OK" in p.stdout, p.stderr[-3000:]
 
 

@@ -162,7 +162,7 @@ def v4_exports(v4_path, kiln, prefect_server, tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-def test_kiln_export_and_run_decode_what_transformers_generates(v4_path, v4_exports, kiln, tmp_path):
+def test_kiln_export_and_run_decode_what_transformers_generates(v4_path, v4_exports, kiln, dev_verify_key, tmp_path):
     """`kiln export` at tp 1 and tp 2, `kiln run` of each, against transformers' generate(): ids equal, logits
     within 1e-4 in float32, over a 20-token prompt and 12 steps (past the window of 8, across CSA windows of 4
     and HCA windows of 8); then `kiln verify` of the tp 2 export and the torch-only example's step of it."""
@@ -190,14 +190,14 @@ def test_kiln_export_and_run_decode_what_transformers_generates(v4_path, v4_expo
 
     root = v4_exports["root"]
     manifest, packages = root / "store" / "exports" / "v4-tp2" / "manifest.json", root / "store" / "forwards"
-    run_torch_only(manifest, packages, str(v4_path), tmp_path / "torch-only")
+    run_torch_only(manifest, packages, str(v4_path), tmp_path / "torch-only", verify_key=dev_verify_key)
     run_with_kiln(manifest, packages, tmp_path / "with-kiln")
     alone, kiln_step = (torch.load(tmp_path / d / "rank0.pt") for d in ("torch-only", "with-kiln"))
     assert sorted(alone) == ["1x1", "1x8"] and all(torch.equal(alone[b], kiln_step[b]) for b in alone)
 
 
 @pytest.mark.slow
-def test_the_cpp_runner_steps_the_v4_export_as_kiln_computes(v4_path, v4_exports, tmp_path):
+def test_the_cpp_runner_steps_the_v4_export_as_kiln_computes(v4_path, v4_exports, dev_verify_key, tmp_path):
     """The C++ runner's 1x8 prefill of the tp 2 export (two ranks, each sequence's slot from the manifest's
     cache layout) gives Kiln's eager logits on every rank, within 1e-4 in float32."""
     import numpy as np
@@ -209,7 +209,7 @@ def test_the_cpp_runner_steps_the_v4_export_as_kiln_computes(v4_path, v4_exports
     root = v4_exports["root"]
     out = tmp_path / "logits-{rank}.f32"
     results = run_ranks(runner, root / "store" / "exports" / "v4-tp2" / "manifest.json", root / "store" / "forwards",
-                        "1x8", tokens[0].tolist(), out)
+                        "1x8", tokens[0].tolist(), out, extra=("--verify-key", str(dev_verify_key)))
     for rank, (code, stderr) in enumerate(results):
         assert code == 0, f"rank {rank}: {stderr[-3000:]}"
     want = kiln_logits(cfg, load_rank_weights(v4_path, cfg, 1, 0), tokens).numpy()

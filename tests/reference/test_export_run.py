@@ -50,8 +50,9 @@ E2E = {
 
 
 @pytest.fixture(scope="module")
-def export_and_run(kiln, hf_root, prefect_server, tmp_path_factory):
-    """case -> {'export', 'run', 'result', 'path', 'store'}: each case exported and run once."""
+def export_and_run(kiln, hf_root, prefect_server, dev_verify_key, tmp_path_factory):
+    """case -> {'export', 'run', 'result', 'path', 'store', 'verify_key' (the public key that signed it)}:
+    each case exported and run once."""
     store = f"file://{tmp_path_factory.mktemp('reference-store')}"
     env = {"PREFECT_API_URL": prefect_server}
     done = {}
@@ -66,7 +67,7 @@ def export_and_run(kiln, hf_root, prefect_server, tmp_path_factory):
             ran = kiln("run", f"ref-{case}", "--store", store, "--tokens", ",".join(map(str, PROMPT)),
                        "--max-new-tokens", str(NEW_TOKENS), "--json", str(out / "run.json"), env=env)
             assert ran.code == 0, ran.err[-3000:]
-            done[case] = {"export": exported, "run": ran, "path": path, "store": store,
+            done[case] = {"export": exported, "run": ran, "path": path, "store": store, "verify_key": dev_verify_key,
                           "report": json.loads((out / "report.json").read_text()),
                           "result": json.loads((out / "run.json").read_text())}
         return done[case]
@@ -143,7 +144,8 @@ def test_a_realistic_bfloat16_export_runs_with_torch_alone(export_and_run, tmp_p
     manifest = json.loads(manifest_path.read_text())
     assert manifest["runtime"]["python_free"] and manifest["model"]["config"]["dtype"] == "bfloat16"
     assert {w["dtype"] for w in manifest["weights"].values()} == {"bfloat16"}
-    run_torch_only(manifest_path, root / "forwards", manifest["model"]["checkpoint"], tmp_path / "alone")
+    run_torch_only(manifest_path, root / "forwards", manifest["model"]["checkpoint"], tmp_path / "alone",
+                   verify_key=got["verify_key"])
     run_with_kiln(manifest_path, root / "forwards", tmp_path / "kiln")
     alone = [torch.load(tmp_path / "alone" / f"rank{r}.pt") for r in range(2)]
     kiln_ = torch.load(tmp_path / "kiln" / "rank0.pt")
@@ -153,13 +155,14 @@ def test_a_realistic_bfloat16_export_runs_with_torch_alone(export_and_run, tmp_p
         assert torch.equal(logits, kiln_[bucket]), f"{bucket}: torch alone and Kiln's loader differ"
 
 
-def torch_alone_is_kiln(manifest_path, root, manifest, tmp_path) -> None:
-    """Every package of the export run by torch alone from the manifest on both ranks gives Kiln's loader's
-    logits, the same on every rank."""
+def torch_alone_is_kiln(manifest_path, root, manifest, tmp_path, verify_key) -> None:
+    """Every package of the export (signed by `verify_key`'s key) run by torch alone from the manifest on both
+    ranks gives Kiln's loader's logits, the same on every rank."""
     import torch
     from torch_only_harness import run_torch_only, run_with_kiln
 
-    run_torch_only(manifest_path, root / "forwards", manifest["model"]["checkpoint"], tmp_path / "alone")
+    run_torch_only(manifest_path, root / "forwards", manifest["model"]["checkpoint"], tmp_path / "alone",
+                   verify_key=verify_key)
     run_with_kiln(manifest_path, root / "forwards", tmp_path / "kiln")
     alone = [torch.load(tmp_path / "alone" / f"rank{r}.pt") for r in range(2)]
     kiln_ = torch.load(tmp_path / "kiln" / "rank0.pt")
@@ -180,7 +183,7 @@ def test_a_mixture_of_experts_export_runs_with_torch_alone(export_and_run, tmp_p
     experts = manifest["weights"]["model.runs.0.mlp.experts.down_proj.weight"]
     assert experts["stack"] == 64 and experts["shape"] == [64, 128, 16]  # layer 0's 64 experts, half a column each
     assert experts["sources"][1]["tensor"] == "model.layers.0.mlp.experts.1.down_proj.weight"
-    torch_alone_is_kiln(manifest_path, root, manifest, tmp_path)
+    torch_alone_is_kiln(manifest_path, root, manifest, tmp_path, got["verify_key"])
 
 
 def test_a_fused_checkpoint_export_runs_with_torch_alone(export_and_run, tmp_path):
@@ -196,7 +199,7 @@ def test_a_fused_checkpoint_export_runs_with_torch_alone(export_and_run, tmp_pat
     k = manifest["weights"]["model.runs.0.self_attn.k_proj.weight"]
     assert k["sources"][0]["tensor"] == "model.layers.0.self_attn.qkv_proj.weight"
     assert k["sources"][0]["cut"] == {"dim": 0, "length": 64, "offsets": [256, 320]}  # after q's 256 rows
-    torch_alone_is_kiln(manifest_path, root, manifest, tmp_path)
+    torch_alone_is_kiln(manifest_path, root, manifest, tmp_path, got["verify_key"])
 
 
 def test_a_latent_attention_export_caches_latents(export_and_run, kiln, prefect_server, tmp_path):
@@ -220,4 +223,4 @@ def test_a_latent_attention_export_caches_latents(export_and_run, kiln, prefect_
     assert interface["dynamic_dims"]["tokens"] == {"min": 4, "max": 8}
     verified = kiln("verify", "ref-deepseek-v3", "--store", got["store"], env={"PREFECT_API_URL": prefect_server})
     assert verified.code == 0 and "verify ok: 2 ranks match the unsharded model" in verified.out, verified.err[-3000:]
-    torch_alone_is_kiln(manifest_path, root, manifest, tmp_path)
+    torch_alone_is_kiln(manifest_path, root, manifest, tmp_path, got["verify_key"])
