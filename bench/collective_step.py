@@ -14,7 +14,6 @@ DIR/steps.json with every sample.
 
 import json
 import sys
-import time
 from pathlib import Path
 
 TP = 2
@@ -89,6 +88,7 @@ def rank(rank: int, rendezvous: str, out: Path, reps: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from bench.alternating import alternate
     from kiln.core.model.config import TINY
     from kiln.host.ranks.loader import load_forward
     from kiln.store import sha256_file
@@ -107,22 +107,13 @@ def rank(rank: int, rendezvous: str, out: Path, reps: int, steps: int) -> None:
                 for name in ("native", "custom")}
     args = example_inputs(TINY, TP, 1, 1, page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ,
                           num_pages=PAGES_PER_SEQ + 1, seed=rank)
-    samples: dict[str, list[float]] = {"native": [], "custom": []}
     with torch.no_grad():
-        for name in packages:  # warm both once
-            packages[name](*args)
-        for i in range(reps):
-            for name in (("native", "custom") if i % 2 == 0 else ("custom", "native")):
-                dist.barrier(group=side)
-                start = time.perf_counter()
-                for _ in range(steps):
-                    packages[name](*args)
-                dist.barrier(group=side)
-                samples[name].append((time.perf_counter() - start) / steps)
+        timed = alternate({name: lambda p=p: p(*args) for name, p in packages.items()}, reps, steps,
+                          sync=lambda: dist.barrier(group=side))
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
     if rank == 0:
-        (out / "steps.json").write_text(json.dumps(samples))
+        (out / "steps.json").write_text(json.dumps(timed.step_s))
 
 
 if __name__ == "__main__":

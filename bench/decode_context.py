@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 PAGES = (4, 64)
@@ -42,13 +41,13 @@ def compile_one(pages: int, out: Path) -> dict:
 def step(out: Path, reps: int, steps: int, counts: tuple[int, ...]) -> dict:
     import torch
 
+    from bench.alternating import alternate
     from kiln.core.model.config import TINY
     from kiln.host.ranks.loader import load_forward, place_weights
     from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group
 
     torch.set_num_threads(1)
-    samples: dict[str, list[float]] = {str(p): [] for p in counts}
     weights = place_weights(shard_state_dict(random_state_dict(TINY), TINY, TP, 0), "cpu")
     with solo_group(), torch.no_grad():
         packages, args = {}, {}
@@ -58,15 +57,8 @@ def step(out: Path, reps: int, steps: int, counts: tuple[int, ...]) -> dict:
             tokens, _, cache, table = example_inputs(TINY, TP, 1, 1, page_tokens=PAGE_TOKENS, pages_per_seq=p,
                                                      num_pages=p + 1)
             args[str(p)] = (tokens, torch.tensor([p * PAGE_TOKENS - 1]), cache, table)
-        for name, package in packages.items():
-            package(*args[name])  # warm
-        for i in range(reps):
-            for name in (list(samples) if i % 2 == 0 else list(samples)[::-1]):
-                start = time.perf_counter()
-                for _ in range(steps):
-                    packages[name](*args[name])
-                samples[name].append((time.perf_counter() - start) / steps)
-    return samples
+        timed = alternate({name: lambda p=p, a=args[name]: p(*a) for name, p in packages.items()}, reps, steps)
+    return timed.step_s
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 DEPTHS = (2, 8, 24)
@@ -71,29 +70,24 @@ def step(layers: int, out: Path, reps: int, steps: int) -> dict:
     """Seconds per decode step at `layers`, scanned and unrolled, the same weights bound to both."""
     import torch
 
+    from bench.alternating import alternate
     from kiln.host.ranks.loader import load_forward
     from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group
 
     cfg = config(layers)
     torch.set_num_threads(1)
-    samples: dict[str, list[float]] = {"scan": [], "unrolled": []}
     with solo_group():  # one rank's partial sums, as the compile worker traced them
         weights = shard_state_dict(random_state_dict(cfg), cfg, TP, 0)
         packages = {name: load_forward(p, weights, sha256_file(p))
-                    for name in samples for p in [out / f"{name}-{layers}.pt2"]}
+                    for name in ("scan", "unrolled") for p in [out / f"{name}-{layers}.pt2"]}
         args = example_inputs(cfg, TP, 1, 1, page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ,
                               num_pages=PAGES_PER_SEQ + 1)
         with torch.no_grad():
-            first = {name: p(*args) for name, p in packages.items()}  # warm both; and they must agree
-            diff = max(float((a - b).abs().max()) for a, b in zip(first["scan"], first["unrolled"]))
-            for i in range(reps):
-                for name in (("scan", "unrolled") if i % 2 == 0 else ("unrolled", "scan")):
-                    start = time.perf_counter()
-                    for _ in range(steps):
-                        packages[name](*args)
-                    samples[name].append((time.perf_counter() - start) / steps)
-    return {**samples, "max_abs_diff": diff}
+            timed = alternate({name: lambda p=p: p(*args) for name, p in packages.items()}, reps, steps)
+    first = timed.warm  # the two layouts must agree
+    diff = max(float((a - b).abs().max()) for a, b in zip(first["scan"], first["unrolled"]))
+    return {**timed.step_s, "max_abs_diff": diff}
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 ORDERS = ("absorbed", "expanded")
@@ -67,13 +66,13 @@ def compile_one(order: str, out: Path) -> dict:
 def step(out: Path, reps: int, steps: int) -> dict:
     import torch
 
+    from bench.alternating import alternate
     from kiln.host.ranks.loader import load_forward
     from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group
 
     cfg = config()
     torch.set_num_threads(1)
-    samples: dict[str, list[float]] = {order: [] for order in ORDERS}
     with solo_group():  # one rank's partial sums, as the compile worker traced them
         weights = shard_state_dict(random_state_dict(cfg), cfg, TP, 0)
         packages = {order: load_forward(p, weights, sha256_file(p)) for order in ORDERS for p in [out / f"{order}.pt2"]}
@@ -82,14 +81,10 @@ def step(out: Path, reps: int, steps: int) -> dict:
         start = torch.tensor([CONTEXT_TOKENS - 1])  # the whole context cached: the step attends to all of it
         table = torch.arange(PAGES_PER_SEQ)[None]
         with torch.no_grad():
-            outs = {order: p(tok, start, cache, table)[0] for order, p in packages.items()}  # warm
-            for i in range(reps):
-                for order in (ORDERS if i % 2 == 0 else ORDERS[::-1]):
-                    begin = time.perf_counter()
-                    for _ in range(steps):
-                        packages[order](tok, start, cache, table)
-                    samples[order].append((time.perf_counter() - begin) / steps)
-    return {**samples, "max_abs_diff": float((outs["absorbed"] - outs["expanded"]).abs().max())}
+            timed = alternate({order: lambda p=p: p(tok, start, cache, table) for order, p in packages.items()},
+                              reps, steps)
+    outs = {order: out[0] for order, out in timed.warm.items()}
+    return {**timed.step_s, "max_abs_diff": float((outs["absorbed"] - outs["expanded"]).abs().max())}
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 EXPERTS = (4, 32)
@@ -71,13 +70,14 @@ def step(packages: list[Path], reps: int, steps: int) -> dict:
     """{package path: {'s': [seconds per step, ...], 'peak_bytes': [one step's peak growth, ...]}}."""
     import torch
 
+    from bench.alternating import alternate
     from bench.loader_peak import peak_growth_bytes
     from kiln.host.ranks.loader import load_forward
     from kiln.store import sha256_file
     from kiln.host.model import example_inputs, random_state_dict, shard_state_dict, solo_group
 
     torch.set_num_threads(1)
-    samples: dict[str, dict[str, list]] = {str(path): {"s": [], "peak_bytes": []} for path in packages}
+    peak_bytes: dict[str, list[int]] = {str(path): [] for path in packages}
     with solo_group():
         loaded, args = {}, {}
         for path in packages:
@@ -87,18 +87,11 @@ def step(packages: list[Path], reps: int, steps: int) -> dict:
                                              sha256_file(path))
             args[str(path)] = example_inputs(cfg, TP, *bucket, page_tokens=PAGE_TOKENS,
                                              pages_per_seq=PAGES_PER_SEQ, num_pages=PAGES_PER_SEQ * bucket[0] + 1)
+        calls = {name: lambda p=p, a=args[name]: p(*a) for name, p in loaded.items()}
         with torch.no_grad():
-            for name, p in loaded.items():
-                p(*args[name])  # warm
-            names = list(samples)
-            for i in range(reps):
-                for name in names[i % len(names):] + names[:i % len(names)]:
-                    start = time.perf_counter()
-                    for _ in range(steps):
-                        loaded[name](*args[name])
-                    samples[name]["s"].append((time.perf_counter() - start) / steps)
-                    samples[name]["peak_bytes"].append(peak_growth_bytes(lambda: loaded[name](*args[name])))
-    return samples
+            timed = alternate(calls, reps, steps, after=lambda name: peak_bytes[name].append(
+                peak_growth_bytes(calls[name])))
+    return {name: {"s": timed.step_s[name], "peak_bytes": peak_bytes[name]} for name in peak_bytes}
 
 
 if __name__ == "__main__":

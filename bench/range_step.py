@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 TP = 2
@@ -61,6 +60,7 @@ def step(out: Path, reps: int, steps: int, pairs: dict[str, tuple[str, str]]) ->
     """Seconds per step at each shape: its static package against the range package that holds it."""
     import torch
 
+    from bench.alternating import alternate
     from kiln.core.model.config import TINY
     from kiln.core.forwards.shape_ranges import parse_shape_range
     from kiln.host.ranks.loader import load_forward
@@ -78,17 +78,11 @@ def step(out: Path, reps: int, steps: int, pairs: dict[str, tuple[str, str]]) ->
             b = parse_shape_range(shape).hint
             args = example_inputs(TINY, TP, b.batch, b.tokens, page_tokens=PAGE_TOKENS, pages_per_seq=PAGES_PER_SEQ,
                                   num_pages=PAGES_PER_SEQ * b.batch + 1)
-            samples: dict[str, list[float]] = {"static": [], "range": []}
             with torch.no_grad():
-                first = {side: p(*args) for side, p in packages.items()}  # warm both; and they must agree
-                diff = max(float((x - y).abs().max()) for x, y in zip(first["static"], first["range"]))
-                for i in range(reps):
-                    for side in (("static", "range") if i % 2 == 0 else ("range", "static")):
-                        start = time.perf_counter()
-                        for _ in range(steps):
-                            packages[side](*args)
-                        samples[side].append((time.perf_counter() - start) / steps)
-            result[shape] = {**samples, "max_abs_diff": diff}
+                timed = alternate({side: lambda p=p: p(*args) for side, p in packages.items()}, reps, steps)
+            first = timed.warm  # the two sides must agree
+            diff = max(float((x - y).abs().max()) for x, y in zip(first["static"], first["range"]))
+            result[shape] = {**timed.step_s, "max_abs_diff": diff}
     return result
 
 

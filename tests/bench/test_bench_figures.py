@@ -27,7 +27,7 @@ from kiln.core.errors import BadInput
 
 
 def test_pure_modules_import_no_torch_prefect_or_boto3():
-    code = ("import sys, bench.figures, bench.scale, bench.context; "
+    code = ("import sys, bench.alternating, bench.figures, bench.scale, bench.context; "
             "print(sorted(m for m in ('torch', 'prefect', 'boto3') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
