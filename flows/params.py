@@ -206,7 +206,8 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     `host_names` None means the hosts are not known yet (a Dask cluster not yet
     asked): host checks are skipped and no hosts are returned. Hosts on this
     machine (not --dask) get their cache directory checked for writes here.
-    `signing` False leaves the signing key undecided (`kiln plan` signs nothing).
+    `signing` False makes no signing key (`kiln plan` signs nothing): the job then carries the plan an export
+    would make, if it exists already, only for what it trusts (kiln.host.trust.signers.preview_signing).
     `recipe`: the try's recipe when the caller built it already (it is built once per try).
     """
     if params.hosts and params.dask:
@@ -254,11 +255,13 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     hosts = [HostSpec(n, ranks[n]) for n in names]
     if not params.dask:  # these hosts are this machine: their caches can be checked now
         check_caches({h.name: cache_status(cache_root(h.name, h.cache_dir)) for h in hosts}, {})
-    plan = None
     if signing:
         from kiln.host.trust.signers import check_export_id_free, plan_signing
         check_export_id_free(store, export_id)
         plan, _ = plan_signing(sign=params.sign, block=params.signing_key_block or None, store=store, home=home)
+    else:
+        from kiln.host.trust.signers import preview_signing
+        plan = preview_signing(sign=params.sign, block=params.signing_key_block or None, store=store, home=home)
     job = ExportJob(export_id=export_id, model_name=name, checkpoint=checkpoint,
                     checkpoint_identity=weights.identity(checkpoint, s3_endpoint=params.s3_endpoint or None),
                     config=cfg.to_dict(), tp=params.tp, recipe=recipe, store_url=store.url,

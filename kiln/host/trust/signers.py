@@ -141,6 +141,20 @@ def plan_signing(*, sign: bool, block: str | None, store: Store, home: Path) -> 
     return SigningPlan(plan.source, signing.fingerprint(key.public_key()), block=plan.block), False
 
 
+def preview_signing(*, sign: bool, block: str | None, store: Store, home: Path) -> SigningPlan | None:
+    """The signing plan `kiln export` would make, for what `kiln plan` trusts (its key's vouches and signed
+    measurements), creating nothing: None where deciding it would create the development key or is refused
+    (`kiln plan` then trusts only KILN_VERIFY_KEY's keys, as an export with nothing stored of its own would)."""
+    dev_missing = not (home / "keys" / f"{DEV_KEY_NAME}.key").exists()
+    if sign and not block and not os.environ.get(SIGNING_KEY_ENV, "").strip() and isinstance(store, LocalStore) \
+            and dev_missing:
+        return None
+    try:
+        return plan_signing(sign=sign, block=block, store=store, home=home)[0]
+    except BadInput:
+        return None
+
+
 def signing_key(plan: SigningPlan, home: Path) -> Ed25519PrivateKey:
     """Load the plan's private key in the process that signs; it must still be the key planned."""
     key = _load(plan, home)
