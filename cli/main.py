@@ -159,7 +159,7 @@ def cmd_verify(args) -> int:
     from cli.verify import verify_export
     result = verify_export(args.store, args.export_id, model=args.model, s3_endpoint=args.s3_endpoint,
                            verify_keys=args.verify_key, verify_key_block=args.verify_key_block,
-                           allow_unsigned=args.allow_unsigned)
+                           allow_unsigned=args.allow_unsigned, pin=args.pin)
     for line in result["lines"]:
         print(line)
     return 0
@@ -251,6 +251,8 @@ def parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="re-check a finished export: digests and all ranks against eager")
     v.add_argument("export_id")
     _fetch_flags(v)
+    v.add_argument("--pin", metavar="DIR", help="after verifying, copy the manifest, its signature and this host's "
+                   "packages into DIR (new or empty; mode 0700) for the C++ runner and torch alone to load from")
     v.set_defaults(func=cmd_verify)
     r = sub.add_parser("run", help="decode greedily with an export's forwards across all its ranks")
     r.add_argument("export_id")

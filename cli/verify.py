@@ -40,7 +40,7 @@ def fetch_verified_export(store: Store, export_id: str, dest: Path, *, trusted,
     target: kiln.core.trust.manifest.forwards_for_host refuses by name before anything
     is fetched), then each artifact's sha256 (against the signed manifest) as it
     lands in `dest`, then each package's members. `artifacts` maps forward
-    shapes ('1x8', '2-8x16-64@8x64') to {'path', 'sha256'}; load them with
+    shapes ('1x8', '2-8x16-64@8x64') to {'path', 'sha256', 'object'}; load them with
     kiln.host.ranks.loader.load_forward on the manifest's device
     (kiln.core.trust.manifest.manifest_device), which checks both again.
     """
@@ -55,7 +55,7 @@ def fetch_verified_export(store: Store, export_id: str, dest: Path, *, trusted,
     for f in chosen:
         path = dest / f"{f['key']}.pt2"
         store.get_file(validate_key(f["object"]), path, f["sha256"])  # raises IntegrityError on mismatch
-        artifacts[f["shapes"]] = {"path": str(path), "sha256": f["sha256"]}
+        artifacts[f["shapes"]] = {"path": str(path), "sha256": f["sha256"], "object": f["object"]}
     lines.append(f"sha256 ok for {len(artifacts)} artifact(s)")
     for art in artifacts.values():
         check_package(art["path"])  # the loader checks again; here a refusal stops before any process starts
@@ -109,9 +109,13 @@ def _changed_objects(recorded: dict, now: dict) -> str | None:
     return None
 
 
-def verify_export(store_url: str | None, export_id: str, **options) -> dict:
+def verify_export(store_url: str | None, export_id: str, *, pin: str | None = None, **options) -> dict:
     """`kiln verify`: all ranks together against the unsharded eager model, per forward at its range's
-    corners (smallest, hint, largest)."""
+    corners (smallest, hint, largest); with `pin`, then the verified manifest, signature and packages copied
+    into that folder (kiln.host.trust.pinned) for the C++ runner and torch alone."""
+    if pin:
+        from kiln.host.trust.pinned import check_pin_folder
+        check_pin_folder(Path(pin))  # bad input: before anything is fetched or run
     manifest, checkpoint, cfg, artifacts, lines = open_export(store_url, export_id, "verify", **options)
     recipe = Recipe.from_dict(manifest["recipe"])
     predicted = verify_peak_mib(shard_bytes=cfg.weight_bytes_per_rank(manifest["tp"]),
@@ -142,4 +146,8 @@ def verify_export(store_url: str | None, export_id: str, **options) -> dict:
     lines.append(f"verify ok: {manifest['tp']} ranks match the unsharded model ({cfg.dtype}; "
                  f"{'within ' + str(recipe.verify_atol) if cfg.dtype == 'float32' else 'compared in float32'})")
     lines.append(f"memory: peak {peak_mib} MiB measured over the rank processes (predicted {predicted} MiB)")
+    if pin:
+        from kiln.host.trust.pinned import pin_export
+        store = open_store(store_url or f"file://{kiln_home() / 'store'}", s3_endpoint=options.get("s3_endpoint"))
+        lines.append(pin_export(store, export_id, manifest, artifacts, Path(pin)))
     return {"lines": lines, "diffs": checks, "memory": {"predicted_mib": predicted, "peak_mib": peak_mib}}

@@ -100,15 +100,31 @@ def test_warm_export_compiles_nothing(exported):
     assert compile_phase["status"] == "skipped"
 
 
-def test_verify_runs_all_ranks_against_unsharded(kiln, exported):
+def test_verify_runs_all_ranks_against_unsharded(kiln, kiln_env, exported, tmp_path):
     r = exported["cold_report"]
-    v = kiln("verify", "--store", exported["store"], r["export_id"])
+    pinned = tmp_path / "pinned"
+    v = kiln("verify", "--store", exported["store"], r["export_id"], "--pin", str(pinned))
     assert v.code == 0, v.err[-3000:]
     assert f"signature ok: signed by {r['signing']['key_fingerprint']}" in v.out
     assert "sha256 ok for 2 artifact(s)" in v.out and "runtime input checks on" in v.out
     assert "  1x16: 2 ranks together vs unsharded eager at 1 shape(s)" in v.out
     assert "  2-8x16-64@8x64: 2 ranks together vs unsharded eager at 2 shape(s)" in v.out  # 2x16 and 8x64
     assert "verify ok" in v.out
+    # The pinned folder: what was verified, private, readable by the consumers as they read a store.
+    from kiln.core.trust import signing
+    from kiln.host.trust.signers import dev_key
+
+    assert f"pinned: {pinned}" in v.out and (pinned.stat().st_mode & 0o777) == 0o700
+    manifest = json.loads((pinned / "manifest.json").read_text())
+    key = dev_key(Path(kiln_env["KILN_HOME"]))[0].public_key()
+    assert signing.verify_manifest(manifest, json.loads((pinned / "manifest.sig").read_text()),
+                                   {signing.fingerprint(key): key}, what="the pinned manifest")
+    for f in manifest["forwards"]:
+        package = pinned / "forwards" / f["object"].removeprefix("forwards/")
+        assert hashlib.sha256(package.read_bytes()).hexdigest() == f["sha256"]
+        assert (package.stat().st_mode & 0o777) == 0o600
+    again = kiln("verify", "--store", exported["store"], r["export_id"], "--pin", str(pinned))
+    assert again.code == 2 and "not a new or empty folder" in again.err
 
 
 def test_verify_refuses_a_tampered_artifact(kiln, exported, tp2_store_copy):
