@@ -46,7 +46,7 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
     return HostProbe(
         name=host.name, ranks=tuple(host.ranks), memory=snap, num_cpus=cpus, cpus_source=cpus_source,
         unified=reading.unified if job.recipe.unified_memory is None else job.recipe.unified_memory,
-        target=target, device=device, num_gpus=num_gpus, specs=tuple(specs),
+        target=target, device=device, num_gpus=num_gpus, specs=tuple(specs), cpu_isa=target_of_host.cpu_isa,
         local_keys=tuple(sorted(s.key for s in specs if local_path(host, s.key).exists())),
         store_keys=tuple(sorted(s.key for s in specs if store.exists(artifact_key(s.key)))),  # no listing
         cache=cache.cache_status(cache_dir(host)),
