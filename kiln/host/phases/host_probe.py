@@ -10,7 +10,7 @@ from kiln.core.trust.layout import artifact_key, worker_memory_prefix
 from kiln.core.plan.probe_result import HostProbe
 from kiln.core.machine.target import host_device
 from kiln.host.machine import cache, probe
-from kiln.host.compile import tuner
+from kiln.host.compile import inductor_cache, tuner
 from kiln.host.machine.cache import cache_dir, local_path
 from kiln.host.compile.inductor_options import compiler_options, inductor_env
 from kiln.host.compile.key_sources import model_code_fingerprint
@@ -23,7 +23,8 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
     The target is for the recipe's device as this host alone sees it (auto: cuda where it has a GPU; cuda
     on a host without one probes as cpu, and kiln.core.plan.decisions.check_devices refuses the export naming
     every such host). With tuning on, each spec carries the stored tuning results of its GEMMs (verified)
-    and its key their digest. `store`: the export's store (opened by the caller).
+    and its key their digest. `store`: the export's store (opened by the caller). A host whose signing key
+    or private Inductor directories (kiln.host.compile.inductor_cache) are wrong stops here (BadInput).
     """
     import torch
 
@@ -31,6 +32,7 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
     from kiln.host.trust.signers import export_signer
 
     export_signer(job.signing, kiln_home(), host.name)  # every host may compile, so every host needs the key
+    inductor_cache.prepare(f"host {host.name}")  # and private Inductor caches: refused here, before the gate
     reading = probe.gpu_reading()
     snap = probe.memory_snapshot(reading)
     cpus, cpus_source = probe.cpus_and_source()
