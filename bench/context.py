@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import getpass
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from bench.runs import PYTHON, Workdir
+from bench.runs import PYTHON, Workdir, inductor_root
 from kiln.core.errors import BadInput
 
 # The incident (docs/several-hosts.md) on local hosts: one rank per host, two hosts short of one worker.
@@ -71,8 +70,9 @@ class Settings:
 
 
 def precompiled_headers_ready() -> bool:
-    """Whether Inductor's machine-wide precompiled headers exist (its default cache dir, not ours)."""
-    d = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}" / "precompiled_headers"
+    """Whether Inductor's precompiled headers exist where every run's compiles keep them: Inductor's default
+    cache dir under the runs' KILN_INDUCTOR_DIR (kiln.host.compile.inductor_cache), not a run's own."""
+    d = inductor_root() / "tmp" / f"torchinductor_{getpass.getuser()}" / "precompiled_headers"
     return d.exists() and any(d.rglob("*.gch"))
 
 

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     found, missing = share.stored_forwards(store, sorted(specs), {k: e["sha256"] for k, e in compiled.items()})
     stored = outcome.check_outcome(found, missing, specs)
     phase("outcome-check", t)
-    forwards = outcome.forward_records(specs, stored, compiled, job.model_config, job.tp)
+    forwards = outcome.forward_records(specs, stored, compiled, job.model_config, job.tp, outcome.target_cpus(probes))
     t = time.perf_counter()
     share.fetch_missing(store, job, host, forwards)
     diffs = rank_check.check_ranks(job, host, forwards)["checks"]

@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
 
+    from kiln.host.compile import inductor_cache
+
+    inductor_cache.use(inductor_cache.prepare())  # the private caches the pool's workers use, before torch
     import torch
 
     from kiln.core.forwards.forward_keys import forward_spec

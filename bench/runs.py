@@ -6,9 +6,11 @@ the work directory. Contracts: one real Prefect server and one moto S3 server
 serve the whole suite, started before any measurement and never charged to
 one; each cold measurement gets a fresh TORCHINDUCTOR_CACHE_DIR, KILN_HOME and
 store. Pitfalls: Inductor's precompiled headers live in its *default* cache
-directory whatever TORCHINDUCTOR_CACHE_DIR says, so they stay warm for every
-run after the suite's warm-up; that is intended (they are built once per
-machine, not per export).
+directory whatever TORCHINDUCTOR_CACHE_DIR says, which Kiln puts under
+KILN_INDUCTOR_DIR (kiln.host.compile.inductor_cache); every run gets the one
+`inductor_root()` (the caller's KILN_INDUCTOR_DIR, else a directory of the
+user's own), so they stay warm for every run after the suite's warm-up; that
+is intended (they are built once per machine, not per export).
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ PYTHON = sys.executable
 KILN = [PYTHON, "-m", "cli.main"]
 FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
             "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+
+
+def inductor_root() -> Path:
+    """KILN_INDUCTOR_DIR of every run: the caller's, else ~/.cache/kiln-bench/inductor (one per user and
+    machine, so the precompiled headers in it outlive a suite run)."""
+    configured = os.environ.get("KILN_INDUCTOR_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "kiln-bench" / "inductor"
 
 
 _KEY: list[str] = []
@@ -189,6 +198,7 @@ class Workdir:
                      "TORCHINDUCTOR_CACHE_DIR"):
             env.pop(name, None)
         env.update(KILN_HOME=str(self.path(kiln_home)), PREFECT_HOME=str(self.prefect_home),
+                   KILN_INDUCTOR_DIR=str(inductor_root()),
                    PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1",
                    # A busy machine can take longer than Prefect's default 20 s to start the embedded API.
                    PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="600", **FAKE_AWS,

@@ -178,8 +178,7 @@ def read_verified_manifest(path: Path, keys: dict[str, Ed25519PublicKey], allow_
 def cpu_target_problem(target: str, machine: str, isa_level: str) -> str | None:
     """Why a forward compiled for CPU target `target` ('cpu-<machine>-<ISA level>-<flags hash>') cannot run on a
     `machine` (platform.machine()) whose torch CPU capability is `isa_level`, or None. Every level runs DEFAULT
-    code and AVX512 runs AVX2 code; the flags behind a level are only hashed in the target, so a CPU of the same
-    level without a flag the compiling CPU had is not caught here."""
+    code and AVX512 runs AVX2 code (the flags behind a level: target_problem, from the manifest's target_cpu)."""
     m = re.fullmatch(r"cpu-([^-]+)-([^-]+)-[^-]+", target)
     if not m:
         return f"its target {target!r} is not a CPU target this script can check"
@@ -192,12 +191,31 @@ def cpu_target_problem(target: str, machine: str, isa_level: str) -> str | None:
     return None
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags as /proc/cpuinfo lists them (x86 `flags`, aarch64 `Features`)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
 def target_problem(forward: dict, device: torch.device) -> str | None:
-    """Why `forward` cannot run here, or None: a CPU forward by its machine and ISA level, a CUDA forward
-    ('cuda-<sm arch>-...') by the arch of the rank's GPU."""
+    """Why `forward` cannot run here, or None: a CPU forward by its machine and ISA level, and by the
+    instruction-set flags its `target_cpu` lists (manifests that record it); a CUDA forward ('cuda-<sm
+    arch>-...') by the arch of the rank's GPU."""
     target = str(forward.get("target"))
     if device.type == "cpu":
-        return cpu_target_problem(target, platform.machine(), torch.backends.cpu.get_cpu_capability())
+        problem = cpu_target_problem(target, platform.machine(), torch.backends.cpu.get_cpu_capability())
+        missing = sorted(set(forward.get("target_cpu", {}).get("isa_flags", ())) - cpu_flags())
+        if problem is None and missing:
+            problem = (f"it was compiled for target {target}, on a CPU with instruction set(s) "
+                       f"{', '.join(missing[:6])} this CPU lacks: its code would stop with an illegal instruction")
+        return problem
     major, minor = torch.cuda.get_device_capability(device)
     if not target.startswith(f"cuda-sm_{major}{minor}-"):
         return f"it was compiled for target {target}, and GPU {device.index} is sm_{major}{minor}"

@@ -195,7 +195,8 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
         compiled, own = _compile(job, hosts, runner, report, probes, specs, plan, info)
     with phase("outcome-check"):
         report.record_forwards(outcome.forward_records(specs, phases.outcome_check(job, specs, own), compiled,
-                                                       job.model_config, job.tp), compiled)
+                                                       job.model_config, job.tp, outcome.target_cpus(probes)),
+                               compiled)
     with phase("share-verify"):
         _share_verify(job, hosts, runner, report, probes)
     with phase("manifest"):

@@ -402,7 +402,28 @@ fs::path package_under_forwards(const json& forward) {
 std::string target_problem(const json& forward) {
   struct utsname host {};
   uname(&host);
-  return kiln_trust::cpu_target_problem(forward.value("target", "(none)"), host.machine, at::get_cpu_capability());
+  std::string problem =
+      kiln_trust::cpu_target_problem(forward.value("target", "(none)"), host.machine, at::get_cpu_capability());
+  if (!problem.empty() || !forward.contains("target_cpu")) return problem;
+  // The flags the compiling CPU had (the manifest's target_cpu), each one this CPU's /proc/cpuinfo must list.
+  std::set<std::string> have;
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; std::getline(cpuinfo, line);) {
+    std::string name = line.substr(0, line.find(':'));
+    name.erase(name.find_last_not_of(" \t") + 1);
+    if (name == "flags" || name == "Features") {
+      std::istringstream words(line.substr(line.find(':') + 1));
+      for (std::string w; words >> w;) have.insert(w);
+      break;
+    }
+  }
+  std::string missing;
+  for (const auto& flag : forward.at("target_cpu").value("isa_flags", json::array()))
+    if (!have.count(flag.get<std::string>())) missing += (missing.empty() ? "" : ", ") + flag.get<std::string>();
+  if (!missing.empty())
+    return "it was compiled for target " + forward.at("target").get<std::string>() + ", on a CPU with instruction "
+           "set(s) " + missing + " this CPU lacks: its code would stop with an illegal instruction";
+  return "";
 }
 
 int run(const Args& a) {

@@ -34,8 +34,8 @@ nlohmann::json read_verified_manifest(const std::filesystem::path& path, const s
 
 // Why a forward compiled for CPU target `target` ('cpu-<machine>-<isa level>-<flags hash>') cannot run on
 // a host of `machine` (uname -m) whose torch CPU capability is `isa_level` ("AVX512", any case), or "" when
-// it can: another machine, or an ISA level above the host's. The flags behind a level are only hashed in the
-// target, so a CPU of the same level that lacks a flag the compiling CPU had is not caught here.
+// it can: another machine, or an ISA level above the host's. The flags behind a level are checked by the caller
+// from the manifest's target_cpu (kiln_runner.cpp: target_problem).
 std::string cpu_target_problem(const std::string& target, const std::string& machine, const std::string& isa_level);
 
 // A package copied into a private directory (mkdtemp: mode 0700, the file 0600) while it is hashed. The

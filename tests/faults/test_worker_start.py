@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -29,6 +30,35 @@ def report(spec: dict, out_path: str) -> CompileResult:
     seen = {"env": os.environ.get("KILN_TEST_WORKER_ENV"), "cuda": torch.cuda.is_initialized(), "threads": threads}
     return CompileResult(key=repr(seen), path=out_path, sha256="0" * 64, size_bytes=0, compile_s=0.0,
                          pid=os.getpid())
+
+
+def where_inductor_writes(spec: dict, out_path: str) -> CompileResult:
+    """Runs in a worker: where its Inductor keeps caches, precompiled headers and temporary files."""
+    import tempfile
+
+    from torch._inductor import codecache
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    seen = {"cache_dir": cache_dir(), "default_cache_dir": default_cache_dir(), "headers": codecache._HEADER_DIR,
+            "tempdir": tempfile.gettempdir(), "TMPDIR": os.environ["TMPDIR"]}
+    return CompileResult(key=repr(seen), path=out_path, sha256="0" * 64, size_bytes=0, compile_s=0.0,
+                         pid=os.getpid())
+
+
+def test_a_workers_inductor_keeps_everything_in_the_users_private_dirs(tmp_path, monkeypatch):
+    """Not $TMPDIR/torchinductor_$USER, which the server's imports fixed before any worker existed."""
+    root = tmp_path / "inductor-root"
+    monkeypatch.setenv("KILN_INDUCTOR_DIR", str(root))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    with CompilePool(1, compile_fn=where_inductor_writes) as pool:
+        [result] = pool.run([({"key": "k"}, str(tmp_path / "k.pt2"))], lambda r: None)
+    seen = eval(result.key)  # noqa: S307  (our own repr of a dict of plain values)
+    user_default = str(root / "tmp" / f"torchinductor_{__import__('getpass').getuser()}")
+    assert seen == {"cache_dir": str(root / "cache"), "default_cache_dir": user_default,
+                    "headers": f"{user_default}/precompiled_headers", "tempdir": str(root / "tmp"),
+                    "TMPDIR": str(root / "tmp")}
+    assert all(stat.S_IMODE(os.stat(d).st_mode) == 0o700 for d in (root, root / "cache", root / "tmp"))
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ, "the pool's owner keeps its own environment"
 
 
 def _seen(tmp_path) -> tuple[dict, int]:

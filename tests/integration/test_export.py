@@ -78,6 +78,11 @@ def test_artifacts_in_store_match_recorded_sha256(exported):
     manifest = json.loads((root / r["manifest"]).read_text())
     assert {f["key"] for f in manifest["forwards"]} == {f["key"] for f in r["forwards"]}
     assert manifest["kv_plan"]["pages_per_rank"] > 0
+    # What a consumer's CPU must have to run each package (docs/run-without-kiln.md): this host's CPU.
+    from kiln.host.machine.probe import cpu_description
+
+    here = cpu_description()
+    assert all(f["target"] == here.fingerprint and f["target_cpu"] == here.to_dict() for f in manifest["forwards"])
 
 
 def test_memory_ledger_has_every_phase_boundary(exported):

@@ -11,7 +11,9 @@ import pytest
 
 from kiln.host.trust import signers as trust
 from cli.verify import fetch_verified_export
-from kiln.core.errors import IntegrityError
+from kiln.core.errors import BadInput, IntegrityError
+from kiln.core.machine.cpu_target import CpuIsa
+from kiln.host.machine.probe import detect_target
 from kiln.core.trust.manifest import build_manifest
 from kiln.store import LocalStore
 
@@ -36,11 +38,14 @@ def setup(tmp_path, monkeypatch):
     monkeypatch.delenv(trust.VERIFY_KEY_ENV, raising=False)
     home, store = tmp_path / "home", LocalStore(tmp_path / "store")
 
-    def export(data: bytes) -> None:
+    here = detect_target("cpu").cpu_isa
+
+    def export(data: bytes, cpu: CpuIsa = here) -> None:
         plan, _ = trust.plan_signing(sign=True, block=None, store=store, home=home)
         store.delete(f"forwards/{KEY}.pt2")
         store.put_bytes(f"forwards/{KEY}.pt2", data)
-        fwd = {"key": KEY, "shapes": "1x8", "batch": [1, 1], "tokens": [8, 8], "hint": [1, 8], "target": "t", "sha256": hashlib.sha256(data).hexdigest(),
+        fwd = {"key": KEY, "shapes": "1x8", "batch": [1, 1], "tokens": [8, 8], "hint": [1, 8],
+               "target": cpu.fingerprint, "target_cpu": cpu.to_dict(), "sha256": hashlib.sha256(data).hexdigest(),
                "size_bytes": len(data), "object": f"forwards/{KEY}.pt2", "python_free": True,
                "interface": {"process_group": None}}
         m = build_manifest(export_id="e1", model={}, recipe={}, tp=1, buckets=["1x8"], forwards=[fwd], weights={},
@@ -79,3 +84,14 @@ def test_a_signed_but_dangerous_package_is_refused(setup):
     export(package(symlink=True))  # the manifest vouches for these bytes; their members still get checked
     with pytest.raises(IntegrityError, match="symlink"):
         fetch()
+
+
+def test_a_package_for_a_cpu_this_host_cannot_run_is_refused_before_it_is_fetched(setup):
+    store, export, fetch, dest = setup
+    here = detect_target("cpu").cpu_isa
+    other = CpuIsa(arch="riscv64" if here.arch != "riscv64" else "x86_64", level="default", flags=())
+    export(package(), other)
+    with pytest.raises(BadInput, match=f"forward {KEY} is for {other.fingerprint}: it is {other.arch} code and "
+                                       f"this CPU is {here.arch}.*To fix"):
+        fetch()
+    assert not dest.exists() or not any(dest.iterdir())

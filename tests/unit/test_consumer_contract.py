@@ -200,6 +200,24 @@ def test_forward_records_carry_the_contract_and_who_compiled():
     assert reused["compiled_by"] is None and reused["compile_attempts"] == 0
 
 
+def test_a_cpu_forward_records_the_cpu_it_needs_from_the_probes():
+    from dataclasses import replace
+
+    from kiln.core.machine.cpu_target import cpu_isa
+    from kiln.core.plan.probe_result import HostProbe
+    from kiln.core.run.outcome import target_cpus
+
+    cpu = cpu_isa("x86_64", "AVX2", "flags\t: sse2 avx avx2 fma hypervisor\n")
+    specs = {"k1": replace(SPECS["k1"], target=cpu.fingerprint)}
+    probe = HostProbe(name="h0", ranks=(0,), memory={}, num_cpus=1, unified=False, target=cpu.fingerprint,
+                      specs=(), local_keys=(), store_keys=(), cache={}, cpu_isa=cpu)
+    [rec] = forward_records(specs, {"k1": _found()}, {}, TINY, 2, target_cpus([probe]))
+    assert rec["target_cpu"] == {"arch": "x86_64", "isa_level": "avx2", "isa_flags": ["avx", "avx2", "fma", "sse2"]}
+    assert "target_cpu" not in forward_records(specs, {"k1": _found()}, {}, TINY, 2)[0]  # undescribed: none
+    gpu = replace(probe, target="cuda-sm_90-cu13.0-triton3.6.0-x86-64-v3", device="cuda")
+    assert target_cpus([gpu]) == {}  # a CUDA forward loads on its own target only: no CPU to record
+
+
 def test_a_forward_compiled_here_must_be_stored_with_its_compilers_digest():
     compiled = {"k1": {"compiled_by": "h0", "compile_s": 2.0, "sha256": "a" * 64}}
     [rec] = forward_records(SPECS, {"k1": _found()}, compiled, TINY, 2)

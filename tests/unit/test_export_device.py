@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.core.model.config import TINY
+from kiln.core.machine.target import Target, cpu_target_of, cuda_target_of
 from kiln.core.errors import BadInput, IntegrityError
 from kiln.core.plan.job import ExportJob
 from kiln.core.trust.manifest import build_manifest, check_manifest, forwards_for_host, manifest_device
@@ -65,22 +66,32 @@ def test_the_manifest_states_its_device_and_refuses_a_mix():
     assert manifest_device(old) == "cpu"  # written before CUDA exports
 
 
+def _cuda_host(capability: tuple[int, int]) -> Target:
+    return cuda_target_of(machine="x86_64", cpu=CPU, torch_version="2.13.0", capability=capability,
+                          cuda_version="13.0", triton_version="3.6.0", has_cpp_march=True)
+
+
+def _cpu_host(fingerprint: str) -> Target:
+    return cpu_target_of(machine=fingerprint.split("-")[1], cpu=fingerprint, torch_version="2.13.0")
+
+
 def test_a_cuda_export_on_a_host_without_a_gpu_is_refused_by_name():
     m = _manifest([_forward("1x8", H200, "a" * 16)])
+    assert _cuda_host((9, 0)).fingerprint == H200 and _cuda_host((8, 0)).fingerprint == A100
     with pytest.raises(BadInput, match=f"compiled for CUDA \\(targets {H200}\\) and this host has no usable GPU"):
-        forwards_for_host(m, "none", 0)
-    with pytest.raises(BadInput, match=f"no forward of shapes 1x8 for this host's target {A100} \\(it has {H200}\\)"):
-        forwards_for_host(m, A100, 1)
-    assert [f["key"] for f in forwards_for_host(m, H200, 8)] == ["a" * 16]
+        forwards_for_host(m, None, 0)
+    with pytest.raises(BadInput, match=f"no forward of shapes 1x8 for this host's target {A100}: forward a+ is for "
+                                       f"{H200}: a CUDA forward loads only on a host of its own target"):
+        forwards_for_host(m, _cuda_host((8, 0)), 1)
+    assert [f["key"] for f in forwards_for_host(m, _cuda_host((9, 0)), 8)] == ["a" * 16]
 
 
 def test_shapes_with_a_forward_per_target_give_this_hosts():
     other_cpu = "cpu-x86_64-avx512-89abcdef"
     m = _manifest([_forward("1x8", CPU, "a" * 16), _forward("1x8", other_cpu, "b" * 16),
-                   _forward("2x4", CPU, "c" * 16)])
-    assert [f["key"] for f in forwards_for_host(m, other_cpu, 0)] == ["b" * 16, "c" * 16]
+                   _forward("2x4", CPU, "c" * 16), _forward("2x4", other_cpu, "d" * 16)])
+    assert [f["key"] for f in forwards_for_host(m, _cpu_host(other_cpu), 0)] == ["b" * 16, "d" * 16]
+    assert [f["key"] for f in forwards_for_host(m, _cpu_host(CPU), 0)] == ["a" * 16, "c" * 16]
     with pytest.raises(BadInput, match="no forward of shapes 1x8 for this host's target cpu-aarch64"):
-        forwards_for_host(m, "cpu-aarch64-sve-00000000", 0)
-    # One forward of the shapes on the CPU: it is taken (a CPU runs code for its own ISA or a lower one).
-    single = _manifest([_forward("1x8", CPU, "a" * 16)])
-    assert [f["key"] for f in forwards_for_host(single, other_cpu, 0)] == ["a" * 16]
+        forwards_for_host(m, _cpu_host("cpu-aarch64-sve256-00000000"), 0)
+    # Which CPU runs another's package: tests/unit/test_target_refusal.py.

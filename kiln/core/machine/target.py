@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kiln.core.errors import BadInput
+from kiln.core.machine.cpu_target import CpuIsa
 
 Device = Literal["auto", "cpu", "cuda"]
 """What the recipe's `device` may say."""
@@ -77,12 +78,17 @@ class Target:
     """torch.version.cuda, e.g. '13.0'; None for cpu."""
     triton_version: str | None = None
     """The installed Triton's version; None for cpu (or where Triton is not installed)."""
+    cpu_isa: CpuIsa | None = None
+    """The host CPU itself (architecture, ISA level, instruction-set flags), of which `cpu` is the fingerprint:
+    what a consumer compares with a package's `target_cpu`; None where only the fingerprint is known."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"a target's device is 'cpu' or 'cuda', not {self.device!r}")
         if self.device == "cuda" and not self.cuda_arch:
             raise ValueError("a cuda target needs the GPU's arch")
+        if self.cpu_isa is not None and self.cpu_isa.fingerprint != self.cpu:
+            raise ValueError(f"the CPU described ({self.cpu_isa.fingerprint}) is not the target's CPU {self.cpu}")
 
     @property
     def fingerprint(self) -> str:
@@ -98,18 +104,21 @@ class Target:
         return {"cpp.march": self.march} if self.march else {}
 
 
-def cpu_target_of(*, machine: str, cpu: str, torch_version: str) -> Target:
-    """The cpu target of a host whose CPU target is `cpu` (native code: no march pinned)."""
-    return Target(device="cpu", machine=machine, cpu=cpu, torch_version=torch_version)
+def cpu_target_of(*, machine: str, cpu: str, torch_version: str, cpu_isa: CpuIsa | None = None) -> Target:
+    """The cpu target of a host whose CPU target is `cpu` (native code: no march pinned); `cpu_isa`, where
+    known, describes that CPU."""
+    return Target(device="cpu", machine=machine, cpu=cpu, torch_version=torch_version, cpu_isa=cpu_isa)
 
 
 def cuda_target_of(*, machine: str, cpu: str, torch_version: str, capability: tuple[int, int],
-                   cuda_version: str | None, triton_version: str | None, has_cpp_march: bool) -> Target:
+                   cuda_version: str | None, triton_version: str | None, has_cpp_march: bool,
+                   cpu_isa: CpuIsa | None = None) -> Target:
     """The cuda target of a host with a GPU of compute `capability` (major, minor); `has_cpp_march`:
     whether the host's torch has Inductor's `cpp.march` (then the wrapper is built for CUDA_WRAPPER_MARCH)."""
     march = CUDA_WRAPPER_MARCH.get(machine) if has_cpp_march else None
     return Target(device="cuda", machine=machine, cpu=cpu, torch_version=torch_version, march=march,
-                  cuda_arch=cuda_arch(capability), cuda_version=cuda_version, triton_version=triton_version)
+                  cuda_arch=cuda_arch(capability), cuda_version=cuda_version, triton_version=triton_version,
+                  cpu_isa=cpu_isa)
 
 
 def cuda_arch(capability: tuple[int, int]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.core.forwards.forward_keys import ForwardSpec
+from kiln.core.machine.cpu_target import CpuIsa
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class HostProbe:
     CUDA build of torch); the recipe's device auto and cuda look at it."""
     device: str = "cpu"
     """'cpu' or 'cuda': the device `target` and `specs` are for (kiln.core.machine.target)."""
+    cpu_isa: CpuIsa | None = None
+    """This host's CPU (architecture, ISA level, instruction-set flags; kiln.core.machine.target.Target.cpu_isa):
+    the manifest's `target_cpu` of the CPU forwards of `target`."""
 
     @property
     def host_available_mib(self) -> int:

@@ -13,6 +13,8 @@ from kiln.core.model.contract import constant_sources
 from kiln.core.errors import ForwardsMissing, IntegrityError, NotPythonFree, VerifyMismatch
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.model.interface import forward_interface
+from kiln.core.machine.cpu_target import CpuIsa
+from kiln.core.machine.target import device_of
 
 
 def check_outcome(found: dict[str, dict], missing: list[str], specs: dict[str, ForwardSpec]) -> dict[str, dict]:
@@ -41,10 +43,12 @@ def check_digests(held: dict[str, str], recorded: dict[str, str], what: str) -> 
 
 
 def forward_records(specs: dict[str, ForwardSpec], stored: dict[str, dict], compiled: dict[str, dict],
-                    cfg: ModelConfig, tp: int) -> list[dict]:
+                    cfg: ModelConfig, tp: int, cpus: dict[str, CpuIsa] | None = None) -> list[dict]:
     """One record per forward, ordered by (target, shapes): what it is, the shapes it takes (its range's
     'batch' and 'tokens' [min, max] and the 'hint' [batch, tokens] it was compiled for), where it lives, who compiled
-    it and how, and its consumer contract (interface, process group, constants). A forward this export
+    it and how, and its consumer contract (interface, process group, constants). A CPU forward whose target
+    `cpus` describes (target fingerprint -> CpuIsa: `target_cpus` of the probes) carries it as `target_cpu`,
+    what a consumer's CPU must have to run it. A forward this export
     compiled must be stored with the sha256 its compiler reported (IntegrityError otherwise): the checks and
     the manifest then use the compiler's digest, not only the store's metadata."""
     check_digests({k: c["sha256"] for k, c in compiled.items() if c.get("sha256")},
@@ -64,7 +68,15 @@ def forward_records(specs: dict[str, ForwardSpec], stored: dict[str, dict], comp
                     "compile_peak_mib": c.get("compile_peak_mib"),
                     "python_free": s["calls"]["python_free"], "ops": s["calls"]["ops"],
                     "interface": forward_interface(cfg, tp, spec.inputs), "constants": constants})
+        if device_of(spec.target) == "cpu" and spec.target in (cpus or {}):
+            out[-1]["target_cpu"] = cpus[spec.target].to_dict()
     return out
+
+
+def target_cpus(probes) -> dict[str, CpuIsa]:
+    """Target fingerprint -> its CPU, of the CPU targets among `probes` (kiln.core.plan.probe_result.HostProbe)
+    that describe their CPU: forward_records' `cpus`."""
+    return {p.target: p.cpu_isa for p in probes if p.cpu_isa is not None and device_of(p.target) == "cpu"}
 
 
 def check_verified(checks: dict[str, dict], host_name: str, dtype: str) -> None:

@@ -14,7 +14,10 @@ whether every package runs without Python, and the `device` the packages run
 on ('cpu' or 'cuda'; absent: cpu); `weights` maps each
 package constant to its checkpoint tensor and how each rank cuts it; each
 forward carries its `interface` (inputs and outputs: names, dtypes, shapes with
-the dynamic dimension named), the native `ops` it calls and its `constants`.
+the dynamic dimension named), the native `ops` it calls and its `constants`; a CPU
+forward also its `target_cpu`, the CPU its code is compiled for
+(kiln.core.machine.cpu_target.CpuIsa: arch, ISA level, instruction-set flags),
+by which `forwards_for_host` refuses a package this host's CPU cannot run.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from kiln.core.errors import BadInput, IntegrityError
 from kiln.core.trust.key_rules import check_no_collisions
 from kiln.core.trust.layout import artifact_key, legacy_artifact_key
 from kiln.core.forwards.shape_ranges import parse_shape_range
-from kiln.core.machine.target import device_of
+from kiln.core.machine.cpu_target import ISA_LEVEL_RANK, CpuIsa, arch_and_level, cannot_run, level_above
+from kiln.core.machine.target import Target, device_of
 
 MANIFEST_VERSION = 5
 _KEY = re.compile(r"^[0-9a-f]{16,64}$")
@@ -94,6 +98,7 @@ def check_manifest(manifest: object, *, export_id: str | None = None) -> dict:
         _check_shapes(f)
         if not isinstance(f.get("python_free"), bool):
             raise IntegrityError(f"manifest entry for {f['key']} does not say whether it is Python-free.")
+        _check_target_cpu(f)
     device = manifest_device(manifest)
     off = sorted({f["target"] for f in forwards if device_of(str(f.get("target", ""))) != device})
     if off:
@@ -118,6 +123,20 @@ def _check_shapes(forward: dict) -> None:
                              f"range {forward['shapes']!r} names.")
 
 
+def _check_target_cpu(forward: dict) -> None:
+    """IntegrityError unless a CPU forward's 'target_cpu' (absent in manifests written before it) is a CPU
+    description whose fingerprint is the forward's target."""
+    if "target_cpu" not in forward or device_of(str(forward.get("target", ""))) != "cpu":
+        return
+    try:
+        cpu = CpuIsa.from_dict(forward["target_cpu"])
+    except ValueError as exc:
+        raise IntegrityError(f"manifest entry for {forward['key']}: its target_cpu is malformed: {exc}") from None
+    if cpu.fingerprint != forward.get("target"):
+        raise IntegrityError(f"manifest entry for {forward['key']}: its target_cpu describes {cpu.fingerprint}, "
+                             f"not its target {forward.get('target')}.")
+
+
 def manifest_device(manifest: dict) -> str:
     """'cpu' or 'cuda': the device a (checked) manifest's packages run on (`runtime.device`; absent: cpu, as
     consumers written against manifests without it assume)."""
@@ -127,31 +146,97 @@ def manifest_device(manifest: dict) -> str:
     return device
 
 
-def forwards_for_host(manifest: dict, host_target: str, num_gpus: int) -> list[dict]:
-    """The forwards a consumer on a host of target fingerprint `host_target` with `num_gpus` usable GPUs
-    loads, one per shapes (a bucket or a range); BadInput naming what does not fit before anything is fetched.
+def forwards_for_host(manifest: dict, host: Target | None, num_gpus: int) -> list[dict]:
+    """The forwards a consumer on a host of target `host` (None: it has none for the export's device) with
+    `num_gpus` usable GPUs loads, one per shapes (a bucket or a range); BadInput naming what does not fit
+    before anything is fetched.
 
-    The rule (docs/run-without-kiln.md): a CUDA export needs a GPU, and only forwards compiled for this
-    host's target (GPU arch, CUDA, Triton, wrapper ISA) load on it. Shapes with forwards for several
-    targets take this host's; CPU shapes with one forward take that one (a CPU runs a package compiled for
-    its own ISA or a lower one; Inductor's code for a higher one stops with an illegal instruction).
+    The rule (docs/run-without-kiln.md): a CUDA export needs a GPU, and a CUDA forward loads only on a host
+    of its target (GPU arch, CUDA, Triton, wrapper ISA). A CPU forward loads on a CPU that can run it
+    (`cannot_run_here`). Of the forwards of a shapes this host can run, it takes the one of its own target,
+    else the one of the highest ISA level, then with the most instruction-set flags, then the first target
+    by name; where it can run none, the export is refused naming each forward, its target and why.
     """
     device = manifest_device(manifest)
     export = manifest.get("export_id")
-    if device == "cuda" and num_gpus <= 0:
+    if device == "cuda" and (host is None or num_gpus <= 0):
         raise BadInput(f"export {export} was compiled for CUDA (targets "
                        f"{', '.join(sorted({str(f.get('target')) for f in manifest['forwards']}))}) and this host has no "
                        "usable GPU (none visible, or torch here is a CPU build); run it on a GPU host of that "
                        "target, or export again with --set device=cpu.")
+    if host is None:
+        raise ValueError(f"a consumer of a {device} export needs this host's {device} target")
     by_shapes: dict[str, list[dict]] = {}
     for f in manifest["forwards"]:
         by_shapes.setdefault(f["shapes"], []).append(f)
     chosen = []
     for shapes, fs in sorted(by_shapes.items()):
-        mine = [f for f in fs if f.get("target") == host_target]
-        if not mine and (device == "cuda" or len(fs) > 1):
-            raise BadInput(f"export {export} has no forward of shapes {shapes} for this host's target "
-                           f"{host_target} (it has {', '.join(sorted(str(f.get('target')) for f in fs))}); run it on a "
-                           "host of one of those targets, or export again with a host of this one.")
-        chosen.append(mine[0] if mine else fs[0])
+        why = {f["key"]: cannot_run_here(f, host) for f in fs}
+        runnable = [f for f in fs if why[f["key"]] is None]
+        if not runnable:
+            raise BadInput(refusal(export, shapes, fs, why, host))
+        chosen.append(min(runnable, key=lambda f: _preference(f, host)))
     return chosen
+
+
+def cannot_run_here(forward: dict, host: Target) -> str | None:
+    """Why a host of target `host` cannot run `forward`'s package (a clause naming what it needs and what
+    this host has), or None when it can.
+
+    Its own target always runs. A CUDA forward runs only there. A CPU forward runs on a CPU of its
+    architecture whose ISA level is its own or higher and that has every instruction-set flag of its
+    `target_cpu` (kiln.core.machine.cpu_target.cannot_run); a forward without `target_cpu` (a manifest written
+    before it) is known only by its fingerprint, which names its architecture and ISA level but not its
+    flags, so on any other CPU it is refused.
+    """
+    target = str(forward.get("target"))
+    if target == host.fingerprint:
+        return None
+    if device_of(target) == "cuda" or host.device == "cuda":
+        return "a CUDA forward loads only on a host of its own target"
+    if host.cpu_isa is None:
+        return f"this host's CPU is known only by its fingerprint {host.fingerprint}"
+    if "target_cpu" in forward:
+        return cannot_run(CpuIsa.from_dict(forward["target_cpu"]), host.cpu_isa)
+    named = arch_and_level(target)
+    if named is None:
+        return "its target is not a CPU target this Kiln reads"
+    arch, level = named
+    if arch != host.cpu_isa.arch:
+        return f"it is {arch} code and this CPU is {host.cpu_isa.arch}"
+    if level_above(level, host.cpu_isa.level):
+        return f"it needs ISA level {level} and this CPU's is {host.cpu_isa.level}"
+    return ("the manifest records only its target's fingerprint, not the instruction sets it needs (written "
+            "before manifests carried target_cpu), so Kiln cannot tell whether this CPU runs it")
+
+
+def check_runs_here(forwards: list[dict], host: Target, where: str) -> None:
+    """BadInput naming the first of `forwards` a host of target `host` cannot run (cannot_run_here), with
+    `where` (e.g. 'host h0') in front: a guard before any process loads one."""
+    for f in forwards:
+        why = cannot_run_here(f, host)
+        if why:
+            raise BadInput(f"{where}: forward {f.get('key')} ({f.get('shapes')}) is for target {f.get('target')} and "
+                           f"this host's is {host.fingerprint}: {why}. Nothing was loaded; run it on a host of its "
+                           "target, or compile it for this one.")
+
+
+def refusal(export: str | None, shapes: str, forwards: list[dict], why: dict[str, str | None], host: Target) -> str:
+    """The refusal of an export none of whose `forwards` of `shapes` this host can run: each forward, its
+    target and why not (`why`: key -> cannot_run_here), this host's target, and the fix."""
+    cpu = host.cpu_isa
+    mine = f"{host.fingerprint}" + (f" ({cpu.arch}, ISA level {cpu.level})" if cpu and host.device == "cpu" else "")
+    each = "; ".join(f"forward {f['key']} is for {f.get('target')}: {why[f['key']]}" for f in forwards)
+    fix = ("run it on a host of one of those targets (for a CPU forward: any CPU of its architecture with its "
+           "ISA level and instruction sets), or export again with a host of this one among the export's hosts, "
+           "so its forwards compile for this host")
+    return (f"export {export} has no forward of shapes {shapes} for this host's target {mine}: {each}. To fix: "
+            f"{fix}.")
+
+
+def _preference(forward: dict, host: Target) -> tuple:
+    """Sort key among the forwards of one shapes a host can run: its own target first, then the highest ISA
+    level, the most instruction-set flags, the first target by name."""
+    cpu = forward.get("target_cpu") or {}
+    return (forward.get("target") != host.fingerprint, -ISA_LEVEL_RANK.get(cpu.get("isa_level"), 0),
+            -len(cpu.get("isa_flags", ())), str(forward.get("target")))

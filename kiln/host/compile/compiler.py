@@ -4,7 +4,9 @@ torch.export and Inductor keep process-global state (the FX tracing flag, mode
 stacks), so concurrent compiles in one process race; each worker is its own
 process, forked from a server that imported torch, Inductor and Kiln once
 (kiln.host.compile.worker_start: a fresh interpreter, no inherited threads or CUDA
-context, the caller's environment) and kept warm across forwards. Each worker is a
+context, the caller's environment) and kept warm across forwards; each keeps
+Inductor's caches in this user's private directories
+(kiln.host.compile.inductor_cache), checked before any worker starts. Each worker is a
 single-process executor of its own, so a worker that dies (OOM kill, SIGKILL)
 costs only the forward it was compiling: that worker is replaced and that
 forward tried again, up to `max_attempts` times; forwards on other workers
@@ -27,7 +29,7 @@ from typing import Callable
 
 from kiln.core.errors import DiskError, KilnError
 from kiln.host.trust.package_check import package_calls
-from kiln.host.compile import export_call, worker_start
+from kiln.host.compile import export_call, inductor_cache, worker_start
 from kiln.host.processes import faults
 from kiln.core.errors import DISK_ERRNOS
 from kiln.host.compile.inductor_options import inductor_env
@@ -73,13 +75,16 @@ def _count_selection(*_args, **_kwargs) -> None:
     _SELECTIONS += 1
 
 
-def _warm(tuning_entries: dict | None = None) -> None:
-    """Pool initializer: arm the parent watch, hook Inductor's autotuning counter and install the tuning
-    results before any compile. torch and Kiln are imported already (kiln.host.compile.worker_start.PRELOAD)."""
+def _warm(dirs: inductor_cache.InductorDirs | None = None, tuning_entries: dict | None = None) -> None:
+    """Pool initializer: arm the parent watch, point Inductor at the private `dirs`
+    (kiln.host.compile.inductor_cache), hook Inductor's autotuning counter and install the tuning results
+    before any compile. torch and Kiln are imported already (kiln.host.compile.worker_start.PRELOAD)."""
     global _TUNING
     from kiln.host.processes.procs import die_with_parent
 
     die_with_parent()  # a worker never outlives the pool's owner (it would hold memory the next gate measures)
+    if dirs is not None:
+        inductor_cache.use(dirs)  # before anything reads or writes Inductor's caches (tuner.install does)
     import warnings
 
     # torch 2.13's own export path deep-copies its deprecated pytree LeafSpec: a FutureWarning in every compile
@@ -161,8 +166,8 @@ def _compile_forward(spec: dict, out_path: str) -> CompileResult:
         else:
             raise
         raise DiskError(f"compiling forward {spec['key']} ({spec['shapes']}) failed writing {where}: {why}; "
-                        "free space there or point KILN_CACHE_DIR (the host's cache) or TMPDIR (the "
-                        "compiler's scratch) at a disk with room.") from None
+                        "free space there or point KILN_CACHE_DIR (the host's cache) or KILN_INDUCTOR_DIR "
+                        "(the compiler's caches and scratch) at a disk with room.") from None
     autotune = None
     if spec["compiler"].get("max_autotune"):
         autotune = {"selections": _SELECTIONS - selections, "benchmarked": tuner.benchmark_count() - benchmarked,
@@ -229,7 +234,9 @@ class CompilePool:
     `compile_fn(spec, out_path) -> CompileResult` runs in the workers (a
     module-level function, so it pickles); `initializer` warms each new worker.
     `tuning_entries` (verified autotune entries, see kiln.host.compile.tuner) are installed
-    into every worker's Inductor cache when it starts, before it compiles.
+    into every worker's Inductor cache when it starts, before it compiles. With the default initializer,
+    the workers' Inductor caches are this user's private directories, made and checked here
+    (kiln.host.compile.inductor_cache.prepare: BadInput before any worker starts).
     """
 
     def __init__(self, num_workers: int, *, max_attempts: int = 2,
@@ -243,11 +250,12 @@ class CompilePool:
         self._fn = compile_fn
         self._initializer = initializer
         self.tuning_entries = tuning_entries
+        self.inductor_dirs = inductor_cache.prepare() if initializer is _warm else None
         self._ctx = worker_start.acquire()
         self._slots = [self._new() for _ in range(num_workers)]
 
     def _new(self) -> ProcessPoolExecutor:
-        args = (self.tuning_entries,) if self.tuning_entries and self._initializer is _warm else ()
+        args = (self.inductor_dirs, self.tuning_entries) if self._initializer is _warm else ()
         return ProcessPoolExecutor(1, mp_context=self._ctx, initializer=self._initializer, initargs=args)
 
     def worker_pids(self) -> list[int]:

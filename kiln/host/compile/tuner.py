@@ -39,6 +39,7 @@ from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.plan.tuning_plan import GemmShape
 from kiln.core.machine.target import device_of
 from kiln.host.machine import probe
+from kiln.host.compile import inductor_cache
 from kiln.host.compile.inductor_options import compiler_options
 from kiln.host.processes.spawned import call_in_spawned
 from kiln.store import Store, open_store, sha256_bytes
@@ -217,16 +218,22 @@ def _save(store: Store, run: dict, decision: tuning_plan.TuningDecision, *, targ
 
 
 def measure(shapes: tuple[GemmShape, ...], *, target: str, torch_version: str, backends: str) -> dict:
-    """Benchmark `shapes` over `backends` in a spawned process; returns its run (see `_measure_in_child`)."""
-    return call_in_spawned(_measure_in_child, [s.to_dict() for s in shapes], target, torch_version, backends)
+    """Benchmark `shapes` over `backends` in a spawned process; returns its run (see `_measure_in_child`).
+    The process's Inductor directories are this user's private ones (kiln.host.compile.inductor_cache),
+    checked here first."""
+    dirs = inductor_cache.prepare()
+    return call_in_spawned(_measure_in_child, [s.to_dict() for s in shapes], target, torch_version, backends, dirs)
 
 
-def _measure_in_child(shapes: list[dict], target: str, torch_version: str, backends: str) -> dict:
-    """In a fresh process and a fresh Inductor cache dir, autotune every shape once.
+def _measure_in_child(shapes: list[dict], target: str, torch_version: str, backends: str,
+                      dirs: inductor_cache.InductorDirs) -> dict:
+    """In a fresh process and a fresh Inductor cache dir (inside the private `dirs`' scratch), autotune
+    every shape once.
 
     Returns {'results': {str(shape): entries}, 'benchmarked': candidates,
     'selections': GEMMs autotuned, 'measure_s': seconds, 'unmatched': [...]}.
     """
+    inductor_cache.use(dirs)  # the precompiled headers too; the cache itself is a fresh one below
     scratch = tempfile.mkdtemp(prefix="kiln-tune-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "inductor")
     try:

@@ -20,7 +20,7 @@ import psutil
 
 from kiln.core.machine import cgroup_limits as cg
 from kiln.core.machine import gpus
-from kiln.core.machine.cpu_target import cpu_target
+from kiln.core.machine.cpu_target import CpuIsa, cpu_isa
 from kiln.core.errors import BadInput
 from kiln.core.machine.target import Target, cpu_target_of, cuda_target_of
 
@@ -206,10 +206,11 @@ def gpu_reading() -> gpus.GpuReading:
         return gpus.GpuReading((), "none", "; ".join(filter(None, [error, f"torch child process: {exc}"])))
 
 
-def cpu_fingerprint() -> str:
-    """This host's CPU target (kiln.core.machine.cpu_target): Inductor compiles CPU code with -march=native, so two
-    CPUs share artifacts only when their ISA level and instruction-set flags agree (kernel bug, mitigation
-    and virtualisation flags do not count)."""
+def cpu_description() -> CpuIsa:
+    """This host's CPU (kiln.core.machine.cpu_target): architecture, torch's ISA level and instruction-set flags.
+    Inductor compiles CPU code with -march=native, so two CPUs share artifacts only when their ISA level and
+    instruction-set flags agree (kernel bug, mitigation and virtualisation flags do not count); its
+    `fingerprint` is the CPU target."""
     import torch
 
     try:
@@ -217,7 +218,12 @@ def cpu_fingerprint() -> str:
             cpuinfo = f.read()
     except OSError:
         cpuinfo = ""
-    return cpu_target(platform.machine(), torch.backends.cpu.get_cpu_capability(), cpuinfo)
+    return cpu_isa(platform.machine(), torch.backends.cpu.get_cpu_capability(), cpuinfo)
+
+
+def cpu_fingerprint() -> str:
+    """This host's CPU target: cpu_description().fingerprint."""
+    return cpu_description().fingerprint
 
 
 def has_cpp_march() -> bool:
@@ -250,9 +256,9 @@ def detect_target(device: str, reading: gpus.GpuReading | None = None) -> Target
     host without a visible GPU or with a CPU build of torch."""
     import torch
 
-    machine = platform.machine()
+    machine, cpu = platform.machine(), cpu_description()
     if device == "cpu":
-        return cpu_target_of(machine=machine, cpu=cpu_fingerprint(), torch_version=torch.__version__)
+        return cpu_target_of(machine=machine, cpu=cpu.fingerprint, torch_version=torch.__version__, cpu_isa=cpu)
     if device != "cuda":
         raise BadInput(f"a host compiles for device 'cpu' or 'cuda', not {device!r}.")
     reading = gpu_reading() if reading is None else reading
@@ -263,20 +269,20 @@ def detect_target(device: str, reading: gpus.GpuReading | None = None) -> Target
     if not torch.version.cuda:
         raise BadInput(f"device=cuda but this host's torch {torch.__version__} is a CPU build; install a CUDA "
                        "build of torch, or export for the CPU with --set device=cpu.")
-    return cuda_target_of(machine=machine, cpu=cpu_fingerprint(), torch_version=torch.__version__,
+    return cuda_target_of(machine=machine, cpu=cpu.fingerprint, torch_version=torch.__version__,
                           capability=reading.gpus[0].capability, cuda_version=torch.version.cuda,
-                          triton_version=_installed_version("triton"), has_cpp_march=has_cpp_march())
+                          triton_version=_installed_version("triton"), has_cpp_march=has_cpp_march(), cpu_isa=cpu)
 
 
-def consumer_target(device: str) -> tuple[str, int]:
-    """(this host's target fingerprint for `device`, its usable GPUs): what a consumer of an export asks
-    before fetching its forwards (kiln.core.trust.manifest.forwards_for_host). No CUDA context is made; a host
-    that cannot run `device` answers fingerprint 'none'."""
+def consumer_target(device: str) -> tuple[Target | None, int]:
+    """(this host's target for `device`, its usable GPUs): what a consumer of an export asks before fetching
+    its forwards (kiln.core.trust.manifest.forwards_for_host). No CUDA context is made; a host that cannot
+    run `device` answers None."""
     if device == "cpu":
-        return detect_target("cpu").fingerprint, 0
+        return detect_target("cpu"), 0
     reading = gpu_reading()
     num_gpus = usable_gpus(reading)
-    return (detect_target(device, reading).fingerprint if num_gpus else "none"), num_gpus
+    return (detect_target(device, reading) if num_gpus else None), num_gpus
 
 
 def target_fingerprint(device: str = "cpu") -> str:

@@ -11,7 +11,7 @@ from kiln.core.trust.signed_record import trusted_body
 from kiln.core.plan.probe_result import HostProbe
 from kiln.core.machine.target import host_device
 from kiln.host.machine import cache, probe
-from kiln.host.compile import tuner
+from kiln.host.compile import inductor_cache, tuner
 from kiln.host.machine.cache import cache_dir, local_path
 from kiln.host.compile.inductor_options import compiler_options, inductor_env
 from kiln.host.compile.key_sources import model_code_fingerprint
@@ -25,7 +25,8 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
     The target is for the recipe's device as this host alone sees it (auto: cuda where it has a GPU; cuda
     on a host without one probes as cpu, and kiln.core.plan.decisions.check_devices refuses the export naming
     every such host). With tuning on, each spec carries the stored tuning results of its GEMMs (verified)
-    and its key their digest. `store`: the export's store (opened by the caller).
+    and its key their digest. `store`: the export's store (opened by the caller). A host whose signing key
+    or private Inductor directories (kiln.host.compile.inductor_cache) are wrong stops here (BadInput).
     """
     import torch
 
@@ -34,6 +35,7 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
 
     export_signer(job.signing, kiln_home(), host.name)  # every host may compile, so every host needs the key
     trusted = export_trusted_keys(job.signing, kiln_home())
+    inductor_cache.prepare(f"host {host.name}")  # and private Inductor caches: refused here, before the gate
     reading = probe.gpu_reading()
     snap = probe.memory_snapshot(reading)
     cpus, cpus_source = probe.cpus_and_source()
@@ -49,7 +51,7 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
     return HostProbe(
         name=host.name, ranks=tuple(host.ranks), memory=snap, num_cpus=cpus, cpus_source=cpus_source,
         unified=reading.unified if job.recipe.unified_memory is None else job.recipe.unified_memory,
-        target=target, device=device, num_gpus=num_gpus, specs=tuple(specs),
+        target=target, device=device, num_gpus=num_gpus, specs=tuple(specs), cpu_isa=target_of_host.cpu_isa,
         local_keys=tuple(sorted(s.key for s in specs if local_path(host, s.key).exists())),
         # Stored means loadable: a package of the key that a key this export trusts vouched for.
         store_keys=tuple(sorted(s.key for s in specs if find_trusted(store, s.key, trusted)[0] is not None)),

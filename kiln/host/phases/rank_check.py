@@ -31,11 +31,17 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     down, and AOTInductor crashes when one process loads a package twice.
     A check passed before on this host for the same artifact bytes, rank and
     checkpoint content is remembered in the host's cache and not run again.
-    A check whose process dies raises CheckCrashed, which is never retried.
+    A check whose process dies raises CheckCrashed, which is never retried. A forward this host cannot run
+    (kiln.core.trust.manifest.cannot_run_here) is refused (BadInput) before any process starts.
     """
+    from kiln.core.machine.target import device_of
+    from kiln.core.trust.manifest import check_runs_here
     from kiln.host.ranks.loader import limit_of
     from kiln.host.weights.rank_weights import fingerprint
 
+    if forwards:  # a package for another CPU dies of SIGILL in its rank's process: refuse it before any starts
+        check_runs_here(forwards, probe.detect_target(device_of(str(forwards[0].get("target")))),
+                        f"host {host.name}")
     weights = fingerprint(job.checkpoint, s3_endpoint=job.s3_endpoint, digests=cache_dir(host) / "digests")
     record = cache_dir(host) / "verified"
     diffs: dict[str, dict] = {}
