@@ -304,6 +304,6 @@ def test_worker_peaks_are_measured_and_the_next_plan_uses_them(kiln_main, export
     from kiln.store import open_store
 
     store = open_store(exported["store"])
-    records = [store.get_json(o) for o in store.list("memory/")]
+    records = [store.get_json(o)["body"] for o in store.list("memory/")]  # signed by the export (signed_record)
     static = [m["compile_s"] for m in records if "-" not in m["shapes"]]
     assert static and f"about {statistics.median(static):.0f} s" in planned.out, planned.out
