@@ -33,7 +33,8 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
-from kiln.core.plan import tuning_plan
+from kiln.core.plan import deadlines, tuning_plan
+from kiln.core.plan.deadlines import Deadline
 from kiln.core.errors import IntegrityError, KilnError
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.plan.tuning_plan import GemmShape
@@ -188,7 +189,8 @@ def tune_target(job: ExportJob, target: str, *, backends: str | None = None) -> 
         fetch_result(store, target, version, backends, shape)  # a hit is used only if it verifies
     out.update(status="ok", shapes=len(shapes), hits=len(decision.hits), misses=len(set(shapes) - stored))
     if decision.measure:
-        run = measure(decision.measure, target=target, torch_version=version, backends=backends)
+        run = measure(decision.measure, target=target, torch_version=version, backends=backends,
+                      deadline=deadlines.tune_deadline(len(decision.measure), job.recipe))
         _save(store, run, decision, target=target, torch_version=version, backends=backends)
         out.update(measured=run["benchmarked"], measure_s=round(run["measure_s"], 3), changed=True)
     return out
@@ -216,9 +218,13 @@ def _save(store: Store, run: dict, decision: tuning_plan.TuningDecision, *, targ
             fetch_result(store, target, torch_version, backends, shape)
 
 
-def measure(shapes: tuple[GemmShape, ...], *, target: str, torch_version: str, backends: str) -> dict:
-    """Benchmark `shapes` over `backends` in a spawned process; returns its run (see `_measure_in_child`)."""
-    return call_in_spawned(_measure_in_child, [s.to_dict() for s in shapes], target, torch_version, backends)
+def measure(shapes: tuple[GemmShape, ...], *, target: str, torch_version: str, backends: str,
+            deadline: Deadline | None = None) -> dict:
+    """Benchmark `shapes` over `backends` in a spawned process; returns its run (see `_measure_in_child`).
+    With a `deadline`, a run past it is killed and fails final (DeadlinePassed, naming this host)."""
+    return call_in_spawned(_measure_in_child, [s.to_dict() for s in shapes], target, torch_version, backends,
+                           deadline=deadline,
+                           what=f"tuning {len(shapes)} GEMM shape(s) on host {socket.gethostname()}")
 
 
 def _measure_in_child(shapes: list[dict], target: str, torch_version: str, backends: str) -> dict:
