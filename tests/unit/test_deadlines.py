@@ -61,3 +61,16 @@ def test_the_settings_are_checked():
         Recipe(deadline_margin=0.5)
     with pytest.raises(BadInput):
         Recipe(deadline_floor_s=0)
+
+
+def test_the_phase_clock_says_when_the_phase_running_now_is_past_its_deadline():
+    clock = deadlines.PhaseClock()
+    assert clock.overdue(now=1e9) is None  # no phase
+    clock.start("compile", Deadline(100.0, "the plan"), now=1000.0)
+    assert clock.overdue(now=1100.0) is None
+    assert clock.overdue(now=1112.0) == "phase compile is 12 s past its deadline of 100 s (the plan)"
+    clock.start("probe", None, now=2000.0)  # a phase without a deadline never runs over
+    assert clock.overdue(now=1e9) is None
+    clock.start("share-verify", Deadline(10.0, "checks"), now=3000.0)
+    clock.stop()
+    assert clock.overdue(now=1e9) is None

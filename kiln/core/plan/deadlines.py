@@ -103,3 +103,29 @@ def checks_deadline(ranks_forwards: list[int], shard_bytes: int, recipe: Recipe)
 def tune_deadline(num_shapes: int, recipe: Recipe) -> Deadline:
     """The deadline of one tuning run that benchmarks `num_shapes` GEMM shapes."""
     return bounded(num_shapes * TUNE_S_PER_SHAPE, recipe, f"tuning {num_shapes} GEMM shape(s)")
+
+
+class PhaseClock:
+    """The deadline of the phase running now, for whoever must notice from outside that a run is stuck past
+    it (the model lease's renewal: kiln.host.leases.lease_wait.hold). Times are the caller's monotonic
+    seconds; a phase without a deadline never runs over."""
+
+    def __init__(self) -> None:
+        self.phase: str | None = None
+        self.deadline: Deadline | None = None
+        self.until: float | None = None
+
+    def start(self, phase: str, deadline: Deadline | None, now: float) -> None:
+        """`phase` runs from `now`, within `deadline` (None: none)."""
+        self.phase, self.deadline = phase, deadline
+        self.until = None if deadline is None else now + deadline.seconds
+
+    def stop(self) -> None:
+        self.phase = self.deadline = self.until = None
+
+    def overdue(self, now: float) -> str | None:
+        """What is past its deadline at `now` ('phase compile is 12 s past its deadline of ...'), else None."""
+        if self.until is None or now <= self.until:
+            return None
+        return (f"phase {self.phase} is {now - self.until:.0f} s past its deadline of {self.deadline.seconds:.0f} s "
+                f"({self.deadline.basis})")
