@@ -37,8 +37,10 @@ from kiln.core.machine.target import resolve_device
 from kiln.core.plan.recipe import Recipe
 from kiln.core.run.report import Report
 from kiln.host.machine import probe
+from kiln.host.phases import host_tidy
 from kiln.host.weights.rank_weights import check_job_caches
 from tasks import phases
+from tasks.store import store_of
 
 
 class Phases:
@@ -221,7 +223,17 @@ def _on_hosts(runner: HostRunner, hosts: list[HostSpec], task, **parameters) -> 
 
 
 def _probe(job, hosts, runner, report) -> list[HostProbe]:
+    """Every host's probe (each host then removes what earlier runs left there: kiln.host.phases.host_tidy),
+    and the store's uploads that killed writers left unfinished are aborted."""
     probes = _on_hosts(runner, hosts, phases.probe_host, job=job)
+    try:
+        tidied = [p.tidied for p in probes] + [host_tidy.tidy_store(store_of(job), job.store_url)]
+    except Exception as exc:  # housekeeping (a store's policy may not allow it): said, never fatal
+        tidied = [p.tidied for p in probes]
+        get_run_logger().warning("could not abort the store's stale uploads in parts (they stay until aborted, "
+                                 "e.g. by a bucket lifecycle rule): %s", exc)
+    for line in filter(None, tidied):
+        get_run_logger().info(line)
     # The export's device: BadInput naming each rank host without a GPU for device=cuda, before anything
     # compiles. auto with some rank host lacking a GPU means cpu everywhere: probe those that chose cuda again.
     device = resolve_device(job.recipe.device, {p.name: p.num_gpus for p in probes if p.ranks})

@@ -45,6 +45,10 @@ def _hang_with_a_child(pids_file: str) -> None:
     import subprocess
     import sys
 
+    import tempfile
+
+    with open(os.path.join(tempfile.mkdtemp(prefix="aotinductor_"), "model.so"), "wb") as f:  # as a loader's
+        f.write(b"x" * 1024)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     with open(pids_file, "w") as f:
         f.write(f"{os.getpid()} {child.pid}")
@@ -79,7 +83,9 @@ def test_a_process_stuck_on_its_way_out_is_killed_after_the_grace():
         os.kill(pid, 0)  # gone (killed and reaped), not left running
 
 
-def test_a_process_past_its_deadline_is_killed_with_its_children_and_named(tmp_path):
+def test_a_process_past_its_deadline_is_killed_with_its_children_and_named(tmp_path, monkeypatch):
+    """...and what it left in its temporary directory (AOTInductor's extraction) is removed."""
+    monkeypatch.setenv("KILN_TMP_ROOT", str(tmp_path / "tmp"))
     pids_file = tmp_path / "pids"
     start = time.monotonic()
     with pytest.raises(DeadlinePassed) as caught:
@@ -97,4 +103,4 @@ def test_a_process_past_its_deadline_is_killed_with_its_children_and_named(tmp_p
             time.sleep(0.1)
         else:
             pytest.fail(f"process {pid} outlived the deadline")
-
+    assert list((tmp_path / "tmp").iterdir()) == []  # its own directory went with it

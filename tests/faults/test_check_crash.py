@@ -20,12 +20,14 @@ def test_a_rank_check_whose_process_dies_fails_at_its_first_try(tmp_path, monkey
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("KILN_FAULT_CRASH_CHECK", "1")  # read by the check's process (tests/fault_seam)
+    monkeypatch.setenv("KILN_TMP_ROOT", str(tmp_path / "tmp"))
     job, [host] = prepare(ExportParams(tp=1, store=f"file://{tmp_path / 'store'}"), host_names=["host-0"],
                           signing=False)
     forward = {"key": "0" * 32, "sha256": "0" * 64, "shapes": "1x8"}  # never loaded: the process dies first
     with pytest.raises(CheckCrashed, match=r"host-0: the check of rank 0 died .*1x8") as info:
         rank_check.check_ranks(job, host, [forward])
     assert not transient(info.value) and not worth_retrying(info.value)
+    assert list((tmp_path / "tmp").iterdir()) == []  # the killed process's temporary directory went with it
 
 
 def test_a_rank_check_past_its_deadline_is_stopped_and_named(tmp_path, monkeypatch):

@@ -47,6 +47,8 @@ class HostProbe:
     CUDA build of torch); the recipe's device auto and cuda look at it."""
     device: str = "cpu"
     """'cpu' or 'cuda': the device `target` and `specs` are for (kiln.core.machine.target)."""
+    tidied: str | None = None
+    """What earlier runs had left on the host and the probe removed, in one line (kiln.host.phases.host_tidy)."""
 
     @property
     def host_available_mib(self) -> int:

@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import socket
-import tempfile
 import time
 from typing import TYPE_CHECKING
 
@@ -233,7 +232,9 @@ def _measure_in_child(shapes: list[dict], target: str, torch_version: str, backe
     Returns {'results': {str(shape): entries}, 'benchmarked': candidates,
     'selections': GEMMs autotuned, 'measure_s': seconds, 'unmatched': [...]}.
     """
-    scratch = tempfile.mkdtemp(prefix="kiln-tune-")
+    from kiln.host.processes import scratch as scratch_dirs
+
+    scratch = scratch_dirs.mkdtemp("kiln-tune-")  # this process's own: swept at the next start if it is killed
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "inductor")
     try:
         return _autotune(shapes, target, torch_version, backends, scratch)

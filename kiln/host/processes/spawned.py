@@ -6,7 +6,9 @@ the caller up. ProcessPoolExecutor's `max_tasks_per_child` could: its manager th
 worker before it starts the next (and CPython gh-115634 is a deadlock in that replacement). The in-flow
 check of a gemma2 export once waited 15 minutes in CI after its rank 0 had passed. A caller that passes a
 deadline (kiln.core.plan.deadlines) is never held longer than it: a process that has not answered by then is
-killed with what it started, and the call fails final naming what was running.
+killed with what it started, and the call fails final naming what was running. The process keeps its
+temporary files in a directory of its own (kiln.host.processes.scratch.adopt), removed when it ends, even
+killed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pickle
 import traceback
 
 from kiln.core.plan.deadlines import Deadline
+from kiln.host.processes import scratch
 from kiln.host.processes.procs import die_with_parent, kill_tree
 
 EXIT_GRACE_S = 30.0
@@ -73,6 +76,7 @@ def call_in_spawned(fn, *args, exit_grace_s: float = EXIT_GRACE_S, deadline: Dea
         if proc.is_alive():
             kill_tree(proc.pid)
             proc.join(5)
+        scratch.remove_if_gone(proc.pid)  # a process killed could not remove its own temporary directory
     if ok:
         return value
     raise value from RemoteTraceback(where)
@@ -81,6 +85,7 @@ def call_in_spawned(fn, *args, exit_grace_s: float = EXIT_GRACE_S, deadline: Dea
 def _answer(conn, fn, args) -> None:
     """In call_in_spawned's process: call, then send (True, result, None) or (False, exception, its traceback)."""
     die_with_parent()
+    scratch.adopt()  # what it and torch write to TMPDIR (AOTInductor's extractions) is swept once it is gone
     try:
         answer = (True, fn(*args), None)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
