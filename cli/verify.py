@@ -67,7 +67,8 @@ def open_export(store_url: str | None, export_id: str, dest: str, *, model: str 
                 s3_endpoint: str | None = None, verify_keys: list[str] = (), verify_key_block: str | None = None,
                 allow_unsigned: bool = False) -> tuple[dict, str, ModelConfig, dict[str, dict], list[str]]:
     """A finished export, checked and fetched into KILN_HOME/`dest`/EXPORT_ID: (manifest, checkpoint, config,
-    artifacts, lines). The checkpoint (`model`, else the one the manifest names) must be the exported model."""
+    artifacts, lines). The checkpoint (`model`, else the one the manifest names) must be the exported model.
+    What earlier runs left on this machine is removed first (`_tidy`)."""
     home = kiln_home()
     check_export_id(export_id)
     store = open_store(store_url or f"file://{home / 'store'}", s3_endpoint=s3_endpoint)
@@ -93,9 +94,32 @@ def open_export(store_url: str | None, export_id: str, dest: str, *, model: str 
         if changed:
             raise BadInput(f"checkpoint {checkpoint} is not the one exported: {changed}; pass the exported one "
                            "with --model, or export this one.")
+    _tidy(home / dest, export_id)
     manifest, artifacts, lines = fetch_verified_export(store, export_id, home / dest / export_id,
                                                        trusted=trusted, allow_unsigned=allow_unsigned)
     return manifest, checkpoint, cfg, artifacts, lines
+
+
+def _tidy(fetched: Path, export_id: str) -> None:
+    """Before fetching: remove the temporary directories of Kiln processes gone from this machine (a rank
+    killed leaves AOTInductor's extractions) and the exports fetched into `fetched` least recently used
+    beyond KILN_CACHE_MIB (never `export_id`'s); one line on stderr says what went."""
+    import sys
+
+    from kiln.core.run.tidy import removed_line
+    from kiln.host.machine import cache
+    from kiln.host.processes import scratch
+
+    try:
+        cap = cache.cap_bytes()
+        line = removed_line("on this machine", {
+            "temporary directories of processes gone": scratch.sweep(),
+            f"exports fetched into {fetched} least recently used over {cache.CACHE_MIB_ENV}="
+            f"{cap // cache.MIB if cap else 0}": cache.cap_folders(fetched, cap, keep=export_id)})
+    except Exception as exc:  # noqa: BLE001 - housekeeping: said, never fatal
+        line = f"could not tidy {fetched}: {exc}"
+    if line:
+        print(line, file=sys.stderr)
 
 
 def _changed_objects(recorded: dict, now: dict) -> str | None:

@@ -5,6 +5,13 @@ the moment it is done. The flow watches the store, so progress counts every
 host. When a host's worker disappears mid-compile, its unfinished keys are
 planned again (by the same pure gate) over the hosts still there, of the same
 target; what the lost host already uploaded is kept.
+
+Every round of the phase has a deadline derived from the plan
+(kiln.core.plan.deadlines.compile_phase_deadline; each forward's compile has
+its own, which its host's pool enforces). When it passes with hosts still
+compiling, the flow gives up on them: their tasks are cancelled, the compile
+leases they hold on their unfinished forwards are broken (others need not wait
+out lease_ttl_s), and the phase fails final naming them.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from prefect.artifacts import update_progress_artifact
 from flows import artifacts
 from flows.hosts import HostRunner
 from kiln.core.plan import decisions
+from kiln.core.plan.deadlines import Deadline, PhaseClock, compile_phase_deadline
 from kiln.core.run import outcome
 from kiln.core.trust import layout
 from kiln.core.forwards.forward_keys import ForwardSpec
@@ -29,13 +37,16 @@ from tasks.store import store_of
 
 
 def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: dict[str, ForwardSpec],
-                      reports: list[HostReport], runner: HostRunner
+                      reports: list[HostReport], runner: HostRunner, deadlines: dict[str, Deadline],
+                      clock: PhaseClock | None = None
                       ) -> tuple[dict[str, dict], dict[str, str], set[str], dict]:
     """Compile what `plan` assigns; returns (key -> compile record of this export, key -> the sha256 its
     compiling host's task returned, lost host names, host -> {'memory': its lowest available MiB and its
     compile process tree's peak MiB while compiling, 'waited_for_lease': keys it waited for while
     another export compiled them, 'reused': keys another compile stored first}). Each compile record
-    must carry the sha256 its host's task returned (IntegrityError otherwise)."""
+    must carry the sha256 its host's task returned (IntegrityError otherwise). `deadlines`: key -> the
+    deadline of one compile of it (kiln.core.plan.deadlines.compile_deadlines); each round's phase
+    deadline is derived from them and set on `clock`. DeadlinePassed when a round runs past it."""
     log = get_run_logger()
     store = store_of(job)
     by_name = {h.name: h for h in hosts}
@@ -47,10 +58,17 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
     reported: dict[str, str] = {}  # key -> sha256, as the compiling host's task returned it
     assignment = {n: (hp.compile, hp.workers) for n, hp in plan.hosts.items() if hp.compile}
     for round_ in itertools.count():
+        deadline = compile_phase_deadline(assignment, deadlines, job.recipe)
+        until = time.monotonic() + deadline.seconds
+        if clock is not None:
+            clock.start("compile", deadline, time.monotonic())
         running = {n: runner.submit(by_name[n], phases.compile_host, job=job, host=by_name[n],
-                                    specs=[specs[k] for k in keys], workers=workers)
+                                    specs=[specs[k] for k in keys], workers=workers,
+                                    deadlines={k: deadlines[k] for k in keys if k in deadlines})
                    for n, (keys, workers) in assignment.items()}
-        gone = _watch(running, runner, progress)
+        gone, late = _watch(running, runner, progress, until)
+        if late:
+            raise _give_up(job, late, running, runner, progress, assignment, deadline)
         for name in gone:
             runner.cancel(running.pop(name))
         for name, fut in running.items():
@@ -77,15 +95,39 @@ def run_compile_phase(job: ExportJob, hosts: list[HostSpec], plan: Plan, specs: 
     return records, reported, lost, memory
 
 
-def _watch(running: dict, runner: HostRunner, progress: "_Progress") -> set[str]:
-    """Wait until every host's compile task ends or its host disappears; returns the hosts gone."""
+def _watch(running: dict, runner: HostRunner, progress: "_Progress", until: float) -> tuple[set[str], set[str]]:
+    """Wait until every host's compile task ends, or a host disappears, or the monotonic time `until`
+    passes; returns (the hosts gone, the hosts still compiling at `until`), one of them empty."""
     while True:
         progress.show()
         alive = runner.alive()
         gone = {n for n, f in running.items() if not f.done() and n not in alive}
         if gone or all(f.done() for f in running.values()):
-            return gone
+            return gone, set()
+        if time.monotonic() > until:
+            return set(), {n for n, f in running.items() if not f.done()}
         time.sleep(1.0)
+
+
+def _give_up(job: ExportJob, late: set[str], running: dict, runner: HostRunner, progress: "_Progress",
+             assignment: dict[str, tuple[list[str], int]], deadline: Deadline) -> Exception:
+    """The phase ran past `deadline` with hosts `late` still compiling: cancel their tasks, break the
+    compile leases they hold on the forwards not stored yet, and return the final error naming them."""
+    for name in late:
+        runner.cancel(running[name])
+    progress.show(final=True)
+    keys = {n: assignment[n][0] for n in late}
+    unfinished = sorted(k for ks in keys.values() for k in ks if k not in progress.stored)
+    try:
+        broken = phases.break_leases(job, unfinished, late)
+        leases = f"its {broken} compile lease(s) broken" if broken else "it held no compile lease"
+    except Exception as exc:  # the deadline is the error to report; the leases expire after lease_ttl_s
+        get_run_logger().warning("could not break the compile leases of %s: %s", ", ".join(sorted(late)), exc)
+        leases = "its compile leases left to expire (lease_ttl_s)"
+    stored = ", ".join(f"{n}: {sum(k in progress.stored for k in keys[n])}/{len(keys[n])} of its forwards stored"
+                       for n in sorted(late))
+    hosts = "host" + ("s " if len(late) > 1 else " ") + ", ".join(sorted(late))
+    return deadline.passed(f"the compile phase on {hosts} ({stored})", f"the flow gave up on it, {leases}")
 
 
 class _Progress:

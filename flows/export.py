@@ -24,10 +24,11 @@ from flows.hosts import HostRunner
 from flows.logs import hide_expected_tracebacks
 from flows.params import ExportParams, default_host_names, prepare
 from flows.report_out import draw, ledger_key, write_report
-from kiln.core.plan import decisions, tuning_plan
+from kiln.core.plan import deadlines, decisions, tuning_plan
 from kiln.core.run import outcome
 from kiln.core.errors import GateRefused, KilnError
 from kiln.core.run.retry_rule import worth_retrying
+from kiln.core.plan.deadlines import PhaseClock
 from kiln.core.plan.gate import Plan
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.trust.manifest import export_manifest
@@ -36,25 +37,32 @@ from kiln.core.machine.target import resolve_device
 from kiln.core.plan.recipe import Recipe
 from kiln.core.run.report import Report
 from kiln.host.machine import probe
+from kiln.host.phases import host_tidy
 from kiln.host.weights.rank_weights import check_job_caches
 from tasks import phases
+from tasks.store import store_of
 
 
 class Phases:
     """Times each phase, records it in the report, and takes every host's memory at its end."""
 
-    def __init__(self, report: Report, hosts: list[HostSpec], runner: HostRunner):
+    def __init__(self, report: Report, hosts: list[HostSpec], runner: HostRunner, clock: PhaseClock | None = None):
         self.report, self.hosts, self.runner = report, hosts, runner
         self.assume: dict[str, int] = {}
+        self.clock = clock or PhaseClock()
+        """The phase running now and its deadline, once one is derived (the model lease's renewal reads it)."""
 
     @contextmanager
     def __call__(self, name: str, **extra):
         start = time.perf_counter()
+        self.clock.start(name, None, time.monotonic())
         try:
             yield extra
         except BaseException:
             self.record(name, "failed", time.perf_counter() - start)
             raise
+        finally:
+            self.clock.stop()
         self.record(name, extra.pop("status", "ok"), time.perf_counter() - start, **extra)
 
     def record(self, name: str, status: str, duration_s: float, **extra) -> None:
@@ -85,9 +93,12 @@ def _export_flow(**parameters) -> dict:
     try:
         with outcome_events.export_outcome(parameters) as outcome:  # kiln.export.completed or kiln.export.failed
             params = ExportParams(**parameters)
-            with retry.resumable(params) as (params, recipe), model_lease.model_lease(params, recipe.model_lease_s):
+            clock = PhaseClock()  # a try stuck past its phase's deadline stops renewing the model lease
+            with retry.resumable(params) as (params, recipe), \
+                    model_lease.model_lease(params, recipe.model_lease_s,
+                                            overdue=lambda: clock.overdue(time.monotonic())):
                 outcome.params, outcome.recipe = params, recipe
-                return _export(params, recipe, outcome)
+                return _export(params, recipe, outcome, clock)
     except Exception as exc:
         # An error no try follows ends the run in a Failed state whose message is the error itself (the
         # run's header and list say it), not Prefect's "Flow run encountered an exception: ..."; a caller
@@ -125,7 +136,8 @@ export = flow(name="kiln-export", log_prints=False, retries=Recipe.flow_retries,
 """The export flow; call it with ExportParams' fields: `export(**params.flow_parameters())`."""
 
 
-def _export(params: ExportParams, recipe: Recipe, outcome: "outcome_events.ExportOutcome | None" = None) -> dict:
+def _export(params: ExportParams, recipe: Recipe, outcome: "outcome_events.ExportOutcome | None" = None,
+            clock: PhaseClock | None = None) -> dict:
     """One try of the export: the report is written, and the run's artifacts published, whatever happens;
     `outcome` learns the job and the report (its event is sent by the caller)."""
     with HostRunner(dask_address=params.dask, num_local_hosts=params.hosts,
@@ -133,7 +145,7 @@ def _export(params: ExportParams, recipe: Recipe, outcome: "outcome_events.Expor
         job, hosts = prepare(params, host_names=runner.host_names, recipe=recipe)
         ctx = FlowRunContext.get()
         report = Report.of_job(job, hosts, attempt=ctx.flow_run.run_count if ctx and ctx.flow_run else 1)
-        phase = Phases(report, hosts, runner)
+        phase = Phases(report, hosts, runner, clock)
         if outcome is not None:
             outcome.job, outcome.report = job, report
         final = False
@@ -192,13 +204,13 @@ def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, r
     plan = _gate(job, probes, report, phase)
     specs = {s.key: s for p in probes for s in p.specs}
     with phase("compile") as info:
-        compiled, own = _compile(job, hosts, runner, report, probes, specs, plan, info)
+        compiled, own = _compile(job, hosts, runner, report, probes, specs, plan, info, phase)
     with phase("outcome-check"):
         report.record_forwards(outcome.forward_records(specs, phases.outcome_check(job, specs, own), compiled,
                                                        job.model_config, job.tp, outcome.target_cpus(probes)),
                                compiled)
     with phase("share-verify"):
-        _share_verify(job, hosts, runner, report, probes)
+        _share_verify(job, hosts, runner, report, probes, phase.clock)
     with phase("manifest"):
         manifest = export_manifest(job, report)
         report.signing = phases.write_manifest(job, manifest)
@@ -212,7 +224,17 @@ def _on_hosts(runner: HostRunner, hosts: list[HostSpec], task, **parameters) -> 
 
 
 def _probe(job, hosts, runner, report) -> list[HostProbe]:
+    """Every host's probe (each host then removes what earlier runs left there: kiln.host.phases.host_tidy),
+    and the store's uploads that killed writers left unfinished are aborted."""
     probes = _on_hosts(runner, hosts, phases.probe_host, job=job)
+    try:
+        tidied = [p.tidied for p in probes] + [host_tidy.tidy_store(store_of(job), job.store_url)]
+    except Exception as exc:  # housekeeping (a store's policy may not allow it): said, never fatal
+        tidied = [p.tidied for p in probes]
+        get_run_logger().warning("could not abort the store's stale uploads in parts (they stay until aborted, "
+                                 "e.g. by a bucket lifecycle rule): %s", exc)
+    for line in filter(None, tidied):
+        get_run_logger().info(line)
     # The export's device: BadInput naming each rank host without a GPU for device=cuda, before anything
     # compiles. auto with some rank host lacking a GPU means cpu everywhere: probe those that chose cuda again.
     device = resolve_device(job.recipe.device, {p.name: p.num_gpus for p in probes if p.ranks})
@@ -269,11 +291,12 @@ def _gate(job, probes, report, phase) -> Plan:
     return decision.plan
 
 
-def _compile(job, hosts, runner, report, probes, specs, plan, info: dict) -> tuple[dict, dict[str, str]]:
+def _compile(job, hosts, runner, report, probes, specs, plan, info: dict, phase: Phases) -> tuple[dict, dict[str, str]]:
     """Compile what the plan assigns; hosts lost midway leave `hosts` (the rest goes on without them).
     Returns (key -> this export's compile record, key -> the sha256 its compiling host returned)."""
+    per_key = deadlines.compile_deadlines(decisions.compile_estimates(job, probes), job.recipe)
     compiled, own, lost, during = run_compile_phase(job, hosts, plan, specs, decisions.host_reports(job, probes),
-                                                    runner)
+                                                    runner, per_key, phase.clock)
     report.record_compile(during, lost, job.assume_available)
     info["status"] = "ok" if plan.decision == "compile" else "skipped"
     if lost:
@@ -282,10 +305,15 @@ def _compile(job, hosts, runner, report, probes, specs, plan, info: dict) -> tup
     return compiled, own
 
 
-def _share_verify(job, hosts, runner, report, probes) -> None:
-    """Each host fetches the forwards of its target it lacks, then checks every rank against eager."""
+def _share_verify(job, hosts, runner, report, probes, clock: PhaseClock) -> None:
+    """Each host fetches the forwards of its target it lacks, then checks every rank against eager (each
+    check within its deadline, kiln.core.plan.deadlines.check_deadline; the phase's is the slowest host's)."""
     target_of = {p.name: p.target for p in probes}
     mine = {h.name: [f for f in report.forwards if f["target"] == target_of[h.name]] for h in hosts}
+    shard_bytes = job.model_config.weight_bytes_per_rank(job.tp)
+    clock.start("share-verify", max((deadlines.checks_deadline([len(mine[h.name])] * len(h.ranks), shard_bytes,
+                                                                 job.recipe) for h in hosts),
+                                    key=lambda d: d.seconds, default=None), time.monotonic())
     fetches = [runner.submit(h, phases.share_host, job=job, host=h, forwards=mine[h.name]) for h in hosts]
     for h, f in zip(hosts, fetches):
         report.host(h.name)["downloaded"] = f.result()

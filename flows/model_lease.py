@@ -11,7 +11,9 @@ Contracts: the slot is a lease that the holder's process renews (Prefect's
 lease, and the holder record below). The holder records itself in the variable
 `<lease>-holder`: flow run, export, host, pid, process start time, Prefect's
 lease id and an expiry it pushes forward every quarter of the lease (the
-recipe's model_lease_s, LEASE_S by default). A waiting run
+recipe's model_lease_s, LEASE_S by default) until the export is stuck past a
+phase's deadline (kiln.core.plan.deadlines; the record then expires and a
+waiting run takes the slot over). A waiting run
 checks that record every POLL_S; a holder that is provably gone
 (kiln.core.run.holders: its process on this host is dead, or its record past
 expiry) is taken over at once, logged naming the dead holder. Its slot is
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import fcntl
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from uuid import UUID
@@ -161,16 +163,18 @@ class PrefectSlot:
 
 
 @contextmanager
-def model_lease(params: ExportParams, lease_s: float = LEASE_S) -> Iterator[str]:
+def model_lease(params: ExportParams, lease_s: float = LEASE_S,
+                overdue: Callable[[], str | None] | None = None) -> Iterator[str]:
     """Hold the model's slot for the duration of the block (kiln.host.leases.lease_wait.hold); waits while another
     export holds it, saying for what and whom, and takes it over at once from a holder that is provably
     gone. The variable `<lease>-holder` names the flow run, export and process that took the slot last (the
-    holder while the slot is taken)."""
+    holder while the slot is taken). `overdue()` says what of the export is past its deadline (None while
+    nothing is): from then on the holder record is no longer renewed."""
     name = lease_name(model_name(params))
     ensure_limit(name)
     ctx = FlowRunContext.get()
     run = ctx.flow_run if ctx else None
     me = {"flow_run_id": str(run.id) if run else None, "flow_run_name": run.name if run else None,
           "export_id": params.export_id}
-    with hold(PrefectSlot(name, lease_s), me, lease_s, get_run_logger(), poll_s=POLL_S):
+    with hold(PrefectSlot(name, lease_s), me, lease_s, get_run_logger(), poll_s=POLL_S, overdue=overdue):
         yield name

@@ -88,10 +88,10 @@ def decide(job: ExportJob, probes: list[HostProbe]) -> decisions.Decision:
 
 
 @task(name="compile", cache_policy=None)
-def compile_host(job: ExportJob, host: HostSpec, specs: list[ForwardSpec], workers: int) -> dict:
+def compile_host(job: ExportJob, host: HostSpec, specs: list[ForwardSpec], workers: int, deadlines: dict) -> dict:
     """No task retries: a retry would compile its whole share again. A flow retry probes the store
-    and compiles only what is missing."""
-    return host_compile.compile_on_host(store_of(job), job, host, specs, workers)
+    and compiles only what is missing. `deadlines`: key -> the Deadline of one compile of it."""
+    return host_compile.compile_on_host(store_of(job), job, host, specs, workers, deadlines)
 
 
 def _trusted_keys(job: ExportJob) -> dict:

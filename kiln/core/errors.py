@@ -135,6 +135,14 @@ class RankDied(KilnError):
     exit_code = 1
 
 
+class DeadlinePassed(KilnError):
+    """A step of an export (a forward's compile, a rank check, a tuning measurement, a phase) ran past its
+    deadline (kiln.core.plan.deadlines) and was stopped: final, never retried (a step that hangs would
+    hang again; one that was only slow needs a larger deadline_margin or deadline_floor_s)."""
+
+    exit_code = 1
+
+
 class RanksTimedOut(KilnError):
     """The ranks of `kiln verify` or `kiln run` were all alive but had not finished in time; they were stopped."""
 

@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from kiln.core.errors import IntegrityError, StoreConflict
+from kiln.core.run.tidy import Removed
 from kiln.core.trust.key_rules import CHUNK_BYTES
+
+
+STALE_UPLOAD_S = 24 * 3600.0
+"""An upload begun longer ago than this and never completed was left by a writer that died (no upload of
+one object takes a day): `Store.abort_stale_uploads` removes it."""
 
 
 class ObjectMissing(KeyError):
@@ -144,6 +150,12 @@ class Store(abc.ABC):
         """(where `key` is, for a person; a URL a browser opens, or None): the store's own address here.
         An S3 store gives a presigned URL valid `expires_s`; a local store a path and no URL."""
         return f"{self.url.rstrip('/')}/{key}", None
+
+    def abort_stale_uploads(self, older_than_s: float = STALE_UPLOAD_S) -> Removed:
+        """Remove what writers that died left unfinished in this store, begun more than `older_than_s`
+        ago (an S3 store: uploads in parts never completed, under its prefix; a local store: files left
+        being written); returns what was removed. Writes in progress are younger and left alone."""
+        return Removed()
 
     def exists(self, key: str) -> bool:
         """True if `key` names an object."""

@@ -28,6 +28,7 @@ import errno
 import hashlib
 import os
 import re
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -42,7 +43,8 @@ from kiln.core.trust.key_rules import (
     validate_prefix,
     validate_sha256,
 )
-from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, write_verified
+from kiln.core.run.tidy import Removed
+from kiln.store.base import STALE_UPLOAD_S, ObjectInfo, ObjectMissing, Store, check_digest, conflict, write_verified
 
 _INTERNAL = ".kiln"
 _BLOB_NAME = re.compile(r"^([0-9a-f]{64})\.[0-9a-f]{32}$")
@@ -322,6 +324,20 @@ class LocalStore(Store):
             data = f.read()
         check_digest(key, sha256_bytes(data), sha256 or recorded)
         return data
+
+    def abort_stale_uploads(self, older_than_s: float = STALE_UPLOAD_S) -> Removed:
+        """Remove the files in .kiln/tmp that writers which died left there, unchanged for `older_than_s`."""
+        removed = Removed()
+        cutoff = time.time() - older_than_s
+        for path in self._tmp.iterdir() if self._tmp.is_dir() else ():
+            try:
+                st = path.lstat()
+                if st.st_mtime <= cutoff:
+                    path.unlink()
+                    removed += Removed(1, st.st_size)
+            except (FileNotFoundError, IsADirectoryError):
+                continue  # finished (renamed) meanwhile, or not a writer's file
+        return removed
 
     def stat(self, key: str) -> ObjectInfo | None:
         link = self._link_path(key)

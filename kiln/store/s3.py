@@ -62,15 +62,11 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 
 from kiln.core.errors import BadInput, IntegrityError, StoreError
 from kiln.core.plan.job import CHECKSUM_MODES
-from kiln.core.trust.key_rules import (
-    sha256_bytes,
-    validate_bucket,
-    validate_key,
-    validate_prefix,
-    validate_sha256,
-)
+from kiln.core.trust.key_rules import sha256_bytes, validate_bucket, validate_key, validate_prefix, validate_sha256
 from kiln.core.run.retry_rule import transient
-from kiln.store.base import ObjectInfo, ObjectMissing, Store, check_digest, conflict, replaced_on_success
+from kiln.core.run.tidy import Removed
+from kiln.store.base import (STALE_UPLOAD_S, ObjectInfo, ObjectMissing, Store, check_digest, conflict,
+                             replaced_on_success)
 from kiln.store.s3_client import (
     BODY_ERRORS,
     QUICK_CHECK,
@@ -83,6 +79,7 @@ from kiln.store.s3_client import (
 )
 from kiln.store.s3_errors import MISSING_KEY, error_code, lost_race
 from kiln.store.s3_parts import byte_ranges, fetch_in_order, upload_in_parts, write_at
+from kiln.store.s3_stale import abort_stale
 
 MIB = 1024 * 1024
 _MIN_PART_BYTES = 5 * MIB  # S3's minimum size of every part but the last
@@ -381,6 +378,9 @@ class S3Store(Store):
             for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
                 keys.extend(obj["Key"][len(self.prefix) :] for obj in page.get("Contents", []))
         return sorted(keys)
+
+    def abort_stale_uploads(self, older_than_s: float = STALE_UPLOAD_S) -> Removed:  # see kiln.store.s3_stale
+        return abort_stale(self._client, self.bucket, self.prefix, older_than_s, self._errors)
 
     def delete(self, key: str) -> None:
         try:

@@ -15,6 +15,8 @@ unless its variable is set:
   right after its N-th upload: a host lost mid-compile.
 - KILN_FAULT_CRASH_CHECK=1: a rank check's process kills itself (SIGKILL) before
   it loads anything, as a package that segfaults when loaded takes it down.
+- KILN_FAULT_HANG_CHECK=1: a rank check's process hangs (sleeps 600 s) before it
+  loads anything, as a package stuck in a collective would.
 
 - KILN_FAULT_HOLD_COMPILE=<path>: a compile worker waits at stage 'export' (after
   torch.export, before Inductor) until <path> exists (600 s at most), so its
@@ -83,6 +85,14 @@ def crash_check(rank: int) -> None:
     """At point 'check': SIGKILL this rank check's process when KILN_FAULT_CRASH_CHECK is set."""
     if _limit("KILN_FAULT_CRASH_CHECK"):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang_check(rank: int) -> None:
+    """At point 'check': hang this rank check's process when KILN_FAULT_HANG_CHECK is set."""
+    if _limit("KILN_FAULT_HANG_CHECK"):
+        import time
+
+        time.sleep(600)
 
 
 KILL_COMPILE_ENV = "KILN_FAULT_KILL_COMPILE"
@@ -202,5 +212,6 @@ def install_all() -> None:
     faults.install("compile", maybe_kill_compile)
     faults.install("compile", hold_compile)
     faults.install("check", crash_check)
+    faults.install("check", hang_check)
     faults.install("rank", maybe_kill_rank)
     _installed = True

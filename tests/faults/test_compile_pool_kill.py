@@ -109,3 +109,27 @@ def test_fault_hook_needs_a_marker_directory(monkeypatch):
     monkeypatch.delenv(faults.FAULT_DIR_ENV, raising=False)
     with pytest.raises(RuntimeError, match=faults.FAULT_DIR_ENV):
         faults.maybe_kill_compile({"key": "k", "shapes": "1x8"}, "export")
+
+
+def test_a_forward_past_its_deadline_has_its_worker_killed_and_fails_naming_it(env):
+    """A compile that hangs (600 s) past its key's deadline: its worker is killed, the forward fails final
+    naming its key, shapes and host, and the forward on the other worker still finishes and is reported."""
+    from kiln.core.errors import DeadlinePassed
+    from kiln.core.plan.deadlines import Deadline
+
+    work = jobs(env, {"1x8": 600.0, "2x8": 0.2})
+    done = []
+    start = time.monotonic()
+    with pytest.raises(DeadlinePassed) as err:
+        with CompilePool(2, compile_fn=fake_compile, initializer=None, where="host h0",
+                         deadlines={"k18": Deadline(3.0, "deadline_floor_s")}) as pool:
+            pool.run(work, done.append, on_tick=lambda: None, tick_s=60.0)
+    assert time.monotonic() - start < 60  # not the 600 s the compile would have taken, nor the tick
+    assert str(err.value).startswith("the compile of forward k18 (1x8) on host h0 did not finish within 3 s "
+                                     "(deadline_floor_s); its compile worker was killed")
+    assert [r.key for r in done] == ["k28"]
+    assert starts(env)["k18"] == 1  # not tried again
+    hung = int(next(line.split()[1] for line in (env / "starts.log").read_text().splitlines()
+                    if line.startswith("k18")))
+    with pytest.raises(ProcessLookupError):
+        os.kill(hung, 0)

@@ -82,3 +82,19 @@ def test_check_rejects_an_unusable_directory(tmp_path):
     with pytest.raises(BadInput, match="not usable") as err:
         store.check()
     assert str(blocker / "store") in str(err.value)
+
+
+def test_files_left_being_written_are_removed_once_stale(tmp_path):
+    """A writer killed mid-write leaves its file in .kiln/tmp; once it is older than the threshold it goes,
+    a fresh one (perhaps still being written) stays."""
+    import time
+
+    store = LocalStore(tmp_path / "store")
+    store.check()
+    tmp = tmp_path / "store" / ".kiln" / "tmp"
+    (tmp / "left").write_bytes(b"x" * 1000)
+    os.utime(tmp / "left", (time.time() - 7200, time.time() - 7200))
+    (tmp / "fresh").write_bytes(b"y")
+    removed = store.abort_stale_uploads(older_than_s=3600)
+    assert (removed.count, removed.size_bytes) == (1, 1000)
+    assert [p.name for p in tmp.iterdir()] == ["fresh"]

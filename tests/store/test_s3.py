@@ -358,3 +358,21 @@ def test_with_checksums_on_a_multipart_upload_declares_its_part_checksums(s3_buc
     assert completed[0].count(b"<ChecksumCRC32>") == 3
     assert store.get_bytes("big") == data
 
+
+
+@pytest.mark.parametrize("s3_server", ["seaweedfs"], indirect=True)
+def test_stale_multipart_uploads_under_the_prefix_are_aborted_and_counted(store):
+    """What a killed writer leaves (an upload begun, a part sent, never completed) is aborted once it is
+    older than the threshold; a fresh one, and one outside the store's prefix, are left alone. SeaweedFS,
+    not moto: moto dates every upload 2010-11-10, so none is fresh there."""
+    client = raw_client(store)
+    left = client.create_multipart_upload(Bucket=store.bucket, Key="exports/run1/forwards/k/left.pt2")["UploadId"]
+    client.upload_part(Bucket=store.bucket, Key="exports/run1/forwards/k/left.pt2", UploadId=left, PartNumber=1,
+                       Body=b"x" * (5 * MIB))
+    client.create_multipart_upload(Bucket=store.bucket, Key="exports/other/forwards/k/theirs.pt2")
+    assert store.abort_stale_uploads(older_than_s=3600).count == 0  # begun just now: perhaps still running
+    time.sleep(2.0)
+    removed = store.abort_stale_uploads(older_than_s=1.0)
+    assert (removed.count, removed.size_bytes) == (1, 5 * MIB)
+    uploads = client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", [])
+    assert [u["Key"] for u in uploads] == ["exports/other/forwards/k/theirs.pt2"]

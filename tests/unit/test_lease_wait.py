@@ -150,3 +150,21 @@ def test_the_record_is_pushed_forward_while_held_and_the_slot_given_back_on_erro
     assert all({k: v for k, v in r.items() if k != "expires_at"} ==
                {k: v for k, v in first.items() if k != "expires_at"} for r in renewed)
     assert slot.releases == 1 and not slot.taken
+
+
+def test_a_holder_stuck_past_its_deadline_stops_renewing_its_record(log):
+    """Once `overdue()` names what is past its deadline, the record is left to expire (a waiting export then
+    takes the slot over), said once as an error; the slot itself is still given back when the block ends."""
+    slot = Slot()
+    stuck = threading.Event()
+    with hold(slot, ME, 0.4, log, poll_s=0.01,
+              overdue=lambda: "phase compile is 1 s past its deadline" if stuck.is_set() else None):
+        time.sleep(0.25)  # renewed meanwhile
+        renewed = len(slot.records)
+        stuck.set()
+        time.sleep(0.4)
+    assert renewed >= 2 and len(slot.records) <= renewed + 1  # at most a renewal already under way
+    assert [line for line in log.lines if "no longer renewing" in line] == [
+        "phase compile is 1 s past its deadline: no longer renewing the model lease kiln-model-test; its holder "
+        "record expires within 0 s and a waiting export may then take the model over"]
+    assert slot.releases == 1

@@ -51,6 +51,8 @@ class HostProbe:
     cpu_isa: CpuIsa | None = None
     """This host's CPU (architecture, ISA level, instruction-set flags; kiln.core.machine.target.Target.cpu_isa):
     the manifest's `target_cpu` of the CPU forwards of `target`."""
+    tidied: str | None = None
+    """What earlier runs had left on the host and the probe removed, in one line (kiln.host.phases.host_tidy)."""
 
     @property
     def host_available_mib(self) -> int:

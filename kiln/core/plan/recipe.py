@@ -115,6 +115,15 @@ class Recipe:
     max_compile_attempts: int = setting(2, "Times one forward is tried when its compile worker dies; after that "
                                         "the export fails (a flow retry does not compile it again).", gt=0,
                                         compiling_only=True, title="Tries per forward", group="compile")
+    deadline_margin: float = setting(
+        4.0, "Factor over what the plan predicts for a step that the step's deadline allows: a forward's "
+        "compile (its measured seconds, else compile_s_estimate), the compile phase (its hosts' forwards over "
+        "their workers), a rank check (its forwards and shard), a tuning run (its GEMM shapes). A step past "
+        "its deadline is stopped, its leases released, and the export fails naming it; not retried.", ge=1,
+        title="Deadline margin", group="advanced")
+    deadline_floor_s: float = setting(
+        1800.0, "The shortest deadline of any step, whatever its prediction (a graph's first compile has only "
+        "the estimate to go by).", unit="s", gt=0, title="Shortest deadline (s)", group="advanced")
     verify_atol: float = setting(
         1e-3, "Largest difference allowed between a compiled forward and eager, as max |compiled - eager| / "
         "max(1, max |eager|) (absolute for outputs up to 1, relative above).", gt=0,

@@ -43,7 +43,9 @@ worker, `max_compile_attempts` times in all: an OOM kill may not recur once
 the other workers finished); the CompileFailed raised after that is final, not
 re-run by the flow, which would multiply that budget by the flow's tries, each
 a compile that may take the host's memory down again. A rank check whose
-process died (a package that segfaults when loaded) is final at once.
+process died (a package that segfaults when loaded) is final at once, and so
+is a step stopped past its deadline (DeadlinePassed, kiln.core.plan.deadlines):
+what hung would hang again.
 
 Pure: no prefect, boto3, distributed or torch import.
 """

@@ -10,7 +10,10 @@ Inductor's caches in this user's private directories
 single-process executor of its own, so a worker that dies (OOM kill, SIGKILL)
 costs only the forward it was compiling: that worker is replaced and that
 forward tried again, up to `max_attempts` times; forwards on other workers
-carry on and finished ones are never compiled again.
+carry on and finished ones are never compiled again. A forward that compiles
+past its deadline (kiln.core.plan.deadlines: its compile estimate x the
+margin, at least the floor) has its worker killed with its compiler children
+and fails final, naming its key, shapes and host; it is not tried again.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from pathlib import Path
 from typing import Callable
 
 from kiln.core.errors import DiskError, KilnError
+from kiln.core.plan.deadlines import Deadline
 from kiln.host.trust.package_check import package_calls
 from kiln.host.compile import export_call, inductor_cache, worker_start
 from kiln.host.processes import faults
+from kiln.host.processes.procs import kill_tree
 from kiln.core.errors import DISK_ERRNOS
 from kiln.host.compile.inductor_options import inductor_env
 from kiln.store import sha256_file
@@ -237,11 +242,14 @@ class CompilePool:
     into every worker's Inductor cache when it starts, before it compiles. With the default initializer,
     the workers' Inductor caches are this user's private directories, made and checked here
     (kiln.host.compile.inductor_cache.prepare: BadInput before any worker starts).
+    `deadlines` (key -> Deadline) bounds each compile of a key (from its submission); `where` names the
+    host in errors ('host h0').
     """
 
     def __init__(self, num_workers: int, *, max_attempts: int = 2,
                  compile_fn: Callable[[dict, str], CompileResult] = compile_forward,
-                 initializer: Callable[..., None] | None = _warm, tuning_entries: dict | None = None):
+                 initializer: Callable[..., None] | None = _warm, tuning_entries: dict | None = None,
+                 deadlines: dict[str, Deadline] | None = None, where: str = "this host"):
         if num_workers < 1:
             raise ValueError("a compile pool needs at least one worker")
         self.num_workers = num_workers
@@ -251,6 +259,8 @@ class CompilePool:
         self._initializer = initializer
         self.tuning_entries = tuning_entries
         self.inductor_dirs = inductor_cache.prepare() if initializer is _warm else None
+        self.deadlines = dict(deadlines or {})
+        self.where = where
         self._ctx = worker_start.acquire()
         self._slots = [self._new() for _ in range(num_workers)]
 
@@ -269,13 +279,16 @@ class CompilePool:
         `on_submit(spec)` is called (in this thread) just before a forward is first handed to a worker;
         False skips it (not compiled, not in the results). `on_tick()` is called at least every `tick_s`
         while forwards compile. A forward whose worker dies is retried on a fresh worker; after
-        `max_attempts` deaths, or on a compile error, no new forward starts,
-        the ones in flight finish (and reach `on_done`), then the error is raised.
+        `max_attempts` deaths, on a compile error, or when a compile runs past its key's deadline (its
+        worker is killed: DeadlinePassed, not retried), no new forward starts, the ones in flight finish
+        (and reach `on_done`), then the error is raised.
         """
         attempts = {spec["key"]: 0 for spec, _ in jobs}
         queue = deque(jobs)
         free = list(range(self.num_workers))
         running: dict[Future, tuple[int, dict, str]] = {}
+        due: dict[Future, float] = {}  # monotonic time each compile with a deadline must be done by
+        overdue: set[Future] = set()
         results: list[CompileResult] = []
         error: BaseException | None = None
         while running or (queue and error is None):
@@ -285,22 +298,33 @@ class CompilePool:
                     continue
                 slot = free.pop()
                 attempts[spec["key"]] += 1
-                running[self._slots[slot].submit(self._fn, spec, out)] = (slot, spec, out)
+                fut = self._slots[slot].submit(self._fn, spec, out)
+                running[fut] = (slot, spec, out)
+                if spec["key"] in self.deadlines:
+                    due[fut] = time.monotonic() + self.deadlines[spec["key"]].seconds
             if not running:
                 break
-            done, _ = wait(running, timeout=tick_s if on_tick else None, return_when=FIRST_COMPLETED)
+            done, _ = wait(running, timeout=self._wait_s(due, overdue, tick_s if on_tick else None),
+                           return_when=FIRST_COMPLETED)
             if on_tick is not None:
                 on_tick()
             for fut in done:
                 slot, spec, out = running.pop(fut)
+                due.pop(fut, None)
                 try:
                     result = fut.result()
                 except BrokenProcessPool:
                     # Only this slot's worker died, and it was compiling `spec`: replace it.
-                    self.worker_deaths += 1
                     self._slots[slot].shutdown(wait=False, cancel_futures=True)
                     self._slots[slot] = self._new()
                     free.append(slot)
+                    if fut in overdue:  # killed here, past its deadline: a hang would hang again
+                        overdue.discard(fut)
+                        error = error or self.deadlines[spec["key"]].passed(
+                            f"the compile of forward {spec['key']} ({spec.get('shapes', '?')}) on {self.where}",
+                            "its compile worker was killed with its compiler children")
+                        continue
+                    self.worker_deaths += 1
                     if attempts[spec["key"]] >= self.max_attempts:
                         error = error or CompileFailed(
                             f"forward {spec['key']} ({spec.get('shapes', '?')}) killed its compile worker "
@@ -317,9 +341,31 @@ class CompilePool:
                 result = dataclasses.replace(result, attempts=attempts[spec["key"]])
                 results.append(result)
                 on_done(result)
+            self._stop_overdue(running, due, overdue)
         if error is not None:
             raise error
         return results
+
+    @staticmethod
+    def _wait_s(due: dict[Future, float], overdue: set[Future], tick_s: float | None) -> float | None:
+        """How long to wait for a compile to finish: until the next tick or the next deadline, whichever
+        comes first (None: no tick and no deadline pending)."""
+        pending = [at - time.monotonic() for fut, at in due.items() if fut not in overdue]
+        waits = [w for w in (tick_s, min(pending, default=None)) if w is not None]
+        return max(0.0, min(waits)) if waits else None
+
+    def _stop_overdue(self, running: dict[Future, tuple[int, dict, str]], due: dict[Future, float],
+                      overdue: set[Future]) -> None:
+        """Kill the worker (and its compiler children) of every compile past its deadline; its future then
+        fails with BrokenProcessPool, which `run` reports as the deadline passed."""
+        now = time.monotonic()
+        for fut, at in due.items():
+            if fut in overdue or at > now or fut.done():
+                continue
+            overdue.add(fut)
+            slot = running[fut][0]
+            for proc in list((self._slots[slot]._processes or {}).values()):
+                kill_tree(proc.pid)
 
     def close(self) -> None:
         for ex in self._slots:
@@ -330,15 +376,8 @@ class CompilePool:
 
     def stop(self) -> None:
         """Kill every worker now, with its compiler children, dropping what they compile; then close."""
-        import psutil
-
         for pid in self.worker_pids():
-            try:
-                worker = psutil.Process(pid)
-                for proc in [*worker.children(recursive=True), worker]:
-                    proc.kill()
-            except psutil.Error:
-                pass  # gone already
+            kill_tree(pid)
         self.close()
 
     def __enter__(self) -> "CompilePool":

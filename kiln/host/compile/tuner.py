@@ -29,11 +29,11 @@ import json
 import os
 import shutil
 import socket
-import tempfile
 import time
 from typing import TYPE_CHECKING
 
-from kiln.core.plan import tuning_plan
+from kiln.core.plan import deadlines, tuning_plan
+from kiln.core.plan.deadlines import Deadline
 from kiln.core.errors import IntegrityError, KilnError
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.plan.tuning_plan import GemmShape
@@ -189,7 +189,8 @@ def tune_target(job: ExportJob, target: str, *, backends: str | None = None) -> 
         fetch_result(store, target, version, backends, shape)  # a hit is used only if it verifies
     out.update(status="ok", shapes=len(shapes), hits=len(decision.hits), misses=len(set(shapes) - stored))
     if decision.measure:
-        run = measure(decision.measure, target=target, torch_version=version, backends=backends)
+        run = measure(decision.measure, target=target, torch_version=version, backends=backends,
+                      deadline=deadlines.tune_deadline(len(decision.measure), job.recipe))
         _save(store, run, decision, target=target, torch_version=version, backends=backends)
         out.update(measured=run["benchmarked"], measure_s=round(run["measure_s"], 3), changed=True)
     return out
@@ -217,12 +218,16 @@ def _save(store: Store, run: dict, decision: tuning_plan.TuningDecision, *, targ
             fetch_result(store, target, torch_version, backends, shape)
 
 
-def measure(shapes: tuple[GemmShape, ...], *, target: str, torch_version: str, backends: str) -> dict:
+def measure(shapes: tuple[GemmShape, ...], *, target: str, torch_version: str, backends: str,
+            deadline: Deadline | None = None) -> dict:
     """Benchmark `shapes` over `backends` in a spawned process; returns its run (see `_measure_in_child`).
     The process's Inductor directories are this user's private ones (kiln.host.compile.inductor_cache),
-    checked here first."""
+    checked here first. With a `deadline`, a run past it is killed and fails final (DeadlinePassed, naming
+    this host)."""
     dirs = inductor_cache.prepare()
-    return call_in_spawned(_measure_in_child, [s.to_dict() for s in shapes], target, torch_version, backends, dirs)
+    return call_in_spawned(_measure_in_child, [s.to_dict() for s in shapes], target, torch_version, backends, dirs,
+                           deadline=deadline,
+                           what=f"tuning {len(shapes)} GEMM shape(s) on host {socket.gethostname()}")
 
 
 def _measure_in_child(shapes: list[dict], target: str, torch_version: str, backends: str,
@@ -233,8 +238,10 @@ def _measure_in_child(shapes: list[dict], target: str, torch_version: str, backe
     Returns {'results': {str(shape): entries}, 'benchmarked': candidates,
     'selections': GEMMs autotuned, 'measure_s': seconds, 'unmatched': [...]}.
     """
+    from kiln.host.processes import scratch as scratch_dirs
+
     inductor_cache.use(dirs)  # the precompiled headers too; the cache itself is a fresh one below
-    scratch = tempfile.mkdtemp(prefix="kiln-tune-")
+    scratch = scratch_dirs.mkdtemp("kiln-tune-")  # this process's own: swept at the next start if it is killed
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "inductor")
     try:
         return _autotune(shapes, target, torch_version, backends, scratch)

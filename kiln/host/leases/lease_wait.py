@@ -6,7 +6,11 @@ try, under the server's host lock, it judges the holder's record
 (kiln.core.run.holders): a holder provably gone (its process on this host is dead,
 or its record past expiry) has its slot freed at once, and the try follows.
 Once it holds the slot it writes its own record, and a thread pushes the
-record's expiry a lease ahead every quarter of the lease until the block ends.
+record's expiry a lease ahead every quarter of the lease until the block ends,
+or until `overdue()` says the holder is stuck past a deadline: then the record
+is left to expire (within `lease_s`), and a waiting run judges the holder gone
+and takes the slot over. So a holder that hangs keeps the slot at most
+`lease_s` past its deadline; one without deadlines, as long as it lives.
 Nothing here knows Prefect: flows/model_lease.py is the server (a global
 concurrency limit per model, the record in a Prefect variable).
 
@@ -22,7 +26,7 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
@@ -55,9 +59,11 @@ class SlotServer(Protocol):
 
 
 @contextmanager
-def hold(server: SlotServer, me: dict, lease_s: float, log, *, poll_s: float) -> Iterator[dict]:
+def hold(server: SlotServer, me: dict, lease_s: float, log, *, poll_s: float,
+         overdue: Callable[[], str | None] | None = None) -> Iterator[dict]:
     """Hold the server's slot for the block, waiting while another holds it and taking it over at once from
-    a holder provably gone; yields the record written (`me` + since, lease id, process and expiry)."""
+    a holder provably gone; yields the record written (`me` + since, lease id, process and expiry). The
+    record is renewed until the block ends or `overdue()` returns what is past its deadline."""
     start = time.monotonic()
     proc = procs.this_process()
     announced = False
@@ -83,7 +89,7 @@ def hold(server: SlotServer, me: dict, lease_s: float, log, *, poll_s: float) ->
                 announced = True
             time.sleep(poll_s)
         log.info("took the model lease %s after %.1f s", server.name, time.monotonic() - start)
-        with _renewing(server, record, log, lease_s):
+        with _renewing(server, record, log, lease_s, overdue):
             yield record
     finally:  # also when the wait ends by an error: a slot taken is never kept
         server.release()
@@ -113,12 +119,19 @@ def _record(server: SlotServer, record: dict, log) -> None:
 
 
 @contextmanager
-def _renewing(server: SlotServer, record: dict, log, lease_s: float) -> Iterator[None]:
-    """Push the holder record's expiry (a lease ahead) forward every quarter of the lease while the block runs."""
+def _renewing(server: SlotServer, record: dict, log, lease_s: float,
+              overdue: Callable[[], str | None] | None = None) -> Iterator[None]:
+    """Push the holder record's expiry (a lease ahead) forward every quarter of the lease while the block runs,
+    until `overdue()` says the holder is stuck past a deadline (said once, as an error)."""
     stop = threading.Event()
 
     def loop() -> None:
         while not stop.wait(lease_s / 4):
+            why = overdue() if overdue is not None else None
+            if why:
+                log.error("%s: no longer renewing the model lease %s; its holder record expires within %.0f s "
+                          "and a waiting export may then take the model over", why, server.name, lease_s)
+                return
             _record(server, {**record, "expires_at": time.time() + lease_s}, log)
 
     thread = threading.Thread(target=loop, name=f"{server.name}-holder-renewal", daemon=True)

@@ -1,7 +1,13 @@
 """A host's local cache directory: where it is, whether it takes writes, whether it has room.
 
 Each host keeps its compiled and downloaded forwards in its cache directory
-(KILN_CACHE_DIR, else KILN_HOME/cache/<host>). A cache that cannot be written,
+(KILN_CACHE_DIR, else KILN_HOME/cache/<host>), with the records of checks passed
+(`verified/`) and of files hashed (`digests/`); at most KILN_CACHE_MIB of them
+(`cap_bytes`, default CACHE_MIB): at an export's start `cap_cache` removes the
+least recently used beyond that (an export's start marks its forwards used), and
+`cap_folders` does the same for the exports `kiln verify` and `kiln run` fetch
+into KILN_HOME. Ranks' weights read from S3 (`s3-checkpoints/`) keep their own
+rule (kiln.host.weights.s3_weight_cache). A cache that cannot be written,
 or lacks room for the forwards the host will hold, is found before anything
 compiles: `cache_status` runs on the host (it creates the directory and
 writes, fsyncs and removes a probe file), and `check_caches` (pure) turns the
@@ -13,17 +19,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln.core.errors import BadInput
+from kiln.core.run.tidy import Entry, Removed, over_cap
 from kiln.store import sha256_file
 
 if TYPE_CHECKING:
     from kiln.core.plan.job import HostSpec
 
 CACHE_DIR_ENV = "KILN_CACHE_DIR"
+CACHE_MIB_ENV = "KILN_CACHE_MIB"
+CACHE_MIB = 32768
+"""MiB each of Kiln's caches on a machine keeps by default (KILN_CACHE_MIB; 0: no cap)."""
+CAPPED = ("forwards", "verified", "digests")
+"""The folders of a host's cache whose files count against its cap."""
 MIB = 2**20
 
 
@@ -152,3 +165,75 @@ def file_digest(path: Path, records: Path | None) -> str:
     digest = sha256_file(path)
     write_record(record, {"sha256": digest, "path": str(path)})
     return digest
+
+
+def cap_bytes() -> int | None:
+    """The cap of each of Kiln's caches here, in bytes: KILN_CACHE_MIB (default CACHE_MIB); None for 0 (no cap)."""
+    raw = os.environ.get(CACHE_MIB_ENV, "").strip() or str(CACHE_MIB)
+    if not raw.isdigit():
+        raise BadInput(f"{CACHE_MIB_ENV}={raw!r}: expected the MiB each of Kiln's caches may keep (0: no cap).")
+    return int(raw) * MIB or None
+
+
+def cap_cache(root: Path, cap: int | None, keep_keys: set[str] | frozenset[str] = frozenset()) -> Removed:
+    """Remove the least recently used files of the host cache at `root` (its CAPPED folders) until they take
+    at most `cap` bytes (None: no cap), never the forwards `keep_keys` (which are marked used now)."""
+    now = time.time()
+    keep = set()
+    for key in keep_keys:
+        path = root / "forwards" / f"{key}.pt2"
+        try:
+            os.utime(path, (now, now))  # used by the export that starts now
+            keep.add(str(path.relative_to(root)))
+        except OSError:
+            pass  # not here (yet)
+    entries = []
+    for folder in CAPPED:
+        for path in (root / folder).rglob("*") if (root / folder).is_dir() else ():
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if path.is_file() and not path.is_symlink():
+                entries.append(Entry(str(path.relative_to(root)), st.st_size, max(st.st_mtime, st.st_atime)))
+    return _remove(root, entries, over_cap(entries, cap, keep) if cap is not None else [])
+
+
+def cap_folders(parent: Path, cap: int | None, keep: str) -> Removed:
+    """Remove the least recently used folders of `parent` (each an export `kiln verify` or `kiln run`
+    fetched) until they take at most `cap` bytes (None: no cap), never `keep` (marked used now)."""
+    if not parent.is_dir():
+        return Removed()
+    now = time.time()
+    entries = []
+    for path in parent.iterdir():
+        if path.name == keep:
+            os.utime(path, (now, now))
+        if path.is_dir() and not path.is_symlink():
+            entries.append(Entry(path.name, tree_bytes(path), path.stat().st_mtime))
+    return _remove(parent, entries, over_cap(entries, cap, {keep}) if cap is not None else [])
+
+
+def _remove(root: Path, entries: list[Entry], names: list[str]) -> Removed:
+    size = {e.name: e.size_bytes for e in entries}
+    removed = Removed()
+    for name in names:
+        path = root / name
+        try:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        except FileNotFoundError:
+            continue  # removed meanwhile (another export's start)
+        removed += Removed(1, size[name])
+    return removed
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (those that vanish meanwhile count 0), not following links."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total

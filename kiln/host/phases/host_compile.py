@@ -26,7 +26,8 @@ from kiln.store import ObjectMissing
 log = logging.getLogger(__name__)
 
 
-def compile_on_host(store, job: ExportJob, host: HostSpec, specs: list[ForwardSpec], workers: int) -> dict:
+def compile_on_host(store, job: ExportJob, host: HostSpec, specs: list[ForwardSpec], workers: int,
+                    deadlines: dict | None = None) -> dict:
     """Compile `specs` in a pool of `workers` spawned processes; upload each the moment it is done.
 
     Returns {'forwards': one entry per key this host compiled and stored, 'reused': [] (the report's
@@ -42,7 +43,8 @@ def compile_on_host(store, job: ExportJob, host: HostSpec, specs: list[ForwardSp
     store per (graph, target), signed, for the gate of later exports. The specs' tuning results are
     fetched and verified first and installed in every worker before it compiles; each entry's
     'autotune' says how many GEMMs were autotuned and how many candidates were benchmarked (0 when the
-    stored results covered them).
+    stored results covered them). `deadlines` (key -> kiln.core.plan.deadlines.Deadline) bounds each
+    compile: the pool kills a worker past it and the forward fails final (kiln.host.compile.compiler).
     """
     import torch
 
@@ -79,7 +81,8 @@ def compile_on_host(store, job: ExportJob, host: HostSpec, specs: list[ForwardSp
 
     by_key = {s.key: s for s in specs}
     with PeakSampler(interval_s=0.2) as sampler, \
-            CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries) as pool:
+            CompilePool(workers, max_attempts=job.recipe.max_compile_attempts, tuning_entries=entries,
+                        deadlines=deadlines, where=f"host {host.name}") as pool:
         waited = compile_leased(pool, leases, [job_of(s) for s in specs], upload,
                                 stored=lambda key: find_trusted(store, key, trusted)[0] is not None,
                                 wait_s=job.recipe.lease_wait_s)

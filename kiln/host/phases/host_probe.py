@@ -15,6 +15,7 @@ from kiln.host.compile import inductor_cache, tuner
 from kiln.host.machine.cache import cache_dir, local_path
 from kiln.host.compile.inductor_options import compiler_options, inductor_env
 from kiln.host.compile.key_sources import model_code_fingerprint
+from kiln.host.phases.host_tidy import tidy_host
 from kiln.host.phases.share import find_trusted
 from kiln.store import ObjectMissing
 
@@ -26,7 +27,9 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
     on a host without one probes as cpu, and kiln.core.plan.decisions.check_devices refuses the export naming
     every such host). With tuning on, each spec carries the stored tuning results of its GEMMs (verified)
     and its key their digest. `store`: the export's store (opened by the caller). A host whose signing key
-    or private Inductor directories (kiln.host.compile.inductor_cache) are wrong stops here (BadInput).
+    or private Inductor directories (kiln.host.compile.inductor_cache) are wrong stops here (BadInput). What
+    earlier runs left on the host is removed first, keeping this export's forwards (kiln.host.phases.host_tidy;
+    `tidied` says it).
     """
     import torch
 
@@ -48,6 +51,7 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
     specs = job.specs(target=target, torch_version=torch.__version__, code=model_code_fingerprint(),
                       compiler={**compiler_options(backends), **target_of_host.inductor_options}, tuning=tuned,
                       inductor_env=inductor_env(), device=device)
+    tidied = tidy_host(host, {s.key for s in specs})  # before the cache's free space is read
     return HostProbe(
         name=host.name, ranks=tuple(host.ranks), memory=snap, num_cpus=cpus, cpus_source=cpus_source,
         unified=reading.unified if job.recipe.unified_memory is None else job.recipe.unified_memory,
@@ -55,7 +59,7 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
         local_keys=tuple(sorted(s.key for s in specs if local_path(host, s.key).exists())),
         # Stored means loadable: a package of the key that a key this export trusts vouched for.
         store_keys=tuple(sorted(s.key for s in specs if find_trusted(store, s.key, trusted)[0] is not None)),
-        cache=cache.cache_status(cache_dir(host)),
+        cache=cache.cache_status(cache_dir(host)), tidied=tidied,
         **measured_compiles(store, specs, trusted))
 
 

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from kiln.core.errors import CheckCrashed, MemoryShort
+from kiln.core.plan.deadlines import check_deadline
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.plan.sizing import check_peak_mib
 from kiln.host.machine import cache, probe
@@ -31,7 +32,8 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     down, and AOTInductor crashes when one process loads a package twice.
     A check passed before on this host for the same artifact bytes, rank and
     checkpoint content is remembered in the host's cache and not run again.
-    A check whose process dies raises CheckCrashed, which is never retried. A forward this host cannot run
+    A check whose process dies raises CheckCrashed, one past its deadline (kiln.core.plan.deadlines:
+    its forwards and shard) DeadlinePassed; neither is retried. A forward this host cannot run
     (kiln.core.trust.manifest.cannot_run_here) is refused (BadInput) before any process starts.
     """
     from kiln.core.machine.target import device_of
@@ -66,7 +68,10 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     memory["peak_mib"] = 0
     for rank, fs in todo.items():
         try:
-            result = call_in_spawned(_check_rank, job, host, rank, fs)
+            result = call_in_spawned(
+                _check_rank, job, host, rank, fs,
+                deadline=check_deadline(len(fs), job.model_config.weight_bytes_per_rank(job.tp), job.recipe),
+                what=f"the check of rank {rank} on host {host.name} (forwards {', '.join(f['shapes'] for f in fs)})")
         except ChildDied:
             raise CheckCrashed(
                 f"host {host.name}: the check of rank {rank} died (its process crashed loading or running a "

@@ -120,8 +120,9 @@ def stored_forwards(store, keys: list[str], packages: dict[str, Stored]) -> tupl
     one (this export's own compile, or a store's older vouch) is downloaded, checked against its trusted
     digest and inspected here: an unsigned record of it is never believed.
     """
-    import tempfile
+    import shutil
 
+    from kiln.host.processes import scratch
     from kiln.host.trust.package_check import check_package, package_calls
 
     found, missing = {}, []
@@ -137,11 +138,14 @@ def stored_forwards(store, keys: list[str], packages: dict[str, Stored]) -> tupl
                                  "export. Export again: the export compiles its own.")
         calls = package.calls
         if calls is None:
-            with tempfile.TemporaryDirectory(prefix="kiln-inspect-") as tmp:
+            tmp = scratch.mkdtemp("kiln-inspect-")  # this process's own: swept at the next start if it is killed
+            try:
                 path = Path(tmp) / f"{key}.pt2"
                 store.get_file(package.object, path, package.sha256)
                 check_package(path)
                 calls = package_calls(path).to_dict()
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
         found[key] = {"sha256": package.sha256, "size_bytes": info.size_bytes, "object": package.object,
                       "calls": {k: calls[k] for k in ("python_free", "ops", "why")}}
     return found, missing

@@ -311,6 +311,21 @@ if __name__ == "__main__":
     _reap()
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL process `pid` and every descendant it has now (its children first; those gone are skipped):
+    what a stopped step started (a compiler's g++, a loader's helpers) must not outlive it."""
+    try:
+        root = psutil.Process(pid)
+        tree = [*root.children(recursive=True), root]
+    except psutil.Error:
+        return
+    for proc in tree:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
 def started_at(pid: int) -> float | None:
     """Start time (epoch seconds) of process `pid` on this host; None when there is no such process."""
     try:

@@ -4,7 +4,11 @@ Each rank check and each tuning measurement runs so: native code it loads cannot
 and a process that hangs on its way out (an interpreter's teardown after loading native code) cannot hold
 the caller up. ProcessPoolExecutor's `max_tasks_per_child` could: its manager thread joins each retired
 worker before it starts the next (and CPython gh-115634 is a deadlock in that replacement). The in-flow
-check of a gemma2 export once waited 15 minutes in CI after its rank 0 had passed.
+check of a gemma2 export once waited 15 minutes in CI after its rank 0 had passed. A caller that passes a
+deadline (kiln.core.plan.deadlines) is never held longer than it: a process that has not answered by then is
+killed with what it started, and the call fails final naming what was running. The process keeps its
+temporary files in a directory of its own (kiln.host.processes.scratch.adopt), removed when it ends, even
+killed.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import multiprocessing
 import pickle
 import traceback
 
-from kiln.host.processes.procs import die_with_parent
+from kiln.core.plan.deadlines import Deadline
+from kiln.host.processes import scratch
+from kiln.host.processes.procs import die_with_parent, kill_tree
 
 EXIT_GRACE_S = 30.0
 """How long a process that has answered gets to exit before call_in_spawned kills it."""
@@ -38,11 +44,16 @@ class RemoteTraceback(Exception):
         return self.text
 
 
-def call_in_spawned(fn, *args, exit_grace_s: float = EXIT_GRACE_S):
+def call_in_spawned(fn, *args, exit_grace_s: float = EXIT_GRACE_S, deadline: Deadline | None = None,
+                    what: str | None = None):
     """fn(*args) in a fresh spawned process that dies with this one (die_with_parent): its return value, or
     the exception it raised, raised here with the process's traceback as its cause (an exception that cannot
     be pickled comes as a RuntimeError). ChildDied when the process ends without an answer. The process is
-    killed if it has not exited `exit_grace_s` after answering."""
+    killed if it has not exited `exit_grace_s` after answering.
+
+    With a `deadline`, a process that has not answered within `deadline.seconds` is killed with everything
+    it started, and DeadlinePassed (final) names `what` (e.g. 'the check of rank 1 on host h0'; default:
+    fn's name) and how the deadline was derived."""
     ctx = multiprocessing.get_context("spawn")
     answers, answer = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_answer, args=(answer, fn, args), daemon=False)
@@ -50,6 +61,11 @@ def call_in_spawned(fn, *args, exit_grace_s: float = EXIT_GRACE_S):
     answer.close()  # the child's end: when the child dies, recv() below sees EOF
     try:
         try:
+            if deadline is not None and not answers.poll(deadline.seconds):  # EOF (a death) counts as ready
+                kill_tree(proc.pid)
+                proc.join(5)
+                raise deadline.passed(what or f"{getattr(fn, '__name__', 'the call')} in a spawned process",
+                                      "its process was killed with everything it started")
             ok, value, where = answers.recv()
         except EOFError:
             proc.join(5)
@@ -58,8 +74,9 @@ def call_in_spawned(fn, *args, exit_grace_s: float = EXIT_GRACE_S):
         answers.close()
         proc.join(exit_grace_s)
         if proc.is_alive():
-            proc.kill()
+            kill_tree(proc.pid)
             proc.join(5)
+        scratch.remove_if_gone(proc.pid)  # a process killed could not remove its own temporary directory
     if ok:
         return value
     raise value from RemoteTraceback(where)
@@ -68,6 +85,7 @@ def call_in_spawned(fn, *args, exit_grace_s: float = EXIT_GRACE_S):
 def _answer(conn, fn, args) -> None:
     """In call_in_spawned's process: call, then send (True, result, None) or (False, exception, its traceback)."""
     die_with_parent()
+    scratch.adopt()  # what it and torch write to TMPDIR (AOTInductor's extractions) is swept once it is gone
     try:
         answer = (True, fn(*args), None)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller

@@ -52,7 +52,10 @@ def load_forward(path: Path | str, weights: dict, sha256: str, *, device: str = 
 
     want = torch.device(device)
 
-    with tempfile.TemporaryDirectory(prefix="kiln-load-") as private:
+    from kiln.host.processes.scratch import own_dir
+
+    # In this process's own temporary directory: swept at the next start if this process is killed meanwhile.
+    with tempfile.TemporaryDirectory(prefix="kiln-load-", dir=own_dir()) as private:
         copy = Path(private) / Path(path).name
         got = _copy_hashing(path, copy)
         if got != sha256:

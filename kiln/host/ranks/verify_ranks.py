@@ -16,7 +16,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
-import tempfile
 import time
 import traceback
 from queue import Empty
@@ -69,9 +68,11 @@ def _rank_process(target, rank: int, tp: int, rendezvous: str, job: dict, link: 
     """A rank's process: it dies with its parent, its packages check every input's shape, and it posts
     `target(...)`'s result, or the refusal (a KilnError, e.g. a refused artifact: its message says it all)
     or the traceback that ended it."""
+    from kiln.host.processes import scratch
     from kiln.host.processes.procs import die_with_parent
 
     die_with_parent()
+    scratch.adopt()  # AOTInductor's extractions land in this rank's own directory, swept once it is gone
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"  # a wrong shape raises instead of crashing or lying
     try:
         link.report("ok", target(rank, tp, rendezvous, job, link))
@@ -204,7 +205,9 @@ def spawn_ranks(target, tp: int, job: dict, *, timeout_s: float = 600,
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     doing = [ctx.RawArray("c", DOING_BYTES) for _ in range(tp)]
-    meeting = tempfile.mkdtemp(prefix="kiln-ranks-")
+    from kiln.host.processes import scratch
+
+    meeting = scratch.mkdtemp("kiln-ranks-")
     rendezvous = os.path.join(meeting, "store")
     procs = [ctx.Process(target=_rank_process, args=(target, r, tp, rendezvous, job, RankLink(r, queue, doing[r])),
                          daemon=False) for r in range(tp)]
@@ -241,6 +244,9 @@ def spawn_ranks(target, tp: int, job: dict, *, timeout_s: float = 600,
     finally:
         _stop(procs, gently=finished)
         shutil.rmtree(meeting, ignore_errors=True)
+        for p in procs:  # a rank killed, or stopped on its way out, could not remove its own directory
+            if p.pid is not None:
+                scratch.remove_if_gone(p.pid)
     return results
 
 
