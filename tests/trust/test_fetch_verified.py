@@ -64,7 +64,8 @@ def test_a_good_export_yields_checked_local_files(setup):
     store, export, fetch, dest = setup
     export(package())
     manifest, artifacts, lines = fetch()
-    assert artifacts == {"1x8": {"path": str(dest / f"{KEY}.pt2"), "sha256": manifest["forwards"][0]["sha256"]}}
+    assert artifacts == {"1x8": {"path": str(dest / f"{KEY}.pt2"), "sha256": manifest["forwards"][0]["sha256"],
+                                 "object": manifest["forwards"][0]["object"]}}
     assert (dest / f"{KEY}.pt2").read_bytes() == package()
     assert [line.split(":")[0] for line in lines[1:]] == ["signature ok", "device cpu", "sha256 ok for 1 artifact(s)",
                                                           "package members ok for 1 artifact(s); loading with runtime input checks on"]

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from kiln.core.errors import BadInput, IntegrityError
-from kiln.core.trust.layout import signature_key
+from kiln.core.trust.layout import FORWARDS, signature_key
 from kiln.store import ObjectMissing, Store
 from kiln.store.base import json_bytes
 
@@ -42,7 +42,7 @@ def pin_export(store: Store, export_id: str, manifest: dict, artifacts: dict[str
         pass  # an unsigned export (accepted with --allow-unsigned): consumers need --allow-unsigned too
     copied = {}
     for art in artifacts.values():
-        rel = Path(art["object"].removeprefix("forwards/"))
+        rel = Path(art["object"].removeprefix(FORWARDS))
         if rel.is_absolute() or ".." in rel.parts:
             raise IntegrityError(f"manifest object {art['object']!r} leaves the forwards folder; refusing it.")
         if rel in copied:
