@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import hashlib
 import json
 import os
@@ -10,7 +9,7 @@ import uuid
 
 import boto3
 import pytest
-from conftest import DaskCluster, cluster_env
+from conftest import DaskCluster, cluster_env, run_overlapping
 from procmarks import marked, wait_gone
 
 pytestmark = pytest.mark.slow
@@ -95,14 +94,7 @@ def test_two_exports_at_once_compile_each_key_once(kiln, s3_bucket, signing_key_
         return kiln("export", "--model", models[i], *args, "--report", str(tmp_path / f"r{i}.json"), env=env,
                     embedded=True)
 
-    with cf.ThreadPoolExecutor(2) as pool:  # two CLI processes; the threads only wait for them
-        first = pool.submit(one, 0)
-        deadline = time.monotonic() + 600
-        while not _leases(s3_bucket):
-            assert not first.done() and time.monotonic() < deadline, "the first export never took a lease"
-            time.sleep(0.2)
-        second = pool.submit(one, 1)
-        runs = [first.result(), second.result()]
+    runs = run_overlapping(one, lambda: bool(_leases(s3_bucket)))  # the first holds a compile lease
     for run in runs:
         assert run.code == 0, run.err[-3000:]
         assert "took over the compile lease" not in run.err  # the holder renewed: no lease lapsed

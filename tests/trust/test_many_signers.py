@@ -12,13 +12,12 @@ seam's KILN_FAULT_HOLD_COMPILE) until the second has probed: the two overlap how
 from __future__ import annotations
 
 import base64
-import concurrent.futures as cf
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
+from conftest import run_overlapping
 
 from kiln.core.trust import layout, signing
 from kiln.store import open_store
@@ -41,14 +40,7 @@ def _run_both(kiln, tmp_path: Path, store_url: str, envs: list[dict]) -> list[di
         return kiln("export", "--model", models[i], *ARGS, "--store", store_url, "--report",
                     str(tmp_path / f"r{i}.json"), env=env, embedded=True)
 
-    with cf.ThreadPoolExecutor(2) as pool:  # two CLI processes; the threads only wait for them
-        first = pool.submit(one, 0)
-        deadline = time.monotonic() + 600
-        while not store.list(layout.LEASES):
-            assert not first.done() and time.monotonic() < deadline, "the first export never took a lease"
-            time.sleep(0.2)
-        second = pool.submit(one, 1)
-        runs = [first.result(), second.result()]
+    runs = run_overlapping(one, lambda: bool(store.list(layout.LEASES)))  # the first holds a compile lease
     for run in runs:
         assert run.code == 0, run.err[-3000:]
     return [json.loads((tmp_path / f"r{i}.json").read_text()) for i in (0, 1)]

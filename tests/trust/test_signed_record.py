@@ -15,16 +15,6 @@ from kiln.store import LocalStore
 BODY = {"compile_peak_mib": 812, "compile_s": 21.5, "shapes": "1x16"}
 
 
-@pytest.fixture
-def signer():
-    return signing.generate()
-
-
-@pytest.fixture
-def trusted(signer):
-    return {signing.fingerprint(signer.public_key()): signer.public_key()}
-
-
 def test_a_record_holds_for_its_kind_body_and_signer_only(signer, trusted):
     doc = sign_record("worker_memory", BODY, signer)
     assert trusted_body(doc, "worker_memory", trusted) == BODY

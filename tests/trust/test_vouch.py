@@ -26,16 +26,6 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@pytest.fixture
-def signer():
-    return signing.generate()
-
-
-@pytest.fixture
-def trusted(signer):
-    return {signing.fingerprint(signer.public_key()): signer.public_key()}
-
-
 def vouch(key, sha256, signer, **kw):
     return make_vouch(key, sha256, export_id=kw.get("export_id", "e1"), compiled_by=kw.get("compiled_by", "h0"),
                       calls=kw.get("calls", CALLS), signer=signer)
