@@ -257,7 +257,8 @@ class S3Checkpoint:
     def _check(self, cfg: ModelConfig) -> None:
         """kiln.host.weights.checkpoint.check_tensors over the headers: every tensor `cfg` implies, with its shape."""
         from kiln.host.weights.checkpoint import check_tensors
-        check_tensors(f"{self.url}/", cfg, {name: (self._name(t.file), t.shape) for name, t in self.tensors().items()})
+        check_tensors(f"{self.url}/", cfg, {name: (self._name(t.file), t.shape, t.dtype)
+                                            for name, t in self.tensors().items()})
 
     def identity(self) -> dict:
         """What a manifest records: the address and every object's name, size and ETag."""
