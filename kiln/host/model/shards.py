@@ -15,7 +15,7 @@ from kiln.host.model.layers.quantized import quantize
 
 def rank_constants(cfg: ModelConfig, tp: int, rank: int,
                    read_into: Callable[[str, tuple | None, torch.Tensor], None],
-                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                   dtype: torch.dtype, later: list[Callable[[], None]] | None = None) -> dict[str, torch.Tensor]:
     """Every package constant of `rank` in `dtype` (float32 or int64 where the contract keeps it so,
     constant_dtype),
     each allocated once and filled by
@@ -23,7 +23,9 @@ def rank_constants(cfg: ModelConfig, tp: int, rank: int,
     is not None) into `out`: a stacked constant's sources go straight into its layer slices, so building
     the constants never holds a second copy of the rank's weights. A quantized checkpoint's projections stay
     float8, their scales float32 (constant_dtype); scales on a grid finer than the checkpoint's blocks
-    (kiln.core.model.quant.scale_cut) are read block by block, then repeated over their sub-blocks."""
+    (kiln.core.model.quant.scale_cut) are read block by block, then repeated over their sub-blocks: at once,
+    or, for a `read_into` that only schedules its reads, by the calls appended to `later`, which the caller
+    makes once its reads are done."""
     cfg.check_tp(tp)
     if not 0 <= rank < tp:
         raise ValueError(f"rank {rank} is outside tp {tp}")
@@ -37,7 +39,8 @@ def rank_constants(cfg: ModelConfig, tp: int, rank: int,
         for i, (source, cut) in enumerate(sources):
             into = constant if sources == [(name, cut)] else constant[i]
             if cut is not None and len(cut) == 4:
-                _read_repeated(read_into, source, cut, into)
+                repeat = _read_repeated(read_into, source, cut, into)
+                repeat() if later is None else later.append(repeat)
             else:
                 read_into(source, cut, into)
         out[name] = constant
@@ -45,16 +48,18 @@ def rank_constants(cfg: ModelConfig, tp: int, rank: int,
 
 
 def _read_repeated(read_into: Callable[[str, tuple | None, torch.Tensor], None], source: str,
-                   cut: tuple[int, int, int, int], out: torch.Tensor) -> None:
+                   cut: tuple[int, int, int, int], out: torch.Tensor) -> Callable[[], None]:
     """Entries [start, stop) of dimension `dim` of `source` once each of its entries is repeated `repeat` times
-    (cut = (dim, start, stop, repeat)): the entries that hold them read, then repeated into `out`."""
+    (cut = (dim, start, stop, repeat)) into `out`: the entries that hold them handed to `read_into`; the call
+    returned repeats them into `out` once they are read."""
     dim, start, stop, repeat = cut
     first, last = start // repeat, -(-stop // repeat)
     shape = list(out.shape)
     shape[dim] = last - first
     held = torch.empty(shape, dtype=out.dtype)
     read_into(source, (dim, first, last), held)
-    out.copy_(held.repeat_interleave(repeat, dim=dim).narrow(dim, start - first * repeat, stop - start))
+    return lambda: out.copy_(held.repeat_interleave(repeat, dim=dim).narrow(dim, start - first * repeat,
+                                                                            stop - start))
 
 
 def shard_state_dict(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:

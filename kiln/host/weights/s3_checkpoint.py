@@ -282,9 +282,12 @@ class S3Checkpoint:
         self._check(cfg)  # this host's reads, checked here: the flow's inspection ran elsewhere
         # The constants are allocated first (each once); the reads then stream into their slots.
         slots: dict[tuple, list[torch.Tensor]] = {}
+        later: list = []  # a quantized checkpoint's scales, repeated over a rank's sub-blocks once read
         out = rank_constants(cfg, tp, rank, lambda name, cut, into: slots.setdefault((name, cut), []).append(into),
-                             getattr(torch, cfg.dtype))
+                             getattr(torch, cfg.dtype), later)
         self._read_into(slots)
+        for repeat in later:
+            repeat()
         if cached is not None:
             s3_weight_cache.write(cached, out, self.url, self.identity()["objects"])
         return out
