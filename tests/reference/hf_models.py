@@ -198,15 +198,17 @@ def write_case(name: str, root: Path, seed: int = 0) -> Path:
     return path
 
 
-def reference_generate(path: Path, prompt: list[int], max_new_tokens: int, dtype: str = "float32") -> dict:
-    """transformers' greedy decode of `prompt` from the checkpoint at `path`, loaded in `dtype`.
+def reference_generate(path: Path, prompt: list[int], max_new_tokens: int, dtype: str = "float32",
+                       **loading) -> dict:
+    """transformers' greedy decode of `prompt` from the checkpoint at `path`, loaded in `dtype` (`loading`:
+    from_pretrained's other arguments, e.g. a quantization_config).
 
     Returns {'generated': ids, 'logits': [last position's logits per step]} (float lists).
     """
     import torch
     family = json.loads((path / "config.json").read_text())["model_type"]
     cls = getattr(transformers, CLASSES[family][1])
-    model = cls.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    model = cls.from_pretrained(path, dtype=getattr(torch, dtype), **loading).eval()
     # Plain greedy decoding of exactly max_new_tokens: no end-of-sequence stop, no processor that bans it.
     model.generation_config.eos_token_id = None
     with torch.no_grad():

@@ -67,17 +67,20 @@ def test_experts_fused_as_3d_tensors_are_refused_saying_how_to_fix_it(kiln_main,
     assert "experts fused as 3-D tensors" in run.err and "save_pretrained" in run.err, run.err[-2000:]
 
 
-def test_fp8_block_quantized_weights_are_refused_saying_how_to_fix_it(kiln_main, tmp_path):
-    """DeepSeek-V3 is published with FP8 weights in 128x128 blocks (`quantization_config`, a
-    `weight_scale_inv` per weight): Kiln does not dequantize them, and says how to get a checkpoint it reads."""
+def test_a_quantization_kiln_does_not_read_is_refused_saying_what_it_reads(kiln_main, tmp_path):
+    """Kiln reads FP8 blocks as DeepSeek-V3 is published (kiln.core.model.quant); another format (GPTQ's config
+    here) is refused by name, saying what Kiln reads; an FP8-block config over weights that are not FP8 is
+    refused naming a block scale the checkpoint lacks."""
     from hf_models import CASES
 
     family, overrides, _ = CASES["deepseek-v3"]
     path = tmp_path / "fp8"
     hf_model(family, hf_config(family, overrides, "float32")).save_pretrained(path)
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                  "weight_block_size": [128, 128]}
-    (path / "config.json").write_text(json.dumps(cfg))
-    run = kiln_main("plan", "--model", str(path), "--tp", "2")
-    assert run.code == 2 and "quantization_config" in run.err and "bfloat16" in run.err, run.err[-2000:]
+    for quant, words in (({"quant_method": "gptq", "bits": 4}, "quant_method='gptq'"),
+                         ({"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                           "weight_block_size": [128, 128]}, "weight_scale_inv")):
+        (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant}))
+        run = kiln_main("plan", "--model", str(path), "--tp", "2")
+        assert run.code == 2 and words in run.err and "Traceback" not in run.err, run.err[-2000:]
+        assert "quant_method" not in words or "Kiln reads FP8 block-quantized weights" in run.err

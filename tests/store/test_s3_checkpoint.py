@@ -104,6 +104,32 @@ def test_a_fused_checkpoint_reads_each_projections_rows_from_s3_as_from_a_direct
         assert ck.bytes_read < 0.6 * sum(size for size, _ in ck.objects.values())
 
 
+def test_an_fp8_block_checkpoint_reads_each_ranks_float8_slices_and_scales_from_s3_as_from_a_directory(
+        s3_bucket, s3_server, tmp_path):
+    """FP8 blocks (kiln.core.model.quant): each rank's float8 projections and float32 scales, those of a share that
+    starts inside a block repeated over its sub-blocks (the experts' 48 rows a rank, blocks of 64), the same
+    from S3 as from the directory, and cached as read."""
+    from kiln.core.model.quant import WeightQuant
+
+    cfg = TINY.replace(architecture="qwen3_moe", qk_norm=True, num_experts=2, experts_per_token=1,
+                       moe_intermediate_size=96, moe_layers=(1,), dtype="bfloat16",
+                       quant=WeightQuant("fp8_blocks", (64, 64)))
+    folder = random_checkpoint(tmp_path / "fp8", cfg, seed=5)
+    bucket = s3_bucket[5:].split("/")[0]
+    _upload(boto3.client("s3", endpoint_url=s3_server.endpoint_url), bucket, "ckpt/fp8", folder)
+    assert inspect_checkpoint(folder) == cfg
+    for rank in range(2):
+        ck = S3Checkpoint(f"s3://{bucket}/ckpt/fp8", endpoint_url=s3_server.endpoint_url, cache_dir=tmp_path / "c")
+        got = ck.load_rank_weights(cfg, 2, rank)
+        want = load_rank_weights(folder, cfg, 2, rank)
+        assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+        assert got["model.runs.1.mlp.experts.up_proj.weight"].dtype == torch.float8_e4m3fn
+        assert got["model.runs.1.mlp.experts.up_proj.weight_scale_inv"].shape == (2, 3, 6)  # 16-row sub-blocks
+        cached = S3Checkpoint(f"s3://{bucket}/ckpt/fp8", endpoint_url=s3_server.endpoint_url,
+                              cache_dir=tmp_path / "c").load_rank_weights(cfg, 2, rank)
+        assert all(cached[n].dtype == want[n].dtype and torch.equal(cached[n], want[n]) for n in want)
+
+
 def test_a_replaced_object_has_a_new_etag_so_the_cache_misses(s3_ckpt, tmp_path):
     cfg = inspect_checkpoint(s3_ckpt["folder"])
     first = S3Checkpoint(s3_ckpt["url"], endpoint_url=s3_ckpt["endpoint"], cache_dir=tmp_path / "cache")

@@ -215,7 +215,7 @@ def test_loading_a_ranks_weights_checks_the_files_it_reads(tmp_path):
     cases = [({"edit_index": lambda m: m.update({next(iter(m)): "../x.safetensors"})}, "'../x.safetensors'"),
              ({"edit_index": lambda m: m.update({next(iter(m)): None})}, "-> None"),
              ({"edit_index": misplace}, "whose header does not hold it"),
-             ({"edit_header": lambda t: t.update(dtype="F8_E4M3")}, "dtype F8_E4M3"),
+             ({"edit_header": lambda t: t.update(dtype="F8_E5M2")}, "dtype F8_E5M2"),
              ({"edit_header": lambda t: t.update(dtype="U4")}, "dtype 'U4'"),
              ({"edit_header": lambda t: t.update(shape=[t["shape"][0] + 1, *t["shape"][1:]])}, "data_offsets"),
              ({"edit_header": lambda t: t.update(shape=t["shape"][::-1] if len(t["shape"]) == 2

@@ -14,6 +14,7 @@ from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.model.interface import forward_interface
 from kiln.core.run.outcome import check_digests, check_outcome, forward_records
 from kiln.core.model.param_counts import params_per_rank
+from kiln.core.model.quant import WeightQuant
 from kiln.core.forwards.shape_ranges import parse_shape_range
 
 CONFIGS = {
@@ -45,6 +46,10 @@ CONFIGS = {
         moe_intermediate_size=64, moe_layers=(1, 2), shared_expert_intermediate_size=64, router="sigmoid_groups",
         num_expert_groups=4, topk_groups=2, routed_scaling_factor=2.5, rope_interleave=True),
 }
+CONFIGS["qwen3_moe: FP8 blocks, a rank's share of the experts inside a block"] = CONFIGS[
+    "qwen3_moe: a dense run between expert runs"].replace(quant=WeightQuant("fp8_blocks", (64, 64)))
+CONFIGS["deepseek_v3: FP8 blocks, the latent's rows a partial block"] = CONFIGS[
+    "deepseek_v3: latent attention, grouped routing, shared experts"].replace(quant=WeightQuant("fp8_blocks", (32, 64)))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -70,9 +75,10 @@ def test_the_parameter_count_is_a_ranks_constants(name):
     state dict above), element for element."""
     cfg = CONFIGS[name]
     for tp in (1, 2):
-        constants = sum(math.prod(w["shape"]) for w in weight_layout(cfg, tp).values())
-        assert params_per_rank(cfg, tp) == constants
-        assert cfg.weight_bytes_per_rank(tp) == constants * cfg.dtype_bytes
+        layout = weight_layout(cfg, tp).values()
+        assert params_per_rank(cfg, tp) == sum(math.prod(w["shape"]) for w in layout)
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+        assert cfg.weight_bytes_per_rank(tp) == sum(math.prod(w["shape"]) * itemsize[w["dtype"]] for w in layout)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -94,7 +100,8 @@ def test_weight_layout_cuts_are_the_ranks_own_shards(name, tp):
             for src in w["sources"]:
                 t = full[src["tensor"]]
                 assert list(t.shape) == src["full_shape"]
-                if src["cut"] is not None:
+                if src["cut"] is not None:  # a block scale on a rank's sub-blocks: each entry repeated first
+                    t = t.repeat_interleave(src["cut"].get("repeat", 1), dim=src["cut"]["dim"])
                     t = t.narrow(src["cut"]["dim"], src["cut"]["offsets"][rank], src["cut"]["length"])
                 parts.append(t)
             t = parts[0] if w["stack"] is None else torch.stack(parts)

@@ -12,6 +12,7 @@ import pytest
 from kiln.core.model.config import TINY, ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.model.hf_config import from_hf, to_hf
+from kiln.core.model.quant import WeightQuant
 from kiln.core.plan.job import ExportJob
 from kiln.core.plan.recipe import Recipe
 
@@ -272,7 +273,7 @@ def _changed(cfg: ModelConfig, field: dataclasses.Field):
                "attn_softcap": 50.0, "final_softcap": 30.0, "local_rope_theta": 1e4,
                "shared_expert_intermediate_size": 64, "rotary_dim": 8, "router": "sigmoid_groups",
                "rope_short_factor": (1.5,) * 8, "rope_long_factor": (3.0,) * 8,
-               **LATENT_FIELDS}
+               "quant": WeightQuant("fp8_blocks", (128, 128)), **LATENT_FIELDS}
     if field.name in special:
         return special[field.name]
     if isinstance(value, bool):
@@ -456,8 +457,8 @@ def test_deepseek_v3_latent_attention_experts_and_yarn():
 DEEPSEEK_V3_REFUSED = [
     ({"topk_method": "greedy"}, "topk_method='greedy'"),
     ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
-    ({"quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                              "weight_block_size": [128, 128]}}, "does not dequantize FP8"),
+    ({"quantization_config": {"activation_scheme": "static", "fmt": "e4m3", "quant_method": "fp8",
+                              "weight_block_size": [128, 128]}}, "activation_scheme='static'"),
     ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
     ({"head_dim": 24}, "head_dim=24"),
     ({"qk_head_dim": 16}, "qk_head_dim=16"),

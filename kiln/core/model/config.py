@@ -14,7 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from kiln.core.errors import BadInput
-from kiln.core.model.param_counts import params_per_rank
+from kiln.core.model.param_counts import params_per_rank, weight_bytes
+from kiln.core.model.quant import WeightQuant
 from kiln.core.model.v4_fields import V4Fields, check_model, tp_counts
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -176,6 +177,9 @@ class ModelConfig:
     v4: V4Fields | None = None
     """DeepSeek-V4's own settings (kiln.core.model.v4_fields), exactly when architecture is deepseek_v4; its rope_*
     fields are then the compressed layers' rope, qk_rope_head_dim the trailing rotated dims of its heads."""
+    quant: WeightQuant | None = None
+    """How the checkpoint's projections are quantized (kiln.core.model.quant: FP8 blocks), kept so in a rank's
+    memory and dequantized in the graph to `dtype`, the compute dtype; None: every weight in `dtype`."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -187,6 +191,11 @@ class ModelConfig:
             self._check_latent()
         if isinstance(self.v4, dict):  # read back from JSON
             object.__setattr__(self, "v4", V4Fields(**self.v4))
+        if isinstance(self.quant, dict):  # read back from JSON
+            object.__setattr__(self, "quant", WeightQuant(**self.quant))
+        if self.quant is not None and (self.v4 is not None or self.architecture == "phi3"):
+            raise BadInput(f"config.json: quantized weights ({self.quant.method}) are read for every family but "
+                           "DeepSeek-V4 (its own FP8/FP4 layout) and Phi-3 (its fused qkv_proj and gate_up_proj).")
         if (self.v4 is not None) != (self.architecture == "deepseek_v4"):
             raise BadInput("config.json: DeepSeek-V4's own fields (v4) go with model_type deepseek_v4, and only it.")
         if self.v4 is not None:
@@ -372,8 +381,9 @@ class ModelConfig:
         return params_per_rank(self, 1)
 
     def weight_bytes_per_rank(self, tp: int) -> int:
-        """Bytes of one rank's weights: sharded attention and MLP, replicated embeddings and norms."""
-        return params_per_rank(self, tp) * self.dtype_bytes
+        """Bytes of one rank's weights: sharded attention and MLP, replicated embeddings and norms; a quantized
+        checkpoint's projections in their own dtype, with their scales (kiln.core.model.param_counts.weight_bytes)."""
+        return weight_bytes(self, tp, self.dtype_bytes)
 
 
 TINY = ModelConfig(vocab_size=1024, hidden_size=384, num_layers=2, num_heads=24,

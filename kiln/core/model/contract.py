@@ -16,7 +16,11 @@ package's constants are of two kinds, and `weight_layout` states both:
   stacked in layer order (`sources` lists them) along a new leading dimension.
 Each entry lists its `sources` (checkpoint tensor, full shape, and how rank r
 cuts it: `dim`, `offsets[r]`, `length`, or whole) and `stack` (the number of
-sources stacked, or None for a plain constant). Nothing is computed from the
+sources stacked, or None for a plain constant). A quantized checkpoint's
+projections (kiln.core.model.quant: FP8 blocks) are float8 constants, each with
+a float32 constant of its scales (`<module>.weight_scale_inv`, its own
+entry); a rank's scales may repeat each block's scale over the sub-blocks of
+its share (the cut's `repeat`). Nothing is computed from the
 config outside the graph (rotary frequencies and per-layer windows are
 computed inside it). A forward with tp > 1 sums its partial products with
 torch's native all_reduce over the process group named PROCESS_GROUP, which
@@ -32,7 +36,7 @@ each source cut to its own rows, at tp 1 too.
 
 from __future__ import annotations
 
-from kiln.core.model import v4_fields
+from kiln.core.model import quant, v4_fields
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.layer_runs import layer_runs
 
@@ -77,9 +81,14 @@ def constant_dtype(cfg: ModelConfig, name: str) -> str:
     """The dtype the package holds tensor `name` (a constant, a stacked constant's suffix or a checkpoint tensor)
     in: the model's, but float32 for DeepSeek-V3's router and its correction bias, as transformers keeps them
     (its _keep_in_fp32_modules_strict): in a bfloat16 model a rounded bias would choose other experts.
+    A quantized checkpoint's projections and their scales: kiln.core.model.quant's dtypes, whatever the model's.
     DeepSeek-V4's: kiln.core.model.v4_fields.constant_dtype (float32 for a few more, int64 for its hash table)."""
     if cfg.v4 is not None:
         return v4_fields.constant_dtype(cfg, name)
+    if cfg.quant is not None and quant.is_scale(name):
+        return quant.SCALE_DTYPE
+    if quant.is_quantized(cfg.quant, name):
+        return quant.WEIGHT_DTYPE
     if cfg.router == "sigmoid_groups" and name.endswith((".gate.weight", ".gate.e_score_correction_bias")):
         return "float32"
     return cfg.dtype
@@ -160,6 +169,18 @@ def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     out["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, h)
+    return _with_scales(cfg, out)
+
+
+def _with_scales(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """`shapes` with each quantized weight's scales right after it (kiln.core.model.quant); itself unquantized."""
+    if cfg.quant is None:
+        return shapes
+    out = {}
+    for name, shape in shapes.items():
+        out[name] = shape
+        if quant.is_quantized(cfg.quant, name):
+            out[quant.scale_of(name)] = quant.scale_shape(cfg.quant, shape)
     return out
 
 
@@ -231,16 +252,22 @@ def constant_sources(cfg: ModelConfig) -> dict[str, list[str]]:
     return {name: [where[part][0] for part in parts] for name, parts in _constant_parts(cfg).items()}
 
 
-def rank_reads(cfg: ModelConfig, tp: int, rank: int) -> dict[str, list[tuple[str, tuple[int, int, int] | None]]]:
+def rank_reads(cfg: ModelConfig, tp: int, rank: int) -> dict[str, list[tuple[str, tuple[int, ...] | None]]]:
     """Package constant -> what `rank` reads into it, in order: (checkpoint tensor, (dim, start, stop) or None)
     per source: shard_slice's cut of the tensor itself, or, for a projection fused in the checkpoint (FUSED),
-    the rows of the fused tensor that hold the rank's share of that projection."""
+    the rows of the fused tensor that hold the rank's share of that projection. A quantized weight's scales
+    whose rank grid repeats the checkpoint's blocks (kiln.core.model.quant.scale_cut) are cut
+    (dim, start, stop, repeat): entries [start, stop) of `dim` once each of its entries is repeated `repeat`
+    times."""
     shapes = _module_shapes(cfg)
     where = _part_offsets(cfg, shapes)
 
-    def read(part: str) -> tuple[str, tuple[int, int, int] | None]:
+    def read(part: str) -> tuple[str, tuple[int, ...] | None]:
         tensor, start = where[part]
         cut = shard_slice(part, cfg, tp, rank)
+        if cut is not None and quant.is_scale(part):  # with its repeat, where the rank's grid has one
+            cut = quant.scale_cut(cfg.quant, _held(quant.weight_of(part), cfg, tp, rank))
+            cut = cut if cut[3] > 1 else cut[:3]
         if tensor == part:
             return tensor, cut
         dim, a, b = cut if cut is not None else (0, 0, shapes[part][0])
@@ -294,6 +321,9 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
     """
     if cfg.v4 is not None and v4_fields.shard_slice(name, cfg, tp, rank) is not None:
         return v4_fields.shard_slice(name, cfg, tp, rank)
+    if cfg.quant is not None and quant.is_scale(name):  # on the rank's grid: kiln.core.model.quant.scale_cut
+        cut = quant.scale_cut(cfg.quant, _held(quant.weight_of(name), cfg, tp, rank))
+        return None if cut is None else cut[:3]
     parts = name.rsplit(".", 2)
     if len(parts) < 3 or parts[-2] not in _COLUMN + _ROW or parts[-1] not in ("weight", "bias"):
         return None
@@ -308,6 +338,17 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
     return (0 if parts[-2] in _COLUMN else 1), rank * n, (rank + 1) * n
 
 
+def _held(weight: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int, int] | None:
+    """shard_slice of a quantized weight, None at tp 1 (a whole tensor keeps the checkpoint's block grid)."""
+    return shard_slice(weight, cfg, tp, rank) if tp > 1 else None
+
+
+def scale_grid(cfg: ModelConfig, tp: int, weight: str) -> tuple[int, int]:
+    """(rows, cols) each of a rank's scales of quantized weight `weight` (a checkpoint name or a stacked
+    constant's suffix) covers: kiln.core.model.quant.scale_grid of the rank's share, the same on every rank."""
+    return quant.scale_grid(cfg.quant, _held(weight, cfg, tp, 0))
+
+
 def weight_layout(cfg: ModelConfig, tp: int) -> dict[str, dict]:
     """Package constant name -> {'dtype', 'shape', 'stack', 'sources'}, the same for every rank.
 
@@ -317,7 +358,9 @@ def weight_layout(cfg: ModelConfig, tp: int) -> dict[str, dict]:
     new leading dimension, in order; each source is {'tensor' (the checkpoint
     tensor), 'full_shape', 'cut'}, with `cut` None (every rank binds it
     whole) or {'dim', 'length', 'offsets'}: rank r binds `length` entries of
-    dimension `dim` starting at `offsets[r]`.
+    dimension `dim` starting at `offsets[r]`; with 'repeat' too (a quantized
+    weight's scales on the rank's sub-blocks, kiln.core.model.quant), of the
+    tensor whose entries along `dim` are each repeated `repeat` times first.
     """
     full = parameter_shapes(cfg)
     shapes = constant_shapes(cfg, tp)
@@ -327,6 +370,8 @@ def weight_layout(cfg: ModelConfig, tp: int) -> dict[str, dict]:
         tensor, first = reads[0][name][i]
         cut = None if first is None else {"dim": first[0], "length": first[2] - first[1],
                                           "offsets": [r[name][i][1][1] for r in reads]}
+        if first is not None and len(first) > 3:
+            cut["repeat"] = first[3]
         return {"tensor": tensor, "full_shape": list(full[tensor]), "cut": cut}
 
     return {name: {"dtype": constant_dtype(cfg, name), "shape": list(shapes[name]),

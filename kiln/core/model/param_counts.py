@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from kiln.core.model.quant import scale_grid
 from kiln.core.model.v4_fields import module_shapes
 
 
@@ -49,4 +50,44 @@ def params_per_rank(cfg, tp: int) -> int:
     dense = cfg.num_layers - len(cfg.moe_layers)
     layers = cfg.num_layers * per_layer + len(cfg.moe_layers) * moe + dense * mlp
     heads = 1 if cfg.tie_word_embeddings else 2
-    return layers + heads * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
+    return layers + heads * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size + _quantized(cfg, tp)[1]
+
+
+def _projections(cfg, tp: int) -> list[tuple[int, int, int, int | None]]:
+    """(how many, rows, cols, the dimension tp cuts or None) of the projections one rank holds, over all layers:
+    the tensors a quantized checkpoint quantizes (kiln.core.model.quant.QUANTIZED)."""
+    h, heads, layers = cfg.hidden_size, cfg.num_heads // tp, cfg.num_layers
+    if cfg.latent:
+        out = [(layers, cfg.kv_lora_rank + cfg.qk_rope_head_dim, h, None),
+               (layers, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank, 0),
+               (layers, h, heads * cfg.v_head_dim, 1)]
+        out += ([(layers, cfg.q_lora_rank, h, None), (layers, heads * cfg.head_dim, cfg.q_lora_rank, 0)]
+                if cfg.q_lora_rank else [(layers, heads * cfg.head_dim, h, 0)])
+    else:
+        q, kv = heads * cfg.head_dim, cfg.num_kv_heads // tp * cfg.head_dim
+        out = [(layers, q, h, 0), (2 * layers, kv, h, 0), (layers, h, q, 1)]
+    moe = len(cfg.moe_layers)
+    for count, width in ((layers - moe, cfg.intermediate_size), (moe * cfg.num_experts, cfg.moe_intermediate_size),
+                         (moe if cfg.shared_expert_intermediate_size else 0, cfg.shared_expert_intermediate_size)):
+        if count:
+            out += [(2 * count, width // tp, h, 0), (count, h, width // tp, 1)]
+    return out
+
+
+def _quantized(cfg, tp: int) -> tuple[int, int]:
+    """(the quantized weights' entries, their scales') one rank holds; (0, 0) unquantized."""
+    if cfg.quant is None:
+        return 0, 0
+    weights = scales = 0
+    for count, rows, cols, dim in _projections(cfg, tp):
+        grid = scale_grid(cfg.quant, None if dim is None or tp == 1 else (dim, 0, (rows, cols)[dim]))
+        weights += count * rows * cols
+        scales += count * -(-rows // grid[0]) * -(-cols // grid[1])
+    return weights, scales
+
+
+def weight_bytes(cfg, tp: int, dtype_bytes: int) -> int:
+    """Bytes of one rank's weights: `dtype_bytes` a parameter, but a quantized checkpoint's projections at a byte
+    each (float8) and their scales at four (float32)."""
+    weights, scales = _quantized(cfg, tp)
+    return (params_per_rank(cfg, tp) - weights - scales) * dtype_bytes + weights + 4 * scales

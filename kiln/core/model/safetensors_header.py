@@ -10,7 +10,9 @@ tensor is trusted:
 
 - N at most MAX_HEADER_BYTES and at most the file's size less 8;
 - the header a JSON object; `__metadata__`, when there, an object;
-- each tensor an object with a dtype in DTYPES (FP8 is refused by name), a
+- each tensor an object with a dtype in DTYPES (F8_E4M3 is read, the other
+  FP8 codes are refused by name; which tensors may be FP8 is the config's
+  business: kiln.host.weights.checkpoint.check_tensors), a
   shape of non-negative ints, and data_offsets [begin, end] of ints with
   0 <= begin <= end <= the data section's size and end - begin the bytes
   its shape and dtype need;
@@ -46,12 +48,13 @@ class Dtype:
 
 DTYPES = {"F64": Dtype("float64", 8), "F32": Dtype("float32", 4), "F16": Dtype("float16", 2),
           "BF16": Dtype("bfloat16", 2), "I64": Dtype("int64", 8), "I32": Dtype("int32", 4),
-          "I16": Dtype("int16", 2), "I8": Dtype("int8", 1), "U8": Dtype("uint8", 1), "BOOL": Dtype("bool", 1)}
-"""safetensors' dtype codes Kiln reads (the header's `dtype`), the only table of them."""
+          "I16": Dtype("int16", 2), "I8": Dtype("int8", 1), "U8": Dtype("uint8", 1), "BOOL": Dtype("bool", 1),
+          "F8_E4M3": Dtype("float8_e4m3fn", 1)}
+"""safetensors' dtype codes Kiln reads (the header's `dtype`), the only table of them. F8_E4M3 is an FP8-block
+checkpoint's quantized projections (kiln.core.model.quant)."""
 
-FP8_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0")
-"""FP8 codes: refused by name (Kiln does not dequantize FP8 weights; kiln.core.model.hf_config refuses
-FP8 block-quantized configs the same way)."""
+FP8_DTYPES = ("F8_E5M2", "F8_E8M0")
+"""The FP8 codes Kiln does not read: refused by name (e5m2 weights; e8m0, DeepSeek-V4's UE8M0 scales)."""
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,9 @@ def _entry(where: str, name: str, raw, data_bytes: int) -> TensorEntry:
                              "data_offsets")
     dtype, shape, offsets = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
     if dtype in FP8_DTYPES:
-        raise BadInput(f"{at} has dtype {dtype}: FP8 weights, which Kiln does not dequantize. Convert the "
-                       "checkpoint to bfloat16 first (for DeepSeek-V3, DeepSeek's inference/fp8_cast_bf16.py).")
+        raise BadInput(f"{at} has dtype {dtype}: FP8 that Kiln does not read (it reads F8_E4M3 weights with "
+                       "float32 block scales, as DeepSeek-V3 and Qwen3's FP8 checkpoints hold them). Convert the "
+                       "checkpoint to bfloat16 first.")
     if dtype not in DTYPES:
         raise _refuse(where, f"tensor {name!r} has dtype {dtype!r}, not one Kiln reads "
                              f"({', '.join(DTYPES)})")

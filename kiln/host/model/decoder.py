@@ -37,7 +37,8 @@ from kiln.core.model.layer_runs import Segment, layer_runs
 from kiln.host.model.families import deepseek, gemma, llama
 from kiln.host.model.families.llama import Layer
 from kiln.host.model.layers.norms import RMSNorm, softcap
-from kiln.host.model.layers.stacked import LayerRun, every, interleave, keep_float32, segment_runs
+from kiln.host.model.layers.quantized import layer_weights
+from kiln.host.model.layers.stacked import LayerRun, every, interleave, keep_own_dtypes, segment_runs
 from kiln.host.model.layers.step import FULL_ATTENTION, StepContext, step_context
 
 
@@ -82,10 +83,11 @@ class ShardedDecoder(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def _apply(self, fn, recurse=True):
-        """Every cast (`.to(dtype)`, `.half()`, ...) leaves the tensors the contract keeps in float32 so
-        (constant_dtype: DeepSeek-V3's router), as transformers keeps them."""
+        """Every cast (`.to(dtype)`, `.half()`, ...) leaves the tensors the contract keeps in a dtype of their own
+        (constant_dtype: DeepSeek-V3's router in float32, as transformers keeps it; a quantized checkpoint's
+        float8 projections and their scales) in it."""
         super()._apply(fn, recurse)
-        return keep_float32(self, self.cfg)
+        return keep_own_dtypes(self, self.cfg)
 
     def _windows(self, device) -> torch.Tensor | None:
         """[layers] int64: each layer's window, FULL_ATTENTION (a value no distance reaches) on full-attention
@@ -123,6 +125,7 @@ class ShardedDecoder(nn.Module):
         """One segment of layers: (x after them, their new cache entries [layers, E, b, t, heads, width] in
         layer order). `kv` and `windows` are the segment's layer slices; run k takes every period-th."""
         cfg, tp, layer, period = self.cfg, self.tp, self.layer, segment.period
+        dtype = x.dtype  # a quantized checkpoint's projections are dequantized to it, layer by layer
         phases = []
         for k, run in enumerate(runs):
             phase = {"weights": run.stacked(), "kv": every(kv, k, period)}
@@ -133,7 +136,8 @@ class ShardedDecoder(nn.Module):
             entries = []
             for i in range(segment.repeats):
                 for phase in phases:
-                    x, entry = layer(cfg, tp, {n: w[i] for n, w in phase["weights"].items()}, x, phase["kv"][i],
+                    weights = layer_weights(cfg, tp, {n: w[i] for n, w in phase["weights"].items()}, dtype)
+                    x, entry = layer(cfg, tp, weights, x, phase["kv"][i],
                                      phase["window"][i] if "window" in phase else None, ctx)
                     entries.append(entry)
             return x, torch.stack(entries)
@@ -148,7 +152,8 @@ class ShardedDecoder(nn.Module):
             carry = carry.view(b, t, carry.shape[-1])
             out = []
             for step in steps:
-                carry, entry = layer(cfg, tp, step["weights"], carry, step["kv"], step.get("window"), ctx)
+                carry, entry = layer(cfg, tp, layer_weights(cfg, tp, step["weights"], dtype), carry, step["kv"],
+                                     step.get("window"), ctx)
                 out.append(entry)
             return carry, out
 

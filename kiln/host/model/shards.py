@@ -6,33 +6,60 @@ from collections.abc import Callable
 
 import torch
 
+from kiln.core.model import quant
 from kiln.core.model.cache_layout import cache_layout
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.contract import constant_dtype, constant_shapes, parameter_shapes, rank_reads
+from kiln.host.model.layers.quantized import quantize
 
 
 def rank_constants(cfg: ModelConfig, tp: int, rank: int,
                    read_into: Callable[[str, tuple | None, torch.Tensor], None],
-                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                   dtype: torch.dtype, later: list[Callable[[], None]] | None = None) -> dict[str, torch.Tensor]:
     """Every package constant of `rank` in `dtype` (float32 or int64 where the contract keeps it so,
     constant_dtype),
     each allocated once and filled by
     `read_into(checkpoint_name, cut, out)`, which writes that tensor (cut to (dim, start, stop) when `cut`
     is not None) into `out`: a stacked constant's sources go straight into its layer slices, so building
-    the constants never holds a second copy of the rank's weights."""
+    the constants never holds a second copy of the rank's weights. A quantized checkpoint's projections stay
+    float8, their scales float32 (constant_dtype); scales on a grid finer than the checkpoint's blocks
+    (kiln.core.model.quant.scale_cut) are read block by block, then repeated over their sub-blocks: at once,
+    or, for a `read_into` that only schedules its reads, by the calls appended to `later`, which the caller
+    makes once its reads are done."""
     cfg.check_tp(tp)
     if not 0 <= rank < tp:
         raise ValueError(f"rank {rank} is outside tp {tp}")
     out = {}
     reads = rank_reads(cfg, tp, rank)
     for name, shape in constant_shapes(cfg, tp).items():
-        own = constant_dtype(cfg, name)  # the model's, or float32 / int64 for the few the contract keeps so
-        constant = torch.empty(shape, dtype=dtype if own == cfg.dtype else getattr(torch, own))
+        own = constant_dtype(cfg, name)  # the model's, or float32 / int64 / float8 for those the contract keeps so
+        follows = own == cfg.dtype and not quant.is_scale(name)  # a block's scale stays float32 whatever `dtype`
+        constant = torch.empty(shape, dtype=dtype if follows else getattr(torch, own))
         sources = reads[name]
         for i, (source, cut) in enumerate(sources):
-            read_into(source, cut, constant if sources == [(name, cut)] else constant[i])
+            into = constant if sources == [(name, cut)] else constant[i]
+            if cut is not None and len(cut) == 4:
+                repeat = _read_repeated(read_into, source, cut, into)
+                repeat() if later is None else later.append(repeat)
+            else:
+                read_into(source, cut, into)
         out[name] = constant
     return out
+
+
+def _read_repeated(read_into: Callable[[str, tuple | None, torch.Tensor], None], source: str,
+                   cut: tuple[int, int, int, int], out: torch.Tensor) -> Callable[[], None]:
+    """Entries [start, stop) of dimension `dim` of `source` once each of its entries is repeated `repeat` times
+    (cut = (dim, start, stop, repeat)) into `out`: the entries that hold them handed to `read_into`; the call
+    returned repeats them into `out` once they are read."""
+    dim, start, stop, repeat = cut
+    first, last = start // repeat, -(-stop // repeat)
+    shape = list(out.shape)
+    shape[dim] = last - first
+    held = torch.empty(shape, dtype=out.dtype)
+    read_into(source, (dim, first, last), held)
+    return lambda: out.copy_(held.repeat_interleave(repeat, dim=dim).narrow(dim, start - first * repeat,
+                                                                            stop - start))
 
 
 def shard_state_dict(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
@@ -51,12 +78,18 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random full weights with a sensible scale (for test checkpoints and the tiny model)."""
+    """Random full weights with a sensible scale (for test checkpoints and the tiny model); a quantized
+    config's projections quantized (kiln.host.model.layers.quantized.quantize) beside their scales."""
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, cfg.dtype)
     out = {}
     for name, shape in expected_shapes(cfg).items():
-        if name.endswith("norm.weight"):
+        if quant.is_scale(name):
+            continue  # made with its weight
+        if quant.is_quantized(cfg.quant, name):
+            out[name], out[quant.scale_of(name)] = quantize(torch.randn(shape, generator=gen) * shape[-1] ** -0.5,
+                                                            cfg.quant.block)
+        elif name.endswith("norm.weight"):
             out[name] = torch.ones(shape, dtype=dtype)
         elif constant_dtype(cfg, name) == "int64":  # an index table (DeepSeek-V4's tid2eid): expert ids
             out[name] = torch.randint(0, cfg.num_experts, shape, generator=gen)

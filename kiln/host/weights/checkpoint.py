@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 from kiln.core.model.config import BUNDLED_MODEL, TINY, ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.model.hf_config import from_hf, to_hf
-from kiln.core.model.safetensors_header import TensorEntry, index_weight_map
+from kiln.core.model import quant
+from kiln.core.model.safetensors_header import DTYPES, TensorEntry, index_weight_map
 from kiln.host.model import expected_shapes, random_state_dict, rank_constants
 from kiln.host.weights.safetensors_io import SafetensorsFile
 
@@ -82,6 +83,9 @@ def _spare(name: str, cfg: ModelConfig) -> bool:
 
 def missing_hint(missing: list[str], present) -> str:
     """What a checkpoint lacking `missing` (and holding `present`) most likely is, for the refusal's words."""
+    if all(quant.is_scale(n) for n in missing):
+        return (" (config.json's quantization_config says the decoder's projections are FP8 blocks, each beside its "
+                "weight_scale_inv; these are not: drop quantization_config, or export the FP8 checkpoint itself)")
     if missing == ["lm_head.weight"]:
         return (" (config.json says tie_word_embeddings: false; a checkpoint without lm_head.weight ties it "
                 "to the embeddings)")
@@ -93,12 +97,16 @@ def missing_hint(missing: list[str], present) -> str:
     return ""
 
 
-def check_tensors(where: str, cfg: ModelConfig, have: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+def check_tensors(where: str, cfg: ModelConfig, have: dict[str, tuple[str, tuple[int, ...], str]]) -> None:
     """BadInput unless the checkpoint at `where` holds every tensor config.json implies with its shape, and no
-    tensor the model does not read (a bias the config does not declare would otherwise be dropped silently).
-    `have`: tensor name -> (its file as the message names it, its shape)."""
+    tensor the model does not read (a bias the config does not declare would otherwise be dropped silently),
+    each FP8 exactly where config.json says (check_quantized).
+    `have`: tensor name -> (its file as the message names it, its shape, its safetensors dtype code)."""
     want = expected_shapes(cfg)
     missing = sorted(set(want) - set(have))
+    if cfg.quant is None and any(quant.is_scale(n) for n in have):
+        raise BadInput(f"{where} holds FP8 block scales (e.g. {next(n for n in sorted(have) if quant.is_scale(n))}) "
+                       "but config.json has no quantization_config; restore the checkpoint's config.json.")
     if missing:
         raise BadInput(f"{where} lacks {len(missing)} tensor(s) that config.json implies, e.g. {missing[0]}"
                        f"{missing_hint(missing, have)}; the checkpoint does not match its config.")
@@ -108,16 +116,39 @@ def check_tensors(where: str, cfg: ModelConfig, have: dict[str, tuple[str, tuple
                        f"{unused[0]}; Kiln would ignore them and compute something else. Fix config.json "
                        "(e.g. attention_bias / mlp_bias) or remove them.")
     for name, shape in want.items():
-        file, got = have[name]
+        file, got = have[name][:2]
         if tuple(got) != shape:
             raise BadInput(f"{file}: tensor {name} has shape {list(got)} but config.json implies "
                            f"{list(shape)}; the checkpoint does not match its config.")
+    check_quantized(cfg, {name: (have[name][0], have[name][2]) for name in want})
+
+
+def check_quantized(cfg: ModelConfig, have: dict[str, tuple[str, str]]) -> None:
+    """BadInput unless each tensor's dtype (`have`: name -> (its file, its safetensors code)) is FP8 exactly
+    where config.json's quantization says (kiln.core.model.quant: a projection F8_E4M3, its scales F32), naming
+    the first that is not."""
+    fp8 = quant.WEIGHT_DTYPE
+    for name, (file, code) in have.items():
+        got = DTYPES[code].torch_name
+        if quant.is_quantized(cfg.quant, name) and got != fp8:
+            raise BadInput(f"{file}: tensor {name} is {code}, but config.json's quantization_config says the "
+                           f"decoder's projections are FP8 blocks (F8_E4M3 beside a float32 weight_scale_inv); "
+                           "Kiln reads every projection quantized (its modules_to_not_convert may list only "
+                           "embeddings, routers and the output head).")
+        if quant.is_scale(name) and got != quant.SCALE_DTYPE:
+            raise BadInput(f"{file}: tensor {name} is {code}; Kiln reads float32 (F32) block scales.")
+        if got == fp8 and not quant.is_quantized(cfg.quant, name):
+            raise BadInput(f"{file}: tensor {name} is FP8 ({code}), but "
+                           + ("config.json has no quantization_config" if cfg.quant is None else
+                              "Kiln reads only a decoder layer's projections quantized")
+                           + "; the checkpoint does not match its config.")
 
 
 def _checked(path: Path, cfg: ModelConfig) -> dict[str, tuple[Path, TensorEntry]]:
     """The checkpoint's tensors (`_headers`) after `check_tensors` against `cfg`."""
     have = _headers(path)
-    check_tensors(str(path), cfg, {name: (str(file), entry.shape) for name, (file, entry) in have.items()})
+    check_tensors(str(path), cfg, {name: (str(file), entry.shape, entry.dtype)
+                                   for name, (file, entry) in have.items()})
     return have
 
 

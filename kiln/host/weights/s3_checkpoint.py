@@ -257,7 +257,8 @@ class S3Checkpoint:
     def _check(self, cfg: ModelConfig) -> None:
         """kiln.host.weights.checkpoint.check_tensors over the headers: every tensor `cfg` implies, with its shape."""
         from kiln.host.weights.checkpoint import check_tensors
-        check_tensors(f"{self.url}/", cfg, {name: (self._name(t.file), t.shape) for name, t in self.tensors().items()})
+        check_tensors(f"{self.url}/", cfg, {name: (self._name(t.file), t.shape, t.dtype)
+                                            for name, t in self.tensors().items()})
 
     def identity(self) -> dict:
         """What a manifest records: the address and every object's name, size and ETag."""
@@ -281,9 +282,12 @@ class S3Checkpoint:
         self._check(cfg)  # this host's reads, checked here: the flow's inspection ran elsewhere
         # The constants are allocated first (each once); the reads then stream into their slots.
         slots: dict[tuple, list[torch.Tensor]] = {}
+        later: list = []  # a quantized checkpoint's scales, repeated over a rank's sub-blocks once read
         out = rank_constants(cfg, tp, rank, lambda name, cut, into: slots.setdefault((name, cut), []).append(into),
-                             getattr(torch, cfg.dtype))
+                             getattr(torch, cfg.dtype), later)
         self._read_into(slots)
+        for repeat in later:
+            repeat()
         if cached is not None:
             s3_weight_cache.write(cached, out, self.url, self.identity()["objects"])
         return out

@@ -103,18 +103,6 @@ class Family:
     """Fields inert for this family only (beyond INERT), with why."""
 
 
-def refuse_fp8_blocks(raw: dict) -> None:
-    """FP8 weights with a scale per block (DeepSeek-V3's published checkpoints: quant_method fp8,
-    weight_block_size) are bad input saying how to convert them; any other quantization_config is left to the
-    allow-list, which refuses it as unknown."""
-    quant = raw.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") == "fp8" and "weight_block_size" in quant:
-        raise BadInput(f"config.json: quantization_config={quant!r}: the weights are FP8 with a scale per "
-                       f"{quant['weight_block_size']} block, and Kiln does not dequantize FP8 weights. Convert the "
-                       "checkpoint to bfloat16 first (for DeepSeek-V3, DeepSeek's inference/fp8_cast_bf16.py), drop "
-                       "quantization_config from its config.json, and export that.")
-
-
 def flag(raw: dict, name: str, default: bool = False) -> bool:
     """A true/false field; null reads as false, as transformers' `if config.<name>:` does."""
     value = raw.get(name, default)

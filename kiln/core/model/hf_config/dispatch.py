@@ -1,9 +1,10 @@
 """The table of families, and the two entry points: config.json -> ModelConfig and back.
 
 Pure: no torch import. from_hf finds the family (model_type, or the one class of `architectures`),
-refuses any field that neither the family reads nor INERT lists, checks that the fields it needs are
-there, and hands the rest to the family's module. to_hf refuses a ModelConfig holding a Feature its family's
-configs cannot hold, then writes the fields every family has and the family's own.
+reads `quantization_config` (quantization.py: FP8 blocks, or refused by name), refuses any field that
+neither the family reads nor INERT lists, checks that the fields it needs are there, and hands the rest to
+the family's module. to_hf refuses a ModelConfig holding a Feature its family's configs cannot hold, then
+writes the fields every family has and the family's own.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from kiln.core.model.config import ARCHITECTURES, ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.model.hf_config.deepseek import DEEPSEEK_V3
 from kiln.core.model.hf_config.deepseek_v4 import DEEPSEEK_V4, refuse_quantized
-from kiln.core.model.hf_config.common import FEATURES, INERT, Family, refuse_fp8_blocks, shared_hf
+from kiln.core.model.hf_config.common import FEATURES, INERT, Family, shared_hf
 from kiln.core.model.hf_config.gemma import GEMMA2, GEMMA3_TEXT
 from kiln.core.model.hf_config.llama import LLAMA, MISTRAL
 from kiln.core.model.hf_config.mixtral import MIXTRAL
 from kiln.core.model.hf_config.phi3 import PHI3
+from kiln.core.model.hf_config.quantization import FIELD as QUANTIZATION, quantization_to_hf, read_quantization
 from kiln.core.model.hf_config.qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
 from kiln.core.model.hf_config.rope import rope_positions, rope_scaling
 
@@ -32,7 +34,8 @@ def from_hf(raw: dict) -> ModelConfig:
     family = _family(raw)
     if family is DEEPSEEK_V4:  # FP8 attention and FP4 experts: its own words on what to do
         refuse_quantized(raw)
-    refuse_fp8_blocks(raw)
+    quant = read_quantization(raw, family.name)
+    raw = {k: v for k, v in raw.items() if k != QUANTIZATION}
     unknown = sorted(set(raw) - family.read - set(INERT) - set(family.inert))
     if unknown:
         shown = ", ".join(f"{k}={raw[k]!r}" for k in unknown[:4])
@@ -43,7 +46,8 @@ def from_hf(raw: dict) -> ModelConfig:
     missing = [k for k in family.required if k not in raw]
     if missing:
         raise BadInput(f"config.json lacks {', '.join(missing)}; it must describe a decoder of a supported family.")
-    return family.from_raw(raw)
+    cfg = family.from_raw(raw)
+    return cfg if quant is None else cfg.replace(quant=quant)
 
 
 def to_hf(cfg: ModelConfig) -> dict:
@@ -53,7 +57,8 @@ def to_hf(cfg: ModelConfig) -> dict:
         if feature not in family.features and feature.held_by(cfg):
             owners = [f.name for f in FAMILIES.values() if feature in f.features]
             raise BadInput(f"{feature.what}: {', '.join(owners)} configs have it; no {family.name} config does.")
-    return {**shared_hf(cfg, rope_scaling(cfg)), **rope_positions(cfg), **family.to_hf(cfg)}
+    quant = {} if cfg.quant is None else {QUANTIZATION: quantization_to_hf(cfg.quant)}
+    return {**shared_hf(cfg, rope_scaling(cfg)), **rope_positions(cfg), **family.to_hf(cfg), **quant}
 
 
 def _family(raw: dict) -> Family:

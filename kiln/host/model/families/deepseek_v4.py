@@ -30,7 +30,7 @@ from kiln.core.model.layer_runs import Segment, layer_runs
 from kiln.host.model.layers.clipped_experts import experts
 from kiln.host.model.layers.compressed_attention import attention
 from kiln.host.model.layers.compressor import rms_norm32
-from kiln.host.model.layers.stacked import Holder, LayerRun, keep_float32, segment_runs
+from kiln.host.model.layers.stacked import Holder, LayerRun, keep_own_dtypes, segment_runs
 from kiln.host.model.layers.hyper_connections import expand, hyper_head, mix_weights
 from kiln.core.model.v4_fields import HASH_MOE
 
@@ -103,7 +103,7 @@ class DeepseekV4Decoder(nn.Module):
     def _apply(self, fn, recurse=True):
         """A cast keeps the tensors the contract holds in float32 so (kiln.core.model.v4_fields.FLOAT32_SUFFIXES)."""
         super()._apply(fn, recurse)
-        return keep_float32(self, self.cfg)
+        return keep_own_dtypes(self, self.cfg)
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, kv_cache: torch.Tensor,
                 slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,16 +13,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kiln.core.model import quant
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.contract import RUN_PREFIX, constant_dtype, constant_shapes, is_expert
 from kiln.core.model.layer_runs import Segment, layer_runs, segments
 
 
-def keep_float32(module: nn.Module, cfg: ModelConfig) -> nn.Module:
-    """`module` with the parameters the contract keeps in float32 (constant_dtype) cast back to it."""
+def keep_own_dtypes(module: nn.Module, cfg: ModelConfig) -> nn.Module:
+    """`module` with the parameters the contract keeps in a dtype of their own (constant_dtype: float32, or a
+    quantized checkpoint's float8 and its float32 scales) cast back to it after a cast of the whole module."""
     for name, param in module.named_parameters():
-        if constant_dtype(cfg, name) == "float32" and param.dtype != torch.float32:
-            param.data = param.data.to(torch.float32)
+        own = constant_dtype(cfg, name)
+        if own != cfg.dtype and own != str(param.dtype).removeprefix("torch."):
+            param.data = param.data.to(getattr(torch, own))
     return module
 
 
@@ -60,8 +63,13 @@ class LayerRun(nn.Module):
                 if not hasattr(owner, part):
                     owner.add_module(part, Holder())
                 owner = getattr(owner, part)
-            if constant_dtype(cfg, prefix + suffix) == "int64":  # an index table (DeepSeek-V4's tid2eid)
+            own = constant_dtype(cfg, prefix + suffix)
+            if own == "int64":  # an index table (DeepSeek-V4's tid2eid)
                 owner.register_buffer(leaf, torch.zeros(shapes[prefix + suffix], dtype=torch.int64))
+            elif own == quant.WEIGHT_DTYPE or quant.is_scale(suffix):  # a quantized projection (x 64), its scales
+                initial = (torch.full(shapes[prefix + suffix], 1 / 64) if quant.is_scale(suffix)
+                           else _initial(suffix, shapes[prefix + suffix]) * 64)
+                owner.register_parameter(leaf, nn.Parameter(initial.to(getattr(torch, own)), requires_grad=False))
             else:
                 owner.register_parameter(leaf, nn.Parameter(_initial(suffix, shapes[prefix + suffix])))
 

@@ -1,0 +1,76 @@
+"""config.json's `quantization_config`: the quantized format Kiln reads (FP8 blocks), and every other refused by name.
+
+Pure: no torch import. Read as transformers' FineGrainedFP8Config reads it, field by field:
+- `quant_method` "fp8" with a `weight_block_size` [rows, cols]: FP8 blocks (kiln.core.model.quant); any other
+  method (gptq, awq, bitsandbytes, compressed-tensors, mxfp4, ...) or FP8 without blocks is refused, naming
+  it and saying what Kiln reads;
+- `fmt` "e4m3" (or absent): the weights are float8_e4m3fn; `activation_scheme` "dynamic" (or absent):
+  activations are not quantized with static scales from the checkpoint (Kiln computes them in the compute
+  dtype, as transformers' dequantized model does);
+- `scale_fmt` "float" (or absent) and `expert_dtype` "fp8" (or absent): float32 scales, FP8 experts (the
+  others are DeepSeek-V4's UE8M0 scales and FP4 experts);
+- `modules_to_not_convert` (or MiniMax's `ignored_layers`): a list of module names, checked by the
+  checkpoint itself: every projection Kiln reads as quantized must be F8_E4M3 with its scales in the headers
+  (kiln.host.weights.checkpoint.check_tensors), so a list that keeps one of them unquantized is refused there,
+  naming the tensor; `dequantize` is a loading option of transformers' and changes nothing here.
+"""
+
+from __future__ import annotations
+
+from kiln.core.errors import BadInput
+from kiln.core.model.quant import FP8_BLOCKS, WeightQuant
+
+FIELD = "quantization_config"
+
+_READS = ("Kiln reads FP8 block-quantized weights (quant_method fp8, fmt e4m3, activation_scheme dynamic, a "
+          "weight_block_size, float32 weight_scale_inv per block), as DeepSeek-V3 and Qwen3's FP8 checkpoints "
+          "are published, and unquantized float32/bfloat16/float16 ones")
+
+_INERT = frozenset({"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
+                    "ignored_layers", "scale_fmt", "expert_dtype", "dequantize", "modules_to_convert"})
+"""The fields of an FP8-block quantization_config; any other is refused."""
+
+
+def read_quantization(raw: dict, family: str) -> WeightQuant | None:
+    """The WeightQuant of a config.json's quantization_config (None when there is none); BadInput naming the
+    field and its value for anything Kiln does not read."""
+    quant = raw.get(FIELD)
+    if quant is None:
+        return None
+    if not isinstance(quant, dict):
+        raise BadInput(f"config.json: {FIELD}={quant!r} must be an object.")
+    method = quant.get("quant_method")
+    if method != "fp8" or quant.get("weight_block_size") is None:
+        what = f"quant_method={method!r}" if method != "fp8" else "quant_method 'fp8' without a weight_block_size"
+        raise BadInput(f"config.json: {FIELD} {what}: {_READS}. Export an unquantized checkpoint of this model "
+                       "instead.")
+    if family == "phi3":
+        raise BadInput(f"config.json: {FIELD}={quant!r}: Kiln does not read FP8 blocks over Phi-3's fused "
+                       "qkv_proj and gate_up_proj; export a bfloat16 checkpoint of it.")
+    unknown = sorted(set(quant) - _INERT)
+    for name, want in (("fmt", "e4m3"), ("activation_scheme", "dynamic"), ("scale_fmt", "float"),
+                       ("expert_dtype", "fp8")):
+        if quant.get(name, want) != want:
+            unknown.append(name)
+    if unknown:
+        raise BadInput(f"config.json: {FIELD} " + ", ".join(f"{k}={quant[k]!r}" for k in unknown)
+                       + f": {_READS}.")
+    for name in ("modules_to_not_convert", "ignored_layers", "modules_to_convert"):
+        names = quant.get(name)
+        if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+            raise BadInput(f"config.json: {FIELD} {name}={names!r} must be a list of module names.")
+    if quant.get("modules_to_convert"):
+        raise BadInput(f"config.json: {FIELD} modules_to_convert={quant['modules_to_convert']!r}: quantized "
+                       f"embeddings are not read; {_READS}.")
+    block = quant["weight_block_size"]
+    try:
+        return WeightQuant(FP8_BLOCKS, block)
+    except BadInput:
+        raise BadInput(f"config.json: {FIELD} weight_block_size={block!r} must be two positive integers "
+                       "[rows, cols].") from None
+
+
+def quantization_to_hf(quant: WeightQuant) -> dict:
+    """The quantization_config of `quant`, as DeepSeek-V3's config.json writes it."""
+    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+            "weight_block_size": list(quant.block)}
