@@ -63,7 +63,7 @@ except ImportError:
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
+                      "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
 
 
 # ------------------------------------------------------------------ what is checked before anything loads
@@ -280,8 +280,10 @@ def rank_constants(manifest: dict, names, tensors: dict[str, torch.Tensor], rank
         constant = torch.empty(w["shape"], dtype=getattr(torch, w["dtype"]), device=device)
         for i, source in enumerate(w["sources"]):
             t = tensors[source["tensor"]]
-            if source["cut"] is not None:
-                t = t.narrow(source["cut"]["dim"], source["cut"]["offsets"][rank], source["cut"]["length"])
+            if source["cut"] is not None:  # FP8 block scales may repeat each entry over a rank's sub-blocks first
+                cut = source["cut"]
+                t = t.repeat_interleave(cut.get("repeat", 1), cut["dim"]) if cut.get("repeat", 1) > 1 else t
+                t = t.narrow(cut["dim"], cut["offsets"][rank], cut["length"])
             (constant if w["stack"] is None else constant[i]).copy_(t)
         out[name] = constant
     return out

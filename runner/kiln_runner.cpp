@@ -148,7 +148,8 @@ Args parse_args(int argc, char** argv) {
 
 at::ScalarType kiln_dtype(const std::string& name) {  // the manifest spells dtypes as torch does
   static const std::map<std::string, at::ScalarType> m = {
-      {"float32", at::kFloat}, {"float16", at::kHalf}, {"bfloat16", at::kBFloat16}, {"int64", at::kLong}};
+      {"float32", at::kFloat}, {"float16", at::kHalf}, {"bfloat16", at::kBFloat16}, {"int64", at::kLong},
+      {"float8_e4m3fn", at::kFloat8_e4m3fn}};
   auto it = m.find(name);
   if (it == m.end()) fail("unsupported dtype '" + name + "' in the manifest");
   return it->second;
@@ -158,7 +159,7 @@ at::ScalarType safetensors_dtype(const std::string& name) {
   static const std::map<std::string, at::ScalarType> m = {
       {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf}, {"BF16", at::kBFloat16},
       {"I64", at::kLong},   {"I32", at::kInt},   {"I16", at::kShort}, {"I8", at::kChar},
-      {"U8", at::kByte},    {"BOOL", at::kBool}};
+      {"U8", at::kByte},    {"BOOL", at::kBool}, {"F8_E4M3", at::kFloat8_e4m3fn}};
   auto it = m.find(name);
   if (it == m.end()) fail("unsupported safetensors dtype '" + name + "'");
   return it->second;
@@ -279,13 +280,16 @@ std::unordered_map<std::string, at::Tensor> rank_weights(const json& layout, con
       if (ckpt.entry(tensor).shape != full)
         fail("checkpoint tensor " + tensor + " is " + shape_str(ckpt.entry(tensor).shape) +
              " but the export expects " + shape_str(full));
-      int64_t dim = -1, offset = 0, length = 0;
+      int64_t dim = -1, offset = 0, length = 0, repeat = 1;
       if (!src.at("cut").is_null()) {
         dim = src["cut"].at("dim");
         length = src["cut"].at("length");
         offset = src["cut"].at("offsets").at(rank);
+        repeat = src["cut"].value("repeat", 1);
       }
-      at::Tensor part = ckpt.read(tensor, dim, offset, length);
+      // FP8 block scales may repeat each entry over a rank's sub-blocks before the cut (the manifest's `repeat`).
+      at::Tensor part = repeat > 1 ? ckpt.read(tensor, -1, 0, 0).repeat_interleave(repeat, dim).narrow(dim, offset, length)
+                                   : ckpt.read(tensor, dim, offset, length);
       at::Tensor slot = stacked ? constant.select(0, static_cast<int64_t>(i)) : constant;
       if (part.sizes() != slot.sizes())
         fail("weight " + name + " source " + tensor + " cuts to " + shape_str(part.sizes().vec()) +
