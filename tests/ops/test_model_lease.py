@@ -164,8 +164,8 @@ def test_a_holder_whose_process_died_is_taken_over_at_once_on_a_server(prefect_s
             victim.kill()
     out = heir.stdout + heir.stderr
     assert heir.returncode == 0, out[-3000:]
-    assert (f"took over the model lease {name} from process {victim.pid} on {holder['host']}, flow run "
-            f"{holder['flow_run_name']} ({holder['flow_run_id']}), export victim-export: its process "
+    assert (f"took over the model lease {name} from flow run {holder['flow_run_name']} ({holder['flow_run_id']}), "
+            f"export victim-export, since {holder['since']}, process {victim.pid} on {holder['host']}: its process "
             f"{victim.pid} on {holder['host']} is gone") in out, out[-3000:]
     assert took_s < LEASE_S / 2, took_s  # not the server's expiry
     # Freed by its lease, which the server revoked: its expiry cannot free a slot a second time.
