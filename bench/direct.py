@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     compiled = {e["key"]: e for e in done["forwards"]}
     phase("compile", t)
     t = time.perf_counter()
-    found, missing = share.stored_forwards(store, sorted(specs), {k: e["sha256"] for k, e in compiled.items()})
+    own = share.trusted_packages(store, sorted(specs), {}, {k: e["sha256"] for k, e in compiled.items()})[0]
+    found, missing = share.stored_forwards(store, sorted(specs), own)
     stored = outcome.check_outcome(found, missing, specs)
     phase("outcome-check", t)
     forwards = outcome.forward_records(specs, stored, compiled, job.model_config, job.tp, outcome.target_cpus(probes))

@@ -139,7 +139,6 @@ def wrong_forward(path: Path, store_url: str, report: Path) -> dict:
 
     from kiln.core.model.config import ModelConfig
     from kiln.core.model.contract import EXPERTS
-    from kiln.core.trust.layout import artifact_key
     from kiln.core.plan.recipe import Bucket, Recipe
     from kiln.host.weights.checkpoint import read_config
     from kiln.host.ranks.loader import compare_with_eager, eager_model, load_forward
@@ -150,7 +149,7 @@ def wrong_forward(path: Path, store_url: str, report: Path) -> dict:
 
     forward = json.loads(report.read_text())["forwards"][0]
     package = report.parent / "rank1.pt2"
-    open_store(store_url).get_file(artifact_key(forward["key"]), package, forward["sha256"])
+    open_store(store_url).get_file(forward["object"], package, forward["sha256"])
     cfg: ModelConfig = read_config(path)
     recipe, tp, rank, bucket = Recipe(), 2, 1, Bucket(1, PROMPT_TOKENS)
     check = dict(page_tokens=recipe.page_tokens, pages_per_seq=recipe.pages_per_seq, atol=recipe.verify_atol,

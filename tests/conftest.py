@@ -433,21 +433,6 @@ def tp2_store_copy(tp2_export, tmp_path) -> dict:
     return {"store": f"file://{root}", "root": root}
 
 
-def run_overlapping(one: Callable[[int], "Run"], started: Callable[[], bool], timeout_s: float = 600) -> list:
-    """`one(0)`, then `one(1)` once `started()` says the first is far enough (say, it holds a compile lease):
-    both results, in that order. Two CLI processes; the threads only wait for them."""
-    import concurrent.futures as cf
-
-    with cf.ThreadPoolExecutor(2) as pool:
-        first = pool.submit(one, 0)
-        deadline = time.monotonic() + timeout_s
-        while not started():
-            assert not first.done() and time.monotonic() < deadline, "the first run never got that far"
-            time.sleep(0.2)
-        second = pool.submit(one, 1)
-        return [first.result(), second.result()]
-
-
 # =============================================================================
 # Workers: which tests run together (tests/xdist_groups.py)
 # =============================================================================

@@ -46,7 +46,9 @@ def test_a_rank_check_past_its_deadline_is_stopped_and_named(tmp_path, monkeypat
     job, [host] = prepare(ExportParams(tp=1, store=f"file://{tmp_path / 'store'}",
                                        recipe={"deadline_floor_s": 6.0, "deadline_margin": 1.0}),
                           host_names=["host-0"], signing=False)
-    forward = {"key": "0" * 32, "sha256": "0" * 64, "shapes": "1x8"}
+    from kiln.host.machine.probe import target_fingerprint
+
+    forward = {"key": "0" * 32, "sha256": "0" * 64, "shapes": "1x8", "target": target_fingerprint("cpu")}
     with pytest.raises(DeadlinePassed, match=r"^the check of rank 0 on host host-0 \(forwards 1x8\) did not "
                                              r"finish within 6 s \(deadline_floor_s") as info:
         rank_check.check_ranks(job, host, [forward])

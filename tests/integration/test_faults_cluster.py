@@ -9,7 +9,8 @@ import uuid
 
 import boto3
 import pytest
-from conftest import DaskCluster, cluster_env, run_overlapping
+from conftest import DaskCluster, cluster_env
+from overlapping import run_overlapping
 from procmarks import marked, wait_gone
 
 pytestmark = pytest.mark.slow

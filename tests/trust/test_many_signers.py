@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_overlapping
+from overlapping import run_overlapping
 
 from kiln.core.trust import layout, signing
 from kiln.store import open_store
