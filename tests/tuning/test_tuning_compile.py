@@ -29,21 +29,36 @@ from kiln.host.machine import probe
 from kiln.host.compile import tuner
 from kiln.host.compile.compiler import CompilePool
 from kiln.host.compile.inductor_options import compiler_options
+from kiln.core.trust import signing
 from kiln.store import open_store
 
 pytestmark = pytest.mark.slow
 B = "ATEN,CPP"
+SIGNER = signing.generate()
+"""The key these tuning runs sign their results with (KILN_SIGNING_KEY): only signed results are applied."""
+FP = signing.fingerprint(SIGNER.public_key())
 
 
 def job_for(tmp, mode: str) -> ExportJob:
     # 1x16 and 2x8 both have 16 rows: two forwards, six distinct GEMM shapes to measure.
     return ExportJob(export_id="t", model_name="tiny", checkpoint=str(tmp / "none"), config=dataclasses.asdict(TINY),
                      tp=2, recipe=Recipe(buckets=parse_buckets("1x16,2x8"), tuning=mode),
-                     store_url=f"file://{tmp / 'store'}")
+                     store_url=f"file://{tmp / 'store'}", signing=signing.SigningPlan("env", FP))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def signing_key(tmp_path_factory):
+    import base64
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KILN_SIGNING_KEY", base64.b64encode(SIGNER.private_bytes_raw()).decode())
+        mp.setenv("KILN_HOME", str(tmp_path_factory.mktemp("home")))
+        mp.delenv("KILN_VERIFY_KEY", raising=False)
+        yield
 
 
 @pytest.fixture(scope="module")
-def tuned(tmp_path_factory):
+def tuned(tmp_path_factory, signing_key):
     """A cold tuning run and an identical warm one on a fresh store."""
     tmp = tmp_path_factory.mktemp("tuned")
     job, target = job_for(tmp, "cached"), probe.target_fingerprint()
@@ -59,7 +74,7 @@ def tuned(tmp_path_factory):
 
 def stored(t) -> dict:
     store = open_store(t["job"].store_url)
-    return {k: json.loads(store.get_bytes(k)) for k in store.list("tuning/")}
+    return {k: json.loads(store.get_bytes(k))["body"] for k in store.list("tuning/")}  # signed records
 
 
 def test_cold_run_measures_every_candidate_warm_run_nothing(tuned):
@@ -85,7 +100,7 @@ def test_compile_uses_stored_choices_without_benchmarking(tuned, tmp_path, monke
     found = tuner.lookup(store, job, target, torch.__version__, B)
     spec = job.specs(target=target, torch_version=torch.__version__, code="test", compiler=compiler_options(B),
                      tuning=found)[0]
-    entries = tuner.load_for_compile(store, [spec], torch.__version__)
+    entries = tuner.load_for_compile(store, [spec], torch.__version__, {FP: SIGNER.public_key()})
     with CompilePool(1, tuning_entries=entries) as pool:  # a worker gets the spec as plain data
         [result] = pool.run([(spec.to_dict(), str(tmp_path / "f.pt2"))], lambda r: None)
     from kiln.core.model.contract import constant_shapes

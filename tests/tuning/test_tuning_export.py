@@ -113,7 +113,7 @@ def test_share_verify_refuses_forwards_with_prepacked_weights(two_exports):
     from kiln.core.plan.tuning_plan import winners
 
     # The output head is the one GEMM the compile autotunes (see above): only its winner reaches a forward.
-    runs = [json.loads(p.read_text()) for p in (store / "tuning").glob("*.json")]
+    runs = [json.loads(p.read_text())["body"] for p in (store / "tuning").rglob("*.json")]  # signed records
     head = [run for run in runs if (run["shape"]["k"], run["shape"]["n"]) == (TINY.hidden_size, TINY.vocab_size)]
     assert head, "the output head's GEMM was measured"
     cpp = any(w.startswith("Cpp")

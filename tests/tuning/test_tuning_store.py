@@ -1,4 +1,5 @@
-"""Tuning results in a real store: lookup, verification, never applied elsewhere, installed into Inductor.
+"""Tuning results in a real store: lookup, verification, signed by the export that measured them and applied only
+when a trusted key signed them, never applied elsewhere, installed into Inductor.
 
 No compilation here; the measured results are hand-made entries in Inductor's
 format. tests/tuning/test_tuning_compile.py measures for real.
@@ -6,6 +7,7 @@ format. tests/tuning/test_tuning_compile.py measures for real.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
@@ -24,16 +26,33 @@ from kiln.core.plan.job import ExportJob
 from kiln.core.plan.recipe import Recipe, parse_buckets
 from kiln.host.compile import tuner
 from kiln.host.compile.inductor_options import compiler_options
+from kiln.core.trust import signing
+from kiln.core.trust.signed_record import sign_record
 from kiln.store import open_store
 
 T, V, B = "cpu-x86_64-avx512-test", "2.13.0+cpu", "ATEN,CPP"
+SIGNER = signing.generate()
+"""The key the tests' exports sign with (KILN_SIGNING_KEY), so their tuning results are trusted."""
+FP = signing.fingerprint(SIGNER.public_key())
+TRUSTED = {FP: SIGNER.public_key()}
 
 
-def make_job(tmp_path: Path, buckets: str = "1x16,2x8,4x8", tuning_mode: str = "cached") -> ExportJob:
+@pytest.fixture(autouse=True)
+def signing_key(monkeypatch, tmp_path):
+    import base64
+
+    monkeypatch.setenv("KILN_SIGNING_KEY", base64.b64encode(SIGNER.private_bytes_raw()).decode())
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("KILN_VERIFY_KEY", raising=False)
+
+
+def make_job(tmp_path: Path, buckets: str = "1x16,2x8,4x8", tuning_mode: str = "cached",
+             signed: bool = True) -> ExportJob:
     return ExportJob(export_id="t", model_name="tiny", checkpoint=str(tmp_path / "none"),
                      config=dataclasses.asdict(TINY), tp=2,
                      recipe=Recipe(buckets=parse_buckets(buckets), tuning=tuning_mode, shape_policy="static"),
-                     store_url=f"file://{tmp_path / 'store'}")
+                     store_url=f"file://{tmp_path / 'store'}",
+                     signing=signing.SigningPlan("env", FP) if signed else signing.SigningPlan("off"))
 
 
 def fake_run(shapes, *, cpp_ms: float = 0.01) -> dict:
@@ -45,7 +64,8 @@ def fake_run(shapes, *, cpp_ms: float = 0.01) -> dict:
 
 def save(store, shapes, *, replace=False, cpp_ms=0.01):
     decision = tuning_plan.TuningDecision(measure=tuple(shapes), hits=(), replace=replace)
-    tuner._save(store, fake_run(shapes, cpp_ms=cpp_ms), decision, target=T, torch_version=V, backends=B)
+    tuner._save(store, fake_run(shapes, cpp_ms=cpp_ms), decision, target=T, torch_version=V, backends=B,
+                signer=SIGNER)
 
 
 def specs(job, found) -> dict[str, ForwardSpec]:
@@ -66,11 +86,37 @@ def test_lookup_gives_each_bucket_its_results_and_digest(tmp_path):
     assert found["1x16"]["digest"] == found["2x8"]["digest"] is not None
     assert found["4x8"] == {"digest": None, "objects": [], "missing": 6}
     by_bucket = specs(job, found)
-    entries = tuner.load_for_compile(store, [by_bucket["1x16"], by_bucket["2x8"]], V)
+    entries = tuner.load_for_compile(store, [by_bucket["1x16"], by_bucket["2x8"]], V, TRUSTED)
     assert tuning_plan.count_timings(entries) == 12
     with pytest.raises(KilnError, match="lacks tuning results for 6 GEMM shape"):
-        tuner.load_for_compile(store, [by_bucket["4x8"]], V)
-    assert tuner.load_for_compile(store, [dataclasses.replace(by_bucket["1x16"], tuning=None)], V) is None
+        tuner.load_for_compile(store, [by_bucket["4x8"]], V, TRUSTED)
+    assert tuner.load_for_compile(store, [dataclasses.replace(by_bucket["1x16"], tuning=None)], V, TRUSTED) is None
+    with pytest.raises(IntegrityError, match="not signed by a key this export trusts"):
+        tuner.load_for_compile(store, [by_bucket["1x16"]], V, {})
+
+
+def test_only_results_a_trusted_key_signed_are_applied(tmp_path, monkeypatch):
+    """Anyone who can write the store could choose the next export's kernels: an unsigned result, or one
+    signed by a key the export does not trust, counts as not measured."""
+    job = make_job(tmp_path, buckets="1x16")
+    store = open_store(job.store_url)
+    shape = rows16(job)[0]
+    result = tuning_plan.build_result(target=T, torch_version=V, backends=B, shape=shape,
+                                      entries=fake_run([shape])["results"][str(shape)], measured_by="x", run={})
+    other = signing.generate()
+    other_fp = signing.fingerprint(other.public_key())
+    store.put_json(tuning_plan.object_key(T, V, B, shape, other_fp), sign_record("tuning", result, other))
+    store.put_json(tuning_plan.object_key(T, V, B, shape, "ed25519:" + "0" * 32), result)  # unsigned, planted
+    assert tuner.lookup(store, job, T, V, B)["1x16"]["missing"] == 6
+    monkeypatch.setenv("KILN_VERIFY_KEY", base64.b64encode(signing.raw_public(other.public_key())).decode())
+    assert tuner.lookup(store, job, T, V, B)["1x16"]["missing"] == 5  # trusting its signer: applied
+
+
+def test_an_unsigned_export_tunes_nothing(tmp_path):
+    job = make_job(tmp_path, signed=False)
+    run = tuner.tune_target(job, T, backends=B)
+    assert run["status"] == "skipped" and run["reason"] == tuner.UNSIGNED_REASON and not run["changed"]
+    assert tuner.tuning_backends(job, "cuda") is None
 
 
 def test_same_winners_same_key_other_winners_other_key(tmp_path):
@@ -96,7 +142,7 @@ def test_tampered_result_is_refused(tmp_path):
     with pytest.raises(IntegrityError, match=key):
         tuner.lookup(store, job, T, V, B)
     with pytest.raises(IntegrityError, match=key):
-        tuner.load_for_compile(store, [spec], V)
+        tuner.load_for_compile(store, [spec], V, TRUSTED)
 
 
 def test_replaced_after_the_probe_is_refused(tmp_path):
@@ -106,7 +152,7 @@ def test_replaced_after_the_probe_is_refused(tmp_path):
     spec = specs(job, tuner.lookup(store, job, T, V, B))["1x16"]
     save(store, rows16(job), cpp_ms=0.5, replace=True)
     with pytest.raises(IntegrityError, match="replaced"):
-        tuner.load_for_compile(store, [spec], V)
+        tuner.load_for_compile(store, [spec], V, TRUSTED)
 
 
 def test_a_result_for_another_target_or_torch_is_never_applied(tmp_path):
@@ -118,8 +164,8 @@ def test_a_result_for_another_target_or_torch_is_never_applied(tmp_path):
     assert tuner.lookup(store, job, "cpu-x86_64-avx2-other", V, B)["1x16"]["missing"] == 6
     # Even copied under the other target's key, the result says what it is for and is refused.
     shape = rows16(job)[0]
-    data = store.get_bytes(tuning_plan.object_key(T, V, B, shape))
-    store.put_bytes(tuning_plan.object_key("cpu-x86_64-avx2-other", V, B, shape), data)
+    data = store.get_bytes(tuning_plan.object_key(T, V, B, shape, FP))
+    store.put_bytes(tuning_plan.object_key("cpu-x86_64-avx2-other", V, B, shape, FP), data)
     with pytest.raises(tuning_plan.TuningMismatch, match="never applied"):
         tuner.lookup(store, job, "cpu-x86_64-avx2-other", V, B)
 
@@ -128,9 +174,9 @@ def test_racing_cached_writer_keeps_the_first_result(tmp_path):
     job = make_job(tmp_path, buckets="1x16")
     store = open_store(job.store_url)
     save(store, rows16(job), cpp_ms=0.01)
-    before = store.stat(tuning_plan.object_key(T, V, B, rows16(job)[0])).sha256
-    save(store, rows16(job), cpp_ms=0.5)  # create-once: someone else's result stands, once it verifies
-    assert store.stat(tuning_plan.object_key(T, V, B, rows16(job)[0])).sha256 == before
+    before = store.stat(tuning_plan.object_key(T, V, B, rows16(job)[0], FP)).sha256
+    save(store, rows16(job), cpp_ms=0.5)  # create-once: the first result of this signer stands
+    assert store.stat(tuning_plan.object_key(T, V, B, rows16(job)[0], FP)).sha256 == before
 
 
 def test_cpu_tune_phase_measures_nothing_and_says_why(tmp_path):

@@ -19,6 +19,7 @@ from kiln.core.plan.tuning_plan import (
     gemm_backends,
     merge_entries,
     object_key,
+    object_prefix,
     result_id,
     summarize,
     tuning_digest,
@@ -61,7 +62,8 @@ def test_result_id_depends_on_target_torch_backends_and_shape():
     assert result_id(T, V, "ATEN,TRITON", S16) != base
     assert result_id(T, V, B, S32) != base
     assert result_id(T, V, B, GemmShape(16, 384, 192, "bfloat16")) != base
-    assert object_key(T, V, B, S16) == f"tuning/{base}.json"
+    assert object_key(T, V, B, S16, "ed25519:ab") == f"tuning/{base}/ed25519-ab.json"
+    assert object_key(T, V, B, S16, "ed25519:ab").startswith(object_prefix(T, V, B, S16))
 
 
 def test_weightless_cpu_forwards_have_nothing_to_tune():

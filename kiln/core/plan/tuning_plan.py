@@ -11,10 +11,14 @@ in its autotune cache as
     entries[op][inputs_key][precision][choice_hash] = milliseconds
 
 A *result* is one shape's entries plus what they are for. Results are stored
-create-once at `tuning/<result_id>.json` where `result_id` hashes the format,
-target fingerprint, torch version and shape; mode `full` replaces them. A
-result is applied only when its embedded target, torch version and shape are
-the ones asked for (`check_result`), never for another target or torch.
+create-once at `tuning/<result_id>/<signer>.json` where `result_id` hashes the
+format, target fingerprint, torch version and shape, as a record signed by the
+export that measured it (kiln.core.trust.signed_record, kind 'tuning'); mode
+`full` replaces the signer's own. A result picks kernels, so one is applied only
+when a key the export trusts signed it, and only when its embedded target,
+torch version and shape are the ones asked for (`check_result`), never for
+another target or torch. An unsigned export tunes nothing: no export could
+trust what it measured.
 
 A forward's key holds `tuning_digest` of its shapes' results: a digest of the
 *winning* choice per GEMM (what Inductor compiles), not of the raw timings.
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 from kiln.core.model.config import ModelConfig
 from kiln.core.errors import IntegrityError
 from kiln.core.forwards.forward_keys import digest
-from kiln.core.trust.layout import tuning_key
+from kiln.core.trust.layout import tuning_key, tuning_prefix
 from kiln.core.plan.recipe import TUNING_MODES, Bucket
 from kiln.core.forwards.shape_ranges import ShapeRange
 
@@ -134,9 +138,15 @@ def result_id(target: str, torch_version: str, backends: str, shape: GemmShape) 
                    "shape": shape.to_dict()})
 
 
-def object_key(target: str, torch_version: str, backends: str, shape: GemmShape) -> str:
-    """Store key of one shape's result (kiln.core.trust.layout.tuning_key)."""
-    return tuning_key(result_id(target, torch_version, backends, shape))
+def object_prefix(target: str, torch_version: str, backends: str, shape: GemmShape) -> str:
+    """Where every signer's result of one shape lives (kiln.core.trust.layout.tuning_prefix)."""
+    return tuning_prefix(result_id(target, torch_version, backends, shape))
+
+
+def object_key(target: str, torch_version: str, backends: str, shape: GemmShape, signer: str) -> str:
+    """Store key of one shape's result as the key with fingerprint `signer` measured and signed it
+    (kiln.core.trust.layout.tuning_key)."""
+    return tuning_key(result_id(target, torch_version, backends, shape), signer)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ the round trip):
     vouches/<key>/<sha256>/<signer>.json     one signer's signed word that those bytes are Kiln's, and what
                                              they call (kiln.core.trust.vouch); <signer>: its fingerprint
     memory/<graph digest>/<key>.json         a compile worker's measured peak, per (graph, target, compiler), signed
-    tuning/<result id>.json                  one GEMM shape's kernel-tuning result, signed
+    tuning/<result id>/<signer>.json         one GEMM shape's kernel-tuning result, as one signer measured it
     leases/<key>/<scope>/<generation:08d>.json  a compile lease on a forward key, among exports of one signer
     exports/<export id>/manifest.json        the export's manifest, and manifest.sig beside it
     exports/<export id>/compiled/<key>.json  who compiled a forward in that export, how long it took
@@ -87,9 +87,14 @@ def worker_memory_key(spec: ForwardSpec, key: str) -> str:
     return f"{worker_memory_prefix(spec)}{key}.json"
 
 
-def tuning_key(result_id: str) -> str:
-    """Where one GEMM shape's tuning result lives (its id: kiln.core.plan.tuning_plan.result_id)."""
-    return f"{TUNING}{result_id}.json"
+def tuning_prefix(result_id: str) -> str:
+    """Where every signer's result of one GEMM shape (its id: kiln.core.plan.tuning_plan.result_id) lives."""
+    return f"{TUNING}{result_id}/"
+
+
+def tuning_key(result_id: str, fingerprint: str) -> str:
+    """Where the result of one GEMM shape measured by the export signed with `fingerprint` lives."""
+    return f"{tuning_prefix(result_id)}{signer_name(fingerprint)}.json"
 
 
 def lease_key_prefix(key: str) -> str:
@@ -153,7 +158,7 @@ _PATTERNS = [
     ("vouch", re.compile(rf"{VOUCHES}(?P<key>{_NAME})/(?P<sha256>{_SHA256})/(?P<signer>{_NAME})\.json")),
     ("legacy_vouch", re.compile(rf"{VOUCHES}(?P<key>{_NAME})/(?P<sha256>{_SHA256})\.json")),
     ("worker_memory", re.compile(rf"{MEMORY}(?P<graph>[0-9a-f]+)/(?P<key>{_NAME})\.json")),
-    ("tuning", re.compile(rf"{TUNING}(?P<result_id>[0-9a-f]+)\.json")),
+    ("tuning", re.compile(rf"{TUNING}(?P<result_id>[0-9a-f]+)/(?P<signer>{_NAME})\.json")),
     ("lease", re.compile(rf"{LEASES}(?P<key>{_NAME})/(?P<scope>{_NAME})/(?P<generation>\d{{8,}})\.json")),
     ("manifest", re.compile(rf"{EXPORTS}(?P<export_id>{_NAME})/manifest\.json")),
     ("signature", re.compile(rf"{EXPORTS}(?P<export_id>{_NAME})/manifest\.sig")),

@@ -1,7 +1,9 @@
 """Records that later exports act on, signed: only a trusted key's word sizes a pool or is reused. Pure.
 
 The store holds measurements that decide what later exports do: a compile
-worker's measured peak (`memory/`: the gate sizes compile pools by it). Anyone
+worker's measured peak (`memory/`: the gate sizes compile pools by it) and a
+GEMM shape's kernel-tuning result (`tuning/`: it picks the kernels a forward
+compiles with). Anyone
 who can write the store can write such a record, so a reader acts on one only
 when a key it trusts signed it; any other record is ignored, as if never
 measured (the recipe's own figures stand).

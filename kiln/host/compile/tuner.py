@@ -42,7 +42,7 @@ from kiln.host.machine import probe
 from kiln.host.compile import inductor_cache
 from kiln.host.compile.inductor_options import compiler_options
 from kiln.host.processes.spawned import call_in_spawned
-from kiln.store import Store, open_store, sha256_bytes
+from kiln.store import ObjectMissing, Store, open_store, sha256_bytes
 
 if TYPE_CHECKING:  # not at run time: kiln.core.plan.job brings kiln.core.trust.signing (cryptography) into every
     from kiln.core.plan.job import ExportJob  # compile worker, which imports this module to install tuning results
@@ -56,36 +56,51 @@ def benchmark_count() -> int:
                if k.startswith("benchmarking.") and k.endswith((".benchmark_cpu", ".benchmark_gpu")))
 
 
-def fetch_result(store: Store, target: str, torch_version: str, backends: str,
-                 shape: GemmShape) -> tuple[dict, str, str]:
-    """One stored result, sha256-verified and checked to be for this target, torch, backends and shape.
+def fetch_result(store: Store, target: str, torch_version: str, backends: str, shape: GemmShape,
+                 trusted: dict) -> tuple[dict, str, str] | None:
+    """The stored result of one shape that a key of `trusted` (fingerprint -> public key) signed, checked to
+    be for this target, torch, backends and shape: (result, store key, sha256 of the stored bytes); None when
+    no trusted signer's result is stored (an unsigned or untrusted one is never applied).
 
-    Returns (result, store key, sha256). IntegrityError when the bytes do not
-    match their recorded sha256 or the result is for something else.
+    TuningMismatch when a trusted signer's result is for something else.
     """
-    key = tuning_plan.object_key(target, torch_version, backends, shape)
-    data = store.get_bytes(key)
-    try:
-        result = json.loads(data)
-    except ValueError:
-        raise tuning_plan.TuningMismatch(f"{key} is not JSON; delete it and tune again.") from None
-    tuning_plan.check_result(result, target=target, torch_version=torch_version, backends=backends, shape=shape,
-                        key=key)
-    return result, key, sha256_bytes(data)
+    from kiln.core.trust.signed_record import trusted_body
+
+    prefix = tuning_plan.object_prefix(target, torch_version, backends, shape)
+    for key in sorted(store.list(prefix)):
+        try:
+            data = store.get_bytes(key)  # bytes that are not what the store recorded raise IntegrityError
+            result = trusted_body(json.loads(data), "tuning", trusted)
+        except (ObjectMissing, ValueError):  # gone meanwhile, or not JSON: nobody's signed result
+            continue
+        if result is None:
+            continue
+        tuning_plan.check_result(result, target=target, torch_version=torch_version, backends=backends,
+                                 shape=shape, key=key)
+        return result, key, sha256_bytes(data)
+    return None
+
+
+def trusted_keys(job: ExportJob) -> dict:
+    """The keys whose tuning results the export applies: its own signing key and KILN_VERIFY_KEY's."""
+    from kiln.core.machine.home import kiln_home
+    from kiln.host.trust.signers import export_trusted_keys
+
+    return export_trusted_keys(job.signing, kiln_home())
 
 
 def lookup(store: Store, job: ExportJob, target: str, torch_version: str, backends: str) -> dict[str, dict]:
-    """bucket -> {'digest', 'objects', 'missing'} from the results stored for `target`, torch and backends.
+    """bucket -> {'digest', 'objects', 'missing'} from the results stored for `target`, torch and backends
+    that a key the export trusts signed.
 
     'digest' is `tuning_plan.tuning_digest` of the bucket's results, or None while
     `missing` of its shapes have none (the tune phase measures them and the
     flow probes again). 'objects' lists {'key', 'sha256'} of the results found.
     """
+    trusted = trusted_keys(job)
     by_bucket = tuning_plan.export_shapes(job.model_config, job.tp, job.recipe.shapes)
-    found: dict[GemmShape, tuple[dict, str, str] | None] = {}
-    for shape in tuning_plan.distinct_shapes(by_bucket):
-        key = tuning_plan.object_key(target, torch_version, backends, shape)
-        found[shape] = fetch_result(store, target, torch_version, backends, shape) if store.exists(key) else None
+    found = {shape: fetch_result(store, target, torch_version, backends, shape, trusted)
+             for shape in tuning_plan.distinct_shapes(by_bucket)}
     out = {}
     for bucket, shapes in by_bucket.items():
         have = [found[s] for s in shapes if found[s] is not None]
@@ -95,13 +110,15 @@ def lookup(store: Store, job: ExportJob, target: str, torch_version: str, backen
     return out
 
 
-def load_for_compile(store: Store, specs: list[ForwardSpec], torch_version: str) -> dict | None:
+def load_for_compile(store: Store, specs: list[ForwardSpec], torch_version: str, trusted: dict) -> dict | None:
     """The merged autotune entries `specs` were keyed with, verified; None when none is tuned.
 
-    Each object is fetched against the sha256 its spec recorded and must be for
-    the spec's target and this torch; each spec's digest is recomputed from
-    them, so a forward is never compiled with results other than its key says.
+    Each object is fetched against the sha256 its spec recorded, must be signed by a key of `trusted` and be
+    for the spec's target and this torch; each spec's digest is recomputed from them, so a forward is never
+    compiled with results other than its key says.
     """
+    from kiln.core.trust.signed_record import trusted_body
+
     tuned = [s for s in specs if s.tuning]
     if not tuned:
         return None
@@ -114,9 +131,12 @@ def load_for_compile(store: Store, specs: list[ForwardSpec], torch_version: str)
         mine = []
         for ref in t["objects"]:
             if ref["key"] not in results:
-                result = json.loads(store.get_bytes(ref["key"], ref["sha256"]))
+                result = trusted_body(json.loads(store.get_bytes(ref["key"], ref["sha256"])), "tuning", trusted)
+                if result is None:
+                    raise IntegrityError(f"tuning result {ref['key']} is not signed by a key this export trusts; "
+                                         "refusing to compile with its kernel choices.")
                 tuning_plan.check_result(result, target=spec.target, torch_version=torch_version,
-                                    backends=spec.compiler.get("max_autotune_gemm_backends"), key=ref["key"])
+                                         backends=spec.compiler.get("max_autotune_gemm_backends"), key=ref["key"])
                 results[ref["key"]] = result
             mine.append(results[ref["key"]])
         if tuning_plan.tuning_digest(mine) != t["digest"]:
@@ -175,6 +195,9 @@ def tune_target(job: ExportJob, target: str, *, backends: str | None = None) -> 
            "misses": 0, "measured": 0, "measure_s": 0.0, "changed": False}
     if mode == "off" or backends is None:
         return {**out, "backends": None, "reason": tuning_plan.untuned_reason(mode, device_of(target))}
+    signer = _signer(job)
+    if signer is None:
+        return {**out, "backends": None, "reason": UNSIGNED_REASON}
     import torch
 
     here = probe.target_fingerprint(device_of(target))
@@ -183,21 +206,43 @@ def tune_target(job: ExportJob, target: str, *, backends: str | None = None) -> 
     version = torch.__version__
     store = open_store(job.store_url, s3_endpoint=job.s3_endpoint, checksum_mode=job.checksum_mode)
     shapes = tuning_plan.distinct_shapes(tuning_plan.export_shapes(job.model_config, job.tp, job.recipe.shapes))
-    stored = {s for s in shapes if store.exists(tuning_plan.object_key(target, version, backends, s))}
+    trusted = trusted_keys(job)
+    stored = {s for s in shapes if fetch_result(store, target, version, backends, s, trusted) is not None}
     decision = tuning_plan.decide(mode, shapes, stored)
-    for shape in decision.hits:
-        fetch_result(store, target, version, backends, shape)  # a hit is used only if it verifies
     out.update(status="ok", shapes=len(shapes), hits=len(decision.hits), misses=len(set(shapes) - stored))
     if decision.measure:
         run = measure(decision.measure, target=target, torch_version=version, backends=backends,
                       deadline=deadlines.tune_deadline(len(decision.measure), job.recipe))
-        _save(store, run, decision, target=target, torch_version=version, backends=backends)
+        _save(store, run, decision, target=target, torch_version=version, backends=backends, signer=signer)
         out.update(measured=run["benchmarked"], measure_s=round(run["measure_s"], 3), changed=True)
     return out
 
 
+UNSIGNED_REASON = ("an unsigned export tunes nothing: only results a key the export trusts signed pick kernels, "
+                   "and nobody could trust what it measured")
+
+
+def _signer(job: ExportJob):
+    """The export's signing key where this runs, or None for an unsigned export."""
+    from kiln.core.machine.home import kiln_home
+    from kiln.host.trust.signers import export_signer
+
+    return export_signer(job.signing, kiln_home(), socket.gethostname())
+
+
+def tuning_backends(job: ExportJob, device: str) -> str | None:
+    """The GEMM backends the export's forwards are tuned over on `device`, or None when they are not tuned
+    (tuning off, nothing to choose between on this device, or an unsigned export: UNSIGNED_REASON)."""
+    backends = tuning_plan.gemm_backends(job.recipe.tuning, device)
+    return None if backends is None or job.signing is None or not job.signing.sign else backends
+
+
 def _save(store: Store, run: dict, decision: tuning_plan.TuningDecision, *, target: str, torch_version: str,
-          backends: str) -> None:
+          backends: str, signer) -> None:
+    """Store each measured shape's result, signed by `signer` (kiln.core.trust.signed_record, kind 'tuning')."""
+    from kiln.core.trust.signed_record import sign_record
+    from kiln.core.trust.signing import fingerprint
+
     info = {k: run[k] for k in ("benchmarked", "measure_s", "selections")} | {"shapes": len(decision.measure)}
     for shape in decision.measure:
         entries = run["results"].get(str(shape))
@@ -207,15 +252,15 @@ def _save(store: Store, run: dict, decision: tuning_plan.TuningDecision, *, targ
                             "or report this with the tune log.")
         result = tuning_plan.build_result(target=target, torch_version=torch_version, backends=backends, shape=shape,
                                      entries=entries, measured_by=socket.gethostname(), run=info)
-        key = tuning_plan.object_key(target, torch_version, backends, shape)
+        key = tuning_plan.object_key(target, torch_version, backends, shape, fingerprint(signer.public_key()))
+        doc = sign_record("tuning", result, signer)
         if decision.replace:
-            store.put_json(key, result, overwrite=True)
+            store.put_json(key, doc, overwrite=True)
             continue
         try:
-            store.put_json(key, result)
+            store.put_json(key, doc)
         except IntegrityError:
-            # Another export stored this shape since we looked: keep theirs, once it verifies.
-            fetch_result(store, target, torch_version, backends, shape)
+            pass  # another export of this signer stored this shape since we looked: theirs is as good
 
 
 def measure(shapes: tuple[GemmShape, ...], *, target: str, torch_version: str, backends: str,

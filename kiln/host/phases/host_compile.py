@@ -53,7 +53,7 @@ def compile_on_host(store, job: ExportJob, host: HostSpec, specs: list[ForwardSp
 
     signer = export_signer(job.signing, kiln_home(), host.name)  # before any compile: a host without the key stops
     trusted = export_trusted_keys(job.signing, kiln_home())
-    entries = tuner.load_for_compile(store, specs, torch.__version__)
+    entries = tuner.load_for_compile(store, specs, torch.__version__, trusted)
     leases = Leases(store, f"{job.export_id}:{host.name}", job.recipe.lease_ttl_s, scope=lease_scope(signer))
     uploaded: list[dict] = []
 

@@ -3,7 +3,6 @@ or the store holds, and what compiles of its graph measured before. Runs on the 
 
 from __future__ import annotations
 
-from kiln.core.plan import tuning_plan
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.errors import IntegrityError
 from kiln.core.trust.layout import worker_memory_prefix
@@ -46,7 +45,7 @@ def probe_host(job: ExportJob, host: HostSpec, store) -> HostProbe:
     device = host_device(job.recipe.device, num_gpus) if num_gpus else "cpu"
     target_of_host = probe.detect_target(device, reading)
     target = target_of_host.fingerprint
-    backends = tuning_plan.gemm_backends(job.recipe.tuning, device)
+    backends = tuner.tuning_backends(job, device)
     tuned = None if backends is None else tuner.lookup(store, job, target, torch.__version__, backends)
     specs = job.specs(target=target, torch_version=torch.__version__, code=model_code_fingerprint(),
                       compiler={**compiler_options(backends), **target_of_host.inductor_options}, tuning=tuned,
