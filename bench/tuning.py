@@ -46,9 +46,15 @@ def timed(fn):
 
 
 def tuning_figures(tmp: Path, buckets: str) -> dict:
+    from kiln.host.trust.signers import plan_signing
+    from kiln.store import LocalStore
+
+    # Tuning results are applied only when signed (docs/tuning.md): sign them with a development key of its own.
+    os.environ["KILN_HOME"] = str(tmp / "home")
+    signing, _ = plan_signing(sign=True, block=None, store=LocalStore(tmp / "tuning-store"), home=tmp / "home")
     job = ExportJob(export_id="bench", model_name="tiny", checkpoint=str(tmp / "none"),
                     config=dataclasses.asdict(TINY), tp=2, recipe=Recipe(buckets=parse_buckets(buckets)),
-                    store_url=f"file://{tmp / 'tuning-store'}")
+                    store_url=f"file://{tmp / 'tuning-store'}", signing=signing)
     target = probe.target_fingerprint()
     cold, cold_s = timed(lambda: tuner.tune_target(job, target, backends=BACKENDS))
     warm, warm_s = timed(lambda: tuner.tune_target(job, target, backends=BACKENDS))
