@@ -56,7 +56,7 @@ def test_the_next_export_takes_over_the_leases_of_a_sigkilled_one(kiln_env, tmp_
     try:
         deadline = time.monotonic() + 600
         # Killed while it holds the model lease and compiles (a compile lease on the key is in the store).
-        while not (slot_and_holder(tmp_path / "prefect")[0] == 1 and list(store.glob("leases/*/*.json"))):
+        while not (slot_and_holder(tmp_path / "prefect")[0] == 1 and list(store.glob("leases/*/*/*.json"))):
             assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the first export never held its leases"
             time.sleep(0.2)
@@ -68,7 +68,7 @@ def test_the_next_export_takes_over_the_leases_of_a_sigkilled_one(kiln_env, tmp_
     assert not wait_gone(mark, timeout_s=30)
     slots, holder = slot_and_holder(tmp_path / "prefect")
     assert slots == 1 and holder["pid"] > 0, "the slot was released, not left behind: this test shows nothing"
-    assert list(store.glob("leases/*/*.json")), "the compile lease was released: this test shows nothing"
+    assert list(store.glob("leases/*/*/*.json")), "the compile lease was released: this test shows nothing"
 
     start = time.monotonic()
     second = subprocess.run(cmd, env={**env, "KILN_TEST_MARK": uuid.uuid4().hex}, capture_output=True, text=True,
@@ -83,5 +83,5 @@ def test_the_next_export_takes_over_the_leases_of_a_sigkilled_one(kiln_env, tmp_
     assert any("took over the compile lease of" in line and dead in line for line in out.splitlines()), out[-4000:]
     assert "waiting for the model lease" not in out  # taken over at once, not waited for
     assert slot_and_holder(tmp_path / "prefect")[0] == 0  # released at the end, as always
-    assert not list(store.glob("leases/*/*.json"))
+    assert not list(store.glob("leases/*/*/*.json"))
     print(f"second export after the kill: {took_s:.0f} s")
