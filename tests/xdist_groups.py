@@ -9,6 +9,9 @@ What a worker runs is a group, never split between workers:
 - the tests of one module (its module fixtures are made once);
 - the modules that read one costly session fixture (FIXTURE_FILES: the session's
   tp 2 export, the session's one-layer package), made on one worker only;
+- except in a module whose cases are independent exports (SPLIT_BY_CASE): there
+  a group is one case's tests (one export each; a dozen of them in a row made one
+  worker the suite's last by ten minutes);
 - everything under tests/ops/ (one PostgreSQL cluster and Prefect server, package fixtures: a group runs
   on one worker, one test after another, so they stop when its last test ends).
 
@@ -35,6 +38,20 @@ FIXTURE_FILES = {
 }
 """Session fixtures too costly to make on both workers, and the modules that use them."""
 
+SPLIT_BY_CASE = {
+    "tests/reference/test_export_run.py": {
+        "test_bfloat16_export_stays_within_transformers_own_bfloat16_error": "llama-realistic-bf16",
+        "test_verify_passes_on_a_real_checkpoint_export": "llama32-deep-biases",
+        "test_a_verify_mismatch_is_final_not_retried": "llama32-deep-biases",
+        "test_a_realistic_bfloat16_export_runs_with_torch_alone": "llama-realistic-bf16",
+        "test_a_mixture_of_experts_export_runs_with_torch_alone": "qwen3-moe",
+        "test_a_fused_checkpoint_export_runs_with_torch_alone": "phi3-longrope",
+        "test_a_latent_attention_export_caches_latents": "deepseek-v3",
+    },
+}
+"""Modules whose tests group by the case (export) they use: a parametrized test by its parameter, any other
+test by the case named here (a test left out runs in the module's own group)."""
+
 HEAVIEST = ("ops", "tp2_export", "tests/bench/test_bench_quick.py", "tests/reference/test_export_run.py",
             "tests/integration/test_faults_cluster.py", "tests/integration/test_incident.py",
             "small_forward", "tests/tuning/test_tuning_export.py", "tests/tuning/test_tuning_compile.py",
@@ -46,9 +63,13 @@ HEAVIEST = ("ops", "tp2_export", "tests/bench/test_bench_quick.py", "tests/refer
 
 
 def group_of(nodeid: str) -> str:
-    path = nodeid.split("::", 1)[0]
+    path, _, test = nodeid.partition("::")
     if path.startswith("tests/ops/"):
         return "ops"
+    if path in SPLIT_BY_CASE:
+        name, _, param = test.partition("[")
+        case = param.rstrip("]") or SPLIT_BY_CASE[path].get(name)
+        return f"{path}[{case}]" if case else path
     for fixture, files in FIXTURE_FILES.items():
         if path in files:
             return fixture
@@ -57,7 +78,16 @@ def group_of(nodeid: str) -> str:
 
 def check(items: list[pytest.Item]) -> None:
     """Fail the collection when a test uses a FIXTURE_FILES fixture from a module not listed for it (its
-    worker would make the fixture a second time)."""
+    worker would make the fixture a second time), or SPLIT_BY_CASE names a test its module lacks."""
+    collected = {item.nodeid.partition("::")[0]: set() for item in items}
+    for item in items:
+        path, _, test = item.nodeid.partition("::")
+        collected[path].add(test.partition("[")[0])
+    for path, cases in SPLIT_BY_CASE.items():
+        missing = set(cases) - collected.get(path, set(cases))
+        if missing:
+            raise pytest.UsageError(f"tests/xdist_groups.py SPLIT_BY_CASE names {sorted(missing)}, which {path} "
+                                    "does not define: rename them there too")
     for item in items:
         for fixture, files in FIXTURE_FILES.items():
             path = item.nodeid.split("::", 1)[0]
@@ -69,7 +99,7 @@ def check(items: list[pytest.Item]) -> None:
 def order(items: list[pytest.Item]) -> None:
     """Heaviest group first, stable within a group (a worker reports its collection in this order)."""
     rank = {name: i for i, name in enumerate(HEAVIEST)}
-    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))
+    items.sort(key=lambda item: rank.get(group_of(item.nodeid).partition("[")[0], len(rank)))
 
 
 def make_scheduler(config: pytest.Config, log):

@@ -147,12 +147,14 @@ V4_EXPORT = ("--buckets", "1x1,1x8", "--shape-policy", "static", "--set", "max_c
 
 @pytest.fixture(scope="module")
 def v4_exports(v4_path, kiln, prefect_server, tmp_path_factory) -> dict:
-    """`kiln export` of the V4 checkpoint at tp 1 and tp 2 into one store: {'store', 'root', 'env', 'compile_s':
-    tp -> seconds per forward}."""
+    """`kiln export` of the V4 checkpoint at tp 2 into a store: {'store', 'root', 'env', 'compile_s': tp ->
+    seconds per forward}. tp 2 only: its forwards hold the sharded attention, experts and collectives, tp 1's
+    eager model is held to transformers above and to tp 2's in test_two_ranks_compute_what_one_does, and each
+    export compiles two forwards of a minute or more."""
     root = tmp_path_factory.mktemp("v4-exports")
     store, env = f"file://{root / 'store'}", {"PREFECT_API_URL": prefect_server}
     compile_s = {}
-    for tp in (1, 2):
+    for tp in (2,):
         report = root / f"report{tp}.json"
         exported = kiln("export", "--model", str(v4_path), "--tp", str(tp), *V4_EXPORT, "--store", store,
                         "--export-id", f"v4-tp{tp}", "--report", str(report), env=env)
@@ -163,7 +165,7 @@ def v4_exports(v4_path, kiln, prefect_server, tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 def test_kiln_export_and_run_decode_what_transformers_generates(v4_path, v4_exports, kiln, dev_verify_key, tmp_path):
-    """`kiln export` at tp 1 and tp 2, `kiln run` of each, against transformers' generate(): ids equal, logits
+    """`kiln export` at tp 2 and `kiln run`, against transformers' generate(): ids equal, logits
     within 1e-4 in float32, over a 20-token prompt and 12 steps (past the window of 8, across CSA windows of 4
     and HCA windows of 8); then `kiln verify` of the tp 2 export and the torch-only example's step of it."""
     from hf_models import reference_generate
@@ -172,7 +174,7 @@ def test_kiln_export_and_run_decode_what_transformers_generates(v4_path, v4_expo
     prompt, new_tokens = _tokens(inspect_checkpoint(v4_path), 20)[0].tolist(), 12
     want = reference_generate(v4_path, prompt, new_tokens)
     assert len(set(want["generated"])) > 3, "greedy decoding repeats itself: the check would show little"
-    for tp in (1, 2):
+    for tp in v4_exports["compile_s"]:
         ran = kiln("run", f"v4-tp{tp}", "--store", store, "--tokens", ",".join(map(str, prompt)),
                    "--max-new-tokens", str(new_tokens), "--json", str(tmp_path / f"run{tp}.json"), env=env)
         assert ran.code == 0, ran.err[-3000:]
