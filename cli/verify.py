@@ -91,9 +91,13 @@ def open_export(store_url: str | None, export_id: str, dest: str, *, model: str 
     recorded = manifest["model"].get("checkpoint_identity")
     if recorded and weights.is_s3(checkpoint):
         changed = _changed_objects(recorded, weights.identity(checkpoint, s3_endpoint=s3_endpoint))
-        if changed:
-            raise BadInput(f"checkpoint {checkpoint} is not the one exported: {changed}; pass the exported one "
-                           "with --model, or export this one.")
+    elif recorded and recorded.get("files"):  # a directory: its files' digests (remembered under KILN_HOME)
+        changed = weights.changed_files(recorded, weights.directory_identity(checkpoint, home / "digests"))
+    else:
+        changed = None
+    if changed:
+        raise BadInput(f"checkpoint {checkpoint} is not the one exported: {changed}; pass the exported one "
+                       "with --model, or export this one.")
     _tidy(home / dest, export_id)
     manifest, artifacts, lines = fetch_verified_export(store, export_id, home / dest / export_id,
                                                        trusted=trusted, allow_unsigned=allow_unsigned)
@@ -135,8 +139,8 @@ def _changed_objects(recorded: dict, now: dict) -> str | None:
 
 def verify_export(store_url: str | None, export_id: str, *, pin: str | None = None, **options) -> dict:
     """`kiln verify`: all ranks together against the unsharded eager model, per forward at its range's
-    corners (smallest, hint, largest); with `pin`, then the verified manifest, signature and packages copied
-    into that folder (kiln.host.trust.pinned) for the C++ runner and torch alone."""
+    checked shapes (four corners, hint and an interior shape); with `pin`, then the verified manifest,
+    signature and packages copied into that folder (kiln.host.trust.pinned) for the C++ runner and torch alone."""
     if pin:
         from kiln.host.trust.pinned import check_pin_folder
         check_pin_folder(Path(pin))  # bad input: before anything is fetched or run
@@ -159,7 +163,7 @@ def verify_export(store_url: str | None, export_id: str, *, pin: str | None = No
                               atol=recipe.verify_atol, half_ratio=recipe.verify_half_ratio,
                               device=manifest_device(manifest))
     for shapes, c in sorted(checks.items()):
-        lines.append(f"  {shapes}: {manifest['tp']} ranks together vs unsharded eager at {c['corners']} shape(s): "
+        lines.append(f"  {shapes}: {manifest['tp']} ranks together vs unsharded eager at {c['shapes']} shape(s): "
                      f"max |diff| {c['diff']:.2e} at {c['at']} (scaled; limit {c['limit']:.2e}{routing_note(c)})")
     failed = sorted(b for b, c in checks.items() if c["diff"] > c["limit"])
     if failed:

@@ -26,7 +26,7 @@ from flows.params import ExportParams, default_host_names, prepare
 from flows.report_out import draw, ledger_key, write_report
 from kiln.core.plan import deadlines, decisions, tuning_plan
 from kiln.core.run import outcome
-from kiln.core.errors import GateRefused, KilnError
+from kiln.core.errors import BadInput, GateRefused, KilnError
 from kiln.core.run.retry_rule import worth_retrying
 from kiln.core.plan.deadlines import PhaseClock
 from kiln.core.plan.gate import Plan
@@ -322,6 +322,22 @@ def _share_verify(job, hosts, runner, report, probes, clock: PhaseClock) -> None
         result = f.result()
         report.verify[h.name] = result["checks"]
         report.host(h.name)["verify_memory"] = result["memory"]
+        if result.get("checkpoint"):
+            _same_checkpoint(report, h.name, result["checkpoint"], first=hosts[0].name)
+
+
+def _same_checkpoint(report: Report, host: str, read: dict, *, first: str) -> None:
+    """Record the checkpoint directory's files as host `host` read them; BadInput (final) when another host
+    read other content: the export would hold forwards checked against different weights."""
+    from kiln.host.weights.rank_weights import changed_files
+
+    if report.checkpoint_identity is None:
+        report.checkpoint_identity = read
+        return
+    changed = changed_files(report.checkpoint_identity, read)
+    if changed:
+        raise BadInput(f"host {host} reads other checkpoint content at {read['path']} than host {first}: "
+                       f"{changed}; give every host the same checkpoint files (copy them, or use s3://).")
 
 
 def _store_ledger_picture(report: Report, job: ExportJob) -> bytes | None:

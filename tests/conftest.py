@@ -249,8 +249,8 @@ def small_forward(tmp_path_factory: pytest.TempPathFactory) -> dict:
     4-8, compiled for 3x6), tp 1 (compiled once, ~30 s).
 
     Returns {'path', 'sha256', 'size_bytes', 'config' (ModelConfig fields), 'shapes' (the range's name),
-    'corners' (its smallest, hint and largest shapes as [batch, tokens]), 'batch', 'tokens' (its largest
-    shape), 'page_tokens', 'pages_per_seq'}. Treat the file as read-only; copy it to change it.
+    'checked' (the shapes a check compares, ShapeRange.checked_shapes, as [batch, tokens]), 'batch',
+    'tokens' (its largest shape), 'page_tokens', 'pages_per_seq'}. Treat the file as read-only; copy it to change it.
     """
     from kiln.core.model.config import TINY
     from kiln.core.forwards.forward_keys import forward_spec
@@ -270,7 +270,7 @@ def small_forward(tmp_path_factory: pytest.TempPathFactory) -> dict:
         [result] = pool.run([(spec, str(out))], lambda r: None)
     return {"path": result.path, "sha256": result.sha256, "size_bytes": result.size_bytes,
             "config": dict(cfg.__dict__), "shapes": str(shapes),
-            "corners": [[c.batch, c.tokens] for c in shapes.corners()], "batch": 3, "tokens": 8,
+            "checked": [[c.batch, c.tokens] for c in shapes.checked_shapes()], "batch": 3, "tokens": 8,
             "page_tokens": 16, "pages_per_seq": 4}
 
 

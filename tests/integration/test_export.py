@@ -257,7 +257,29 @@ def test_verification_is_remembered_until_the_checkpoint_changes(kiln, kiln_main
     checks = r["verify"][name]
     assert len(checks) == 4 and all(c["diff"] <= c["limit"] for c in checks.values())
     assert checks != warm["verify"][name]  # measured on the new weights, not remembered from the old
-    assert {c["at"] for c in checks.values()} <= {"1x16", "2x16", "8x64"}  # the worst corner of each range
+    from kiln.core.forwards.shape_ranges import parse_shape_range
+
+    for which, c in checks.items():  # the worst of each range's checked shapes, every one of them compared
+        shapes = parse_shape_range(which.split("/", 1)[1]).checked_shapes()
+        assert c["at"] in {str(s) for s in shapes} and c["shapes"] == len(shapes), (which, c)
+    # The manifest records the directory's files as the check read them: names, sizes and digests.
+    import hashlib
+
+    manifest = json.loads((tp2_store_copy["root"] / r["manifest"]).read_text())
+    files = manifest["model"]["checkpoint_identity"]["files"]
+    assert [f["name"] for f in files] == sorted(p.name for p in ckpt.iterdir())
+    assert all(f["sha256"] == hashlib.sha256((ckpt / f["name"]).read_bytes()).hexdigest() for f in files)
+    # Another tolerance decides checks anew: none is remembered from the checks under the default one.
+    again = kiln("export", "--model", str(ckpt), "--tp", "2", "--store", tp2_store_copy["store"],
+                 "--set", "verify_atol=0.002", "--report", str(tmp_path / "r2.json"))
+    assert again.code == 0, again.err[-2000:]
+    r2 = json.loads((tmp_path / "r2.json").read_text())
+    assert (r2["hosts"][0]["verify_memory"]["predicted_mib"] or 0) > 0, "a check under other settings was remembered"
+    assert not any(c.get("remembered") for c in r2["verify"][name].values())
+    # `kiln verify` refuses the export's checkpoint once its weights changed, naming the file.
+    assert kiln_main("checkpoint", str(ckpt), "--seed", "8").code == 0
+    refused = kiln("verify", r["export_id"], "--store", tp2_store_copy["store"], "--model", str(ckpt))
+    assert refused.code == 2 and "is not the one exported: model.safetensors was" in refused.err, refused.err[-2000:]
 
 
 def test_a_stale_lease_of_a_dead_export_is_taken_over(kiln, kiln_env, exported, tmp_path):

@@ -273,8 +273,8 @@ def test_a_cuda_export_is_refused_by_name(runner, export, tmp_path):
 
 
 def test_cpp_runner_runs_what_kiln_export_wrote(runner, tp2_export, dev_verify_key, tmp_path):
-    """The manifest and packages of a real `kiln export --tp 2` are enough for the runner, at every corner of
-    every forward's range (the runner picks the forward by the consumer contract's rule): its signature, made
+    """The manifest and packages of a real `kiln export --tp 2` are enough for the runner, at every checked
+    shape of every forward's range (the runner picks the forward by the consumer contract's rule): its signature, made
     by Kiln over a real manifest (floats and all), verifies from the stored bytes."""
     import torch
 
@@ -291,7 +291,7 @@ def test_cpp_runner_runs_what_kiln_export_wrote(runner, tp2_export, dev_verify_k
     from kiln.core.forwards.shape_ranges import parse_shape_range
 
     for f, (batch, tokens) in [(f, (c.batch, c.tokens)) for f in manifest["forwards"]
-                               for c in parse_shape_range(f["shapes"]).corners()]:
+                               for c in parse_shape_range(f["shapes"]).checked_shapes()]:
         bucket = f"{batch}x{tokens}"
         ids = [(7 * i + 3) % cfg.vocab_size for i in range(batch * tokens)]
         port = free_port()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +39,58 @@ def test_a_write_that_dies_midway_leaves_the_old_record_whole(tmp_path, monkeypa
         cache.write_record(path, {"diff": 2.0, "own": 0.5})
     assert json.loads(path.read_text()) == {"diff": 1.0}
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_a_remembered_check_is_keyed_by_what_decided_it():
+    """The record's name carries the checker's code and settings (rank_check.decided_by): another tolerance,
+    other input paging or other checker code is another record, so a check is run again, not remembered."""
+    from kiln.core.plan.job import ExportJob
+    from kiln.core.plan.recipe import Recipe
+    from kiln.host.phases import rank_check
+
+    def job(**settings):
+        return ExportJob(export_id="e", model_name="m", checkpoint="/c", config={}, tp=2,
+                         recipe=Recipe(**settings), store_url="file:///s")
+
+    forward = {"sha256": "f" * 64}
+    base = rank_check.decided_by(job())
+    assert base["checker"] == rank_check.checker_code() and len(base["key"]) == 16
+    path = rank_check._record_path(Path("/r"), forward, 2, 0, "w", base)
+    assert path.name == f"{'f' * 64}-tp2-rank0-w-{base['key']}.json"
+    others = [rank_check.decided_by(job(verify_atol=2e-3)), rank_check.decided_by(job(verify_half_ratio=3.0)),
+              rank_check.decided_by(job(page_tokens=32)), {**base, "key": "another-checker"}]
+    assert len({base["key"], *(o["key"] for o in others)}) == 5
+    assert rank_check.decided_by(job()) == base  # the same settings and code: the same record
+
+
+def test_the_checker_fingerprint_covers_the_checker_and_the_reference(monkeypatch):
+    """A change to the comparison's code (not its comments or docstrings) or to the model changes it."""
+    from kiln.host.compile import key_sources
+    from kiln.host.phases import rank_check
+
+    rank_check.checker_code.cache_clear()
+    before = rank_check.checker_code()
+    read = key_sources._read
+
+    def edited(path):
+        text = read(path)
+        return text + "\nCHANGED = 1\n" if path.name == "routing_ties.py" else text
+
+    monkeypatch.setattr(key_sources, "_read", edited)
+    rank_check.checker_code.cache_clear()
+    try:
+        assert rank_check.checker_code() != before
+    finally:
+        rank_check.checker_code.cache_clear()
+
+
+def test_changed_files_names_the_first_file_that_differs():
+    from kiln.host.weights.rank_weights import changed_files
+
+    a = {"path": "/c", "files": [{"name": "config.json", "size_bytes": 10, "sha256": "a" * 64},
+                                 {"name": "model.safetensors", "size_bytes": 99, "sha256": "b" * 64}]}
+    assert changed_files(a, a) is None
+    b = {**a, "files": [a["files"][0], {"name": "model.safetensors", "size_bytes": 99, "sha256": "c" * 64}]}
+    assert changed_files(a, b) == ("model.safetensors was 99 bytes, sha256 bbbbbbbbbbbbbbbb, now 99 bytes, "
+                                   "sha256 cccccccccccccccc")
+    assert changed_files(a, {**a, "files": a["files"][:1]}).endswith("now absent")

@@ -64,8 +64,20 @@ def test_a_range_parses_back_from_its_name():
         assert str(parse_shape_range(text)) == text
     assert parse_shape_range("2-2x3-3") == static_shape(Bucket(2, 3))
     assert parse_shape_ranges(" ") is None
-    assert parse_shape_range("2-8x16-64").corners() == (Bucket(2, 16), Bucket(8, 64))
-    assert parse_shape_range("2-8x16-64@4x32").corners() == (Bucket(2, 16), Bucket(4, 32), Bucket(8, 64))
+
+
+def test_a_range_is_checked_at_its_four_corners_its_hint_and_an_odd_interior_shape():
+    B = Bucket
+    assert parse_shape_range("2-8x16-64@4x32").checked_shapes() == (B(2, 16), B(2, 64), B(4, 32), B(5, 39),
+                                                                    B(8, 16), B(8, 64))
+    assert parse_shape_range("2-64x1@64x1").checked_shapes() == (B(2, 1), B(33, 1), B(64, 1))
+    assert parse_shape_range("1x16-512@1x64").checked_shapes() == (B(1, 16), B(1, 64), B(1, 263), B(1, 512))
+    # Two values per dimension: no interior, the four corners are every shape.
+    assert parse_shape_range("2-3x2-3").checked_shapes() == (B(2, 2), B(2, 3), B(3, 2), B(3, 3))
+    # The odd value nearest the middle; none inside: the even one there.
+    assert parse_shape_range("4-8x1").checked_shapes() == (B(4, 1), B(5, 1), B(8, 1))
+    assert parse_shape_range("3-5x1").checked_shapes() == (B(3, 1), B(4, 1), B(5, 1))
+    assert parse_shape_range("4x7").checked_shapes() == (B(4, 7),)
 
 
 def test_the_consumer_rule_prefers_the_fewest_shapes_then_the_nearest_hint():

@@ -107,10 +107,13 @@ class ShapeRange:
     def holds(self, bucket: Bucket) -> bool:
         return self.batch[0] <= bucket.batch <= self.batch[1] and self.tokens[0] <= bucket.tokens <= self.tokens[1]
 
-    def corners(self) -> tuple[Bucket, ...]:
-        """The shapes a check compares with eager: the smallest, the hint and the largest (distinct, sorted)."""
-        return tuple(sorted({Bucket(self.batch[0], self.tokens[0]), self.hint,
-                             Bucket(self.batch[1], self.tokens[1])}))
+    def checked_shapes(self) -> tuple[Bucket, ...]:
+        """The shapes a check compares with eager (distinct, sorted): the range's four corners, its hint and
+        one interior shape (an odd batch and an odd token count strictly inside each dynamic dimension where
+        one exists), so neither an off-diagonal corner nor a shape between the compiled ones goes unchecked."""
+        shapes = {Bucket(b, t) for b in self.batch for t in self.tokens} | {self.hint}
+        shapes.add(Bucket(_interior(self.batch), _interior(self.tokens)))
+        return tuple(sorted(shapes))
 
     def to_dict(self) -> dict:
         """What a manifest's forward states: {'shapes': name, 'batch': [min, max], 'tokens': [min, max],
@@ -123,6 +126,18 @@ class ShapeRange:
             return str(self.hint)
         dims = "x".join(f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in (self.batch, self.tokens))
         return f"{dims}@{self.hint}"
+
+
+def _interior(bounds: tuple[int, int]) -> int:
+    """An odd value strictly between `bounds` (the one nearest their middle), else any value strictly between,
+    else the lower bound (a static or two-value dimension has no interior)."""
+    lo, hi = bounds
+    inside = range(lo + 1, hi)
+    if not inside:
+        return lo
+    middle = (lo + hi) // 2
+    odd = [v for v in inside if v % 2]
+    return min(odd, key=lambda v: (abs(v - middle), v)) if odd else middle
 
 
 def static_shape(bucket: Bucket) -> ShapeRange:

@@ -31,7 +31,7 @@ from kiln.core.errors import DeadlinePassed
 from kiln.core.plan.recipe import Recipe
 
 CHECK_S_PER_FORWARD = 60.0
-"""Seconds a rank check is predicted to spend on one forward: load it, run it and eager at its corners."""
+"""Seconds a rank check is predicted to spend on one forward: load it, run it and eager at its checked shapes."""
 CHECK_READ_MIB_PER_S = 50.0
 """MiB per second a rank check is predicted to read its shard at (a slow disk, or S3)."""
 TUNE_S_PER_SHAPE = 60.0

@@ -48,7 +48,8 @@ class ExportJob:
     """How the manifest is signed (no secret: the key is loaded where it signs); None: not decided (plan)."""
     checkpoint_identity: dict | None = None
     """An S3 checkpoint's objects (name, size, ETag) when the export was prepared (the manifest records
-    it; verify checks it again); None for a directory."""
+    it; verify checks it again); None for a directory (its files' digests are read by the hosts' checks:
+    kiln.core.run.report.Report.checkpoint_identity)."""
 
     @property
     def model_config(self) -> ModelConfig:

@@ -90,12 +90,12 @@ def check_verified(checks: dict[str, dict], host_name: str, dtype: str) -> None:
                              "trustworthy.")
 
 
-def worst_corner(checks: dict[str, dict]) -> dict:
-    """The check of a forward over a range: of `checks` (shape name -> {'diff', 'limit', ...}, one per corner
-    its range is compared with eager at), the one furthest over (or nearest to) its limit, with 'at': its
-    shape and 'corners': how many were compared."""
+def worst_shape(checks: dict[str, dict]) -> dict:
+    """The check of a forward over a range: of `checks` (shape name -> {'diff', 'limit', ...}, one per shape
+    its range is compared with eager at: kiln.core.forwards.shape_ranges.ShapeRange.checked_shapes), the one
+    furthest over (or nearest to) its limit, with 'at': its shape and 'shapes': how many were compared."""
     at, worst = max(checks.items(), key=lambda kv: kv[1]["diff"] / kv[1]["limit"])
-    return {**worst, "at": at, "corners": len(checks)}
+    return {**worst, "at": at, "shapes": len(checks)}
 
 
 def routing_note(check: dict) -> str:

@@ -26,6 +26,9 @@ class Report:
         self.forwards: list[dict] = []
         self.kv_plan: dict | None = None
         self.verify: dict = {}
+        self.checkpoint_identity: dict | None = None
+        """A checkpoint directory's files as the hosts' checks read them (names, sizes, digests), for the
+        manifest; None for a checkpoint in S3 (the job holds its identity) or before the checks."""
         self.manifest: str | None = None
         self.manifest_doc: dict | None = None
         """The manifest written (its contents, for the run's page; not part of the JSON report)."""

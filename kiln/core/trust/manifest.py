@@ -41,10 +41,10 @@ def export_manifest(job, report) -> dict:
     KV plan, hosts and phases recorded)."""
     from kiln.core.model.contract import weight_layout
 
+    identity = job.checkpoint_identity or report.checkpoint_identity  # S3: listed at the start; a directory: read
     return build_manifest(
         export_id=job.export_id, model={"name": job.model_name, "checkpoint": job.checkpoint, "config": job.config,
-                                        **({"checkpoint_identity": job.checkpoint_identity}
-                                           if job.checkpoint_identity else {})},
+                                        **({"checkpoint_identity": identity} if identity else {})},
         recipe=job.recipe.to_dict(), tp=job.tp, buckets=[str(b) for b in job.recipe.buckets],
         forwards=report.forwards, weights=weight_layout(job.model_config, job.tp), kv_plan=report.kv_plan,
         hosts=list(report.hosts.values()), phases=list(report.phases), signing=job.signing.manifest_entry())

@@ -96,7 +96,7 @@ def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLi
 
     from kiln.core.model.config import ModelConfig
     from kiln.core.model.cache_layout import cache_layout
-    from kiln.core.run.outcome import worst_corner
+    from kiln.core.run.outcome import worst_shape
     from kiln.core.forwards.shape_ranges import parse_shape_range
     from kiln.host.ranks.loader import check_against_eager, load_forward, place_weights
     from kiln.host.weights.rank_weights import load_rank_weights
@@ -120,8 +120,8 @@ def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLi
     for name, art in sorted(job["artifacts"].items()):
         link.doing(f"loading forward {name}")
         compiled = load_forward(art["path"], weights, art["sha256"], device=device)
-        corners = {}
-        for bucket in parse_shape_range(name).corners():  # every rank runs the same corners, in order
+        shapes = {}
+        for bucket in parse_shape_range(name).checked_shapes():  # every rank runs the same shapes, in order
             args = tuple(a.to(device) for a in example_inputs(
                 cfg, 1, bucket.batch, bucket.tokens, page_tokens=job["page_tokens"],
                 pages_per_seq=job["pages_per_seq"], num_pages=job["pages_per_seq"] * bucket.batch + 5, seed=7))
@@ -138,10 +138,10 @@ def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLi
             if rank == 0:
                 link.doing(f"running the unsharded eager model for {name} at {bucket}")
                 every = torch.cat(parts, dim=-2) if layout.sharded else _same(parts)
-                corners[str(bucket)] = check_against_eager((logits, every), cfg, 1, full, args, atol=job["atol"],
+                shapes[str(bucket)] = check_against_eager((logits, every), cfg, 1, full, args, atol=job["atol"],
                                                            half_ratio=job["half_ratio"], device=device)
         if rank == 0:
-            diffs[name] = worst_corner(corners)
+            diffs[name] = worst_shape(shapes)
     link.doing("leaving the gloo group")
     dist.barrier(group=side)
     dist.destroy_process_group()
@@ -174,8 +174,8 @@ def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[
                      pages_per_seq: int, atol: float, half_ratio: float, s3_endpoint: str | None = None,
                      timeout_s: float = 600, device: str = "cpu") -> tuple[dict[str, dict], int]:
     """(forward shapes -> {'diff', 'limit', 'at'} of the compiled ranks combined against the unsharded eager
-    model at the worst corner of the forward's range (kiln.host.ranks.loader.check_against_eager,
-    kiln.core.run.outcome.worst_corner), the ranks' peak MiB added up); raises on any rank's error.
+    model at the worst of the forward's checked shapes (kiln.host.ranks.loader.check_against_eager,
+    kiln.core.run.outcome.worst_shape), the ranks' peak MiB added up); raises on any rank's error.
 
     `artifacts` maps forward shapes' name ('2-8x16-64@8x64', kiln.core.forwards.shape_ranges) to {'path', 'sha256'} of
     a verified local copy, compiled for

@@ -203,22 +203,33 @@ def write_checkpoint(path: Path | str, cfg: ModelConfig, state: dict[str, torch.
     return path
 
 
-def checkpoint_fingerprint(path: Path | str, digests: Path | None = None) -> str:
-    """The identity of a checkpoint's content: sha256 over the names and content digests of its
+def checkpoint_files(path: Path | str, digests: Path | None = None) -> list[dict]:
+    """[{'name', 'size_bytes', 'sha256'}] of the files that make a checkpoint's content, sorted by name: its
     config.json, index and *.safetensors files (headers and weights alike).
 
     `digests` (a directory in the host's cache) remembers each file's digest by
     its inode, size, mtime and ctime (kiln.host.machine.cache.file_digest), so a second
     call reads no weights; None reads every file every time.
     """
-    import hashlib
-
     from kiln.host.machine.cache import file_digest
     path = Path(path)
     files = sorted(f for f in path.iterdir()
                    if f.is_file() and (f.suffix == ".safetensors" or f.name in ("config.json", INDEX)))
-    items = [(f.name, file_digest(f, digests)) for f in files]
+    return [{"name": f.name, "size_bytes": f.stat().st_size, "sha256": file_digest(f, digests)} for f in files]
+
+
+def files_fingerprint(files: list[dict]) -> str:
+    """The identity of a checkpoint's content (16 hex characters) from its `checkpoint_files`."""
+    import hashlib
+
+    items = [(f["name"], f["sha256"]) for f in files]
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def checkpoint_fingerprint(path: Path | str, digests: Path | None = None) -> str:
+    """The identity of a checkpoint's content: sha256 over the names and content digests of its files
+    (checkpoint_files; `digests` as there)."""
+    return files_fingerprint(checkpoint_files(path, digests))
 
 
 def random_checkpoint(path: Path | str, cfg: ModelConfig, *, seed: int = 0, num_shards: int = 1) -> Path:

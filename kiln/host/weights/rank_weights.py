@@ -34,8 +34,27 @@ def inspect(checkpoint: str, *, s3_endpoint: str | None = None) -> ModelConfig:
 
 
 def identity(checkpoint: str, *, s3_endpoint: str | None = None) -> dict | None:
-    """What a manifest records of an S3 checkpoint (every object's name, size and ETag); None for a directory."""
+    """What a manifest records of an S3 checkpoint (every object's name, size and ETag), known from a listing;
+    None for a directory, whose identity (`directory_identity`) takes reading every file."""
     return _s3(checkpoint, s3_endpoint).identity() if is_s3(checkpoint) else None
+
+
+def directory_identity(checkpoint: str, digests: Path | None) -> dict:
+    """What a manifest records of a checkpoint directory: {'path', 'files': [{'name', 'size_bytes', 'sha256'}]}
+    (kiln.host.weights.checkpoint.checkpoint_files; each file's digest remembered under `digests`)."""
+    from kiln.host.weights.checkpoint import checkpoint_files
+    return {"path": str(checkpoint), "files": checkpoint_files(checkpoint, digests)}
+
+
+def changed_files(recorded: dict, now: dict) -> str | None:
+    """The first difference between two directory identities' files (name, size, digest), in words; None."""
+    was = {f["name"]: (f["size_bytes"], f["sha256"]) for f in recorded.get("files", [])}
+    is_ = {f["name"]: (f["size_bytes"], f["sha256"]) for f in now.get("files", [])}
+    for name in sorted(set(was) | set(is_)):
+        if was.get(name) != is_.get(name):
+            return (f"{name} was {'absent' if name not in was else f'{was[name][0]} bytes, sha256 {was[name][1][:16]}'}"
+                    f", now {'absent' if name not in is_ else f'{is_[name][0]} bytes, sha256 {is_[name][1][:16]}'}")
+    return None
 
 
 def fingerprint(checkpoint: str, *, s3_endpoint: str | None = None, digests: Path | None = None) -> str:
