@@ -113,7 +113,8 @@ def test_verify_runs_all_ranks_against_unsharded(kiln, kiln_env, exported, tmp_p
     assert f"signature ok: signed by {r['signing']['key_fingerprint']}" in v.out
     assert "sha256 ok for 2 artifact(s)" in v.out and "runtime input checks on" in v.out
     assert "  1x16: 2 ranks together vs unsharded eager at 1 shape(s)" in v.out
-    assert "  2-8x16-64@8x64: 2 ranks together vs unsharded eager at 2 shape(s)" in v.out  # 2x16 and 8x64
+    # The range's four corners, its hint (8x64, a corner) and an interior shape (5x39).
+    assert "  2-8x16-64@8x64: 2 ranks together vs unsharded eager at 5 shape(s)" in v.out
     assert "verify ok" in v.out
     # The pinned folder: what was verified, private, readable by the consumers as they read a store.
     from kiln.core.trust import signing
