@@ -337,13 +337,13 @@ def compare_with_eager(compiled, cfg, tp: int, rank: int, weights: dict, bucket,
 
 
 def compare_at_shapes(compiled, cfg, tp: int, rank: int, weights: dict, shapes, *, page_tokens: int,
-                       pages_per_seq: int, atol: float, half_ratio: float, device: str = "cpu") -> dict:
+                      pages_per_seq: int, atol: float, half_ratio: float, device: str = "cpu") -> dict:
     """The compiled forward over `shapes` (kiln.core.forwards.shape_ranges.ShapeRange) against the eager shard
     at each of its checked shapes (four corners, hint, an interior shape): the worst one's check
     (kiln.core.run.outcome.worst_shape)."""
     from kiln.core.run.outcome import worst_shape
 
     return worst_shape({str(c): compare_with_eager(compiled, cfg, tp, rank, weights, c, page_tokens=page_tokens,
-                                                    pages_per_seq=pages_per_seq, atol=atol, half_ratio=half_ratio,
-                                                    device=device)
-                         for c in shapes.checked_shapes()})
+                                                   pages_per_seq=pages_per_seq, atol=atol, half_ratio=half_ratio,
+                                                   device=device)
+                        for c in shapes.checked_shapes()})
