@@ -90,9 +90,9 @@ def open_export(store_url: str | None, export_id: str, dest: str, *, model: str 
                        "pass the right one with --model.")
     recorded = manifest["model"].get("checkpoint_identity")
     if recorded and weights.is_s3(checkpoint):
-        changed = _changed_objects(recorded, weights.identity(checkpoint, s3_endpoint=s3_endpoint))
+        changed = weights.changed_content(recorded, weights.identity(checkpoint, s3_endpoint=s3_endpoint))
     elif recorded and recorded.get("files"):  # a directory: its files' digests (remembered under KILN_HOME)
-        changed = weights.changed_files(recorded, weights.directory_identity(checkpoint, home / "digests"))
+        changed = weights.changed_content(recorded, weights.directory_identity(checkpoint, home / "digests"))
     else:
         changed = None
     if changed:
@@ -124,17 +124,6 @@ def _tidy(fetched: Path, export_id: str) -> None:
         line = f"could not tidy {fetched}: {exc}"
     if line:
         print(line, file=sys.stderr)
-
-
-def _changed_objects(recorded: dict, now: dict) -> str | None:
-    """How an S3 checkpoint's objects differ from the manifest's record (None: the same names, sizes, ETags)."""
-    was = {o["name"]: (o["size_bytes"], o["etag"]) for o in recorded["objects"]}
-    is_ = {o["name"]: (o["size_bytes"], o["etag"]) for o in now["objects"]}
-    for name in sorted(set(was) | set(is_)):
-        if was.get(name) != is_.get(name):
-            return (f"{name} was {'absent' if name not in was else f'{was[name][0]} bytes, ETag {was[name][1]}'}, "
-                    f"now {'absent' if name not in is_ else f'{is_[name][0]} bytes, ETag {is_[name][1]}'}")
-    return None
 
 
 def verify_export(store_url: str | None, export_id: str, *, pin: str | None = None, **options) -> dict:

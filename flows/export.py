@@ -329,12 +329,12 @@ def _share_verify(job, hosts, runner, report, probes, clock: PhaseClock) -> None
 def _same_checkpoint(report: Report, host: str, read: dict, *, first: str) -> None:
     """Record the checkpoint directory's files as host `host` read them; BadInput (final) when another host
     read other content: the export would hold forwards checked against different weights."""
-    from kiln.host.weights.rank_weights import changed_files
+    from kiln.host.weights.rank_weights import changed_content
 
     if report.checkpoint_identity is None:
         report.checkpoint_identity = read
         return
-    changed = changed_files(report.checkpoint_identity, read)
+    changed = changed_content(report.checkpoint_identity, read)
     if changed:
         raise BadInput(f"host {host} reads other checkpoint content at {read['path']} than host {first}: "
                        f"{changed}; give every host the same checkpoint files (copy them, or use s3://).")

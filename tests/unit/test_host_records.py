@@ -84,13 +84,17 @@ def test_the_checker_fingerprint_covers_the_checker_and_the_reference(monkeypatc
         rank_check.checker_code.cache_clear()
 
 
-def test_changed_files_names_the_first_file_that_differs():
-    from kiln.host.weights.rank_weights import changed_files
+def test_changed_content_names_the_first_file_or_object_that_differs():
+    from kiln.host.weights.rank_weights import changed_content
 
     a = {"path": "/c", "files": [{"name": "config.json", "size_bytes": 10, "sha256": "a" * 64},
                                  {"name": "model.safetensors", "size_bytes": 99, "sha256": "b" * 64}]}
-    assert changed_files(a, a) is None
+    assert changed_content(a, a) is None
     b = {**a, "files": [a["files"][0], {"name": "model.safetensors", "size_bytes": 99, "sha256": "c" * 64}]}
-    assert changed_files(a, b) == ("model.safetensors was 99 bytes, sha256 bbbbbbbbbbbbbbbb, now 99 bytes, "
+    assert changed_content(a, b) == ("model.safetensors was 99 bytes, sha256 bbbbbbbbbbbbbbbb, now 99 bytes, "
                                    "sha256 cccccccccccccccc")
-    assert changed_files(a, {**a, "files": a["files"][:1]}).endswith("now absent")
+    assert changed_content(a, {**a, "files": a["files"][:1]}).endswith("now absent")
+    s3 = {"url": "s3://b/m", "objects": [{"name": "model.safetensors", "size_bytes": 99, "etag": '"e1"'}]}
+    assert changed_content(s3, {**s3, "objects": [{**s3["objects"][0], "etag": '"e2"'}]}) == \
+        'model.safetensors was 99 bytes, ETag "e1", now 99 bytes, ETag "e2"'
+

@@ -46,14 +46,20 @@ def directory_identity(checkpoint: str, digests: Path | None) -> dict:
     return {"path": str(checkpoint), "files": checkpoint_files(checkpoint, digests)}
 
 
-def changed_files(recorded: dict, now: dict) -> str | None:
-    """The first difference between two directory identities' files (name, size, digest), in words; None."""
-    was = {f["name"]: (f["size_bytes"], f["sha256"]) for f in recorded.get("files", [])}
-    is_ = {f["name"]: (f["size_bytes"], f["sha256"]) for f in now.get("files", [])}
+def changed_content(recorded: dict, now: dict) -> str | None:
+    """The first difference between two identities of one checkpoint, in words (None: the same): an S3
+    checkpoint's objects (name, size, ETag: `identity`) or a directory's files (name, size, sha256:
+    `directory_identity`)."""
+    field, label, shown = ("etag", "ETag", None) if "objects" in recorded else ("sha256", "sha256", 16)
+    entries = "objects" if "objects" in recorded else "files"
+
+    def described(identity: dict) -> dict[str, str]:
+        return {o["name"]: f"{o['size_bytes']} bytes, {label} {o[field][:shown]}" for o in identity.get(entries, [])}
+
+    was, is_ = described(recorded), described(now)
     for name in sorted(set(was) | set(is_)):
         if was.get(name) != is_.get(name):
-            return (f"{name} was {'absent' if name not in was else f'{was[name][0]} bytes, sha256 {was[name][1][:16]}'}"
-                    f", now {'absent' if name not in is_ else f'{is_[name][0]} bytes, sha256 {is_[name][1][:16]}'}")
+            return f"{name} was {was.get(name, 'absent')}, now {is_.get(name, 'absent')}"
     return None
 
 
