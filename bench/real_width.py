@@ -16,7 +16,7 @@ the published model's width (random init, norms randomised, bfloat16,
    layer), compared with eager on the right weights as the export's check does.
 
 Each family's line (JSON, appended to --out as it finishes) holds the export's
-exit code and check (diff, limit, ties), its compile seconds, and the first
+exit code and check (diff, limit, choices), its compile seconds, and the first
 step's max |logit difference| from transformers' float32 logits for Kiln and
 for transformers' own bfloat16 run, with the float32 logits' scale and whether
 the three agree on the next token. Where a published width cannot fit this
@@ -140,10 +140,11 @@ def wrong_forward(path: Path, store_url: str, report: Path) -> dict:
     from kiln.core.model.config import ModelConfig
     from kiln.core.model.contract import EXPERTS
     from kiln.core.plan.recipe import Bucket, Recipe
+    from kiln.core.run import outcome
     from kiln.host.weights.checkpoint import read_config
     from kiln.host.ranks.loader import compare_with_eager, eager_model, load_forward
     from kiln.host.model import example_inputs, solo_group
-    from kiln.host.ranks.routing_ties import RouteProbe, probing
+    from kiln.host.ranks.routing_ties import ChoiceProbe, probing
     from kiln.host.weights.rank_weights import load_rank_weights
     from kiln.store import open_store
 
@@ -159,9 +160,9 @@ def wrong_forward(path: Path, store_url: str, report: Path) -> dict:
         args = example_inputs(cfg, tp, bucket.batch, bucket.tokens, page_tokens=recipe.page_tokens,
                               pages_per_seq=recipe.pages_per_seq,
                               num_pages=recipe.pages_per_seq * bucket.batch + 3, seed=1)  # compare_with_eager's
-        with probing(RouteProbe()) as seen:
+        with probing(ChoiceProbe()) as seen:
             eager_model(cfg, tp, weights)(*args)
-        expert = collections.Counter(seen.chosen[-1].flatten().tolist()).most_common(1)[0][0]
+        expert = collections.Counter(seen.chosen["experts"][-1].flatten().tolist()).most_common(1)[0][0]
         module, (_, _, down) = EXPERTS[cfg.architecture]
         name = sorted(n for n in weights if n.endswith(f".{module}.experts.{down}.weight"))[-1]
         flipped = dict(weights)
@@ -171,9 +172,9 @@ def wrong_forward(path: Path, store_url: str, report: Path) -> dict:
                                    bucket, **check)
         wrong = compare_with_eager(load_forward(package, flipped, forward["sha256"]), cfg, tp, rank, weights,
                                    bucket, **check)
-    keep = ("diff", "own", "limit", "ties", "routings")
+    keep = ("diff", "own", "limit", "choices", "differ", "wrong_choice")
     return {"sign_flip": {"expert": expert, "tensor": name, "right": {k: right.get(k) for k in keep},
-                          "wrong": {k: wrong.get(k) for k in keep}, "caught": wrong["diff"] > wrong["limit"]}}
+                          "wrong": {k: wrong.get(k) for k in keep}, "caught": not outcome.passed(wrong)}}
 
 
 def _child(*args: str) -> dict:

@@ -111,7 +111,7 @@ def _decode(forwards: dict, cfg, tp: int, job: dict, torch, dist, side,
         shapes = choose_forward(forwards, bucket)
         link.doing(f"running forward {shapes} as {bucket} on positions {start}..{start + count - 1}")
         with torch.no_grad():
-            logits, new_kv = forwards[shapes](tokens, start_pos, cache, table, *lengths)
+            logits, new_kv = forwards[shapes](tokens, start_pos, cache, table, *lengths)[:2]  # then its choices
         if not layout.paged:  # the sequence's slot after the step replaces it
             cache[0] = new_kv[0]
         for i in range(count if layout.paged else 0):  # the real tokens' entries (keys and values, or latents)

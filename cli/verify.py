@@ -20,7 +20,7 @@ from kiln.core.forwards.forward_keys import check_export_id
 from kiln.core.machine.home import kiln_home
 from kiln.core.trust.layout import manifest_key
 from kiln.core.trust.manifest import check_manifest, forwards_for_host, manifest_device
-from kiln.core.run.outcome import routing_note
+from kiln.core.run.outcome import passed, routing_note
 from kiln.host.trust.package_check import check_package
 from kiln.core.plan.recipe import Recipe
 from kiln.core.plan.sizing import verify_peak_mib
@@ -154,9 +154,12 @@ def verify_export(store_url: str | None, export_id: str, *, pin: str | None = No
     for shapes, c in sorted(checks.items()):
         lines.append(f"  {shapes}: {manifest['tp']} ranks together vs unsharded eager at {c['shapes']} shape(s): "
                      f"max |diff| {c['diff']:.2e} at {c['at']} (scaled; limit {c['limit']:.2e}{routing_note(c)})")
-    failed = sorted(b for b, c in checks.items() if c["diff"] > c["limit"])
+    failed = sorted(b for b, c in checks.items() if not passed(c))
     if failed:
         c = checks[failed[0]]
+        if c.get("wrong_choice"):
+            raise VerifyMismatch(f"export {export_id}: compiled ranks of forward {failed[0]} made a choice "
+                                 f"{cfg.dtype} does not allow at {c['at']}: {c['wrong_choice']}.")
         raise VerifyMismatch(f"export {export_id}: compiled ranks of forward {failed[0]} differ from the unsharded "
                              f"model at {c['at']} by {c['diff']:.2e} (scaled; limit {c['limit']:.2e} for {cfg.dtype}"
                              f"{routing_note(c)}).")

@@ -190,6 +190,7 @@ def compile_tiny(check: Check) -> dict:
     from kiln.core.plan.recipe import Bucket
     from kiln.host.compile.inductor_options import COMPILER_OPTIONS
     from kiln.host.ranks.loader import compare_with_eager, load_forward, place_weights
+    from kiln.core.run.outcome import passed
     from kiln.host.model import random_state_dict, shard_state_dict
 
     bucket = Bucket(1, 8)
@@ -199,7 +200,7 @@ def compile_tiny(check: Check) -> dict:
     compiled = load_forward(result.path, weights, result.sha256, device=check.device)
     judged = compare_with_eager(compiled, TINY, 1, 0, weights, bucket, page_tokens=PAGE_TOKENS,
                                 pages_per_seq=PAGES_PER_SEQ, atol=ATOL, half_ratio=HALF_RATIO, device=check.device)
-    if judged["diff"] > judged["limit"]:
+    if not passed(judged):
         raise AssertionError(f"the tiny package differs from eager by {judged['diff']:.3g} > {judged['limit']:.3g}")
     return {**figures["tiny"], "vs_eager": judged, "user_managed": getattr(compiled, "kiln_user_managed", None)}
 

@@ -350,7 +350,7 @@ def test_the_compiled_step_reads_and_writes_each_sequence_slot(v4_path):
     slots, start, tokens = torch.tensor([2, 0]), torch.tensor([17, 32]), _tokens(cfg, 16).view(2, 8)
     assert torch.equal(pack(layout, unpack(layout, cache)), cache)
     with torch.no_grad():
-        logits, new_kv = model(tokens, start, cache, slots)
+        logits, new_kv, *_ = model(tokens, start, cache, slots)  # then its choices
         want, after = model.step(tokens, start, unpack(layout, cache[slots]))
     assert new_kv.shape == (2, layout.slot_values)
     assert torch.equal(logits, want) and torch.equal(new_kv, pack(layout, after))

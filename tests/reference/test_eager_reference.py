@@ -54,7 +54,7 @@ def kiln_logits(cfg, weights, tokens):
     cache = torch.zeros(cache_layout(cfg, 1).shape(cfg.num_layers, pages + 1, 16), dtype=getattr(torch, cfg.dtype))
     lengths = [torch.tensor([tokens.shape[1]])] if cfg.length_dependent_rope else []  # one call: the whole sequence
     with torch.no_grad():
-        logits, _ = model(tokens, torch.tensor([0]), cache, torch.arange(pages)[None], *lengths)
+        logits = model(tokens, torch.tensor([0]), cache, torch.arange(pages)[None], *lengths)[0]
     return logits.float()
 
 

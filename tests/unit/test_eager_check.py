@@ -1,11 +1,12 @@
-"""The eager check of a bfloat16 mixture of experts: a routing tie the dtype leaves open, broken the other way,
-passes; a wrong forward, at a tie or elsewhere, fails (kiln.host.ranks.loader.compare_with_eager, eager only).
+"""The eager check of a bfloat16 mixture of experts: a routing tie the dtype leaves open, broken the other way
+and reported so, passes; a wrong forward, at a tie or elsewhere, fails (kiln.host.ranks.loader.compare_with_eager,
+eager only; kiln.host.ranks.routing_ties).
 
 The model is built so that ties are certain, not left to rounding: in each expert layer experts 1 and 2 have
 the same router row and expert 0 twice it, so every token that leans towards them takes expert 0 and one of
-1 and 2 at exactly the same score. Which of the two is the index order's choice; a forward holding 1's and
-2's weights the other way round computes the same function with the tie broken the other way, as a compiled
-forward may break a near-tie the other way from eager when it rounds differently.
+1 and 2 at exactly the same score. Which of the two is the index order's choice; a forward forced to the
+other one (kiln.host.ranks.routing_ties.ChoiceProbe) breaks the tie the other way and reports it, as a compiled
+forward may when it rounds differently from eager.
 """
 
 from __future__ import annotations
@@ -81,53 +82,63 @@ def _check(forward, weights, bucket=Bucket(1, 16)):
     return compare_with_eager(forward, CFG, 1, 0, weights, bucket, **CHECK)
 
 
+def _forced(forward, change):
+    """`forward` with its expert choices replaced by change(layer's choices [n, k], its scores [n, E]) -> [n, k],
+    reported as such."""
+    from kiln.host.ranks.routing_ties import ChoiceProbe, probing
+
+    def changed(*args):
+        with probing(ChoiceProbe()) as seen:
+            forward(*args)
+        with probing(ChoiceProbe({"experts": [change(c, s) for c, s in zip(seen.chosen["experts"],
+                                                                            seen.scores["experts"])]})):
+            return forward(*args)
+    return changed
+
+
+def _other_of_tie(chosen, rows=slice(None)):
+    """`chosen` with expert 1 and 2 exchanged at `rows` (tokens)."""
+    other = chosen.clone()
+    other[chosen == 1], other[chosen == 2] = 2, 1
+    keep = torch.ones(chosen.shape[0], dtype=torch.bool)
+    keep[rows] = False
+    return torch.where(keep[:, None], chosen, other)
+
+
 @pytest.mark.parametrize("bucket", [Bucket(1, 16), Bucket(2, 8)])
-def test_a_tie_broken_the_other_way_passes_the_check(weights, bucket):
-    result = _check(_eager(CFG, _experts_moved(weights, {1: 2, 2: 1})), weights, bucket)
-    assert result["diff"] <= result["limit"], result
-    assert result.get("ties", 0) > 0  # the tie is there, and was the reason for a second reference
+@pytest.mark.parametrize("rows", ["every token", "odd tokens"])
+def test_a_tie_broken_the_other_way_and_reported_passes(weights, bucket, rows):
+    """Every tied token breaks the tie the other way, or only odd ones (as a compiled topk may, rounding
+    differently token by token): the reference is forced to what the forward reports."""
+    which = slice(None) if rows == "every token" else slice(1, None, 2)
+    forward = _forced(_eager(CFG, weights), lambda c, s: _other_of_tie(c, which))
+    result = _check(forward, weights, bucket)
+    assert result["diff"] <= result["limit"] and result["wrong_choice"] is None, result
+    args = _inputs(bucket)
+    taken, own = forward(*args)[2], _eager(CFG, weights)(*args)[2]
+    assert int((taken != own).any(dim=-1).sum()) >= 2  # the ties were there, and taken the other way
 
 
-def test_the_same_forward_passes_without_any_swap(weights):
-    from kiln.host.model.layers import moe
+def test_the_same_forward_passes_and_its_own_error_is_rounding_alone(weights):
+    from kiln.host.model.layers import choices
 
     result = _check(_eager(CFG, weights), weights)
     assert result["diff"] <= result["limit"] and result["diff"] <= result["own"] * 1.01, result
-    assert moe.ROUTE_PROBE is None  # the checker's probe is gone once it has answered: nothing traced sees it
-
-
-def test_ties_broken_each_their_own_way_pass_the_check(weights):
-    """A forward that breaks the tie one way at some tokens and the other way at others, in every expert layer
-    (as a compiled topk may, rounding differently token by token): the check reads each token's choice."""
-    from kiln.host.ranks.routing_ties import RouteProbe, probing
-
-    args = _inputs(Bucket(1, 16))
-    with probing(RouteProbe()) as seen:
-        _eager(CFG, weights)(*args)
-    mixed = []
-    for chosen in seen.chosen:
-        other = chosen.clone()
-        other[chosen == 1], other[chosen == 2] = 2, 1
-        odd = torch.arange(chosen.shape[0]) % 2 == 1
-        mixed.append((torch.where(odd[:, None], other, chosen), torch.ones(chosen.shape[0], dtype=torch.bool)))
-    assert sum(int(((m != c).any(dim=1)).sum()) for (m, _), c in zip(mixed, seen.chosen)) >= 4, "few ties taken"
-    base = _eager(CFG, weights)
-
-    def forward(*a):
-        with probing(RouteProbe(mixed)):
-            return base(*a)
-
-    result = _check(forward, weights)
-    assert result["diff"] <= result["limit"] and result["ties"] > 0, result
+    assert result["choices"] == CFG.num_layers * 16 and result["wrong_choice"] is None, result
+    assert choices.PROBE is None  # the checker's probe is gone once it has answered: nothing traced sees it
 
 
 @pytest.mark.parametrize("wrong", ["a tie broken towards an expert outside the slack",
+                                   "tied experts' weights swapped, the choice reported unchanged",
                                    "an expert's down projection sign-flipped",
                                    "top-k weights not renormalised", "one expert fewer"])
 def test_a_wrong_forward_fails_the_check(weights, wrong):
-    cfg, w = CFG, weights
+    cfg, w, forward = CFG, weights, None
     if wrong == "a tie broken towards an expert outside the slack":
-        w = _experts_moved(weights, {5: 1, 1: 5})
+        # expert 1, tied with 2, replaced by the token's weakest expert
+        forward = _forced(_eager(CFG, weights), lambda c, s: torch.where(c == 1, s.argmin(dim=1, keepdim=True), c))
+    elif wrong == "tied experts' weights swapped, the choice reported unchanged":
+        w = _experts_moved(weights, {1: 2, 2: 1})
     elif wrong == "an expert's down projection sign-flipped":
         w = dict(weights)
         w[EXPERT_TENSORS[2]] = weights[EXPERT_TENSORS[2]].clone()
@@ -136,19 +147,31 @@ def test_a_wrong_forward_fails_the_check(weights, wrong):
         cfg = CFG.replace(norm_topk_prob=False)
     else:
         cfg = CFG.replace(experts_per_token=1)
-    result = _check(_eager(cfg, w), weights)
-    assert result["diff"] > result["limit"], result
+    from kiln.core.run.outcome import passed
+
+    result = _check(forward or _eager(cfg, w), weights)
+    assert not passed(result), result
+    if wrong.startswith("a tie broken towards"):
+        assert "'s experts [" in result["wrong_choice"] and "slack" in result["wrong_choice"], result
+    if wrong == "one expert fewer":
+        assert "makes 2 per token" in result["wrong_choice"], result
 
 
-def test_swaps_reach_every_expert_of_an_exact_tie():
-    # bfloat16 scores are often exactly equal: the second- and third-best unchosen experts must be two experts
-    # (topk orders equal values differently for each k), and only those within the slack are taken.
-    from kiln.host.ranks.routing_ties import swapped
+def test_margins_of_a_top_k_groups_and_indexer_picks():
+    """How far a choice trails the best one (kiln.host.ranks.routing_ties.margins): 0 for a best choice, an
+    exact tie either way, the score gap otherwise; DeepSeek-V3's groups by their two best experts; an index
+    past the candidates is no pick, right only where nothing ready was left out."""
+    from kiln.host.ranks.routing_ties import margins
 
-    scores = torch.full((1, 128), 0.10)  # 128 experts, as Qwen3-30B-A3B's: topk's order of equals varies with k
-    scores[0, :2] = torch.tensor([0.30, 0.20])
-    chosen = torch.tensor([[0, 1]])
-    taken = {int(swapped(scores, chosen, torch.tensor([0.15]), 0, j)[0][0, 1]) for j in range(3)}
-    assert len(taken) == 3 and not taken & {0, 1}
-    experts, applies = swapped(scores, chosen, torch.tensor([0.05]), 0, 0)
-    assert not applies.any() and experts.tolist() == [[0, 1]]
+    scores = torch.tensor([[0.5, 0.3, 0.3, 0.1], [0.5, 0.3, 0.29, 0.1]])
+    assert margins(scores, torch.tensor([[0, 2], [0, 2]]), {}).tolist() == pytest.approx([0.0, -0.01], abs=1e-6)
+    assert margins(scores, torch.tensor([[3, 0], [1, 0]]), {}).tolist() == pytest.approx([-0.2, 0.0])
+    groups = torch.tensor([[0.9, 0.1, 0.5, 0.45, 0.6, 0.0]])  # three groups of two: sums 1.0, 0.95, 0.6
+    how = {"groups": 3, "keep": 1}
+    assert margins(groups, torch.tensor([[0, 1]]), how).tolist() == [0.0]
+    assert margins(groups, torch.tensor([[2, 3]]), how).tolist() == pytest.approx([-0.025])  # group gap / 2
+    assert margins(groups, torch.tensor([[0, 2]]), how).tolist() == [float("-inf")]  # two groups, one kept
+    assert margins(groups, torch.tensor([[4, 0]]), {"groups": 3, "keep": 2}).tolist() == pytest.approx([-0.175])
+    ready = torch.tensor([[0.2, 0.4, float("-inf")], [0.2, float("-inf"), float("-inf")]])
+    assert margins(ready, torch.tensor([[1, 0], [0, 3]]), {}).tolist() == [0.0, 0.0]  # one ready: one pick
+    assert margins(ready, torch.tensor([[1, 3], [0, 3]]), {}).tolist()[0] == float("-inf")  # one left out

@@ -188,8 +188,14 @@ def test_a_v4_forward_interface_names_its_slots_and_states():
     slot = cache_layout(cfg, 2, 64).slot_values
     assert [(a["name"], a["shape"]) for a in face["inputs"]] == [
         ("tokens", ["batch", 16]), ("start_pos", ["batch"]), ("kv_cache", ["num_slots", slot]), ("slots", ["batch"])]
-    assert [(a["name"], a["shape"]) for a in face["outputs"]] == [("logits", ["batch", 16, 256]),
-                                                                 ("new_kv", ["batch", slot])]
+    csa = [i for i, kind in enumerate(cfg.v4.layer_types) if kind == "compressed_sparse_attention"]
+    topk = [i for i, kind in enumerate(cfg.v4.mlp_layer_types) if kind == "moe"]
+    assert csa and topk  # both choice outputs are there
+    assert [(a["name"], a["shape"]) for a in face["outputs"]] == [
+        ("logits", ["batch", 16, 256]), ("new_kv", ["batch", slot]),
+        ("expert_choices", [len(topk), "batch", 16, cfg.experts_per_token]),
+        ("indexer_picks", [len(csa), "batch", 16, min(cfg.v4.index_topk, 64 // cfg.v4.csa_rate)])]
+    assert {a["dtype"] for a in face["outputs"][2:]} == {"int32"}
     assert face["dynamic_dims"] == {"num_slots": {"min": 2}, "batch": {"min": 1, "max": 4}}
     cache = face["kv_cache"]
     assert cache["slot_values"] == slot and cache["sharded"] is False and cache["capacity_tokens"] == 64

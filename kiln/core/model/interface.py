@@ -8,6 +8,16 @@ paged KV cache:
              block_table[batch, pages_per_seq] int64
              [, seq_lens[batch] int64: only when the rope depends on the sequence's length]
     outputs: logits[batch, tokens, vocab] <dtype>, new_kv[layers, entries, batch, tokens, heads, width] <dtype>
+             [, expert_choices[expert layers, batch, tokens, k] int32]
+             [, indexer_picks[CSA layers, batch, tokens, picks] int32: DeepSeek-V4 alone]
+
+The outputs after new_kv are the forward's discrete choices (`choice_sites`):
+the experts each token took in each routed layer (k = experts_per_token; a
+hash-routed layer's experts are its table's, not a choice), and DeepSeek-V4's
+compressed entries each query's indexer picked in each CSA layer (picks =
+min(index_topk, the cache's compressed entries); an index equal to the entries
+means no pick: fewer were ready). A consumer may ignore them; the check forces
+its float32 reference to them (kiln.host.ranks.routing_ties).
 
 `num_pages` is always dynamic; `batch` and `tokens` are where the forward
 takes a range of them (kiln.core.forwards.shape_ranges). A dynamic dimension is named in
@@ -33,6 +43,45 @@ from kiln.core.model.cache_layout import DYNAMIC_PAGES, DYNAMIC_SLOTS, cache_lay
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.contract import PROCESS_GROUP
 
+EXPERT_CHOICES, INDEXER_PICKS = "expert_choices", "indexer_picks"
+"""The choice outputs' names, by site (kiln.host.model.layers.choices: 'experts', 'indexer')."""
+CHOICE_OUTPUTS = {"experts": EXPERT_CHOICES, "indexer": INDEXER_PICKS}
+
+
+def choice_sites(cfg: ModelConfig) -> list[str]:
+    """The choice sites whose picks a forward of `cfg` returns after new_kv, in output order: 'experts' where
+    a layer routes its tokens by a top-k, 'indexer' where a DeepSeek-V4 layer is CSA."""
+    if cfg.v4 is not None:
+        from kiln.core.model.v4_fields import CSA, TOPK_MOE
+
+        return ([*(["experts"] if TOPK_MOE in cfg.v4.mlp_layer_types else []),
+                 *(["indexer"] if CSA in cfg.v4.layer_types else [])])
+    return ["experts"] if cfg.moe_layers else []
+
+
+def choice_layers(cfg: ModelConfig, site: str) -> list[int]:
+    """The layers that make choices at `site`, in order."""
+    if cfg.v4 is None:
+        return list(cfg.moe_layers) if site == "experts" else []
+    from kiln.core.model.v4_fields import CSA, TOPK_MOE
+
+    kinds = cfg.v4.mlp_layer_types if site == "experts" else cfg.v4.layer_types
+    return [i for i, kind in enumerate(kinds) if kind == (TOPK_MOE if site == "experts" else CSA)]
+
+
+def choice_width(cfg: ModelConfig, site: str, capacity_tokens: int) -> int:
+    """Picks per token at `site` of a forward whose cache holds `capacity_tokens` per sequence."""
+    if site == "experts":
+        return cfg.experts_per_token
+    return min(cfg.v4.index_topk, -(-capacity_tokens // cfg.v4.csa_rate))
+
+
+def choice_outputs(cfg: ModelConfig, batch, tokens, capacity_tokens: int) -> list[dict]:
+    """The interface's choice outputs (after new_kv), in order."""
+    return [{"name": CHOICE_OUTPUTS[site], "dtype": "int32",
+             "shape": [len(choice_layers(cfg, site)), batch, tokens, choice_width(cfg, site, capacity_tokens)]}
+            for site in choice_sites(cfg)]
+
 
 def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:
     """{'inputs', 'outputs', 'process_group', 'dynamic_dims', ...} of one forward; `inputs` is a spec's input
@@ -52,7 +101,8 @@ def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:
                        arg("kv_cache", cfg.dtype, layout.shape(cfg.num_layers, DYNAMIC_SLOTS, 0)),
                        arg("slots", "int64", [b])],
             "outputs": [arg("logits", cfg.dtype, [b, t, cfg.vocab_size]),
-                        arg("new_kv", cfg.dtype, layout.new_shape(cfg.num_layers, b, t))],
+                        arg("new_kv", cfg.dtype, layout.new_shape(cfg.num_layers, b, t)),
+                        *choice_outputs(cfg, b, t, inputs["page_tokens"] * inputs["pages_per_seq"])],
             "kv_cache": layout.to_dict(), "process_group": PROCESS_GROUP if tp > 1 else None,
             "dynamic_dims": {DYNAMIC_SLOTS: {"min": 2}, **dynamic},
         }
@@ -69,7 +119,8 @@ def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:
         "inputs": [arg("tokens", "int64", [b, t]), arg("start_pos", "int64", [b]), arg("kv_cache", cfg.dtype, kv),
                    arg("block_table", "int64", [b, inputs["pages_per_seq"]]), *lengths],
         "outputs": [arg("logits", cfg.dtype, [b, t, cfg.vocab_size]),
-                    arg("new_kv", cfg.dtype, layout.new_shape(cfg.num_layers, b, t))],
+                    arg("new_kv", cfg.dtype, layout.new_shape(cfg.num_layers, b, t)),
+                    *choice_outputs(cfg, b, t, inputs["page_tokens"] * inputs["pages_per_seq"])],
         "kv_cache": layout.to_dict(), **rope,
         "process_group": PROCESS_GROUP if tp > 1 else None,
         "dynamic_dims": {DYNAMIC_PAGES: {"min": 2}, **dynamic},

@@ -129,10 +129,11 @@ class Recipe:
         "max(1, max |eager|) (absolute for outputs up to 1, relative above).", gt=0,
         title="Largest difference from eager", group="checks")
     verify_half_ratio: float = setting(
-        2.0, "bfloat16 / float16 forwards: compared with eager in float32 on the same weights (a mixture of "
-        "experts routed as eager in their dtype routed, and at each expert choice that dtype leaves open either "
-        "way: models.md, 'The check of a 16-bit mixture of experts'), they may be off by this many times eager's "
-        "own error in their dtype (and always by verify_atol).", gt=0,
+        2.0, "bfloat16 / float16 forwards: compared with eager in float32 on the same weights, forced to the "
+        "forward's own expert and indexer choices (each of which must be within (1 + this) x its scores' "
+        "rounding of the best: models.md, 'The check of a forward that makes choices'), they may be off by this "
+        "many times eager's own error in their dtype against float32 forced to eager's choices (and always by "
+        "verify_atol).", gt=0,
         title="Half-precision error ratio", group="checks")
     lease_ttl_s: float = setting(
         900.0, "Seconds a compile lease protects a key from other exports without a renewal (its holder "

@@ -80,9 +80,15 @@ def target_cpus(probes) -> dict[str, CpuIsa]:
 
 
 def check_verified(checks: dict[str, dict], host_name: str, dtype: str) -> None:
-    """Raise VerifyMismatch naming the worst forward whose difference from eager exceeds its limit
-    (`checks`: name -> {'diff', 'limit'}, from the host's per-rank check); nothing when all are within."""
-    failed = {name: c for name, c in checks.items() if c["diff"] > c["limit"]}
+    """Raise VerifyMismatch naming the worst forward whose difference from eager exceeds its limit, or whose
+    choices the dtype does not allow (`checks`: name -> {'diff', 'limit', 'wrong_choice'?}, from the host's
+    per-rank check); nothing when all are within."""
+    chose = {name: c for name, c in checks.items() if c.get("wrong_choice")}
+    if chose:
+        name, c = sorted(chose.items())[0]
+        raise VerifyMismatch(f"compiled forward {name} on {host_name} made a choice {dtype} does not allow: "
+                             f"{c['wrong_choice']}; the artifact is not trustworthy.")
+    failed = {name: c for name, c in checks.items() if not passed(c)}
     if failed:
         name, c = max(failed.items(), key=lambda kv: kv[1]["diff"] / kv[1]["limit"])
         raise VerifyMismatch(f"compiled forward {name} on {host_name} differs from eager by {c['diff']:.2e} "
@@ -90,18 +96,24 @@ def check_verified(checks: dict[str, dict], host_name: str, dtype: str) -> None:
                              "trustworthy.")
 
 
+def passed(check: dict) -> bool:
+    """A check passed: within its limit, and every choice one its dtype allows."""
+    return check["diff"] <= check["limit"] and not check.get("wrong_choice")
+
+
 def worst_shape(checks: dict[str, dict]) -> dict:
     """The check of a forward over a range: of `checks` (shape name -> {'diff', 'limit', ...}, one per shape
     its range is compared with eager at: kiln.core.forwards.shape_ranges.ShapeRange.checked_shapes), the one
-    furthest over (or nearest to) its limit, with 'at': its shape and 'shapes': how many were compared."""
-    at, worst = max(checks.items(), key=lambda kv: kv[1]["diff"] / kv[1]["limit"])
+    furthest over (or nearest to) its limit (a wrong choice first), with 'at': its shape and 'shapes': how
+    many were compared."""
+    at, worst = max(checks.items(), key=lambda kv: (bool(kv[1].get("wrong_choice")), kv[1]["diff"] / kv[1]["limit"]))
     return {**worst, "at": at, "shapes": len(checks)}
 
 
 def routing_note(check: dict) -> str:
-    """', against the nearest of N float32 routings (T expert choices left open by the dtype)' when the check
-    of a mixture of experts took its routing ties into account (kiln.host.ranks.routing_ties); '' otherwise."""
-    if not check.get("ties"):
+    """', against float32 forced to its N choices (D of them not float32's own)' when the forward made
+    discrete choices (kiln.host.ranks.routing_ties); '' otherwise."""
+    if not check.get("choices"):
         return ""
-    return (f", against the nearest of {check['routings']} float32 routings: {check['ties']} expert choice(s) "
-            "left open by the dtype")
+    return (f", against float32 forced to its {check['choices']} choice(s), {check.get('differ', 0)} of them "
+            "not float32's own")

@@ -42,6 +42,7 @@ KEY_SOURCES = (
     "kiln.core.model.contract",  # parameter shapes, shard slices, the process group
     "kiln.core.model.layer_runs",  # which layers one scan runs (the stacked constants' layers)
     "kiln.core.model.cache_layout",  # the KV cache's layout (DeepSeek-V4's slot: the states a step unpacks)
+    "kiln.core.model.interface",  # the choice outputs a forward returns after new_kv (which sites, their layers)
     "kiln.core.model.v4_fields",  # DeepSeek-V4's tensors, shard slices and cache states
     "kiln.core.model.quant",  # which tensors a quantized checkpoint quantizes, a rank's scales and their grid
     "kiln.host.compile.export_call",  # torch.export, dynamic shapes, constants metadata, the Inductor call

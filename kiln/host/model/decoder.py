@@ -3,7 +3,12 @@
 The forward is one inference step over a paged KV cache:
 
     forward(tokens[B,T], start_pos[B], kv_cache[L,E,P,page_tokens,heads,width], block_table[B,M]
-            [, seq_lens[B]]) -> (logits[B,T,vocab], new_kv[L,E,B,T,heads,width])
+            [, seq_lens[B]]) -> (logits[B,T,vocab], new_kv[L,E,B,T,heads,width]
+                                 [, expert_choices[moe layers,B,T,k] int32])
+
+expert_choices is an output only of a mixture of experts: the experts each
+token took in each expert layer (kiln.host.model.layers.choices), which the
+check forces its float32 reference to.
 
 seq_lens is an input only of a model whose rotary frequencies depend on the
 sequence's length (longrope, dynamic): sequence b's length as transformers would
@@ -38,6 +43,7 @@ from kiln.host.model.families import deepseek, gemma, llama
 from kiln.host.model.families.llama import Layer
 from kiln.host.model.layers.norms import RMSNorm, softcap
 from kiln.host.model.layers.quantized import layer_weights
+from kiln.host.model.layers.choices import stacked_choices, unstack_picks
 from kiln.host.model.layers.stacked import LayerRun, every, interleave, keep_own_dtypes, segment_runs
 from kiln.host.model.layers.step import FULL_ATTENTION, StepContext, step_context
 
@@ -112,18 +118,21 @@ class ShardedDecoder(nn.Module):
         x = self.model.embed_tokens(tokens)
         if self.cfg.embed_scale:  # Gemma: sqrt(hidden), rounded to the dtype first as transformers does
             x = x * self.embed_multiplier
-        new_entries = []
+        new_entries, picks = [], []
         for segment, runs in segment_runs(self.cfg, self.model.runs):
-            x, entries = self._segment(segment, runs, x, kv_cache[segment.start:segment.stop],
-                                       None if windows is None else windows[segment.start:segment.stop], ctx)
+            x, entries, made = self._segment(segment, runs, x, kv_cache[segment.start:segment.stop],
+                                             None if windows is None else windows[segment.start:segment.stop], ctx)
             new_entries.append(entries)
+            picks += made
         x = self.model.norm(x)
         logits = F.linear(x, self.model.embed_tokens.weight) if self.cfg.tie_word_embeddings else self.lm_head(x)
-        return softcap(logits, self.cfg.final_softcap), torch.cat(new_entries)
+        return (softcap(logits, self.cfg.final_softcap), torch.cat(new_entries),
+                *stacked_choices(self.cfg, picks, tokens.shape))
 
     def _segment(self, segment: Segment, runs: list[LayerRun], x, kv, windows, ctx: StepContext):
         """One segment of layers: (x after them, their new cache entries [layers, E, b, t, heads, width] in
-        layer order). `kv` and `windows` are the segment's layer slices; run k takes every period-th."""
+        layer order, each layer's choices: a dict per layer, kiln.host.model.layers.choices). `kv` and
+        `windows` are the segment's layer slices; run k takes every period-th."""
         cfg, tp, layer, period = self.cfg, self.tp, self.layer, segment.period
         dtype = x.dtype  # a quantized checkpoint's projections are dequantized to it, layer by layer
         phases = []
@@ -133,14 +142,15 @@ class ShardedDecoder(nn.Module):
                 phase["window"] = every(windows, k, period)
             phases.append(phase)
         if not self.scan:
-            entries = []
+            entries, picks = [], []
             for i in range(segment.repeats):
                 for phase in phases:
                     weights = layer_weights(cfg, tp, {n: w[i] for n, w in phase["weights"].items()}, dtype)
+                    picks.append({})
                     x, entry = layer(cfg, tp, weights, x, phase["kv"][i],
-                                     phase["window"][i] if "window" in phase else None, ctx)
+                                     phase["window"][i] if "window" in phase else None, ctx, picks[-1])
                     entries.append(entry)
-            return x, torch.stack(entries)
+            return x, torch.stack(entries), picks
         from torch._higher_order_ops.scan import scan
 
         b, t = x.shape[0], x.shape[1]
@@ -152,10 +162,12 @@ class ShardedDecoder(nn.Module):
             carry = carry.view(b, t, carry.shape[-1])
             out = []
             for step in steps:
+                picks = {}
                 carry, entry = layer(cfg, tp, layer_weights(cfg, tp, step["weights"], dtype), carry, step["kv"],
-                                     step.get("window"), ctx)
-                out.append(entry)
+                                     step.get("window"), ctx, picks)
+                out.append((entry, picks))
             return carry, out
 
-        x, entries = scan(body, x, phases)
-        return x, interleave(entries)
+        x, out = scan(body, x, phases)
+        return x, interleave([entry for entry, _ in out]), unstack_picks([picks for _, picks in out],
+                                                                         segment.repeats)

@@ -14,6 +14,7 @@ from kiln.core.errors import CheckCrashed, MemoryShort
 from kiln.core.plan.deadlines import check_deadline
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.plan.sizing import check_peak_mib
+from kiln.core.run.outcome import passed
 from kiln.host.machine import cache, probe
 from kiln.host.processes import faults
 from kiln.host.machine.cache import cache_dir, local_path
@@ -108,7 +109,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
         diffs.update(found)
         for f in fs:
             check = found[f"rank{rank}/{f['shapes']}"]
-            if check["diff"] <= check["limit"]:
+            if passed(check):
                 remember_check(_record_path(record, f, job.tp, rank, weights, decided),
                                {**check, "verified_at": _mtime_iso(None)})
     return {"checks": diffs, "memory": memory, "checkpoint": content}

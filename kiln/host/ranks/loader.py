@@ -26,7 +26,6 @@ have been compiled for CUDA and the rank's weights must already lie on that GPU
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import inspect
 import json
@@ -185,50 +184,25 @@ def scaled_diff(got, want) -> float:
     return float((got.float() - want.float()).abs().max()) / max(1.0, float(want.float().abs().max()))
 
 
-def judge(got, eager, exact=None, alternatives=(), *, atol: float, half_ratio: float) -> dict:
-    """{'diff', 'own', 'limit'} of compiled outputs `got` (a tuple of tensors) against the eager model's.
+def judge(got, eager, exact=None, reference=None, *, atol: float, half_ratio: float) -> dict:
+    """{'diff', 'own', 'limit'} of compiled outputs `got` (logits and new cache entries) against eager's.
 
-    float32 (`exact` None): diff is the scaled difference from `eager`, limit
-    `atol`. bfloat16/float16: `exact` is eager in float32 on the same weights,
-    routed as `eager` was (kiln.host.ranks.routing_ties); `own` is eager's scaled
-    difference from it, and the limit is `half_ratio` times that (at least
+    float32 (`exact` None): diff is the scaled difference from `reference`
+    (eager forced to the forward's own choices; `eager` where None), limit
+    `atol`. bfloat16/float16: `exact` is eager in float32 on the same weights
+    forced to `eager`'s choices: `own` is eager's scaled difference from it
+    (rounding alone), and the limit is `half_ratio` times that (at least
     `atol`): the compiled forward may not be much worse than the dtype itself
-    makes the reference implementation. diff is, per output position
-    (sequence, token), the scaled difference from the nearest of `exact` and
-    `alternatives` (float32 references that take the routing choices the
-    dtype leaves open), the largest over the positions; each output is
-    scaled by `exact`'s largest value.
+    makes the reference implementation. diff is the scaled difference from
+    `reference`, float32 forced to the checked forward's choices
+    (kiln.host.ranks.routing_ties).
     """
-    import torch
-
+    reference = eager if reference is None else reference
+    diff = max(scaled_diff(g, r) for g, r in zip(got, reference))
     if exact is None:
-        return {"diff": max(scaled_diff(g, e) for g, e in zip(got, eager)), "own": None, "limit": atol}
+        return {"diff": diff, "own": None, "limit": atol}
     own = max(scaled_diff(e, x) for e, x in zip(eager, exact))
-    scales = [max(1.0, float(x.float().abs().max())) for x in exact]
-    nearest = _position_diff(got, exact, scales)
-    for alternative in alternatives:
-        nearest = torch.minimum(nearest, _position_diff(got, alternative, scales))
-    return {"diff": float(nearest.max()), "own": own, "limit": limit_of(own, atol=atol, half_ratio=half_ratio)}
-
-
-def _position_diff(got, want, scales):
-    """[batch, tokens]: per position, the largest scaled difference over the outputs."""
-    import torch
-
-    per = [_per_position((g.float() - w.float()).abs()) / s for g, w, s in zip(got, want, scales)]
-    return functools.reduce(torch.maximum, per)
-
-
-def _per_position(diff):
-    """Logits [b, t, vocab] -> [b, t]; new cache entries [layers, entries, b, t, heads, width] -> [b, t]; a slot
-    cache's new slots [b, slot_values] -> [b, 1] (a sequence's whole state, every position's)."""
-    if diff.dim() == 3:
-        return diff.amax(dim=-1)
-    if diff.dim() == 2:
-        return diff.amax(dim=-1, keepdim=True)
-    if diff.dim() == 6:
-        return diff.amax(dim=(0, 1, 4, 5))
-    raise KilnError(f"no token positions known for an output of shape {list(diff.shape)}")
+    return {"diff": diff, "own": own, "limit": limit_of(own, atol=atol, half_ratio=half_ratio)}
 
 
 def limit_of(own: float | None, *, atol: float, half_ratio: float) -> float:
@@ -277,45 +251,69 @@ def _eager_model(cfg, tp: int, weights: dict, dtype: str, device: str = "cpu"):
 
 def check_against_eager(got, cfg, tp: int, weights: dict, args, *, atol: float, half_ratio: float,
                         device: str = "cpu") -> dict:
-    """judge's {'diff', 'own', 'limit'} of outputs `got` against the eager shard on `args`, with 'ties' (the
-    (layer, token) routing choices the low dtype leaves open) and 'routings' (float32 references run).
+    """judge's {'diff', 'own', 'limit'} of a forward's outputs `got` against the eager shard on `args`, with
+    'choices' (the forward's discrete choices checked: rows over every choice layer), 'differ' (how many of
+    them differ from float32's own) and 'wrong_choice' (None, or the worst choice the dtype does not allow:
+    kiln.host.ranks.routing_ties.wrong_choices' first).
 
-    In a low dtype the float32 references are routed as kiln.host.ranks.routing_ties says: R0 as eager chose, and
-    one that takes each tie the way `got` did (identified_routing); one eager model is alive at a time (the
-    low-dtype one, then the float32 one, run once per reference).
+    The float32 reference is forced to the forward's own choices (its outputs after new_kv,
+    kiln.core.model.interface.choice_sites); in a low dtype the limit comes from eager's error against
+    float32 forced to eager's own choices. One eager model is alive at a time (the low-dtype one, then the
+    float32 one, run once per forcing).
     """
     import torch
 
-    from kiln.host.ranks.routing_ties import RouteProbe, find_ties, forced_as, identified_routing, probing, tie_count
+    from kiln.core.model.interface import choice_sites
+    from kiln.host.ranks.routing_ties import (ChoiceProbe, differing, forced_by, probing, rounding, scale_rounding,
+                                              wrong_choices)
 
     def cast(dtype):
         return tuple((a.to(getattr(torch, dtype)) if a.is_floating_point() else a).to(device) for a in args)
 
+    sites = choice_sites(cfg)
     got = tuple(g.to(device) for g in got)
+    if len(got) != 2 + len(sites):
+        raise KilnError(f"the forward returned {len(got)} outputs; this model's forward returns "
+                        f"{2 + len(sites)} (logits, new_kv{''.join(', ' + s for s in sites)}): it was compiled "
+                        "by an older Kiln; export it again.")
+    outputs, picks = got[:2], forced_by(sites, got[2:])
     with torch.no_grad():
+        exact = None
         if cfg.dtype == "float32":
-            return judge(got, _eager_model(cfg, tp, weights, "float32", device)(*cast("float32")), atol=atol,
-                         half_ratio=half_ratio)
-        with probing(RouteProbe()) as low:
-            eager = _eager_model(cfg, tp, weights, cfg.dtype, device)(*cast(cfg.dtype))
-        model = _eager_model(cfg, tp, weights, "float32", device)
-        exact_args = cast("float32")
-        with probing(RouteProbe(forced_as(low))) as forced:
-            exact = model(*exact_args)
-        ties = find_ties(low, forced, half_ratio=half_ratio)
+            model = _eager_model(cfg, tp, weights, "float32", device)
+            with probing(ChoiceProbe(picks)) as forced:
+                reference = model(*cast("float32"))[:2]
+            eager, slack = reference, scale_rounding(forced, atol)
+        else:
+            with probing(ChoiceProbe()) as low:
+                eager = _eager_model(cfg, tp, weights, cfg.dtype, device)(*cast(cfg.dtype))[:2]
+            model = _eager_model(cfg, tp, weights, "float32", device)
+            exact_args = cast("float32")
+            with probing(ChoiceProbe(low.chosen)) as own:
+                exact = model(*exact_args)[:2]
+            with probing(ChoiceProbe(picks)) as forced:
+                reference = model(*exact_args)[:2]
+            slack = {s: [(1 + half_ratio) * r for r in rs] for s, rs in rounding(low, own).items()}
+        result = judge(outputs, eager, exact, reference, atol=atol, half_ratio=half_ratio)
+        wrong = wrong_choices(forced, slack)
+    rows = sum(c.shape[0] for chosen in forced.chosen.values() for c in chosen)
+    return {**result, "choices": rows, "differ": differing(forced),
+            "wrong_choice": describe_choice(cfg, wrong[0]) if wrong else None}
 
-        def run(routing):
-            with probing(RouteProbe(routing)):
-                return model(*exact_args)
 
-        alternatives, runs = [], 0
-        if tie_count(ties):
-            moe_layers = [layer for layer in range(cfg.num_layers) if cfg.is_moe(layer)]
-            routing, runs = identified_routing(run, got, low, ties, moe_layers)
-            alternatives.append(run(routing))
-            runs += 1
-        result = judge(got, eager, exact, alternatives, atol=atol, half_ratio=half_ratio)
-    return {**result, "ties": tie_count(ties), "routings": 1 + runs}
+def describe_choice(cfg, wrong: dict) -> str:
+    """A sentence naming a choice the dtype does not allow (kiln.host.ranks.routing_ties.wrong_choices' entry)."""
+    from kiln.core.model.interface import choice_layers
+
+    layers = choice_layers(cfg, wrong["site"])
+    what = "experts" if wrong["site"] == "experts" else "indexer picks"
+    if wrong.get("misfit"):
+        return (f"its {what} output has shape {wrong['got']} at the {wrong['layer'] + 1}-th layer that makes them "
+                f"(of {len(layers)}), but this model makes {wrong['picks']} per token there")
+    layer = layers[wrong["layer"]]
+    return (f"layer {layer}'s {what} {wrong['picks']} at row {wrong['row']} trail the best float32 choice by "
+            f"{wrong['behind']:.3g} in score, more than the dtype's slack {wrong['slack']:.3g} "
+            f"({wrong['count']} such row(s) in that layer)")
 
 
 def compare_with_eager(compiled, cfg, tp: int, rank: int, weights: dict, bucket, *, page_tokens: int,

@@ -1,168 +1,173 @@
-"""Expert routing in the eager check: which choices the dtype leaves open, and references that take them.
+"""The discrete choices in the eager check: forcing references to a forward's own, and which the dtype allows.
 
-In bfloat16 a router over many experts has near-ties: a token whose k-th and
-(k+1)-th best scores are closer than the dtype's rounding may take either, and
-two correct implementations (eager, compiled) round differently, so they can
-choose differently. One such flip moves that token's output by a share of an
-expert's output, far more than rounding does; comparing outputs alone cannot
-tell it from a wrong forward.
+A forward makes discrete choices (kiln.host.model.layers.choices): the experts
+of each token, DeepSeek-V4's indexer picks. In bfloat16, where two candidates'
+scores are closer than the dtype's rounding, two correct implementations
+(eager, compiled) can choose differently, and one such flip moves a token's
+output by a share of an expert's output, far more than rounding does. Every
+forward returns its choices, so the checker (kiln.host.ranks.loader
+.check_against_eager) never guesses them:
 
-The checker therefore (kiln.host.ranks.loader.check_against_eager):
+1. eager in the low dtype, its scores recorded (a ChoiceProbe);
+2. eager in float32 forced to the low-dtype run's own choices: eager's error
+   against it is rounding alone, no flip, and sets the limit (half_ratio x it);
+   the two runs' scores differ by the dtype's rounding of them: per row (token,
+   or query) `rounding`, its largest difference over the candidates, at least
+   the layer's median row's;
+3. eager in float32 forced to the checked forward's choices: the reference its
+   outputs are held to, one run whatever the ties;
+4. each of the checked forward's choices must be one the dtype allows
+   (`wrong_choices`): against the float32 scores of run 3 (what the router
+   scores at that layer given the forward's own earlier choices), its weakest
+   pick may trail the best candidate it left out by at most its row's slack,
+   (1 + half_ratio) x that row's rounding: what the old tie rule called a tie
+   (a forward allowed half_ratio x eager's error may round that much more).
 
-1. runs eager in the low dtype, recording every expert layer's scores and
-   choices (a RouteProbe);
-2. runs eager in float32 with the experts *forced* to the low-dtype run's
-   choices (R0): eager's own error against it is rounding alone, no flip;
-3. calls a (layer, token) *tied* when its low-dtype margin (its lowest chosen
-   score minus the best unchosen one) is at most (1 + half_ratio) x the
-   largest difference between that token's scores in the two runs: the
-   compiled forward, allowed half_ratio x eager's error, may choose either;
-4. reads, layer by layer, which way the checked forward took each tie
-   (`identified_routing`): a tied token's candidates are R0's choice and each
-   swap of SWAPS (a chosen expert among the two weakest replaced by an
-   unchosen one among the three best, where their scores are within that
-   token's slack: in bfloat16 scores are often exactly equal, and two topk
-   implementations need not break such ties alike). One float32 run per
-   candidate, earlier layers as already read, gives every token's output of
-   the next layer's new cache entries (the last expert layer: the logits),
-   which depend on that token's choice in this layer alone: each tied token
-   takes the candidate nearest to the checked forward there;
-5. runs float32 routed as read (every tie forced that way, every other token
-   routed by its own float32 scores, as a choice changes the hidden states
-   after it) and holds each output position (sequence, token) to the limit
-   against the nearer of R0 and that reference.
-
-A token's choice is thus allowed to differ only where the dtype itself leaves
-it open, and then only between experts within its slack: a forward that is
-wrong anywhere else (a weight, a routing term) is far from every candidate,
-and fails. Reading the choices token by token, where a fixed set of swapped
-references took every tied token of a layer the same way, is what lets a
-real-width bfloat16 Qwen3-MoE pass (24 ties in 32 choices: its compiled
-forward broke them in a mix no such reference held). Ties of DeepSeek's group
-choice (which groups are open) are not swapped.
+DeepSeek-V3's group routing (`groups`, `keep`) chooses topk_groups groups by
+the sum of each group's two best scores, then the experts among them: a
+choice is allowed when the groups holding its experts, filled up with the best
+other groups, trail the best groups left out by at most twice the slack (a sum
+of two scores), and its experts trail the best left out among those groups by
+at most the slack. In float32 the rounding is the check's own tolerance
+(atol) of each row's largest score (at least 1).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 
 import torch
 
 
-class RouteProbe:
-    """Called by moe.route once per expert layer of one forward, in layer order: records (scores, chosen)
-    and returns the experts to use: `forced[layer]` = (experts [n, k], where [n] bool) replaces the
-    router's own choice at the tokens where `where` holds; None routes as the router does."""
+class ChoiceProbe:
+    """Called by kiln.host.model.layers.choices.decide at each choice site of one eager forward, in layer order:
+    records each call's scores (float32, [rows, candidates]), picks ([rows, k]) and how they were chosen, and
+    returns the picks to use: `forced[site][i]` (any shape holding the call's picks) replaces the i-th call's
+    at that site; None, or a site not in it, keeps the forward's own. A forced site whose picks are not as
+    many as the model's (another k) is a misfit: recorded, and the model's own picks kept."""
 
-    def __init__(self, forced: list | None = None):
-        self.forced = forced
-        self.scores: list[torch.Tensor] = []
-        self.chosen: list[torch.Tensor] = []
+    def __init__(self, forced: dict[str, list[torch.Tensor]] | None = None):
+        self.forced = forced or {}
+        self.scores: dict[str, list[torch.Tensor]] = {}
+        self.chosen: dict[str, list[torch.Tensor]] = {}
+        self.how: dict[str, list[dict]] = {}
+        self.misfits: list[dict] = []
 
-    def __call__(self, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        layer = len(self.scores)
-        if self.forced is not None:
-            experts, where = self.forced[layer]
-            chosen = torch.where(where[:, None], experts, chosen)
-        self.scores.append(scores.detach().to(torch.float32).clone())
-        self.chosen.append(chosen)
-        return chosen
+    def __call__(self, site: str, scores: torch.Tensor, picks: torch.Tensor, how: dict) -> torch.Tensor:
+        i = len(self.scores.setdefault(site, []))
+        forced = self.forced[site][i] if site in self.forced and i < len(self.forced[site]) else None
+        if forced is not None and forced.numel() == picks.numel():
+            picks = forced.to(device=picks.device, dtype=picks.dtype).reshape(picks.shape)
+        elif site in self.forced:  # not as many as the model picks there: not this model's choices
+            self.misfits.append({"site": site, "layer": i, "picks": picks.shape[-1],
+                                 "got": None if forced is None else list(forced.shape)})
+        self.scores[site].append(scores.detach().to(torch.float32).reshape(-1, scores.shape[-1]).clone())
+        self.chosen.setdefault(site, []).append(picks.reshape(-1, picks.shape[-1]).clone())
+        self.how.setdefault(site, []).append(how)
+        return picks
 
 
 @contextlib.contextmanager
-def probing(probe: RouteProbe):
-    """Route every expert layer through `probe` while inside (eager only)."""
-    from kiln.host.model.layers import moe
+def probing(probe: ChoiceProbe):
+    """Send every choice through `probe` while inside (eager only)."""
+    from kiln.host.model.layers import choices
 
-    before, moe.ROUTE_PROBE = moe.ROUTE_PROBE, probe
+    before, choices.PROBE = choices.PROBE, probe
     try:
         yield probe
     finally:
-        moe.ROUTE_PROBE = before
+        choices.PROBE = before
 
 
-def forced_as(low: RouteProbe) -> list:
-    """Force every token of every layer to `low`'s choice."""
-    return [(c, torch.ones(c.shape[0], dtype=torch.bool)) for c in low.chosen]
+def forced_by(sites: list[str], outputs: tuple) -> dict[str, list[torch.Tensor]]:
+    """ChoiceProbe's `forced` from a forward's choice outputs (`outputs`: those after new_kv, one per site of
+    `sites`, each [layers, b, t, k]): each layer's picks, in layer order."""
+    return {site: list(picks.unbind(0)) for site, picks in zip(sites, outputs)}
 
 
-def find_ties(low: RouteProbe, exact: RouteProbe, *, half_ratio: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per expert layer, (tied [n] bool, slack [n]): a token's slack is (1 + half_ratio) x its largest |low -
-    float32| score difference (`exact` forced to the same choices), and it is tied when its low-dtype margin
-    (the lowest chosen score minus the best unchosen one) is at most that."""
-    ties = []
-    for s_low, s_exact, chosen in zip(low.scores, exact.scores, low.chosen):
-        both = torch.isfinite(s_low) & torch.isfinite(s_exact)
-        slack = (1 + half_ratio) * torch.where(both, (s_low - s_exact).abs(), torch.zeros_like(s_low)).amax(dim=1)
-        margin = s_low.gather(1, chosen).min(dim=1).values - _unchosen(s_low, chosen).max(dim=1).values
-        ties.append((torch.isfinite(margin) & (margin <= slack), slack))
-    return ties
+def rounding(low: ChoiceProbe, exact: ChoiceProbe) -> dict[str, list[torch.Tensor]]:
+    """Per site and layer, [rows]: each row's largest |low - float32| difference of a finite score, at least
+    the layer's median row's: the dtype's rounding of that row's scores (`exact` forced to `low`'s choices, so
+    both score the same hidden states up to rounding). The floor keeps a row whose scores happened to round
+    exactly from being held to none."""
+    out = {}
+    for site, scores in low.scores.items():
+        out[site] = []
+        for s_low, s_exact in zip(scores, exact.scores[site]):
+            both = torch.isfinite(s_low) & torch.isfinite(s_exact)
+            rows = (s_low - s_exact).abs().masked_fill(~both, 0).amax(dim=1)
+            out[site].append(rows.clamp(min=float(rows.median())))
+    return out
 
 
-def _unchosen(scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    return scores.scatter(1, chosen, float("-inf"))
+def scale_rounding(probe: ChoiceProbe, atol: float) -> dict[str, list[torch.Tensor]]:
+    """float32's stand-in for `rounding`: atol x each row's largest finite |score| (at least 1)."""
+    out = {}
+    for site, scores in probe.scores.items():
+        out[site] = [atol * s.masked_fill(~torch.isfinite(s), 0).abs().amax(dim=1).clamp(min=1.0) for s in scores]
+    return out
 
 
-SWAPS = ((0, 0), (0, 1), (1, 0), (0, 2))
-"""(w, j): the (w+1)-th weakest chosen expert replaced by the (j+1)-th best unchosen one, in this order. In
-bfloat16 scores are often exactly equal, and two implementations' topk need not break such ties alike."""
+def margins(scores: torch.Tensor, chosen: torch.Tensor, how: dict) -> torch.Tensor:
+    """[rows]: how far each row's choice trails the best it could have made, in score (<= 0; 0 where it is a
+    best one). `scores` [rows, candidates] (-inf: not a candidate), `chosen` [rows, k] (an index equal to
+    the candidates: no pick, scored -inf)."""
+    if how.get("groups"):
+        return _group_margins(scores, chosen, how["groups"], how["keep"])
+    return _margins(scores, chosen)
 
 
-def swapped(scores: torch.Tensor, chosen: torch.Tensor, slack: torch.Tensor, w: int, j: int):
-    """(`chosen` [n, k] with swap (w, j) made at the tokens where the two experts' scores are within `slack`,
-    those tokens [n] bool)."""
-    n, k = chosen.shape
-    if w >= k or j >= scores.shape[1] - k:
-        return chosen, torch.zeros(n, dtype=torch.bool)
-    # Stable sorts: equal scores keep one order whatever j and w (topk orders equal values differently per k).
-    chosen_scores = scores.gather(1, chosen)
-    drop = torch.sort(chosen_scores, dim=1, stable=True).indices[:, w:w + 1]  # the (w+1)-th weakest's slot
-    best = torch.sort(_unchosen(scores, chosen), dim=1, descending=True, stable=True)
-    gap = chosen_scores.gather(1, drop)[:, 0] - best.values[:, j]
-    applies = torch.isfinite(best.values[:, j]) & (gap <= slack)
-    return torch.where(applies[:, None], chosen.scatter(1, drop, best.indices[:, j:j + 1]), chosen), applies
+def _margins(scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """A plain top-k's: its weakest pick's score minus the best score it left out, capped at 0."""
+    padded = torch.cat((scores, torch.full_like(scores[:, :1], float("-inf"))), dim=1)  # index n: no pick
+    weakest = padded.gather(1, chosen.long()).min(dim=1).values
+    left = padded.scatter(1, chosen.long(), float("-inf"))[:, :-1].max(dim=1).values
+    gap = torch.where(torch.isneginf(left), torch.zeros_like(weakest), weakest - left)  # nothing left out: 0
+    return torch.nan_to_num(gap, nan=0.0, neginf=float("-inf")).clamp(max=0)
 
 
-def identified_routing(run: Callable[[list], tuple], got: tuple, low: RouteProbe,
-                       ties: list[tuple[torch.Tensor, torch.Tensor]], moe_layers: list[int]) -> tuple[list, int]:
-    """(The forced routing that takes each tie the way the checked outputs `got` did (step 4 above), the float32
-    runs it took). `run(forced)` is one float32 reference run; `moe_layers[e]` is the decoder layer of expert
-    layer e. A layer without ties costs no run."""
-    forced = [(chosen, tied) for chosen, (tied, _) in zip(low.chosen, ties)]
-    runs = 0
-    for e, (tied, slack) in enumerate(ties):
-        if not bool(tied.any()):
-            continue
-        best, best_gap = low.chosen[e], None
-        for w, j in ((None, None), *SWAPS):
-            candidate = low.chosen[e] if w is None else swapped(low.scores[e], low.chosen[e], slack, w, j)[0]
-            if w is not None and bool((candidate == low.chosen[e]).all()):
-                continue  # this swap applies to no token: nothing to tell apart
-            trial = list(forced)
-            trial[e] = (candidate, tied)
-            runs += 1
-            gap = _layer_gap(run(trial), got, moe_layers[e])
-            if best_gap is None:
-                best, best_gap = candidate, gap
-                continue
-            nearer = tied & (gap < best_gap)
-            best = torch.where(nearer[:, None], candidate, best)
-            best_gap = torch.where(nearer, gap, best_gap)
-        forced[e] = (best, tied)
-    return forced, runs
+def _group_margins(scores: torch.Tensor, chosen: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
+    """DeepSeek-V3's: the smaller of its groups' margin (halved: a group scores two experts) and its experts'
+    among the groups it keeps (those holding its picks, filled up with the best others)."""
+    rows, experts = scores.shape
+    size = experts // groups
+    group_scores = scores.view(rows, groups, size).topk(2, dim=-1).values.sum(dim=-1)  # [rows, groups]
+    held = torch.zeros(rows, groups, dtype=torch.bool).scatter(1, chosen.long() // size, True)
+    over = held.sum(dim=1) > keep  # picks in more groups than the router keeps: no rounding explains that
+    need = (keep - held.sum(dim=1)).clamp(min=0)
+    others = torch.sort(group_scores.masked_fill(held, float("-inf")), dim=1, descending=True, stable=True)
+    fill = torch.arange(groups)[None, :] < need[:, None]
+    kept = held | torch.zeros_like(held).scatter(1, others.indices, fill)
+    weakest = group_scores.masked_fill(~kept, float("inf")).min(dim=1).values
+    left = group_scores.masked_fill(kept, float("-inf")).max(dim=1).values
+    group_gap = torch.where(torch.isneginf(left), torch.zeros_like(weakest), (weakest - left) / 2).clamp(max=0)
+    within = scores.masked_fill(~kept[:, :, None].expand(rows, groups, size).reshape(rows, experts), float("-inf"))
+    gap = torch.minimum(group_gap, _margins(within, chosen))
+    return torch.where(over, torch.full_like(gap, float("-inf")), gap)
 
 
-def _layer_gap(out: tuple, got: tuple, layer: int) -> torch.Tensor:
-    """[tokens]: per token, the largest |difference| between `out` and `got` in what decoder layer `layer`'s
-    expert choice alone decides at that token: the next layer's new cache entries (output 1: [layers,
-    entries, b, t, heads, width]), or after the last layer the logits (output 0: [b, t, vocab])."""
-    if layer + 1 < out[1].shape[0]:
-        diff = (out[1][layer + 1].float() - got[1][layer + 1].float()).abs().amax(dim=(0, 3, 4))  # [b, t]
-    else:
-        diff = (out[0].float() - got[0].float()).abs().amax(dim=-1)
-    return diff.reshape(-1)
+def wrong_choices(probe: ChoiceProbe, slack: dict[str, list[torch.Tensor]]) -> list[dict]:
+    """The choices of the forward `probe` was forced to (its run scored them) that trail the best they could
+    have made by more than their row's slack (`slack[site][layer]` [rows]): {'site', 'layer' (the site's i-th
+    layer), 'row', 'picks', 'behind', 'slack', 'count'}, each layer's furthest over its slack, after any
+    misfit (ChoiceProbe's: {'site', 'layer', 'picks', 'got', 'misfit'})."""
+    out = [{**m, "misfit": True} for m in probe.misfits]
+    for site, scores in probe.scores.items():
+        for i, (s, chosen, how) in enumerate(zip(scores, probe.chosen[site], probe.how[site])):
+            over = -margins(s, chosen, how) - slack[site][i]
+            if bool((over > 0).any()):
+                row = int(torch.argmax(over))
+                out.append({"site": site, "layer": i, "row": row, "picks": chosen[row].tolist(),
+                            "behind": float(-margins(s, chosen, how)[row]), "slack": float(slack[site][i][row]),
+                            "count": int((over > 0).sum())})
+    return out
 
 
-def tie_count(ties: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    return sum(int(tied.sum()) for tied, _ in ties)
+def differing(probe: ChoiceProbe) -> int:
+    """How many rows' choices (over every site and layer of `probe`'s forced run) differ from what its own
+    float32 scores pick: the choices the dtype left open that the forward took the other way."""
+    total = 0
+    for site, scores in probe.scores.items():
+        for s, chosen, how in zip(scores, probe.chosen[site], probe.how[site]):
+            total += int((margins(s, chosen, how) < 0).sum())
+    return total

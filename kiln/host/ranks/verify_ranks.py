@@ -131,14 +131,19 @@ def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLi
             shard = cache[..., rank * heads:(rank + 1) * heads, :].contiguous() if layout.sharded else cache
             link.doing(f"running forward {name} at {bucket}")
             with torch.no_grad():
-                logits, new_kv = compiled(*args[:2], shard, *args[3:])
-            logits, new_kv = logits.cpu(), new_kv.cpu()  # the side group's gloo gathers host tensors
-            parts = [torch.empty_like(new_kv) for _ in range(tp)]
+                logits, new_kv, *picks = (o.cpu() for o in compiled(*args[:2], shard, *args[3:]))
+            parts = [torch.empty_like(new_kv) for _ in range(tp)]  # the side group's gloo gathers host tensors
             dist.all_gather(parts, new_kv.contiguous(), group=side)
+            chosen = []  # every rank routes alike (its router and indexer are replicated): one rank's choices
+            for mine in picks:
+                every_rank = [torch.empty_like(mine) for _ in range(tp)]
+                dist.all_gather(every_rank, mine.contiguous(), group=side)
+                chosen.append(every_rank)
             if rank == 0:
                 link.doing(f"running the unsharded eager model for {name} at {bucket}")
                 every = torch.cat(parts, dim=-2) if layout.sharded else _same(parts)
-                shapes[str(bucket)] = check_against_eager((logits, every), cfg, 1, full, args, atol=job["atol"],
+                got = (logits, every, *(_same(c, "choices") for c in chosen))
+                shapes[str(bucket)] = check_against_eager(got, cfg, 1, full, args, atol=job["atol"],
                                                            half_ratio=job["half_ratio"], device=device)
         if rank == 0:
             diffs[name] = worst_shape(shapes)
@@ -148,15 +153,15 @@ def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLi
     return diffs
 
 
-def _same(parts: list):
-    """The cache every rank computed alike (latent attention's entries, DeepSeek-V4's slots); IntegrityError
-    when they differ."""
+def _same(parts: list, what: str = "new replicated cache"):
+    """What every rank computed alike (latent attention's entries, DeepSeek-V4's slots, the choices);
+    IntegrityError when they differ."""
     import torch
 
     for rank, part in enumerate(parts[1:], start=1):
         if not torch.equal(part, parts[0]):
-            raise IntegrityError(f"rank {rank}'s new replicated cache differs from rank 0's; every rank must "
-                                 "compute the same (its projections are replicated).")
+            raise IntegrityError(f"rank {rank}'s {what} differs from rank 0's; every rank must compute the same "
+                                 "(what decides it is replicated).")
     return parts[0]
 
 

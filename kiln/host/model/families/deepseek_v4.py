@@ -27,6 +27,7 @@ from torch import nn
 from kiln.core.model.cache_layout import CacheLayout, cache_layout, slot_context
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.layer_runs import Segment, layer_runs
+from kiln.host.model.layers.choices import stacked_choices, unstack_picks
 from kiln.host.model.layers.clipped_experts import experts
 from kiln.host.model.layers.compressed_attention import attention
 from kiln.host.model.layers.compressor import rms_norm32
@@ -39,15 +40,17 @@ Cache = list[dict[str, torch.Tensor]]
 
 
 def layer(cfg: ModelConfig, tp: int, kind: tuple[str, str], p: dict[str, torch.Tensor], streams: torch.Tensor,
-          tokens: torch.Tensor, start: torch.Tensor, state: dict[str, torch.Tensor]):
+          tokens: torch.Tensor, start: torch.Tensor, state: dict[str, torch.Tensor], picks: dict | None = None):
     """(streams after one decoder layer of kind (attention kind, routing), its state after the step) on
-    streams [b, t, hc_mult, hidden] of `tokens` [b, t] at positions start[b]..."""
+    streams [b, t, hc_mult, hidden] of `tokens` [b, t] at positions start[b]...; the layer's choices (a CSA
+    layer's indexer picks, a top-k layer's experts) go into `picks` (kiln.host.model.layers.choices)."""
     eps = cfg.rms_norm_eps
     post, comb, x = mix_weights(cfg, p["hc_attn_fn"], p["hc_attn_base"], p["hc_attn_scale"], streams)
-    attended, state = attention(cfg, tp, kind[0], p, rms_norm32(x, p["attn_norm.weight"], eps), start, state)
+    attended, state = attention(cfg, tp, kind[0], p, rms_norm32(x, p["attn_norm.weight"], eps), start, state, picks)
     streams = expand(post, comb, attended, streams)
     post, comb, x = mix_weights(cfg, p["hc_ffn_fn"], p["hc_ffn_base"], p["hc_ffn_scale"], streams)
-    routed = experts(cfg, tp, p, rms_norm32(x, p["ffn_norm.weight"], eps), tokens if kind[1] == HASH_MOE else None)
+    routed = experts(cfg, tp, p, rms_norm32(x, p["ffn_norm.weight"], eps), tokens if kind[1] == HASH_MOE else None,
+                     picks)
     return expand(post, comb, routed, streams), state
 
 
@@ -106,13 +109,14 @@ class DeepseekV4Decoder(nn.Module):
         return keep_own_dtypes(self, self.cfg)
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, kv_cache: torch.Tensor,
-                slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The compiled step (kiln.core.model.contract.forward_interface): (logits [b, t, vocab], new_kv [b,
-        slot_values]) of `tokens` [b, t] at positions start_pos[b].. over the slots kv_cache[slots[b]]
-        [num_slots, slot_values] (kiln.core.model.contract.cache_layout): each sequence's slot after the step."""
+        slot_values], its choices: kiln.core.model.interface.choice_sites) of `tokens` [b, t] at positions
+        start_pos[b].. over the slots kv_cache[slots[b]] [num_slots, slot_values]
+        (kiln.core.model.contract.cache_layout): each sequence's slot after the step."""
         layout = cache_layout(self.cfg, self.tp, slot_context(self.cfg, kv_cache.shape[1]))
-        logits, after = self.step(tokens, start_pos, unpack(layout, kv_cache[slots]))
-        return logits, pack(layout, after)
+        logits, after, picks = self._step(tokens, start_pos, unpack(layout, kv_cache[slots]))
+        return logits, pack(layout, after), *stacked_choices(self.cfg, picks, tokens.shape)
 
     def prompt(self, tokens: torch.Tensor) -> torch.Tensor:
         """logits [b, t, vocab] of the prompts `tokens` [b, t] fed from position 0 in one call."""
@@ -121,43 +125,52 @@ class DeepseekV4Decoder(nn.Module):
     def step(self, tokens: torch.Tensor, start: torch.Tensor | int, cache: Cache) -> tuple[torch.Tensor, Cache]:
         """(logits [b, t, vocab], the cache after the step) of `tokens` [b, t] at positions start[b]..start[b]+t-1
         (`start` [b] int64, or one int for every sequence) after the cache of the positions before."""
+        return self._step(tokens, start, cache)[:2]
+
+    def _step(self, tokens: torch.Tensor, start: torch.Tensor | int, cache: Cache):
+        """step's (logits, cache after), and each layer's choices (a dict per layer, in layer order)."""
         cfg = self.cfg
         start = torch.as_tensor(start, dtype=torch.int64, device=tokens.device).expand(tokens.shape[0])
         x = self.model.embed_tokens(tokens)
         streams = x.unsqueeze(2).expand(-1, -1, cfg.v4.hc_mult, -1).contiguous()
-        after, j = [], 0
+        after, picks, j = [], [], 0
         for segment, runs in segment_runs(cfg, self.model.runs):
-            streams, states = self._segment(segment, runs, streams, tokens, start, cache[j:j + len(runs)])
+            streams, states, made = self._segment(segment, runs, streams, tokens, start, cache[j:j + len(runs)])
             after += states
+            picks += made
             j += len(runs)
         hc = self.model.hc_head
         x = rms_norm32(hyper_head(cfg, hc.hc_fn, hc.hc_base, hc.hc_scale, streams), self.model.norm.weight,
                        cfg.rms_norm_eps)
         head = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.head.weight
-        return torch.nn.functional.linear(x, head), after
+        return torch.nn.functional.linear(x, head), after, picks
 
     def _segment(self, segment: Segment, runs: list[LayerRun], streams: torch.Tensor, tokens: torch.Tensor,
-                 start: torch.Tensor, states: Cache) -> tuple[torch.Tensor, Cache]:
-        """(streams after the segment's layers, each of its runs' state after the step)."""
+                 start: torch.Tensor, states: Cache) -> tuple[torch.Tensor, Cache, list[dict]]:
+        """(streams after the segment's layers, each of its runs' state after the step, each layer's choices)."""
         cfg, tp = self.cfg, self.tp
         kinds = [cfg.v4.kind(run.layers[0]) for run in runs]
         phases = [{"weights": run.stacked(), "state": state} for run, state in zip(runs, states)]
         if not self.scan:
             after: Cache = [{n: [] for n in state} for state in states]
+            picks = []
             for i in range(segment.repeats):
                 for kind, phase, out in zip(kinds, phases, after):
+                    picks.append({})
                     streams, one = layer(cfg, tp, kind, {n: w[i] for n, w in phase["weights"].items()}, streams,
-                                         tokens, start, {n: s[i] for n, s in phase["state"].items()})
+                                         tokens, start, {n: s[i] for n, s in phase["state"].items()}, picks[-1])
                     for n, s in one.items():
                         out[n].append(s)
-            return streams, [{n: torch.stack(s) for n, s in out.items()} for out in after]
+            return streams, [{n: torch.stack(s) for n, s in out.items()} for out in after], picks
         from torch._higher_order_ops.scan import scan
 
         def body(carry, steps):
             out = []
             for kind, step in zip(kinds, steps):
-                carry, state = layer(cfg, tp, kind, step["weights"], carry, tokens, start, step["state"])
-                out.append(state)
+                picks = {}
+                carry, state = layer(cfg, tp, kind, step["weights"], carry, tokens, start, step["state"], picks)
+                out.append((state, picks))
             return carry, out
 
-        return scan(body, streams, phases)
+        streams, out = scan(body, streams, phases)
+        return streams, [state for state, _ in out], unstack_picks([picks for _, picks in out], segment.repeats)

@@ -21,8 +21,9 @@ from kiln.host.model.layers.step import StepContext
 
 
 def layer(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], x: torch.Tensor, kv: torch.Tensor,
-          window: torch.Tensor | None, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x after the layer, this step's cache entry) of one rank; see kiln.host.model.families.llama.Layer."""
+          window: torch.Tensor | None, ctx: StepContext, picks: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x after the layer, this step's cache entry) of one rank; see kiln.host.model.families.llama.Layer (a
+    dense layer: it chooses nothing)."""
     def norm(name: str, y: torch.Tensor) -> torch.Tensor:
         return rms_norm(y, p[f"{name}.weight"], cfg.rms_norm_eps, cfg.norm_unit_offset)
 

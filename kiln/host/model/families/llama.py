@@ -24,8 +24,9 @@ from kiln.host.model.layers.norms import rms_norm
 from kiln.host.model.layers.step import StepContext
 
 Layer = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-"""layer(cfg, tp, p, x, kv, window, ctx) -> (x after the layer, this step's cache entry [E, b, t, heads, width]):
-one decoder layer of one rank. `p` holds the layer's tensors by their checkpoint suffix
+"""layer(cfg, tp, p, x, kv, window, ctx, picks=None) -> (x after the layer, this step's cache entry [E, b, t,
+heads, width]): one decoder layer of one rank; a mixture-of-experts layer puts its choices in the dict `picks`
+(kiln.host.model.layers.choices). `p` holds the layer's tensors by their checkpoint suffix
 (`self_attn.q_proj.weight`, ...), `kv` the layer's cache [E, pages, page_tokens, heads, width], `window` a 0-d
 window (tokens a query may look back, itself included) or None."""
 
@@ -41,14 +42,17 @@ def pre_norm_layer(attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]) 
     """Llama's layer around `attention(cfg, tp, p, h, kv, window, ctx) -> (output, cache entry)`: DeepSeek-V3's
     layer is this one with latent attention."""
     def layer(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], x: torch.Tensor, kv: torch.Tensor,
-              window: torch.Tensor | None, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+              window: torch.Tensor | None, ctx: StepContext,
+              picks: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         def norm(name: str, y: torch.Tensor) -> torch.Tensor:
             return rms_norm(y, p[f"{name}.weight"], cfg.rms_norm_eps, cfg.norm_unit_offset)
 
         attended, entry = attention(cfg, tp, p, norm("input_layernorm", x), kv, window, ctx)
         x = x + attended
         h = norm("post_attention_layernorm", x)
-        return x + (mixture_of_experts(cfg, tp, p, h) if is_expert_layer(cfg, p) else gated_mlp(cfg, tp, p, h)), entry
+        if is_expert_layer(cfg, p):
+            return x + mixture_of_experts(cfg, tp, p, h, picks), entry
+        return x + gated_mlp(cfg, tp, p, h), entry
 
     return layer
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from kiln.core.model.config import ModelConfig
+from kiln.host.model.layers import choices
+from kiln.host.model.layers.choices import EXPERT_SITE
 from kiln.host.model.layers.collectives import reduce
 
 
@@ -25,7 +27,9 @@ def route(cfg: ModelConfig, p: dict[str, torch.Tensor], x: torch.Tensor,
     if tokens is not None:
         chosen = p["ffn.gate.tid2eid"][tokens]
     else:
-        chosen = torch.topk(scores + p["ffn.gate.bias"], cfg.experts_per_token, dim=-1, sorted=False).indices
+        corrected = scores + p["ffn.gate.bias"]
+        chosen = torch.topk(corrected, cfg.experts_per_token, dim=-1, sorted=False).indices
+        chosen = choices.decide(EXPERT_SITE, corrected, chosen)
     weights = scores.gather(1, chosen)
     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * cfg.routed_scaling_factor, chosen
@@ -38,14 +42,18 @@ def _swiglu(cfg: ModelConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Ten
 
 
 def experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h: torch.Tensor,
-            tokens: torch.Tensor | None) -> torch.Tensor:
-    """The layer's MLP output [b, t, hidden] summed over the ranks; `tokens` [b, t] on a hash layer.
+            tokens: torch.Tensor | None, picks: dict | None = None) -> torch.Tensor:
+    """The layer's MLP output [b, t, hidden] summed over the ranks; `tokens` [b, t] on a hash layer. A top-k
+    layer's chosen experts [b * t, k] go into `picks` (kiln.host.model.layers.choices; a hash layer's are its
+    table's, no choice).
 
     Every expert runs over every token, weighted by its routing weight or 0 (a table may name one expert
     twice for a token: its weights add, as transformers' index_add does)."""
     b, t, hidden = h.shape
     x = h.reshape(b * t, hidden)
     weights, chosen = route(cfg, p, x, None if tokens is None else tokens.reshape(-1))
+    if tokens is None:
+        choices.report(picks, EXPERT_SITE, chosen)
     w1, w2, w3 = (p[f"ffn.experts.{n}.weight"] for n in ("w1", "w2", "w3"))  # [E, I/tp, H], [E, H, I/tp], [E, I/tp, H]
     act = _swiglu(cfg, torch.einsum("nh,eih->nei", x, w1), torch.einsum("nh,eih->nei", x, w3))
     out = torch.einsum("nei,ehi->neh", act, w2)

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.v4_fields import CSA, SLIDING
+from kiln.host.model.layers import choices
+from kiln.host.model.layers.choices import INDEXER_SITE
 from kiln.host.model.layers.collectives import reduce
 from kiln.host.model.layers.compressor import compress, pair_tables, ring_read, ring_write, rms_norm32, rotate_pairs
 from kiln.host.model.layers.hyper_connections import unweighted_rms_norm
@@ -34,10 +36,12 @@ def main_rope(cfg: ModelConfig) -> ModelConfig:
 
 
 def indexer_picks(cfg: ModelConfig, p: dict[str, torch.Tensor], x: torch.Tensor, q_low: torch.Tensor,
-                  positions: torch.Tensor, keys: torch.Tensor, ready: torch.Tensor) -> torch.Tensor:
+                  positions: torch.Tensor, keys: torch.Tensor, ready: torch.Tensor,
+                  picks: dict | None = None) -> torch.Tensor:
     """[b, t, entries] bool: the compressed entries each query attends to, the index_topk best by the
     lightning indexer's score over its keys [b, entries, index_head_dim] among those `ready` [b, t, entries]
-    for it (fewer when fewer are ready)."""
+    for it (fewer when fewer are ready). The picks [b, t, min(index_topk, entries)] go into `picks`
+    (kiln.host.model.layers.choices), `entries` where none: fewer were ready."""
     v4, (b, t, _) = cfg.v4, x.shape
     n = keys.shape[1]
     q = F.linear(q_low, p["attn.indexer.wq_b.weight"]).view(b, t, -1, v4.index_head_dim)
@@ -48,14 +52,17 @@ def indexer_picks(cfg: ModelConfig, p: dict[str, torch.Tensor], x: torch.Tensor,
     score = (scores * heads[..., None]).sum(dim=2).masked_fill(~ready, float("-inf"))  # [b, t, n]
     best = score.topk(min(v4.index_topk, n), dim=-1).indices
     best = torch.where(ready.gather(-1, best), best, n)  # a pick among entries not ready: none
+    best = choices.decide(INDEXER_SITE, score, best)
+    choices.report(picks, INDEXER_SITE, best)
     return torch.zeros(b, t, n + 1, dtype=torch.bool, device=x.device).scatter(-1, best, True)[..., :n]
 
 
 def attention(cfg: ModelConfig, tp: int, kind: str, p: dict[str, torch.Tensor], x: torch.Tensor, start: torch.Tensor,
-              state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              state: dict[str, torch.Tensor], picks: dict | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the attention output [b, t, hidden] summed over the ranks, the layer's state after the step) of layer
     kind `kind` over x [b, t, hidden], the tokens at positions start[b]..start[b]+t-1, and the layer's `state`
-    (kiln.core.model.v4_fields.layer_state, each with a leading batch dimension) of the positions before."""
+    (kiln.core.model.v4_fields.layer_state, each with a leading batch dimension) of the positions before. A
+    CSA layer's indexer picks go into `picks`."""
     b, t, _ = x.shape
     d, eps, v4, window = cfg.head_dim, cfg.rms_norm_eps, cfg.v4, cfg.sliding_window
     positions = start[:, None] + torch.arange(t, device=x.device)  # [b, t]
@@ -75,7 +82,7 @@ def attention(cfg: ModelConfig, tp: int, kind: str, p: dict[str, torch.Tensor], 
         ready = torch.arange(entries.shape[1], device=x.device) < ((positions + 1) // rate)[..., None]
         if kind == CSA:
             new.update(compress(cfg, p, "attn.indexer.compressor", x, start, rate, state, "index_"))
-            ready = indexer_picks(cfg, p, x, q_low, positions, new["index_entries"], ready)
+            ready = indexer_picks(cfg, p, x, q_low, positions, new["index_entries"], ready, picks)
         kv, visible = torch.cat((kv, entries), dim=1), torch.cat((visible, ready), dim=-1)
     scores = torch.matmul(q, kv[:, None].transpose(-1, -2)) * d ** -0.5  # [b, heads, t, keys]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))

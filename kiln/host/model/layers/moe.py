@@ -22,19 +22,14 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.contract import EXPERTS, SHARED_EXPERTS
+from kiln.host.model.layers import choices
+from kiln.host.model.layers.choices import EXPERT_SITE
 from kiln.host.model.layers.collectives import reduce
 
 GATHER_BELOW = 3
 """Outside bfloat16, a step gathers its chosen experts when GATHER_BELOW x its (token, expert) pairs are at
 most the experts (a gathered expert's weights are read, copied and read again; for more pairs reading every
 expert once costs less)."""
-
-ROUTE_PROBE = None
-"""The checker's routing probe (kiln.host.ranks.routing_ties.RouteProbe), None otherwise: when set, each router
-call hands it (the float32 scores the experts are chosen by [n, E], the chosen [n, k]) and takes back the
-experts to use, whose weights are then gathered as the router weighs its own choice. Only the eager
-checker sets it; nothing is traced while it is set, so compiled graphs never contain it."""
-
 
 def route(cfg: ModelConfig, p: dict[str, torch.Tensor], module: str,
           x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,10 +38,8 @@ def route(cfg: ModelConfig, p: dict[str, torch.Tensor], module: str,
     if cfg.router == "sigmoid_groups":
         return _route_groups(cfg, p, module, x)
     probs = torch.softmax(F.linear(x, p[f"{module}.gate.weight"]).to(torch.float32), dim=-1)
-    weights, chosen = torch.topk(probs, cfg.experts_per_token, dim=-1)
-    if ROUTE_PROBE is not None:
-        chosen = ROUTE_PROBE(probs, chosen)
-        weights = probs.gather(1, chosen)
+    chosen = choices.decide(EXPERT_SITE, probs, torch.topk(probs, cfg.experts_per_token, dim=-1).indices)
+    weights = probs.gather(1, chosen)
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if cfg.architecture in ("qwen2_moe", "qwen3_moe"):  # Qwen's MoEs weigh in the model's dtype, Mixtral in float32
@@ -59,23 +52,24 @@ def _route_groups(cfg: ModelConfig, p: dict[str, torch.Tensor], module: str,
     """DeepSeek-V3's noaux_tc routing, op for op as DeepseekV3TopkRouter computes it."""
     n, experts, groups = x.shape[0], cfg.num_experts, cfg.num_expert_groups
     scores = F.linear(x.to(torch.float32), p[f"{module}.gate.weight"].to(torch.float32)).sigmoid()
-    choice = scores + p[f"{module}.gate.e_score_correction_bias"].to(torch.float32)
-    group_scores = choice.view(n, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
+    corrected = scores + p[f"{module}.gate.e_score_correction_bias"].to(torch.float32)
+    group_scores = corrected.view(n, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
     best = torch.topk(group_scores, k=cfg.topk_groups, dim=-1, sorted=False)[1]
     keep = torch.zeros_like(group_scores).scatter(1, best, 1).bool()
     keep = keep[:, :, None].expand(n, groups, experts // groups).reshape(n, experts)
-    choice = choice.masked_fill(~keep, float("-inf"))
+    choice = corrected.masked_fill(~keep, float("-inf"))
     chosen = torch.topk(choice, k=cfg.experts_per_token, dim=-1, sorted=False)[1]
-    if ROUTE_PROBE is not None:
-        chosen = ROUTE_PROBE(choice, chosen)
+    chosen = choices.decide(EXPERT_SITE, corrected, chosen, groups=groups, keep=cfg.topk_groups)
     weights = scores.gather(1, chosen)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * cfg.routed_scaling_factor, chosen
 
 
-def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-    """The layer's MLP output [b, t, hidden], summed over the ranks.
+def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h: torch.Tensor,
+                       picks: dict | None = None) -> torch.Tensor:
+    """The layer's MLP output [b, t, hidden], summed over the ranks; the experts chosen [b * t, k] go into
+    `picks` (kiln.host.model.layers.choices).
 
     The compute follows the chosen experts. In bfloat16 (`groups_trace`) a step sorts its (token, expert)
     pairs by expert and runs one grouped matrix multiply per projection (`torch._grouped_mm`, each expert
@@ -97,6 +91,7 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
     b, t, hidden = h.shape
     x = h.reshape(b * t, hidden)
     weights, chosen = route(cfg, p, module, x)
+    choices.report(picks, EXPERT_SITE, chosen)
     n, k = chosen.shape
     if groups_trace(x, gate_w):
         out = _grouped(x, chosen, gate_w, up_w, down_w)
