@@ -104,6 +104,11 @@ FIGURES: dict[str, tuple[str, str]] = {
                                   "buckets"),
     "ranges_step_ratio": ("ranges", "step s: range package / static package at the same shape, the worst of 8x1, "
                                     "256x1 and 1x128 (median of alternating samples)"),
+    "wrong_forwards_caught": ("checks", "a fraction, not a timing: wrong forwards the check fails / all of them "
+                                        "(every MoE family, float32 and bfloat16, a fixed list of mutations, at a "
+                                        "one-token step and a range's checked shapes)"),
+    "right_forward_draws_passed": ("checks", "a fraction, not a timing: random draws at a real router width whose "
+                                             "compiled forward passes its check on both ranks / all draws"),
     "gate_scale_s": ("gate_scale", "a synthetic timing, not a ratio: gate run time on paper, 64 hosts x 8 ranks x "
                                    "67 buckets (median of 5), seconds"),
     "gate_scale_predicted_s": ("gate_scale", "a prediction, not a measurement: the gate's predicted compile wall "
@@ -132,6 +137,8 @@ TARGETS: dict[str, Target] = {
     "ranges_compile_ratio": Target("<=", 0.15),
     "ranges_forwards": Target("<=", 4),
     "ranges_step_ratio": Target("<=", 1.05),
+    "wrong_forwards_caught": Target(">=", 1.0),
+    "right_forward_draws_passed": Target(">=", 1.0),
 }
 
 

@@ -177,12 +177,11 @@ def hf_model(family: str, config, seed: int = 0):
     """A random-init transformers model; biases (DeepSeek's routing correction too) and norms randomised,
     so they matter in every output."""
     import torch
+    from bench.hf_checkpoints import randomise
+
     torch.manual_seed(seed)
     model = getattr(transformers, CLASSES[family][1])(config).eval()
-    with torch.no_grad():
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("bias") or "norm" in name and name.endswith("weight"):
-                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    randomise(model)
     return model
 
 

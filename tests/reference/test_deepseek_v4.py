@@ -18,20 +18,13 @@ import pytest
 import torch
 from hf_models import transformers
 
+from bench.hf_checkpoints import V4_SMALL
 from kiln.core.errors import BadInput
 from kiln.host.weights.checkpoint import inspect_checkpoint, load_rank_weights
 from kiln.host.model.families.deepseek_v4 import DeepseekV4Decoder
 
 CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
-V4 = dict(vocab_size=512, hidden_size=128, moe_intermediate_size=48, num_hidden_layers=6, num_attention_heads=4,
-          head_dim=64, q_lora_rank=48, num_experts_per_tok=2, n_routed_experts=8, routed_scaling_factor=1.5,
-          layer_types=[SLIDING, CSA, HCA, CSA, HCA, CSA], mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 4,
-          compress_rates={CSA: 4, HCA: 8}, hc_mult=3, hc_sinkhorn_iters=6, sliding_window=8, o_groups=2,
-          o_lora_rank=32, index_n_heads=4, index_head_dim=32, index_topk=3, partial_rotary_factor=0.25,
-          swiglu_limit=0.6, max_position_embeddings=256, initializer_range=0.1, compress_rope_theta=1000.0)
-"""Layers of kinds (sliding, hash), (CSA, hash), then (HCA, top-k) and (CSA, top-k) in turn, as the published
-schedule alternates them: the last four are one segment (kiln.core.model.layer_runs), a scan whose body runs an HCA
-and a CSA layer. swiglu_limit low enough that these weights reach it; a compress rope base of its own."""
+V4 = V4_SMALL
 PROMPT = 40
 
 
@@ -40,18 +33,11 @@ def write_v4(path, overrides: dict | None = None, dtype: str = "float32", seed: 
     if (path / "config.json").exists():
         return path
     cfg = transformers.DeepseekV4Config(**{**V4, **(overrides or {})})
+    from bench.hf_checkpoints import randomise_v4
+
     torch.manual_seed(seed)
     model = transformers.DeepseekV4ForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("tid2eid"):  # each token its own experts, distinct within a token
-                p.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[:p.shape[1]]
-                                     for _ in range(p.shape[0])]))
-            elif name.endswith(("sinks", "position_bias", ".base", "hc_base", "e_score_correction_bias")):
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif name.endswith(("scale", "hc_scale")) or "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+    randomise_v4(model, cfg.n_routed_experts, seed + 1)
     model.to(getattr(torch, dtype)).save_pretrained(path)
     return path
 
