@@ -15,7 +15,7 @@ hidden 2048), 2 layers, every one routed, bfloat16, tp 2, bucket 1x16:
 Every draw's checks must pass: a correct compiled forward that rounds differently from eager, and so takes
 other experts where scores are closer than bfloat16's rounding, is right. Each family's line (JSON) holds
 every draw's checks per rank (diff, own, limit, choices, how many differed from float32's own), its seconds
-and the measuring process's peak, and what was reduced from the published width (`reduced`: vocabulary,
+and the measuring process's peak, the commit measured (`code`), and what was reduced from the published width (`reduced`: vocabulary,
 expert width, DeepSeek's hidden size and attention; the routers are as published).
 
 Usage: python -m bench.check_draws OUT.jsonl [--draws N] [FAMILY ...] (bench part `checks`; make bench-draws)
@@ -157,12 +157,16 @@ def main() -> int:
     ap.add_argument("--draws", type=int, default=10)
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
+    from bench.real_width import _code
+
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kiln-check-draws-"))
     for name in args.families:
+        code = _code()  # what this family's export and checks run, before any of it starts
         try:
             line = measure(name, work, args.draws)
         except RuntimeError as exc:
             line = {"family": name, "error": str(exc)}
+        line["code"] = code
         with args.out.open("a") as f:
             f.write(json.dumps(line) + "\n")
         print(json.dumps(line), flush=True)

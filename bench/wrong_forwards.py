@@ -56,8 +56,14 @@ def shapes(quick: bool = False) -> list:
     return every[:2] if quick else every
 
 
-def write(family: str, dtype: str, path: Path, seed: int = 3) -> Path:
-    """Write `family`'s small checkpoint in `dtype` at `path` (once)."""
+SEEDS = {"deepseek-v4": 0}
+"""Each family's draw (3 unless named; V4's is the reference tests' own). Not every draw separates every
+mutation at every shape in bfloat16: of V4's draws 0-7 at a one-token step, draw 3 lets `norm eps 1e-2` through
+(0.027 against a limit of 0.0375, twice that draw's own bfloat16 error of 0.019), the other seven fail it."""
+
+
+def write(family: str, dtype: str, path: Path, seed: int | None = None) -> Path:
+    """Write `family`'s small checkpoint in `dtype` at `path` (once), its draw SEEDS' (or `seed`)."""
     import torch
     import transformers
 
@@ -67,6 +73,7 @@ def write(family: str, dtype: str, path: Path, seed: int = 3) -> Path:
         return path
     config_cls, model_cls, fields = FAMILIES[family]
     config = getattr(transformers, config_cls)(**(V4_SMALL if fields is None else {**BASE, **fields}))
+    seed = SEEDS.get(family, 3) if seed is None else seed
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     if fields is None:

@@ -275,8 +275,10 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_checkpoint)
     b = sub.add_parser("bench", help="run the benchmark suite (or named parts); write bench/results/<stamp>.*")
     b.add_argument("parts", nargs="*", metavar="PART", help="fail_fast, compile_efficiency, pool_vs_loop, dedup, "
-                   "warm_cold, overhead, store, borrow, gate_scale, collective, depth, s3_read, moe, mla, ranges (default: all)")
-    b.add_argument("--quick", action="store_true", help="fewer buckets, one repetition, no borrow, moe, mla, ranges, rank_peak or decode_context part unless named (minutes)")
+                   "warm_cold, overhead, store, borrow, gate_scale, collective, depth, s3_read, moe, mla, ranges, rank_peak, "
+                   "decode_context, checks (default: all)")
+    b.add_argument("--quick", action="store_true", help="fewer buckets, one repetition, no borrow, moe, mla, ranges, rank_peak, decode_context or checks part "
+                   "unless named (minutes)")
     b.add_argument("--samples", type=int, metavar="N",
                    help="samples per side of every ratio, sides alternating (default: 3; 1 with --quick)")
     b.add_argument("--out", help="results directory (default: bench/results)")
