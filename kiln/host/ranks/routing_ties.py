@@ -132,11 +132,11 @@ def _group_margins(scores: torch.Tensor, chosen: torch.Tensor, groups: int, keep
     rows, experts = scores.shape
     size = experts // groups
     group_scores = scores.view(rows, groups, size).topk(2, dim=-1).values.sum(dim=-1)  # [rows, groups]
-    held = torch.zeros(rows, groups, dtype=torch.bool).scatter(1, chosen.long() // size, True)
+    held = torch.zeros(rows, groups, dtype=torch.bool, device=scores.device).scatter(1, chosen.long() // size, True)
     over = held.sum(dim=1) > keep  # picks in more groups than the router keeps: no rounding explains that
     need = (keep - held.sum(dim=1)).clamp(min=0)
     others = torch.sort(group_scores.masked_fill(held, float("-inf")), dim=1, descending=True, stable=True)
-    fill = torch.arange(groups)[None, :] < need[:, None]
+    fill = torch.arange(groups, device=scores.device)[None, :] < need[:, None]
     kept = held | torch.zeros_like(held).scatter(1, others.indices, fill)
     weakest = group_scores.masked_fill(~kept, float("inf")).min(dim=1).values
     left = group_scores.masked_fill(kept, float("-inf")).max(dim=1).values
