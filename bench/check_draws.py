@@ -35,22 +35,24 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+from bench.real_width import WIDTHS, _code
+
+
+def _width(name: str, **changes) -> dict:
+    """bench.real_width's published config of `name`, with `changes`."""
+    return {**WIDTHS[name][2], **changes}
+
+
 FAMILIES = {
-    "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-        norm_topk_prob=True, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=32000,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, decoder_sparse_step=1, mlp_only_layers=[]),
-        "vocabulary 32000 (151936)"),
-    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
-        hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
-        n_group=8, topk_group=4, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        first_k_dense_replace=0, moe_intermediate_size=256, intermediate_size=2048, vocab_size=32000,
-        max_position_embeddings=4096, rms_norm_eps=1e-6),
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _width("qwen3-30b-a3b", vocab_size=32000),
+                      "vocabulary 32000 (151936)"),
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _width(
+        "deepseek-v3", hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768,
+        first_k_dense_replace=0),
         "hidden 2048 (7168), 16 heads (128), q rank 768 (1536), expert width 256 (2048), vocabulary 32000 "
         "(129280), both layers routed"),
 }
+"""bench.real_width's Qwen3-30B-A3B and DeepSeek-V3 (its routers as published), reduced as each says."""
 LAYERS, TP, TOKENS = 2, 2, 16
 
 
@@ -157,8 +159,6 @@ def main() -> int:
     ap.add_argument("--draws", type=int, default=10)
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
-    from bench.real_width import _code
-
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kiln-check-draws-"))
     for name in args.families:
         code = _code()  # what this family's export and checks run, before any of it starts

@@ -154,11 +154,12 @@ def wrong_choices(probe: ChoiceProbe, slack: dict[str, list[torch.Tensor]]) -> l
     out = [{**m, "misfit": True} for m in probe.misfits]
     for site, scores in probe.scores.items():
         for i, (s, chosen, how) in enumerate(zip(scores, probe.chosen[site], probe.how[site])):
-            over = -margins(s, chosen, how) - slack[site][i]
+            behind = -margins(s, chosen, how)
+            over = behind - slack[site][i]
             if bool((over > 0).any()):
                 row = int(torch.argmax(over))
                 out.append({"site": site, "layer": i, "row": row, "picks": chosen[row].tolist(),
-                            "behind": float(-margins(s, chosen, how)[row]), "slack": float(slack[site][i][row]),
+                            "behind": float(behind[row]), "slack": float(slack[site][i][row]),
                             "count": int((over > 0).sum())})
     return out
 
