@@ -47,8 +47,11 @@ FEATURE_OFF = {
 }
 
 
-def kiln_logits(cfg, weights, tokens):
-    model = ShardedDecoder(cfg, 1).to(getattr(torch, cfg.dtype)).eval()
+def kiln_logits(cfg, weights, tokens, scan=False):
+    """Kiln's logits: scanned (the compiled forward's structure; dynamo traces it, 1-4 s per model) in each
+    case's comparison with transformers, unrolled (the same layers, nothing traced) where a test turns a
+    feature off or switches an order of the math."""
+    model = ShardedDecoder(cfg, 1, scan=scan).to(getattr(torch, cfg.dtype)).eval()
     model.load_state_dict({k: v for k, v in weights.items() if k in model.state_dict()}, strict=True)
     pages = -(-tokens.shape[1] // 16)
     cache = torch.zeros(cache_layout(cfg, 1).shape(cfg.num_layers, pages + 1, 16), dtype=getattr(torch, cfg.dtype))
@@ -72,7 +75,7 @@ def test_kiln_computes_what_transformers_computes(case, hf_root):
     assert cfg.dtype == dtype and cfg.architecture == family
     tokens = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
     weights = load_rank_weights(path, cfg, 1, 0)
-    got = kiln_logits(cfg, weights, tokens)
+    got = kiln_logits(cfg, weights, tokens, scan=True)
     if dtype == "float32":
         want = reference_logits(path, family, "float32", tokens)
         assert float((got - want).abs().max()) < 1e-4
