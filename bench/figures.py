@@ -112,8 +112,9 @@ FIGURES: dict[str, tuple[str, str]] = {
                                     "bfloat16 weights (median s per step, alternating, one thread)"),
     "quantized_prefill_step_ratio": ("quantized", "prefill step (1x64), FP8-block weights / bfloat16 weights (median "
                                      "s per step, alternating, one thread)"),
-    "quantized_compile_ratio": ("quantized", "decode forward compile s, FP8-block weights / bfloat16 weights (each "
-                                "in a fresh process and Inductor cache)"),
+    "quantized_compile_ratio": ("quantized", "compile s, FP8-block weights / bfloat16 weights, the median of the "
+                                "decode and prefill forwards' (each in a fresh process and Inductor cache, the "
+                                "format compiled first alternating)"),
     "wrong_forwards_caught": ("checks", "a fraction, not a timing: wrong forwards the check fails / all of them "
                                         "(every MoE family, float32 and bfloat16, a fixed list of mutations, at a "
                                         "one-token step and a range's checked shapes)"),
