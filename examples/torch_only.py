@@ -63,7 +63,8 @@ except ImportError:
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
+                      "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                      "F8_E8M0": torch.uint8}  # UE8M0 scales: their bytes, which the package takes as uint8
 
 
 # ------------------------------------------------------------------ what is checked before anything loads

@@ -149,7 +149,7 @@ Args parse_args(int argc, char** argv) {
 at::ScalarType kiln_dtype(const std::string& name) {  // the manifest spells dtypes as torch does
   static const std::map<std::string, at::ScalarType> m = {
       {"float32", at::kFloat}, {"float16", at::kHalf}, {"bfloat16", at::kBFloat16}, {"int64", at::kLong},
-      {"float8_e4m3fn", at::kFloat8_e4m3fn}};
+      {"float8_e4m3fn", at::kFloat8_e4m3fn}, {"int8", at::kChar}, {"uint8", at::kByte}};
   auto it = m.find(name);
   if (it == m.end()) fail("unsupported dtype '" + name + "' in the manifest");
   return it->second;
@@ -159,7 +159,8 @@ at::ScalarType safetensors_dtype(const std::string& name) {
   static const std::map<std::string, at::ScalarType> m = {
       {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf}, {"BF16", at::kBFloat16},
       {"I64", at::kLong},   {"I32", at::kInt},   {"I16", at::kShort}, {"I8", at::kChar},
-      {"U8", at::kByte},    {"BOOL", at::kBool}, {"F8_E4M3", at::kFloat8_e4m3fn}};
+      {"U8", at::kByte},    {"BOOL", at::kBool}, {"F8_E4M3", at::kFloat8_e4m3fn},
+      {"F8_E8M0", at::kByte}};  // UE8M0 scales: their bytes, which the package takes as uint8
   auto it = m.find(name);
   if (it == m.end()) fail("unsupported safetensors dtype '" + name + "'");
   return it->second;

@@ -55,7 +55,8 @@ test by the case named here (a test left out runs in the module's own group)."""
 HEAVIEST = ("ops", "tp2_export", "tests/bench/test_bench_quick.py", "tests/reference/test_export_run.py",
             "tests/integration/test_faults_cluster.py", "tests/integration/test_incident.py",
             "small_forward", "tests/tuning/test_tuning_export.py", "tests/tuning/test_tuning_compile.py",
-            "tests/integration/test_s3_model.py", "tests/integration/test_dask_cluster.py",
+            "tests/integration/test_s3_model.py", "tests/reference/test_v4_flash.py",
+            "tests/integration/test_dask_cluster.py",
             "tests/trust/test_s3_trust.py", "tests/trust/test_many_signers.py",
             "tests/faults/test_compile_kill_export.py",
             "tests/integration/test_device_check.py")

@@ -214,15 +214,6 @@ def test_tp_3_is_refused_naming_the_counts_and_the_tp_values_that_work(v4_path, 
     assert "--tp 3 does not divide the model's 4 attention heads" in run.err and ": 1, 2." in run.err, run.err
 
 
-def test_published_fp8_fp4_checkpoints_are_refused_saying_what_to_do(v4_path, tmp_path):
-    raw = json.loads((v4_path / "config.json").read_text())
-    from kiln.core.model.hf_config import from_hf
-    for extra in ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
-                                           "expert_dtype": "fp4"}}, {"expert_dtype": "fp4"}):
-        with pytest.raises(BadInput, match="FP4 experts.*Convert the checkpoint to bfloat16"):
-            from_hf({**raw, **extra})
-
-
 def test_decoding_matches_transformers_generate_across_compression_boundaries(v4_path):
     """Greedy decode of 20 tokens after the 40-token prompt, one step per token over Kiln's compressed cache:
     the same ids as transformers' generate() and its logits within 1e-4 at every step. The steps cross five

@@ -86,7 +86,12 @@ V4_REFUSED = [
     ({"qk_rope_head_dim": 16}, "qk_rope_head_dim=16"),
     ({"o_groups": 3}, "o_groups (3)"),
     ({"hc_fancy": 1}, "hc_fancy=1"),
-    ({"quantization_config": {"quant_method": "fp8", "expert_dtype": "fp4"}}, "FP4 experts"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}},
+     "FP4 experts come with UE8M0 scales"),
+    ({"expert_dtype": "fp4"}, "expert_dtype='fp4' without a quantization_config"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0",
+                              "expert_dtype": "fp4"}, "expert_dtype": "fp8"}, "one checkpoint has one format"),
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "quant_method='mxfp4'"),
 ]
 
 

@@ -193,9 +193,12 @@ class ModelConfig:
             object.__setattr__(self, "v4", V4Fields(**self.v4))
         if isinstance(self.quant, dict):  # read back from JSON
             object.__setattr__(self, "quant", WeightQuant(**self.quant))
-        if self.quant is not None and (self.v4 is not None or self.architecture == "phi3"):
+        if self.quant is not None and self.architecture == "phi3":
             raise BadInput(f"config.json: quantized weights ({self.quant.method}) are read for every family but "
-                           "DeepSeek-V4 (its own FP8/FP4 layout) and Phi-3 (its fused qkv_proj and gate_up_proj).")
+                           "Phi-3 (its fused qkv_proj and gate_up_proj).")
+        if self.quant is not None and self.v4 is None and (self.quant.scale_fmt, self.quant.experts) != ("float", "fp8"):
+            raise BadInput(f"config.json: UE8M0 scales and FP4 experts ({self.quant}) are DeepSeek-V4's layout; "
+                           "Kiln reads them in deepseek_v4 checkpoints only.")
         if (self.v4 is not None) != (self.architecture == "deepseek_v4"):
             raise BadInput("config.json: DeepSeek-V4's own fields (v4) go with model_type deepseek_v4, and only it.")
         if self.v4 is not None:

@@ -83,12 +83,12 @@ def constant_dtype(cfg: ModelConfig, name: str) -> str:
     (its _keep_in_fp32_modules_strict): in a bfloat16 model a rounded bias would choose other experts.
     A quantized checkpoint's projections and their scales: kiln.core.model.quant's dtypes, whatever the model's.
     DeepSeek-V4's: kiln.core.model.v4_fields.constant_dtype (float32 for a few more, int64 for its hash table)."""
+    if cfg.quant is not None and quant.is_scale(name):
+        return quant.scale_dtype(cfg.quant)
+    if quant.is_quantized(cfg.quant, name):
+        return quant.weight_dtype(cfg.quant, name)
     if cfg.v4 is not None:
         return v4_fields.constant_dtype(cfg, name)
-    if cfg.quant is not None and quant.is_scale(name):
-        return quant.SCALE_DTYPE
-    if quant.is_quantized(cfg.quant, name):
-        return quant.WEIGHT_DTYPE
     if cfg.router == "sigmoid_groups" and name.endswith((".gate.weight", ".gate.e_score_correction_bias")):
         return "float32"
     return cfg.dtype
@@ -133,7 +133,7 @@ def _part_offsets(cfg: ModelConfig, module: dict[str, tuple[int, ...]] | None = 
 def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the module reads, by its checkpoint-style name (Phi-3's fused projections apart)."""
     if cfg.v4 is not None:
-        return v4_fields.module_shapes(cfg)
+        return _with_scales(cfg, v4_fields.module_shapes(cfg))
     h, mlp = cfg.hidden_size, cfg.intermediate_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_layers):
@@ -173,14 +173,17 @@ def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _with_scales(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """`shapes` with each quantized weight's scales right after it (kiln.core.model.quant); itself unquantized."""
+    """`shapes` with each quantized weight's scales right after it (kiln.core.model.quant) and each FP4 weight
+    at its stored shape (half the inputs: two a byte); itself unquantized."""
     if cfg.quant is None:
         return shapes
     out = {}
     for name, shape in shapes.items():
+        if quant.is_fp4(cfg.quant, name):
+            shape = (*shape[:-1], shape[-1] // 2)
         out[name] = shape
         if quant.is_quantized(cfg.quant, name):
-            out[quant.scale_of(name)] = quant.scale_shape(cfg.quant, shape)
+            out[quant.scale_of(name, cfg.quant)] = quant.scale_shape(cfg.quant, shape, name)
     return out
 
 
@@ -266,7 +269,8 @@ def rank_reads(cfg: ModelConfig, tp: int, rank: int) -> dict[str, list[tuple[str
         tensor, start = where[part]
         cut = shard_slice(part, cfg, tp, rank)
         if cut is not None and quant.is_scale(part):  # with its repeat, where the rank's grid has one
-            cut = quant.scale_cut(cfg.quant, _held(quant.weight_of(part), cfg, tp, rank))
+            weight = quant.weight_of(part)
+            cut = quant.scale_cut(cfg.quant, _held(weight, cfg, tp, rank), weight)
             cut = cut if cut[3] > 1 else cut[:3]
         if tensor == part:
             return tensor, cut
@@ -322,7 +326,8 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
     if cfg.v4 is not None and v4_fields.shard_slice(name, cfg, tp, rank) is not None:
         return v4_fields.shard_slice(name, cfg, tp, rank)
     if cfg.quant is not None and quant.is_scale(name):  # on the rank's grid: kiln.core.model.quant.scale_cut
-        cut = quant.scale_cut(cfg.quant, _held(quant.weight_of(name), cfg, tp, rank))
+        weight = quant.weight_of(name)
+        cut = quant.scale_cut(cfg.quant, _held(weight, cfg, tp, rank), weight)
         return None if cut is None else cut[:3]
     parts = name.rsplit(".", 2)
     if len(parts) < 3 or parts[-2] not in _COLUMN + _ROW or parts[-1] not in ("weight", "bias"):
@@ -335,7 +340,10 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
            if is_shared_expert(name) else cfg.intermediate_size)
     n = {"q_proj": hq, "q_b_proj": hq, "o_proj": heads * cfg.v_head_dim if cfg.latent else hq, "k_proj": hkv,
          "v_proj": hkv, "kv_b_proj": heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)}.get(parts[-2], mlp // tp)
-    return (0 if parts[-2] in _COLUMN else 1), rank * n, (rank + 1) * n
+    dim = 0 if parts[-2] in _COLUMN else 1
+    if dim == 1 and quant.is_fp4(cfg.quant, name):  # stored two inputs a byte: the rank's bytes
+        n //= 2
+    return dim, rank * n, (rank + 1) * n
 
 
 def _held(weight: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int, int] | None:
@@ -346,7 +354,7 @@ def _held(weight: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int, 
 def scale_grid(cfg: ModelConfig, tp: int, weight: str) -> tuple[int, int]:
     """(rows, cols) each of a rank's scales of quantized weight `weight` (a checkpoint name or a stacked
     constant's suffix) covers: kiln.core.model.quant.scale_grid of the rank's share, the same on every rank."""
-    return quant.scale_grid(cfg.quant, _held(weight, cfg, tp, 0))
+    return quant.scale_grid(cfg.quant, _held(weight, cfg, tp, 0), weight)
 
 
 def weight_layout(cfg: ModelConfig, tp: int) -> dict[str, dict]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 
+from kiln.core.model import quant
 from kiln.core.model.quant import scale_grid
-from kiln.core.model.v4_fields import module_shapes
+from kiln.core.model.v4_fields import FLOAT32_SUFFIXES, module_shapes
 
 
 def _latent_attention(cfg, tp: int) -> int:
@@ -30,8 +31,7 @@ def params_per_rank(cfg, tp: int) -> int:
     """Parameters one of `tp` ranks holds: attention and MLP (experts too) sharded, embeddings and norms whole;
     DeepSeek-V4's tensors by their shapes, those that tp splits divided by tp (a bound from above)."""
     if cfg.v4 is not None:  # the tensors kiln.core.model.v4_fields.tp_counts splits, divided by tp
-        split = ("wq_b.weight", "attn_sink", "wo_a.weight", "wo_b.weight", ".w1.weight", ".w2.weight", ".w3.weight")
-        return sum(math.prod(s) // (tp if n.endswith(split) and "indexer" not in n else 1)
+        return sum(math.prod(s) // (tp if n.endswith(_V4_SPLIT) and "indexer" not in n else 1)
                    for n, s in module_shapes(cfg).items())
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attn = cfg.hidden_size * (2 * q + 2 * kv) // tp
@@ -86,8 +86,32 @@ def _quantized(cfg, tp: int) -> tuple[int, int]:
     return weights, scales
 
 
+_V4_SPLIT = ("wq_b.weight", "attn_sink", "wo_a.weight", "wo_b.weight", ".w1.weight", ".w2.weight", ".w3.weight")
+"""DeepSeek-V4's tensors that tp splits (kiln.core.model.v4_fields.tp_counts), its indexer's apart."""
+
+
+def _v4_bytes(cfg, tp: int, dtype_bytes: int) -> int:
+    """Bytes of one DeepSeek-V4 rank's weights, tensor by tensor, those tp splits divided by tp (a bound from
+    above): float32 where transformers keeps it, a quantized projection at a byte an entry (FP4: half) with
+    its scales (a byte each for UE8M0, four for float32)."""
+    total = 0
+    for name, shape in module_shapes(cfg).items():
+        entries = math.prod(shape) // (tp if name.endswith(_V4_SPLIT) and "indexer" not in name else 1)
+        if quant.is_fp4(cfg.quant, name):
+            total += entries // 2 + entries // quant.FP4_GROUP
+        elif quant.is_quantized(cfg.quant, name):
+            (br, bc), (rows, cols) = cfg.quant.block, shape[-2:]
+            scales = -(-rows // br) * -(-cols // bc)  # the whole tensor's: a few bytes over a rank's at most
+            total += entries + scales * (1 if cfg.quant.scale_fmt == "ue8m0" else 4)
+        else:
+            total += entries * (8 if name.endswith("tid2eid") else 4 if name.endswith(FLOAT32_SUFFIXES) else dtype_bytes)
+    return total
+
+
 def weight_bytes(cfg, tp: int, dtype_bytes: int) -> int:
     """Bytes of one rank's weights: `dtype_bytes` a parameter, but a quantized checkpoint's projections at a byte
     each (float8) and their scales at four (float32)."""
+    if cfg.v4 is not None and cfg.quant is not None:
+        return _v4_bytes(cfg, tp, dtype_bytes)
     weights, scales = _quantized(cfg, tp)
     return (params_per_rank(cfg, tp) - weights - scales) * dtype_bytes + weights + 4 * scales

@@ -49,12 +49,13 @@ class Dtype:
 DTYPES = {"F64": Dtype("float64", 8), "F32": Dtype("float32", 4), "F16": Dtype("float16", 2),
           "BF16": Dtype("bfloat16", 2), "I64": Dtype("int64", 8), "I32": Dtype("int32", 4),
           "I16": Dtype("int16", 2), "I8": Dtype("int8", 1), "U8": Dtype("uint8", 1), "BOOL": Dtype("bool", 1),
-          "F8_E4M3": Dtype("float8_e4m3fn", 1)}
+          "F8_E4M3": Dtype("float8_e4m3fn", 1), "F8_E8M0": Dtype("uint8", 1)}
 """safetensors' dtype codes Kiln reads (the header's `dtype`), the only table of them. F8_E4M3 is an FP8-block
-checkpoint's quantized projections (kiln.core.model.quant)."""
+checkpoint's quantized projections, F8_E8M0 DeepSeek-V4-Flash's UE8M0 scales, read as their bytes
+(kiln.core.model.quant.E8M0_DTYPE); I8 its FP4 experts."""
 
-FP8_DTYPES = ("F8_E5M2", "F8_E8M0")
-"""The FP8 codes Kiln does not read: refused by name (e5m2 weights; e8m0, DeepSeek-V4's UE8M0 scales)."""
+FP8_DTYPES = ("F8_E5M2",)
+"""The FP8 codes Kiln does not read: refused by name (e5m2 weights)."""
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,8 @@ def _entry(where: str, name: str, raw, data_bytes: int) -> TensorEntry:
     dtype, shape, offsets = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
     if dtype in FP8_DTYPES:
         raise BadInput(f"{at} has dtype {dtype}: FP8 that Kiln does not read (it reads F8_E4M3 weights with "
-                       "float32 block scales, as DeepSeek-V3 and Qwen3's FP8 checkpoints hold them). Convert the "
-                       "checkpoint to bfloat16 first.")
+                       "float32 block scales, as DeepSeek-V3 and Qwen3's FP8 checkpoints hold them, or with UE8M0 "
+                       "(F8_E8M0) scales, as DeepSeek-V4-Flash's). Convert the checkpoint to bfloat16 first.")
     if dtype not in DTYPES:
         raise _refuse(where, f"tensor {name!r} has dtype {dtype!r}, not one Kiln reads "
                              f"({', '.join(DTYPES)})")

@@ -190,8 +190,11 @@ def tp_counts(cfg: "ModelConfig") -> list[tuple[str, int]]:
     the output groups (a rank projects its own heads' groups), the experts' and the shared expert's
     intermediate columns. The one key=value head, the compressors and the indexer are replicated: each is one
     head's width, and splitting the indexer's heads would need its scores summed before the top-k."""
-    return [("attention heads", cfg.num_heads), ("output groups (o_groups)", cfg.v4.o_groups),
-            ("expert intermediate size", cfg.moe_intermediate_size)]
+    counts = [("attention heads", cfg.num_heads), ("output groups (o_groups)", cfg.v4.o_groups),
+              ("expert intermediate size", cfg.moe_intermediate_size)]
+    if cfg.quant is not None and cfg.quant.experts == "fp4":  # a rank's w2 inputs are whole bytes
+        counts.append(("FP4 expert bytes per row (moe_intermediate_size / 2)", cfg.moe_intermediate_size // 2))
+    return counts
 
 
 def export_refusal(recipe: "Recipe") -> str | None:

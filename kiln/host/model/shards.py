@@ -10,7 +10,7 @@ from kiln.core.model import quant
 from kiln.core.model.cache_layout import cache_layout
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.contract import constant_dtype, constant_shapes, parameter_shapes, rank_reads
-from kiln.host.model.layers.quantized import quantize
+from kiln.host.model.layers.quantized import quantize_like
 
 
 def rank_constants(cfg: ModelConfig, tp: int, rank: int,
@@ -33,7 +33,7 @@ def rank_constants(cfg: ModelConfig, tp: int, rank: int,
     reads = rank_reads(cfg, tp, rank)
     for name, shape in constant_shapes(cfg, tp).items():
         own = constant_dtype(cfg, name)  # the model's, or float32 / int64 / float8 for those the contract keeps so
-        follows = own == cfg.dtype and not quant.is_scale(name)  # a block's scale stays float32 whatever `dtype`
+        follows = own == cfg.dtype and not quant.is_scale(name)  # a block's scale keeps its dtype whatever `dtype`
         constant = torch.empty(shape, dtype=dtype if follows else getattr(torch, own))
         sources = reads[name]
         for i, (source, cut) in enumerate(sources):
@@ -66,6 +66,8 @@ def shard_state_dict(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, r
     """One rank's package constants from a full (unsharded) Hugging Face state dict, in its dtype."""
     def read_into(name: str, cut: tuple | None, out: torch.Tensor) -> None:
         tensor = full[name]
+        if tensor.dtype == getattr(torch, "float8_e8m0fnu", None):  # UE8M0 scales: held as their bytes
+            tensor = tensor.view(torch.uint8)
         out.copy_(tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1]))
 
     return rank_constants(cfg, tp, rank, read_into, full["model.embed_tokens.weight"].dtype)
@@ -87,8 +89,9 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
         if quant.is_scale(name):
             continue  # made with its weight
         if quant.is_quantized(cfg.quant, name):
-            out[name], out[quant.scale_of(name)] = quantize(torch.randn(shape, generator=gen) * shape[-1] ** -0.5,
-                                                            cfg.quant.block)
+            logical = (*shape[:-1], shape[-1] * (2 if quant.is_fp4(cfg.quant, name) else 1))
+            out[name], out[quant.scale_of(name, cfg.quant)] = quantize_like(
+                cfg.quant, name, torch.randn(logical, generator=gen) * logical[-1] ** -0.5)
         elif name.endswith("norm.weight"):
             out[name] = torch.ones(shape, dtype=dtype)
         elif constant_dtype(cfg, name) == "int64":  # an index table (DeepSeek-V4's tid2eid): expert ids

@@ -130,13 +130,16 @@ def check_quantized(cfg: ModelConfig, have: dict[str, tuple[str, str]]) -> None:
     fp8 = quant.WEIGHT_DTYPE
     for name, (file, code) in have.items():
         got = DTYPES[code].torch_name
-        if quant.is_quantized(cfg.quant, name) and got != fp8:
+        if quant.is_quantized(cfg.quant, name) and got != quant.weight_dtype(cfg.quant, name):
+            what = ("FP4 (I8, two e2m1 codes a byte, beside UE8M0 .scale)" if quant.is_fp4(cfg.quant, name) else
+                    f"FP8 blocks (F8_E4M3 beside {'UE8M0 .scale' if cfg.quant.scale_fmt == 'ue8m0' else 'a float32 weight_scale_inv'})")
             raise BadInput(f"{file}: tensor {name} is {code}, but config.json's quantization_config says the "
-                           f"decoder's projections are FP8 blocks (F8_E4M3 beside a float32 weight_scale_inv); "
-                           "Kiln reads every projection quantized (its modules_to_not_convert may list only "
-                           "embeddings, routers and the output head).")
-        if quant.is_scale(name) and got != quant.SCALE_DTYPE:
-            raise BadInput(f"{file}: tensor {name} is {code}; Kiln reads float32 (F32) block scales.")
+                           f"decoder's projections are {what}; Kiln reads every projection quantized (its "
+                           "modules_to_not_convert may list only embeddings, routers and the output head).")
+        if quant.is_scale(name) and got != quant.scale_dtype(cfg.quant):
+            raise BadInput(f"{file}: tensor {name} is {code}; Kiln reads "
+                           + ("UE8M0 (F8_E8M0)" if cfg.quant.scale_fmt == "ue8m0" else "float32 (F32)")
+                           + " block scales, as config.json's quantization_config says.")
         if got == fp8 and not quant.is_quantized(cfg.quant, name):
             raise BadInput(f"{file}: tensor {name} is FP8 ({code}), but "
                            + ("config.json has no quantization_config" if cfg.quant is None else

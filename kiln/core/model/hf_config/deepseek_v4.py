@@ -56,16 +56,6 @@ _V4_READ = {"layer_types", "compress_rates", "compress_ratios", "compress_rate_c
             "quantization_config", "expert_dtype", *_FIXED}
 
 
-def refuse_quantized(raw: dict) -> None:
-    """BadInput for a published (FP8 / FP4) checkpoint's config.json, saying how to get one Kiln reads."""
-    for name in ("quantization_config", "expert_dtype"):
-        if raw.get(name) is not None:
-            raise BadInput(f"config.json: {name}={raw[name]!r}: published DeepSeek-V4 checkpoints hold FP8 "
-                           "attention weights and FP4 experts, and Kiln does not dequantize them. Convert the "
-                           "checkpoint to bfloat16 (every weight, experts included), drop quantization_config and "
-                           "expert_dtype from its config.json, and export that.")
-
-
 def _layer_types(raw: dict, layers: int) -> list[str]:
     if raw.get("layer_types") is not None:
         kinds = raw["layer_types"]
@@ -154,7 +144,6 @@ def _ropes(raw: dict, rotated: int, head_dim: int) -> tuple[float, dict]:
 
 
 def _deepseek_v4(raw: dict) -> ModelConfig:
-    refuse_quantized(raw)
     raw = {**_DEFAULTS, **raw}
     for name, value in _FIXED.items():
         if name in raw and raw[name] != value and not (name == "n_shared_experts" and raw[name] is None):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from kiln.core.model.config import ARCHITECTURES, ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.model.hf_config.deepseek import DEEPSEEK_V3
-from kiln.core.model.hf_config.deepseek_v4 import DEEPSEEK_V4, refuse_quantized
+from kiln.core.model.hf_config.deepseek_v4 import DEEPSEEK_V4
 from kiln.core.model.hf_config.common import FEATURES, INERT, Family, shared_hf
 from kiln.core.model.hf_config.gemma import GEMMA2, GEMMA3_TEXT
 from kiln.core.model.hf_config.llama import LLAMA, MISTRAL
@@ -32,8 +32,6 @@ def from_hf(raw: dict) -> ModelConfig:
     if not isinstance(raw, dict):
         raise BadInput("config.json must hold a JSON object.")
     family = _family(raw)
-    if family is DEEPSEEK_V4:  # FP8 attention and FP4 experts: its own words on what to do
-        refuse_quantized(raw)
     quant = read_quantization(raw, family.name)
     raw = {k: v for k, v in raw.items() if k != QUANTIZATION}
     unknown = sorted(set(raw) - family.read - set(INERT) - set(family.inert))

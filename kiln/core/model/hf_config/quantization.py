@@ -7,8 +7,9 @@ Pure: no torch import. Read as transformers' FineGrainedFP8Config reads it, fiel
 - `fmt` "e4m3" (or absent): the weights are float8_e4m3fn; `activation_scheme` "dynamic" (or absent):
   activations are not quantized with static scales from the checkpoint (Kiln computes them in the compute
   dtype, as transformers' dequantized model does);
-- `scale_fmt` "float" (or absent) and `expert_dtype` "fp8" (or absent): float32 scales, FP8 experts (the
-  others are DeepSeek-V4's UE8M0 scales and FP4 experts);
+- `scale_fmt` "float" (or absent) and `expert_dtype` "fp8" (or absent): float32 scales, FP8 experts; in a
+  DeepSeek-V4 checkpoint also "ue8m0" and "fp4" (V4-Flash's UE8M0 `.scale` and FP4 experts;
+  `expert_dtype` may also be config.json's top-level field, as V4-Flash writes it);
 - `modules_to_not_convert` (or MiniMax's `ignored_layers`): a list of module names, checked by the
   checkpoint itself: every projection Kiln reads as quantized must be F8_E4M3 with its scales in the headers
   (kiln.host.weights.checkpoint.check_tensors), so a list that keeps one of them unquantized is refused there,
@@ -24,7 +25,8 @@ FIELD = "quantization_config"
 
 _READS = ("Kiln reads FP8 block-quantized weights (quant_method fp8, fmt e4m3, activation_scheme dynamic, a "
           "weight_block_size, float32 weight_scale_inv per block), as DeepSeek-V3 and Qwen3's FP8 checkpoints "
-          "are published, and unquantized float32/bfloat16/float16 ones")
+          "are published; DeepSeek-V4's with UE8M0 scales (scale_fmt ue8m0) and FP4 experts (expert_dtype fp4), "
+          "as DeepSeek-V4-Flash is published; and unquantized float32/bfloat16/float16 ones")
 
 _INERT = frozenset({"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
                     "ignored_layers", "scale_fmt", "expert_dtype", "dequantize", "modules_to_convert"})
@@ -36,7 +38,14 @@ def read_quantization(raw: dict, family: str) -> WeightQuant | None:
     field and its value for anything Kiln does not read."""
     quant = raw.get(FIELD)
     if quant is None:
+        if raw.get("expert_dtype") not in (None, "fp8"):
+            raise BadInput(f"config.json: expert_dtype={raw['expert_dtype']!r} without a {FIELD}: {_READS}.")
         return None
+    if isinstance(quant, dict) and raw.get("expert_dtype") is not None:  # V4-Flash: top level (transformers moves it)
+        if quant.get("expert_dtype", raw["expert_dtype"]) != raw["expert_dtype"]:
+            raise BadInput(f"config.json: expert_dtype={raw['expert_dtype']!r} but {FIELD} expert_dtype="
+                           f"{quant['expert_dtype']!r}; one checkpoint has one format.")
+        quant = {**quant, "expert_dtype": raw["expert_dtype"]}
     if not isinstance(quant, dict):
         raise BadInput(f"config.json: {FIELD}={quant!r} must be an object.")
     method = quant.get("quant_method")
@@ -48,9 +57,11 @@ def read_quantization(raw: dict, family: str) -> WeightQuant | None:
         raise BadInput(f"config.json: {FIELD}={quant!r}: Kiln does not read FP8 blocks over Phi-3's fused "
                        "qkv_proj and gate_up_proj; export a bfloat16 checkpoint of it.")
     unknown = sorted(set(quant) - _INERT)
-    for name, want in (("fmt", "e4m3"), ("activation_scheme", "dynamic"), ("scale_fmt", "float"),
-                       ("expert_dtype", "fp8")):
-        if quant.get(name, want) != want:
+    v4 = family == "deepseek_v4"
+    for name, want in (("fmt", ("e4m3",)), ("activation_scheme", ("dynamic",)),
+                       ("scale_fmt", ("float", "ue8m0") if v4 else ("float",)),
+                       ("expert_dtype", ("fp8", "fp4") if v4 else ("fp8",))):
+        if quant.get(name, want[0]) not in want:
             unknown.append(name)
     if unknown:
         raise BadInput(f"config.json: {FIELD} " + ", ".join(f"{k}={quant[k]!r}" for k in unknown)
@@ -63,14 +74,19 @@ def read_quantization(raw: dict, family: str) -> WeightQuant | None:
         raise BadInput(f"config.json: {FIELD} modules_to_convert={quant['modules_to_convert']!r}: quantized "
                        f"embeddings are not read; {_READS}.")
     block = quant["weight_block_size"]
-    try:
-        return WeightQuant(FP8_BLOCKS, block)
-    except BadInput:
+    if not isinstance(block, list) or len(block) != 2 or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
         raise BadInput(f"config.json: {FIELD} weight_block_size={block!r} must be two positive integers "
-                       "[rows, cols].") from None
+                       "[rows, cols].")
+    return WeightQuant(FP8_BLOCKS, tuple(block), quant.get("scale_fmt", "float"), quant.get("expert_dtype", "fp8"))
 
 
 def quantization_to_hf(quant: WeightQuant) -> dict:
-    """The quantization_config of `quant`, as DeepSeek-V3's config.json writes it."""
-    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-            "weight_block_size": list(quant.block)}
+    """The quantization_config of `quant`, as DeepSeek-V3's (or, UE8M0, V4-Flash's) config.json writes it."""
+    out = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+           "weight_block_size": list(quant.block)}
+    if quant.scale_fmt != "float":
+        out["scale_fmt"] = quant.scale_fmt
+    if quant.experts != "fp8":
+        out["expert_dtype"] = quant.experts
+    return out

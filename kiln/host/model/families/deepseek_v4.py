@@ -31,6 +31,7 @@ from kiln.host.model.layers.choices import stacked_choices, unstack_picks
 from kiln.host.model.layers.clipped_experts import experts
 from kiln.host.model.layers.compressed_attention import attention
 from kiln.host.model.layers.compressor import rms_norm32
+from kiln.host.model.layers.quantized import layer_weights
 from kiln.host.model.layers.stacked import Holder, LayerRun, keep_own_dtypes, segment_runs
 from kiln.host.model.layers.hyper_connections import expand, hyper_head, mix_weights
 from kiln.core.model.v4_fields import HASH_MOE
@@ -150,6 +151,7 @@ class DeepseekV4Decoder(nn.Module):
         """(streams after the segment's layers, each of its runs' state after the step, each layer's choices)."""
         cfg, tp = self.cfg, self.tp
         kinds = [cfg.v4.kind(run.layers[0]) for run in runs]
+        dtype = getattr(torch, cfg.dtype)  # a quantized checkpoint's projections are dequantized to it, layer by layer
         phases = [{"weights": run.stacked(), "state": state} for run, state in zip(runs, states)]
         if not self.scan:
             after: Cache = [{n: [] for n in state} for state in states]
@@ -157,8 +159,9 @@ class DeepseekV4Decoder(nn.Module):
             for i in range(segment.repeats):
                 for kind, phase, out in zip(kinds, phases, after):
                     picks.append({})
-                    streams, one = layer(cfg, tp, kind, {n: w[i] for n, w in phase["weights"].items()}, streams,
-                                         tokens, start, {n: s[i] for n, s in phase["state"].items()}, picks[-1])
+                    weights = layer_weights(cfg, tp, {n: w[i] for n, w in phase["weights"].items()}, dtype)
+                    streams, one = layer(cfg, tp, kind, weights, streams, tokens, start,
+                                         {n: s[i] for n, s in phase["state"].items()}, picks[-1])
                     for n, s in one.items():
                         out[n].append(s)
             return streams, [{n: torch.stack(s) for n, s in out.items()} for out in after], picks
@@ -168,7 +171,8 @@ class DeepseekV4Decoder(nn.Module):
             out = []
             for kind, step in zip(kinds, steps):
                 picks = {}
-                carry, state = layer(cfg, tp, kind, step["weights"], carry, tokens, start, step["state"], picks)
+                carry, state = layer(cfg, tp, kind, layer_weights(cfg, tp, step["weights"], dtype), carry, tokens,
+                                     start, step["state"], picks)
                 out.append((state, picks))
             return carry, out
 

@@ -25,6 +25,7 @@ from kiln.core.model.contract import EXPERTS, SHARED_EXPERTS
 from kiln.host.model.layers import choices
 from kiln.host.model.layers.choices import EXPERT_SITE
 from kiln.host.model.layers.collectives import reduce
+from kiln.host.model.layers.quantized import LayerWeights
 
 GATHER_BELOW = 3
 """Outside bfloat16, a step gathers its chosen experts when GATHER_BELOW x its (token, expert) pairs are at
@@ -84,21 +85,27 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
     in the graph, one expert's [n, I/tp] activations at a time, its compute every expert's. The choice is
     made when the graph is traced: at a static shape by its size; over a range of shapes
     (kiln.core.forwards.shape_ranges) it gathers only when every shape of the range would, without a guard that
-    would narrow the range.
+    would narrow the range. Quantized experts (kiln.host.model.layers.quantized) in a step of few pairs gather
+    the chosen experts' stored bytes and scales and dequantize only those, in any dtype; a wider step
+    dequantizes the layer's experts and goes on as above.
     """
     module, names = EXPERTS[cfg.architecture]
-    gate_w, up_w, down_w = (p[f"{module}.experts.{n}.weight"] for n in names)  # [E, I/tp, H], [E, I/tp, H], [E, H, I/tp]
+    projections = [f"{module}.experts.{n}.weight" for n in names]
     b, t, hidden = h.shape
     x = h.reshape(b * t, hidden)
     weights, chosen = route(cfg, p, module, x)
     choices.report(picks, EXPERT_SITE, chosen)
     n, k = chosen.shape
-    if groups_trace(x, gate_w):
-        out = _grouped(x, chosen, gate_w, up_w, down_w)
-    elif statically_known_true(GATHER_BELOW * n * k <= cfg.num_experts):  # over a range: only if all of it gathers
-        out = _gathered(x, chosen, gate_w, up_w, down_w)
+    few = statically_known_true(GATHER_BELOW * n * k <= cfg.num_experts)  # over a range: only if all of it gathers
+    if few and isinstance(p, LayerWeights) and p.quantized(projections[0]):
+        # Quantized experts: the chosen experts' stored bytes and scales gathered, only those dequantized (read
+        # whole, a decode step would dequantize every expert).
+        flat = chosen.reshape(-1)
+        out = _pairs(x, chosen, *(p.gathered(name, flat) for name in projections))
     else:
-        out = None
+        gate_w, up_w, down_w = (p[name] for name in projections)  # [E, I/tp, H], [E, I/tp, H], [E, H, I/tp]
+        out = (_grouped(x, chosen, gate_w, up_w, down_w) if groups_trace(x, gate_w)
+               else _gathered(x, chosen, gate_w, up_w, down_w) if few else None)
     if out is None:
         mixed = _every_expert(cfg, x, weights, chosen, gate_w, up_w, down_w)
     else:
@@ -122,9 +129,15 @@ def _gathered(x: torch.Tensor, chosen: torch.Tensor, gate_w: torch.Tensor, up_w:
     """Each (token, expert) pair's expert output [n * k, H], token-major, unweighted: its expert's weights
     gathered and multiplied by the pair alone."""
     flat = chosen.reshape(-1)
+    return _pairs(x, chosen, gate_w[flat], up_w[flat], down_w[flat])
+
+
+def _pairs(x: torch.Tensor, chosen: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+           down: torch.Tensor) -> torch.Tensor:
+    """_gathered's multiplies, given each pair's expert weights (gate, up [n * k, I/tp, H], down [n * k, H, I/tp])."""
     rows = x.repeat_interleave(chosen.shape[1], dim=0)[:, None, :]  # [n*k, 1, H]
-    act = F.silu(torch.bmm(rows, gate_w[flat].transpose(1, 2))) * torch.bmm(rows, up_w[flat].transpose(1, 2))
-    return torch.bmm(act, down_w[flat].transpose(1, 2))[:, 0]
+    act = F.silu(torch.bmm(rows, gate.transpose(1, 2))) * torch.bmm(rows, up.transpose(1, 2))
+    return torch.bmm(act, down.transpose(1, 2))[:, 0]
 
 
 def _grouped(x: torch.Tensor, chosen: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor,

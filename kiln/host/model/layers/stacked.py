@@ -66,10 +66,14 @@ class LayerRun(nn.Module):
             own = constant_dtype(cfg, prefix + suffix)
             if own == "int64":  # an index table (DeepSeek-V4's tid2eid)
                 owner.register_buffer(leaf, torch.zeros(shapes[prefix + suffix], dtype=torch.int64))
-            elif own == quant.WEIGHT_DTYPE or quant.is_scale(suffix):  # a quantized projection (x 64), its scales
-                initial = (torch.full(shapes[prefix + suffix], 1 / 64) if quant.is_scale(suffix)
-                           else _initial(suffix, shapes[prefix + suffix]) * 64)
+            elif quant.is_scale(suffix):  # a quantized projection's scales: 1 / 64 (UE8M0: its byte, 127 - 6)
+                initial = torch.full(shapes[prefix + suffix], 121 if own == quant.E8M0_DTYPE else 1 / 64)
                 owner.register_parameter(leaf, nn.Parameter(initial.to(getattr(torch, own)), requires_grad=False))
+            elif own in (quant.WEIGHT_DTYPE, quant.FP4_DTYPE):  # a quantized projection (x 64; FP4: random bytes)
+                shape = shapes[prefix + suffix]
+                initial = (torch.randint(-128, 128, shape, dtype=torch.int8) if own == quant.FP4_DTYPE
+                           else (_initial(suffix, shape) * 64).to(getattr(torch, own)))
+                owner.register_parameter(leaf, nn.Parameter(initial, requires_grad=False))
             else:
                 owner.register_parameter(leaf, nn.Parameter(_initial(suffix, shapes[prefix + suffix])))
 
