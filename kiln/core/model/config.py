@@ -196,7 +196,8 @@ class ModelConfig:
         if self.quant is not None and self.architecture == "phi3":
             raise BadInput(f"config.json: quantized weights ({self.quant.method}) are read for every family but "
                            "Phi-3 (its fused qkv_proj and gate_up_proj).")
-        if self.quant is not None and self.v4 is None and (self.quant.scale_fmt, self.quant.experts) != ("float", "fp8"):
+        v4_layout = self.quant is not None and (self.quant.scale_fmt, self.quant.experts) != ("float", "fp8")
+        if v4_layout and self.v4 is None:
             raise BadInput(f"config.json: UE8M0 scales and FP4 experts ({self.quant}) are DeepSeek-V4's layout; "
                            "Kiln reads them in deepseek_v4 checkpoints only.")
         if (self.v4 is not None) != (self.architecture == "deepseek_v4"):

@@ -104,7 +104,8 @@ def _v4_bytes(cfg, tp: int, dtype_bytes: int) -> int:
             scales = -(-rows // br) * -(-cols // bc)  # the whole tensor's: a few bytes over a rank's at most
             total += entries + scales * (1 if cfg.quant.scale_fmt == "ue8m0" else 4)
         else:
-            total += entries * (8 if name.endswith("tid2eid") else 4 if name.endswith(FLOAT32_SUFFIXES) else dtype_bytes)
+            own = 8 if name.endswith("tid2eid") else 4 if name.endswith(FLOAT32_SUFFIXES) else dtype_bytes
+            total += entries * own
     return total
 
 

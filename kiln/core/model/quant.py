@@ -92,7 +92,8 @@ class WeightQuant:
             raise BadInput(f"quantization: the block must be two positive integers (rows, cols), got {self.block!r}.")
         object.__setattr__(self, "block", block)
         if self.scale_fmt not in SCALE_FORMATS:
-            raise BadInput(f"quantization: scale_fmt {self.scale_fmt!r} is not one Kiln reads ({', '.join(SCALE_FORMATS)}).")
+            raise BadInput(f"quantization: scale_fmt {self.scale_fmt!r} is not one Kiln reads "
+                           f"({', '.join(SCALE_FORMATS)}).")
         if self.experts not in EXPERT_FORMATS:
             raise BadInput(f"quantization: expert_dtype {self.experts!r} is not one Kiln reads "
                            f"({', '.join(EXPERT_FORMATS)}).")

@@ -131,8 +131,9 @@ def check_quantized(cfg: ModelConfig, have: dict[str, tuple[str, str]]) -> None:
     for name, (file, code) in have.items():
         got = DTYPES[code].torch_name
         if quant.is_quantized(cfg.quant, name) and got != quant.weight_dtype(cfg.quant, name):
+            scales = "UE8M0 .scale" if cfg.quant.scale_fmt == "ue8m0" else "a float32 weight_scale_inv"
             what = ("FP4 (I8, two e2m1 codes a byte, beside UE8M0 .scale)" if quant.is_fp4(cfg.quant, name) else
-                    f"FP8 blocks (F8_E4M3 beside {'UE8M0 .scale' if cfg.quant.scale_fmt == 'ue8m0' else 'a float32 weight_scale_inv'})")
+                    f"FP8 blocks (F8_E4M3 beside {scales})")
             raise BadInput(f"{file}: tensor {name} is {code}, but config.json's quantization_config says the "
                            f"decoder's projections are {what}; Kiln reads every projection quantized (its "
                            "modules_to_not_convert may list only embeddings, routers and the output head).")
