@@ -8,11 +8,12 @@ the torch module's own parameter count.
 
 from __future__ import annotations
 
+import functools
 import math
 
-from kiln.core.model import quant
 from kiln.core.model.quant import scale_grid
-from kiln.core.model.v4_fields import FLOAT32_SUFFIXES, module_shapes
+from kiln.core.model.safetensors_header import DTYPES
+from kiln.core.model.v4_fields import module_shapes
 
 
 def _latent_attention(cfg, tp: int) -> int:
@@ -25,6 +26,10 @@ def _latent_attention(cfg, tp: int) -> int:
     kv = h * latent + latent * bias + cfg.kv_lora_rank
     kv += cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
     return q + kv + heads * cfg.v_head_dim * h + h * bias
+
+
+_V4_SPLIT = ("wq_b.weight", "attn_sink", "wo_a.weight", "wo_b.weight", ".w1.weight", ".w2.weight", ".w3.weight")
+"""DeepSeek-V4's tensors that tp splits (kiln.core.model.v4_fields.tp_counts), its indexer's apart."""
 
 
 def params_per_rank(cfg, tp: int) -> int:
@@ -86,33 +91,25 @@ def _quantized(cfg, tp: int) -> tuple[int, int]:
     return weights, scales
 
 
-_V4_SPLIT = ("wq_b.weight", "attn_sink", "wo_a.weight", "wo_b.weight", ".w1.weight", ".w2.weight", ".w3.weight")
-"""DeepSeek-V4's tensors that tp splits (kiln.core.model.v4_fields.tp_counts), its indexer's apart."""
+_ITEMSIZE = {d.torch_name: d.itemsize_bytes for d in DTYPES.values()}
+"""Bytes per entry of each dtype a package constant is held in (safetensors' table, by torch's names)."""
 
 
-def _v4_bytes(cfg, tp: int, dtype_bytes: int) -> int:
-    """Bytes of one DeepSeek-V4 rank's weights, tensor by tensor, those tp splits divided by tp (a bound from
-    above): float32 where transformers keeps it, a quantized projection at a byte an entry (FP4: half) with
-    its scales (a byte each for UE8M0, four for float32)."""
-    total = 0
-    for name, shape in module_shapes(cfg).items():
-        entries = math.prod(shape) // (tp if name.endswith(_V4_SPLIT) and "indexer" not in name else 1)
-        if quant.is_fp4(cfg.quant, name):
-            total += entries // 2 + entries // quant.FP4_GROUP
-        elif quant.is_quantized(cfg.quant, name):
-            (br, bc), (rows, cols) = cfg.quant.block, shape[-2:]
-            scales = -(-rows // br) * -(-cols // bc)  # the whole tensor's: a few bytes over a rank's at most
-            total += entries + scales * (1 if cfg.quant.scale_fmt == "ue8m0" else 4)
-        else:
-            own = 8 if name.endswith("tid2eid") else 4 if name.endswith(FLOAT32_SUFFIXES) else dtype_bytes
-            total += entries * own
-    return total
+@functools.lru_cache(maxsize=16)  # a few tenths of a second at V4-Flash's size; the plan asks several times
+def _held_bytes(cfg, tp: int) -> int:
+    """Bytes of one rank's package constants, exactly: each constant's shape in its own dtype (the contract's
+    statement of what a rank binds, the same on every rank). Used where the formats are too many to count by
+    hand: DeepSeek-V4's float32, int64, float8, FP4 bytes and UE8M0 scales."""
+    from kiln.core.model.contract import constant_dtype, constant_shapes  # it imports config, which imports this
+
+    return sum(math.prod(shape) * _ITEMSIZE[constant_dtype(cfg, name)]
+               for name, shape in constant_shapes(cfg, tp).items())
 
 
 def weight_bytes(cfg, tp: int, dtype_bytes: int) -> int:
     """Bytes of one rank's weights: `dtype_bytes` a parameter, but a quantized checkpoint's projections at a byte
-    each (float8) and their scales at four (float32)."""
+    each (float8) and their scales at four (float32); a quantized DeepSeek-V4's counted constant by constant."""
     if cfg.v4 is not None and cfg.quant is not None:
-        return _v4_bytes(cfg, tp, dtype_bytes)
+        return _held_bytes(cfg, tp)
     weights, scales = _quantized(cfg, tp)
     return (params_per_rank(cfg, tp) - weights - scales) * dtype_bytes + weights + 4 * scales
