@@ -55,5 +55,5 @@ def part_quantized(ctx: Context) -> dict:
             "notes": f"Qwen3-30B-A3B's widths at 2 layers and {EXPERTS} experts (top {TOP_K}), bfloat16 compute, one "
                      "rank's shard of tp 2; FP8 blocks of 128 x 128 with float32 scales against the same model "
                      "unquantized; held bytes are the rank's constants as Kiln's loader holds them (planned: "
-                     "ModelConfig.weight_bytes_per_rank, in raw); compiles each in a fresh process and Inductor "
+                     "rank_bytes.weight_bytes_per_rank, in raw); compiles each in a fresh process and Inductor "
                      "cache; steps alternating in one process, one thread"}

@@ -9,8 +9,8 @@ once to the suite's moto server. Each of the suite's samples, the sides' order r
 - boto3: `download_file` of every object of the prefix (its defaults: threaded ranged transfers), what a
   user who copies the checkpoint first waits for before anything can start.
 Figures, for the default and for exact: the most weight bytes one rank received over that rank's weight
-bytes (`ModelConfig.weight_bytes_per_rank`; its embedding, norms and head are whole on every rank, its
-projections cut), and one rank's whole read (listing, headers, slices) over the whole download, medians
+bytes (`kiln.core.model.rank_bytes.weight_bytes_per_rank`; its embedding, norms and head are whole on every rank,
+its projections cut), and one rank's whole read (listing, headers, slices) over the whole download, medians
 over the repetitions.
 
 The loader's memory: a larger checkpoint (bench.rank_peak's model, ~300 MB in float32, in --quick too: the
@@ -44,6 +44,7 @@ def _client(ctx: Context):
 
 def part_s3_read(ctx: Context) -> dict:
     from kiln.core.model.config import TINY
+    from kiln.core.model.rank_bytes import weight_bytes_per_rank
     from kiln.host.weights.checkpoint import random_checkpoint
     from kiln.host.weights.s3_checkpoint import MERGE_GAP_BYTES, S3Checkpoint
 
@@ -86,7 +87,7 @@ def part_s3_read(ctx: Context) -> dict:
             side()
         rows.append(row)
     peaks = _loader_peaks(ctx, plain)
-    rank_bytes = cfg.weight_bytes_per_rank(TP)
+    rank_bytes = weight_bytes_per_rank(cfg, TP)
     figures = {"s3_loader_peak_ratio": median([r["s3"]["peak_over_weights"] for r in peaks]),
                "local_loader_peak_ratio": median([r["local"]["peak_over_weights"] for r in peaks])}
     for side, figure in (("kiln", "s3"), ("exact", "s3_exact")):

@@ -74,6 +74,7 @@ def checkpoint_slice_bytes(cfg, tp: int, rank: int) -> int:
 
 def compile_one(fmt: str, out: Path, bucket: tuple[int, int]) -> dict:
     from bench.specs import bench_spec
+    from kiln.core.model.rank_bytes import weight_bytes_per_rank
     from kiln.host.compile.compiler import _warm, compile_forward
 
     _warm()
@@ -83,7 +84,8 @@ def compile_one(fmt: str, out: Path, bucket: tuple[int, int]) -> dict:
     result = compile_forward(spec, str(out / f"{package_name(fmt, bucket)}.pt2"))
     held = sum(t.nbytes for t in rank_weights(fmt).values())
     return {"compile_s": result.compile_s, "format": fmt, "bucket": list(bucket), "held_bytes": held,
-            "checkpoint_slice_bytes": checkpoint_slice_bytes(cfg, TP, 0), "planned_bytes": cfg.weight_bytes_per_rank(TP)}
+            "checkpoint_slice_bytes": checkpoint_slice_bytes(cfg, TP, 0),
+            "planned_bytes": weight_bytes_per_rank(cfg, TP)}
 
 
 def step(packages: list[Path], reps: int, steps: int) -> dict:

@@ -54,6 +54,7 @@ def measure(out: Path, num_packages: int, quick: bool) -> dict:
 
     from bench.loader_peak import _reset_peak, _status_bytes
     from kiln.core.plan.recipe import Bucket
+    from kiln.core.model.rank_bytes import weight_bytes_per_rank
     from kiln.core.plan.sizing import check_peak_mib
     from kiln.host.weights.checkpoint import load_rank_weights
     from kiln.host.ranks.loader import compare_with_eager, load_forward
@@ -82,7 +83,7 @@ def measure(out: Path, num_packages: int, quick: bool) -> dict:
     weight_bytes = sum(t.nbytes for t in weights.values())
     return {"weight_bytes": weight_bytes, "base_bytes": base, "run_peak_bytes": run_peak,
             "check_peak_bytes": check_peak, "package_bytes": package_bytes,
-            "predicted_check_mib": check_peak_mib(shard_bytes=cfg.weight_bytes_per_rank(1), num_forwards=num_packages,
+            "predicted_check_mib": check_peak_mib(shard_bytes=weight_bytes_per_rank(cfg, 1), num_forwards=num_packages,
                                                   half=False, process_base_mib=base // 2**20)}
 
 

@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 
 from kiln.host.trust.signers import read_verified_manifest, trusted_keys
+from kiln.core.model.rank_bytes import weight_bytes_per_rank
 from kiln.core.model.config import BUNDLED_MODEL, ModelConfig
 from kiln.core.errors import BadInput, MemoryShort, VerifyMismatch
 from kiln.core.forwards.forward_keys import check_export_id
@@ -135,8 +136,8 @@ def verify_export(store_url: str | None, export_id: str, *, pin: str | None = No
         check_pin_folder(Path(pin))  # bad input: before anything is fetched or run
     manifest, checkpoint, cfg, artifacts, lines = open_export(store_url, export_id, "verify", **options)
     recipe = Recipe.from_dict(manifest["recipe"])
-    predicted = verify_peak_mib(shard_bytes=cfg.weight_bytes_per_rank(manifest["tp"]),
-                                full_bytes=cfg.weight_bytes_per_rank(1), tp=manifest["tp"],
+    predicted = verify_peak_mib(shard_bytes=weight_bytes_per_rank(cfg, manifest["tp"]),
+                                full_bytes=weight_bytes_per_rank(cfg, 1), tp=manifest["tp"],
                                 num_forwards=len(artifacts), half=cfg.dtype != "float32",
                                 process_base_mib=recipe.process_base_mib)
     available = host_memory()["host_available_mib"]

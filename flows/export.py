@@ -25,6 +25,7 @@ from flows.logs import hide_expected_tracebacks
 from flows.params import ExportParams, default_host_names, prepare
 from flows.report_out import draw, ledger_key, write_report
 from kiln.core.plan import deadlines, decisions, tuning_plan
+from kiln.core.model.rank_bytes import weight_bytes_per_rank
 from kiln.core.run import outcome
 from kiln.core.errors import BadInput, GateRefused, KilnError
 from kiln.core.run.retry_rule import worth_retrying
@@ -310,7 +311,7 @@ def _share_verify(job, hosts, runner, report, probes, clock: PhaseClock) -> None
     check within its deadline, kiln.core.plan.deadlines.check_deadline; the phase's is the slowest host's)."""
     target_of = {p.name: p.target for p in probes}
     mine = {h.name: [f for f in report.forwards if f["target"] == target_of[h.name]] for h in hosts}
-    shard_bytes = job.model_config.weight_bytes_per_rank(job.tp)
+    shard_bytes = weight_bytes_per_rank(job.model_config, job.tp)
     clock.start("share-verify", max((deadlines.checks_deadline([len(mine[h.name])] * len(h.ranks), shard_bytes,
                                                                  job.recipe) for h in hosts),
                                     key=lambda d: d.seconds, default=None), time.monotonic())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.core.model.config import TINY
+from kiln.core.model.rank_bytes import weight_bytes_per_rank
 from kiln.host.compile.compiler import CompilePool
 from kiln.host.compile.inductor_options import COMPILER_OPTIONS
 
@@ -27,7 +28,7 @@ def test_ten_times_the_weights_costs_a_worker_about_nothing(tmp_path):
         for name, cfg in (("small", TINY), ("big", big)):
             [results[name]] = pool.run([(spec(cfg, name), str(tmp_path / f"{name}.pt2"))], lambda r: None)
     small, large = results["small"].peak_mib, results["big"].peak_mib
-    weights_mib = big.weight_bytes_per_rank(2) / 2**20
+    weights_mib = weight_bytes_per_rank(big, 2) / 2**20
     print(f"worker peak: tiny {small} MiB, {big.num_params() / 1e6:.0f} M parameters {large} MiB "
           f"(its rank's weights: {weights_mib:.0f} MiB)")
     assert small > 100

@@ -18,6 +18,7 @@ from v4_flash_checkpoints import write_v4_flash
 
 from bench.hf_checkpoints import V4_SMALL, randomise_v4
 from kiln.core.model import quant
+from kiln.core.model.rank_bytes import weight_bytes_per_rank
 from kiln.host.model.families.deepseek_v4 import DeepseekV4Decoder
 from kiln.host.weights.checkpoint import inspect_checkpoint, load_rank_weights
 
@@ -71,7 +72,7 @@ def test_the_checkpoint_reads_as_v4_flash_and_stays_quantized_in_a_rank(flash):
         print(f"rank 0 of tp 2, {kind}: {held} bytes, {held / bf16:.3f} of bfloat16's {bf16}")
         assert names and held <= ratio * bf16
     # The gate's and the KV plan's figure for the rank is what it holds.
-    assert cfg.weight_bytes_per_rank(2) == sum(t.nbytes for t in weights.values())
+    assert weight_bytes_per_rank(cfg, 2) == sum(t.nbytes for t in weights.values())
 
 
 def test_transformers_reads_the_bytes_as_an_independent_dequantization_does(flash):

@@ -9,6 +9,7 @@ import pytest
 
 from kiln.core.model.config import TINY
 from kiln.core.model.contract import FUSED, constant_sources, parameter_shapes, shard_slice, weight_layout
+from kiln.core.model.rank_bytes import weight_bytes_per_rank
 from kiln.core.errors import IntegrityError, KilnError, NotPythonFree
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.model.interface import forward_interface
@@ -78,7 +79,7 @@ def test_the_parameter_count_is_a_ranks_constants(name):
         layout = weight_layout(cfg, tp).values()
         assert params_per_rank(cfg, tp) == sum(math.prod(w["shape"]) for w in layout)
         itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
-        assert cfg.weight_bytes_per_rank(tp) == sum(math.prod(w["shape"]) * itemsize[w["dtype"]] for w in layout)
+        assert weight_bytes_per_rank(cfg, tp) == sum(math.prod(w["shape"]) * itemsize[w["dtype"]] for w in layout)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

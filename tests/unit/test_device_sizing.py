@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.core.model.config import TINY
+from kiln.core.model.rank_bytes import weight_bytes_per_rank
 from kiln.core.plan.decisions import check_devices, decide_export, kv_plan
 from kiln.core.errors import BadInput, GateRefused
 from kiln.core.forwards.forward_keys import ForwardSpec
@@ -105,7 +106,7 @@ def test_kv_plan_of_a_cpu_export_on_a_gpu_host_draws_from_host_memory():
     on_gpu = HostReport("h", (0, 1), available_mib=60_000, num_cpus=8, target="cuda-t", unified=False,
                         device_free_mib=10_000, device="cuda")
     cpu_plan, gpu_plan = kv_plan(j, [on_cpu], {"h": 1}), kv_plan(j, [on_gpu], {"h": 1})
-    page, weights = cpu_plan["page_bytes"], TINY.weight_bytes_per_rank(2)
+    page, weights = cpu_plan["page_bytes"], weight_bytes_per_rank(TINY, 2)
     left_host = (60_000 - 2048 - 1000 - 2 * 256) * 2**20 - 2 * weights
     left_device = (10_000 - 2000 - 2 * 256) * 2**20 - 2 * weights  # the worker's CUDA context is on the device
     assert cpu_plan["per_rank_pages"]["0"] == left_host // 2 // page

@@ -12,6 +12,7 @@ import pytest
 from kiln.core.errors import BadInput
 from kiln.core.model.config import TINY
 from kiln.core.model.contract import constant_dtype, parameter_shapes, shard_slice, weight_layout
+from kiln.core.model.rank_bytes import weight_bytes_per_rank
 from kiln.core.model.hf_config import from_hf, to_hf
 from kiln.core.model.quant import WeightQuant, scale_cut, scale_grid
 
@@ -192,7 +193,7 @@ def test_a_checkpoint_is_read_per_rank_kept_in_float8(tmp_path):
         for name, t in got.items():
             assert t.dtype == getattr(torch, constant_dtype(c, name)) and torch.equal(t, want[name].to(t.dtype)), name
         held[c.dtype] = sum(t.numel() * t.element_size() for t in got.values())
-        assert held[c.dtype] == c.weight_bytes_per_rank(2)
+        assert held[c.dtype] == weight_bytes_per_rank(c, 2)
     dense = sum(math.prod(w["shape"]) for w in weight_layout(cfg.replace(quant=None), 2).values()) * 2
     print(f"rank 1 of 2 holds {held} bytes quantized against {dense} bytes in bfloat16")
     assert held["bfloat16"] < 0.6 * dense

@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 
 from kiln.core.model.config import TINY
+from kiln.core.model.rank_bytes import weight_bytes_per_rank
 from kiln.core.plan.decisions import (RANGE_COMPILE_FACTOR, compile_estimates, describe, host_reports,
                                  measured_worker_mib, plan_kv_for, planned_workers, run_gate)
 from kiln.core.errors import GateRefused
@@ -61,7 +62,7 @@ def test_kv_plan_reserves_only_the_workers_the_gate_starts():
     kv = plan_kv_for(j, [probe("h", (0, 1), 9000 + 2 * 256, ["k1"])])
     assert kv["pool_workers"] == {"h": 1}
     page = kv["page_bytes"]
-    weights = TINY.weight_bytes_per_rank(2)
+    weights = weight_bytes_per_rank(TINY, 2)
     left = (9000 + 512 - 2000 - 2 * 256) * 2**20 - 2 * weights  # floor + one worker reserved, not eight
     assert kv["per_rank_pages"] == {"0": min(left // 2 // page, 4096), "1": min(left // 2 // page, 4096)}
 
@@ -78,7 +79,7 @@ def test_a_warm_export_plans_the_same_pages_as_a_cold_one():
     assert plan_kv_for(j, warm) == plan_kv_for(j, cold)
     kv = plan_kv_for(j, warm)
     assert kv["pool_workers"] == {"a": 1, "b": 1}  # two forwards over two hosts: one worker each when cold
-    left = (6000 - 1000 - 700 - 256) * 2**20 - TINY.weight_bytes_per_rank(2)
+    left = (6000 - 1000 - 700 - 256) * 2**20 - weight_bytes_per_rank(TINY, 2)
     assert kv["per_rank_pages"] == {"0": left // kv["page_bytes"], "1": left // kv["page_bytes"]}
 
 
@@ -87,7 +88,7 @@ def test_the_floor_is_kept_on_a_host_that_compiles_nothing():
             kv_max_pages=10**9)
     kv = plan_kv_for(j, [probe("h", (0, 1), 8000, ["k1"])])  # no worker fits: the gate would refuse
     assert kv["pool_workers"] == {"h": 0}
-    left = (8000 - 3000 - 2 * 256) * 2**20 - 2 * TINY.weight_bytes_per_rank(2)
+    left = (8000 - 3000 - 2 * 256) * 2**20 - 2 * weight_bytes_per_rank(TINY, 2)
     assert kv["per_rank_pages"]["0"] == left // 2 // kv["page_bytes"]
 
 
@@ -118,7 +119,7 @@ def test_checks_that_would_not_fit_are_refused_before_they_start():
     from kiln.host.phases.rank_check import check_memory
 
     j = job()
-    shard = TINY.weight_bytes_per_rank(2)
+    shard = weight_bytes_per_rank(TINY, 2)
     need = check_memory(j, 4, 100_000, "host h")
     assert need == check_peak_mib(shard_bytes=shard, num_forwards=4, half=False, process_base_mib=512)
     with pytest.raises(MemoryShort, match=f"host h: checking one rank against eager needs about {need} MiB"):
@@ -153,7 +154,7 @@ def test_a_rank_check_that_would_not_fit_is_refused_before_anything_compiles():
                        experts_per_token=8, moe_intermediate_size=768, moe_layers=(0, 1), dtype="bfloat16")
     j = ExportJob(export_id="x", model_name="wide", checkpoint="/none", config=cfg.to_dict(), tp=2,
                   recipe=Recipe(buckets=(Bucket(1, 16), Bucket(1, 1))), store_url="file:///none")
-    need = check_peak_mib(shard_bytes=cfg.weight_bytes_per_rank(2), num_forwards=2, half=True, process_base_mib=512)
+    need = check_peak_mib(shard_bytes=weight_bytes_per_rank(cfg, 2), num_forwards=2, half=True, process_base_mib=512)
     run_gate(j, [probe("h", (0, 1), need, ["k1", "k2"])])
     with pytest.raises(GateRefused, match=f"host h needs about {need} MiB to check one rank against eager "
                                           r"\(2 forward\(s\) of a \d+ MiB shard in bfloat16\) but "

@@ -12,7 +12,7 @@ from kiln.core.model import quant
 from kiln.core.model.contract import constant_dtype, constant_shapes, parameter_shapes, rank_reads
 from kiln.core.model.hf_config import from_hf, to_hf
 from kiln.host.model.layers.quantized import dequantize, quantize, quantize_fp4, scale_values, unpack_fp4
-from tests.unit.test_hf_config_v4 import SMALL
+from test_hf_config_v4 import SMALL
 
 FLASH_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
                "scale_fmt": "ue8m0"}

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kiln.core.errors import BadInput
-from kiln.core.model.param_counts import params_per_rank, weight_bytes
+from kiln.core.model.param_counts import params_per_rank
 from kiln.core.model.quant import WeightQuant
 from kiln.core.model.v4_fields import V4Fields, check_model, tp_counts
 
@@ -383,11 +383,6 @@ class ModelConfig:
 
     def num_params(self) -> int:
         return params_per_rank(self, 1)
-
-    def weight_bytes_per_rank(self, tp: int) -> int:
-        """Bytes of one rank's weights: sharded attention and MLP, replicated embeddings and norms; a quantized
-        checkpoint's projections in their own dtype, with their scales (kiln.core.model.param_counts.weight_bytes)."""
-        return weight_bytes(self, tp, self.dtype_bytes)
 
 
 TINY = ModelConfig(vocab_size=1024, hidden_size=384, num_layers=2, num_heads=24,

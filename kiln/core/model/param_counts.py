@@ -2,17 +2,15 @@
 
 Pure arithmetic over a `ModelConfig`'s fields (kiln.core.model.config), counted the
 way kiln.host.model holds them; the gate, the KV plan and the memory sizing
-read it through `ModelConfig.weight_bytes_per_rank`. A unit test holds it to
+read it through `kiln.core.model.rank_bytes.weight_bytes_per_rank`. A unit test holds it to
 the torch module's own parameter count.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 from kiln.core.model.quant import scale_grid
-from kiln.core.model.safetensors_header import DTYPES
 from kiln.core.model.v4_fields import module_shapes
 
 
@@ -91,25 +89,9 @@ def _quantized(cfg, tp: int) -> tuple[int, int]:
     return weights, scales
 
 
-_ITEMSIZE = {d.torch_name: d.itemsize_bytes for d in DTYPES.values()}
-"""Bytes per entry of each dtype a package constant is held in (safetensors' table, by torch's names)."""
-
-
-@functools.lru_cache(maxsize=16)  # a few tenths of a second at V4-Flash's size; the plan asks several times
-def _held_bytes(cfg, tp: int) -> int:
-    """Bytes of one rank's package constants, exactly: each constant's shape in its own dtype (the contract's
-    statement of what a rank binds, the same on every rank). Used where the formats are too many to count by
-    hand: DeepSeek-V4's float32, int64, float8, FP4 bytes and UE8M0 scales."""
-    from kiln.core.model.contract import constant_dtype, constant_shapes  # it imports config, which imports this
-
-    return sum(math.prod(shape) * _ITEMSIZE[constant_dtype(cfg, name)]
-               for name, shape in constant_shapes(cfg, tp).items())
-
-
 def weight_bytes(cfg, tp: int, dtype_bytes: int) -> int:
     """Bytes of one rank's weights: `dtype_bytes` a parameter, but a quantized checkpoint's projections at a byte
-    each (float8) and their scales at four (float32); a quantized DeepSeek-V4's counted constant by constant."""
-    if cfg.v4 is not None and cfg.quant is not None:
-        return _held_bytes(cfg, tp)
+    each (float8) and their scales at four (float32). Not for a quantized DeepSeek-V4, whose formats are too
+    many to count by hand: kiln.core.model.rank_bytes.weight_bytes_per_rank counts its constants."""
     weights, scales = _quantized(cfg, tp)
     return (params_per_rank(cfg, tp) - weights - scales) * dtype_bytes + weights + 4 * scales

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, replace
 
 from kiln.core.errors import BadInput, GateRefused, HostsLost
+from kiln.core.model.rank_bytes import weight_bytes_per_rank
 from kiln.core.plan.gate import HostReport, Plan, check_kv, decide
 from kiln.core.plan.job import ExportJob
 from kiln.core.plan.probe_result import HostProbe
@@ -90,7 +91,7 @@ def kv_plan(job: ExportJob, reports: list[HostReport], workers: dict[str, int]) 
             else device_required_mib(job.recipe, n, h.unified, cuda=cuda)
         rows.append((list(h.ranks), memory_mib, pool_mib))
     plan = plan_kv(job.recipe, page_size_bytes=page_size(job),
-                   weight_bytes_per_rank=job.model_config.weight_bytes_per_rank(job.tp), hosts=rows).to_dict()
+                   weight_bytes_per_rank=weight_bytes_per_rank(job.model_config, job.tp), hosts=rows).to_dict()
     plan["pool_workers"] = dict(sorted(workers.items()))
     return plan
 
@@ -154,7 +155,7 @@ def check_rank_checks_fit(job: ExportJob, reports: list[HostReport], probes: lis
     eager with its forwards (kiln.core.plan.sizing.check_peak_mib; the check itself refuses alike, but only
     after the compile phase): the refusal names each such host and the figures."""
     cfg = job.model_config
-    shard_bytes = cfg.weight_bytes_per_rank(job.tp)
+    shard_bytes = weight_bytes_per_rank(cfg, job.tp)
     short = []
     for report, probe in zip(reports, probes):
         if not report.ranks or not probe.specs:

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 from kiln.core.errors import CheckCrashed, MemoryShort
+from kiln.core.model.rank_bytes import weight_bytes_per_rank
 from kiln.core.plan.deadlines import check_deadline
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.plan.sizing import check_peak_mib
@@ -97,7 +98,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
         try:
             result = call_in_spawned(
                 _check_rank, job, host, rank, fs,
-                deadline=check_deadline(len(fs), job.model_config.weight_bytes_per_rank(job.tp), job.recipe),
+                deadline=check_deadline(len(fs), weight_bytes_per_rank(job.model_config, job.tp), job.recipe),
                 what=f"the check of rank {rank} on host {host.name} (forwards {', '.join(f['shapes'] for f in fs)})")
         except ChildDied:
             raise CheckCrashed(
@@ -169,11 +170,11 @@ def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict])
 def check_memory(job: ExportJob, num_forwards: int, available_mib: int, what: str) -> int:
     """Predicted peak MiB of one rank's check; MemoryShort (before anything starts) when it cannot fit."""
     cfg = job.model_config
-    need = check_peak_mib(shard_bytes=cfg.weight_bytes_per_rank(job.tp), num_forwards=num_forwards,
+    need = check_peak_mib(shard_bytes=weight_bytes_per_rank(cfg, job.tp), num_forwards=num_forwards,
                           half=cfg.dtype != "float32", process_base_mib=job.recipe.process_base_mib)
     if need > available_mib:
         raise MemoryShort(f"{what}: checking one rank against eager needs about {need} MiB ({num_forwards} "
-                          f"forward(s) of a {cfg.weight_bytes_per_rank(job.tp) // 2**20} MiB shard in {cfg.dtype}) "
+                          f"forward(s) of a {weight_bytes_per_rank(cfg, job.tp) // 2**20} MiB shard in {cfg.dtype}) "
                           f"but {available_mib} MiB are available; free memory there, or use a larger tp (a "
                           "smaller shard).")
     return need

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from kiln.core.model.config import ModelConfig
+from kiln.core.model.rank_bytes import weight_bytes_per_rank
 
 
 def is_s3(checkpoint: str) -> bool:
@@ -88,5 +89,5 @@ def check_job_caches(job, probes: list) -> None:
     kiln.host.weights.s3_weight_cache)."""
     from kiln.host.machine.cache import check_probed_caches
 
-    per_rank = -(-job.model_config.weight_bytes_per_rank(job.tp) // 2**20) if is_s3(job.checkpoint) else 0
+    per_rank = -(-weight_bytes_per_rank(job.model_config, job.tp) // 2**20) if is_s3(job.checkpoint) else 0
     check_probed_caches(probes, job.recipe.artifact_mib_estimate, per_rank)
