@@ -90,13 +90,14 @@ def test_kv_plan_capped_and_never_negative():
     assert plan.per_rank_pages == {0: 10, 1: 0}
 
 
-def test_tp_must_divide_heads():
+def test_tp_needs_a_whole_unit_for_every_rank():
     TINY.check_tp(6)
-    with pytest.raises(BadInput, match="does not divide"):
-        TINY.check_tp(5)
-    with pytest.raises(BadInput, match="KV heads"):
-        ModelConfig(vocab_size=8, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=2,
-                    head_dim=4, intermediate_size=8).check_tp(4)
+    TINY.check_tp(5)  # uneven: kiln.core.model.shares
+    small = ModelConfig(vocab_size=8, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=4,
+                        intermediate_size=8)
+    small.check_tp(4)  # more ranks than KV heads: each holds the one its query head uses
+    with pytest.raises(BadInput, match=r"it has 4 attention heads, fewer than 5 ranks; use a tp of 1, 2, 3, 4\."):
+        small.check_tp(5)
 
 
 def test_config_round_trip():

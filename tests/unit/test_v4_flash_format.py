@@ -82,7 +82,8 @@ def test_a_rank_cuts_whole_bytes_of_fp4_inputs_and_repeats_a_shared_scale():
 
 def test_a_tp_that_splits_an_fp4_byte_is_refused_naming_the_count():
     cfg = from_hf({**FLASH, "moe_intermediate_size": 34, "num_attention_heads": 2, "o_groups": 2})
-    with pytest.raises(BadInput, match=r"FP4 expert bytes per row"):
+    with pytest.raises(BadInput, match=r"does not split its 34 expert intermediate size evenly in whole bytes, "
+                                       r"and an uneven split needs whole quantization blocks of 32 columns"):
         cfg.check_tp(2)
 
 

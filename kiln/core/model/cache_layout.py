@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kiln.core.model import v4_fields
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.layer_runs import layer_runs
+from kiln.core.model.shares import rank_share
 
 DYNAMIC_PAGES = "num_pages"
 """The name of the kv_cache's dynamic dimension in interface shapes."""
@@ -127,10 +128,11 @@ class CacheLayout:
                 "dims": ["layers", "entries", DYNAMIC_PAGES, "page_tokens", "heads", "width"]}
 
 
-def cache_layout(cfg: ModelConfig, tp: int, context_tokens: int | None = None) -> CacheLayout:
-    """The KV cache layout of one rank of `cfg` at `tp` (see the module docstring). DeepSeek-V4's is a slot
-    per sequence sized for `context_tokens` (its compressed entries grow with the context), the same on
-    every rank."""
+def cache_layout(cfg: ModelConfig, tp: int, context_tokens: int | None = None, rank: int = 0) -> CacheLayout:
+    """The KV cache layout of rank `rank` of `cfg` at `tp` (see the module docstring): its own KV heads
+    (kiln.core.model.shares; rank 0 holds the most where tp splits them unevenly, bar ranks whose query heads
+    straddle two groups). DeepSeek-V4's is a slot per sequence sized for `context_tokens` (its compressed
+    entries grow with the context), the same on every rank, as is latent attention's."""
     if cfg.v4 is not None:
         if context_tokens is None:
             raise ValueError("DeepSeek-V4's cache layout depends on the context: pass context_tokens")
@@ -139,7 +141,8 @@ def cache_layout(cfg: ModelConfig, tp: int, context_tokens: int | None = None) -
     if cfg.latent:
         return CacheLayout(entries=("latent_and_rope_key",), heads=1, width=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                            sharded=False)
-    return CacheLayout(entries=("keys", "values"), heads=cfg.num_kv_heads // tp, width=cfg.head_dim, sharded=True)
+    kv_heads = rank_share(cfg, tp, rank).kv_heads
+    return CacheLayout(entries=("keys", "values"), heads=kv_heads[1] - kv_heads[0], width=cfg.head_dim, sharded=True)
 
 
 def slot_context(cfg: ModelConfig, slot_values: int) -> int:

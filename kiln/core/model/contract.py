@@ -39,6 +39,7 @@ from __future__ import annotations
 from kiln.core.model import quant, v4_fields
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.layer_runs import layer_runs
+from kiln.core.model.shares import rank_share
 
 PROCESS_GROUP = "0"
 """The group name the packages' collectives are compiled with: the default world group on every rank."""
@@ -95,8 +96,9 @@ def constant_dtype(cfg: ModelConfig, name: str) -> str:
 
 
 def is_shared_expert(name: str) -> bool:
-    """`name` (a checkpoint tensor or a constant's suffix) is a shared expert's projection."""
-    return any(f"{module}." in name for module, _ in SHARED_EXPERTS.values())
+    """`name` (a checkpoint tensor or a constant's suffix) is a shared expert's projection (DeepSeek-V4's
+    `ffn.shared_experts` too)."""
+    return any(f"{module}." in name for module in [m for m, _ in SHARED_EXPERTS.values()] + ["ffn.shared_experts"])
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -303,13 +305,14 @@ def _constant_parts(cfg: ModelConfig) -> dict[str, list[str]]:
     return out
 
 
-def constant_shapes(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, ...]]:
-    """Package constant -> the shape one rank binds (a stacked one leads with its layer count)."""
+def constant_shapes(cfg: ModelConfig, tp: int, rank: int = 0) -> dict[str, tuple[int, ...]]:
+    """Package constant -> the shape rank `rank` binds (a stacked one leads with its layer count). Rank 0's
+    are the largest (kiln.core.model.shares: near-equal splits give the first ranks the extra units)."""
     full = _module_shapes(cfg)
     out = {}
     for name, sources in _constant_parts(cfg).items():
         shape = list(full[sources[0]])
-        cut = shard_slice(sources[0], cfg, tp, 0)
+        cut = shard_slice(sources[0], cfg, tp, rank)
         if cut is not None:
             shape[cut[0]] = cut[2] - cut[1]
         out[name] = tuple(shape) if name == sources[0] else (len(sources), *shape)
@@ -317,14 +320,18 @@ def constant_shapes(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, ...]]:
 
 
 def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int, int] | None:
-    """(dim, start, stop) of `name`'s rows or columns that `rank` holds; None when replicated.
+    """(dim, start, stop) of `name`'s rows or columns that `rank` holds (kiln.core.model.shares.rank_share);
+    None when replicated.
 
     Column-parallel projections (q, k, v, gate, up) split their output rows and
     their biases; row-parallel ones (o, down) split their input columns and
     keep their bias whole (it is added once, after the all-reduce).
     """
-    if cfg.v4 is not None and v4_fields.shard_slice(name, cfg, tp, rank) is not None:
-        return v4_fields.shard_slice(name, cfg, tp, rank)
+    if tp == 1:
+        return None
+    share = rank_share(cfg, tp, rank)
+    if cfg.v4 is not None and v4_fields.shard_slice(name, cfg, share) is not None:
+        return v4_fields.shard_slice(name, cfg, share)
     if cfg.quant is not None and quant.is_scale(name):  # on the rank's grid: kiln.core.model.quant.scale_cut
         weight = quant.weight_of(name)
         cut = quant.scale_cut(cfg.quant, _held(weight, cfg, tp, rank), weight)
@@ -334,16 +341,16 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
         return None
     if parts[-1] == "bias" and parts[-2] in _ROW:
         return None
-    heads = cfg.num_heads // tp
-    hq, hkv = heads * cfg.head_dim, cfg.num_kv_heads // tp * cfg.head_dim
-    mlp = (cfg.moe_intermediate_size if is_expert(name) else cfg.shared_expert_intermediate_size
-           if is_shared_expert(name) else cfg.intermediate_size)
-    n = {"q_proj": hq, "q_b_proj": hq, "o_proj": heads * cfg.v_head_dim if cfg.latent else hq, "k_proj": hkv,
-         "v_proj": hkv, "kv_b_proj": heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)}.get(parts[-2], mlp // tp)
+    (h0, h1), (k0, k1) = share.heads, share.kv_heads
+    q, kv = (h0 * cfg.head_dim, h1 * cfg.head_dim), (k0 * cfg.head_dim, k1 * cfg.head_dim)
+    latent = cfg.qk_nope_head_dim + cfg.v_head_dim
+    mlp = share.experts if is_expert(name) else share.shared if is_shared_expert(name) else share.mlp
+    a, b = {"q_proj": q, "q_b_proj": q, "o_proj": (h0 * cfg.v_head_dim, h1 * cfg.v_head_dim) if cfg.latent else q,
+            "k_proj": kv, "v_proj": kv, "kv_b_proj": (h0 * latent, h1 * latent)}.get(parts[-2], mlp)
     dim = 0 if parts[-2] in _COLUMN else 1
     if dim == 1 and quant.is_fp4(cfg.quant, name):  # stored two inputs a byte: the rank's bytes
-        n //= 2
-    return dim, rank * n, (rank + 1) * n
+        a, b = a // 2, b // 2
+    return dim, a, b
 
 
 def _held(weight: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int, int] | None:
@@ -351,10 +358,11 @@ def _held(weight: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int, 
     return shard_slice(weight, cfg, tp, rank) if tp > 1 else None
 
 
-def scale_grid(cfg: ModelConfig, tp: int, weight: str) -> tuple[int, int]:
-    """(rows, cols) each of a rank's scales of quantized weight `weight` (a checkpoint name or a stacked
-    constant's suffix) covers: kiln.core.model.quant.scale_grid of the rank's share, the same on every rank."""
-    return quant.scale_grid(cfg.quant, _held(weight, cfg, tp, 0), weight)
+def scale_grid(cfg: ModelConfig, tp: int, weight: str, rank: int = 0) -> tuple[int, int]:
+    """(rows, cols) each of rank `rank`'s scales of quantized weight `weight` (a checkpoint name or a stacked
+    constant's suffix) covers: kiln.core.model.quant.scale_grid of the rank's share. The same on every rank:
+    ranks with equal shares cut the blocks alike, unequal shares are whole blocks (kiln.core.model.shares)."""
+    return quant.scale_grid(cfg.quant, _held(weight, cfg, tp, rank), weight)
 
 
 def weight_layout(cfg: ModelConfig, tp: int) -> dict[str, dict]:

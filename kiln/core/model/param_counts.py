@@ -11,12 +11,20 @@ from __future__ import annotations
 import math
 
 from kiln.core.model.quant import scale_grid
+from kiln.core.model.shares import rank_share
 from kiln.core.model.v4_fields import module_shapes
+
+
+def _most(cfg, tp: int) -> dict[str, int]:
+    """The most of each count any rank of `tp` holds (kiln.core.model.shares.Share.counts): the counts below are
+    a bound from above for every rank, exact where tp splits evenly."""
+    counts = [share.counts() for share in (rank_share(cfg, tp, r) for r in range(tp))]
+    return {k: max(c.get(k, 0) for c in counts) for k in ("heads", "kv_heads", "groups", "mlp", "experts", "shared")}
 
 
 def _latent_attention(cfg, tp: int) -> int:
     """One layer's latent attention: replicated down-projections and their norms, sharded up-projections."""
-    h, heads = cfg.hidden_size, cfg.num_heads // tp
+    h, heads = cfg.hidden_size, _most(cfg, tp)["heads"]
     bias = cfg.o_bias  # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj
     latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     q = (h * cfg.q_lora_rank + cfg.q_lora_rank * (1 + bias) + cfg.q_lora_rank * heads * cfg.head_dim
@@ -26,29 +34,50 @@ def _latent_attention(cfg, tp: int) -> int:
     return q + kv + heads * cfg.v_head_dim * h + h * bias
 
 
-_V4_SPLIT = ("wq_b.weight", "attn_sink", "wo_a.weight", "wo_b.weight", ".w1.weight", ".w2.weight", ".w3.weight")
-"""DeepSeek-V4's tensors that tp splits (kiln.core.model.v4_fields.tp_counts), its indexer's apart."""
+_V4_SPLIT = (("wq_b.weight", "heads"), ("attn_sink", "heads"), ("wo_a.weight", "groups"), ("wo_b.weight", "groups"),
+             ("shared_experts.w1.weight", "shared"), ("shared_experts.w2.weight", "shared"),
+             ("shared_experts.w3.weight", "shared"), (".w1.weight", "experts"), (".w2.weight", "experts"),
+             (".w3.weight", "experts"))
+"""DeepSeek-V4's tensors that tp splits (kiln.core.model.v4_fields.shard_slice; the experts' as every family's),
+its indexer's apart, each with the count it splits by."""
+
+
+def _v4_fraction(cfg, tp: int, name: str) -> tuple[int, int]:
+    """(the most any rank holds, the whole) of what DeepSeek-V4 tensor `name` splits by; (1, 1) if whole."""
+    if "indexer" in name:
+        return 1, 1
+    whole = {"heads": cfg.num_heads, "groups": cfg.v4.o_groups, "experts": cfg.moe_intermediate_size,
+             "shared": cfg.moe_intermediate_size}
+    for suffix, count in _V4_SPLIT:
+        if name.endswith(suffix):
+            return _most(cfg, tp)[count], whole[count]
+    return 1, 1
 
 
 def params_per_rank(cfg, tp: int) -> int:
     """Parameters one of `tp` ranks holds: attention and MLP (experts too) sharded, embeddings and norms whole;
-    DeepSeek-V4's tensors by their shapes, those that tp splits divided by tp (a bound from above)."""
-    if cfg.v4 is not None:  # the tensors kiln.core.model.v4_fields.tp_counts splits, divided by tp
-        return sum(math.prod(s) // (tp if n.endswith(_V4_SPLIT) and "indexer" not in n else 1)
-                   for n, s in module_shapes(cfg).items())
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    attn = cfg.hidden_size * (2 * q + 2 * kv) // tp
-    attn += ((q + 2 * kv) // tp if cfg.qkv_bias else 0) + (cfg.hidden_size if cfg.o_bias else 0)
+    DeepSeek-V4's tensors by their shapes, those that tp splits cut to the largest rank's share. Where tp
+    splits unevenly, the most any rank holds of each (a bound from above)."""
+    if cfg.v4 is not None:
+        total = 0
+        for n, s in module_shapes(cfg).items():
+            most, whole = _v4_fraction(cfg, tp, n)
+            total += math.prod(s) * most // whole
+        return total
+    most = _most(cfg, tp)
+    q, kv = most["heads"] * cfg.head_dim, most["kv_heads"] * cfg.head_dim
+    attn = cfg.hidden_size * (2 * q + 2 * kv)
+    attn += (q + 2 * kv if cfg.qkv_bias else 0) + (cfg.hidden_size if cfg.o_bias else 0)
     if cfg.latent:
         attn = _latent_attention(cfg, tp)
-    mlp = 3 * cfg.hidden_size * cfg.intermediate_size // tp
-    mlp += 2 * cfg.intermediate_size // tp + cfg.hidden_size if cfg.mlp_bias else 0
+    mlp = 3 * cfg.hidden_size * most["mlp"]
+    mlp += 2 * most["mlp"] + cfg.hidden_size if cfg.mlp_bias else 0
     norms = (4 if cfg.sandwich_norms else 2) * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
     per_layer = attn + norms
-    moe = cfg.num_experts * (3 * cfg.hidden_size * cfg.moe_intermediate_size // tp + cfg.hidden_size)
+    moe = cfg.num_experts * (3 * cfg.hidden_size * most["experts"] + cfg.hidden_size)
     moe += cfg.num_experts if cfg.router == "sigmoid_groups" else 0  # the choice's correction bias
     if cfg.shared_expert_intermediate_size:  # with Qwen2-MoE's gate (hidden_size); DeepSeek's has none
-        moe += 3 * cfg.hidden_size * cfg.shared_expert_intermediate_size // tp
+        moe += 3 * cfg.hidden_size * most["shared"]
         moe += cfg.hidden_size if cfg.architecture == "qwen2_moe" else 0
     dense = cfg.num_layers - len(cfg.moe_layers)
     layers = cfg.num_layers * per_layer + len(cfg.moe_layers) * moe + dense * mlp
@@ -59,7 +88,8 @@ def params_per_rank(cfg, tp: int) -> int:
 def _projections(cfg, tp: int) -> list[tuple[int, int, int, int | None]]:
     """(how many, rows, cols, the dimension tp cuts or None) of the projections one rank holds, over all layers:
     the tensors a quantized checkpoint quantizes (kiln.core.model.quant.QUANTIZED)."""
-    h, heads, layers = cfg.hidden_size, cfg.num_heads // tp, cfg.num_layers
+    most = _most(cfg, tp)
+    h, heads, layers = cfg.hidden_size, most["heads"], cfg.num_layers
     if cfg.latent:
         out = [(layers, cfg.kv_lora_rank + cfg.qk_rope_head_dim, h, None),
                (layers, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank, 0),
@@ -67,13 +97,13 @@ def _projections(cfg, tp: int) -> list[tuple[int, int, int, int | None]]:
         out += ([(layers, cfg.q_lora_rank, h, None), (layers, heads * cfg.head_dim, cfg.q_lora_rank, 0)]
                 if cfg.q_lora_rank else [(layers, heads * cfg.head_dim, h, 0)])
     else:
-        q, kv = heads * cfg.head_dim, cfg.num_kv_heads // tp * cfg.head_dim
+        q, kv = heads * cfg.head_dim, most["kv_heads"] * cfg.head_dim
         out = [(layers, q, h, 0), (2 * layers, kv, h, 0), (layers, h, q, 1)]
     moe = len(cfg.moe_layers)
-    for count, width in ((layers - moe, cfg.intermediate_size), (moe * cfg.num_experts, cfg.moe_intermediate_size),
-                         (moe if cfg.shared_expert_intermediate_size else 0, cfg.shared_expert_intermediate_size)):
+    for count, width in ((layers - moe, most["mlp"]), (moe * cfg.num_experts, most["experts"]),
+                         (moe if cfg.shared_expert_intermediate_size else 0, most["shared"])):
         if count:
-            out += [(2 * count, width // tp, h, 0), (count, h, width // tp, 1)]
+            out += [(2 * count, width, h, 0), (count, h, width, 1)]
     return out
 
 

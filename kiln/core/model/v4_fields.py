@@ -185,18 +185,6 @@ def constant_dtype(cfg: "ModelConfig", name: str) -> str:
     return "float32" if name.endswith(FLOAT32_SUFFIXES) else cfg.dtype
 
 
-def tp_counts(cfg: "ModelConfig") -> list[tuple[str, int]]:
-    """What tp ranks split, each a count tp must divide: the query heads (with their sinks and query rows),
-    the output groups (a rank projects its own heads' groups), the experts' and the shared expert's
-    intermediate columns. The one key=value head, the compressors and the indexer are replicated: each is one
-    head's width, and splitting the indexer's heads would need its scores summed before the top-k."""
-    counts = [("attention heads", cfg.num_heads), ("output groups (o_groups)", cfg.v4.o_groups),
-              ("expert intermediate size", cfg.moe_intermediate_size)]
-    if cfg.quant is not None and cfg.quant.experts == "fp4":  # a rank's w2 inputs are whole bytes
-        counts.append(("FP4 expert bytes per row (moe_intermediate_size / 2)", cfg.moe_intermediate_size // 2))
-    return counts
-
-
 def export_refusal(recipe: "Recipe") -> str | None:
     """Why Kiln does not export DeepSeek-V4 with `recipe`, or None. Its compiled step carries the compressed
     cache as a slot per sequence (kiln.core.model.contract.cache_layout) that every token of a step rewrites, so:
@@ -218,17 +206,20 @@ def export_refusal(recipe: "Recipe") -> str | None:
     return "DeepSeek-V4 (model_type deepseek_v4) exports need " + "; and ".join(why) + "."
 
 
-def shard_slice(name: str, cfg: "ModelConfig", tp: int, rank: int) -> tuple[int, int, int] | None:
-    """(dim, start, stop) that `rank` holds of an attention tensor tp_counts splits, else None (the caller
-    cuts the experts as every family's): the query rows and sinks of its heads, its groups' output rows
-    (wo_a) and the matching columns of wo_b."""
-    heads, groups = cfg.num_heads // tp, cfg.v4.o_groups * cfg.v4.o_lora_rank // tp
+def shard_slice(name: str, cfg: "ModelConfig", share: "Share") -> tuple[int, int, int] | None:
+    """(dim, start, stop) that a rank of `share` (kiln.core.model.shares) holds of an attention tensor tp
+    splits, else None (the caller cuts the experts as every family's): the query rows and sinks of its heads,
+    its groups' output rows (wo_a) and the matching columns of wo_b. The key=value head, compressors and
+    indexer are every rank's: each is one head's width, and splitting the indexer's heads would need its
+    scores summed before the top-k."""
+    (h0, h1), (g0, g1), width = share.heads, share.groups, cfg.v4.o_lora_rank
     if ".indexer." in name:
         return None
-    for suffix, dim, n in (("attn.wq_b.weight", 0, heads * cfg.head_dim), ("attn.attn_sink", 0, heads),
-                           ("attn.wo_a.weight", 0, groups), ("attn.wo_b.weight", 1, groups)):
+    for suffix, dim, a, b in (("attn.wq_b.weight", 0, h0 * cfg.head_dim, h1 * cfg.head_dim),
+                              ("attn.attn_sink", 0, h0, h1), ("attn.wo_a.weight", 0, g0 * width, g1 * width),
+                              ("attn.wo_b.weight", 1, g0 * width, g1 * width)):
         if name.endswith(suffix):
-            return dim, rank * n, (rank + 1) * n
+            return dim, a, b
     return None
 
 

@@ -45,9 +45,11 @@ def measured_worker_mib(recipe, peaks_mib: list[int]) -> int | None:
 
 
 def page_size(job: ExportJob) -> int:
+    """The bytes of one page on the rank that holds the most KV heads (kiln.core.model.shares: where tp splits
+    them unevenly, ranks differ), so the page count planned fits every rank."""
     cfg = job.model_config
-    layout = cache_layout(cfg, job.tp, job.recipe.max_context_tokens)
-    return layout.page_bytes(cfg.num_layers, job.recipe.page_tokens, job.recipe.pages_per_seq, cfg.dtype_bytes)
+    return max(cache_layout(cfg, job.tp, job.recipe.max_context_tokens, rank).page_bytes(
+        cfg.num_layers, job.recipe.page_tokens, job.recipe.pages_per_seq, cfg.dtype_bytes) for rank in range(job.tp))
 
 
 def planned_workers(job: ExportJob, probes: list[HostProbe]) -> dict[str, int]:

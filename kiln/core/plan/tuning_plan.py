@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass
 
 from kiln.core.model.config import ModelConfig
+from kiln.core.model.shares import rank_share
 from kiln.core.errors import IntegrityError
 from kiln.core.forwards.forward_keys import digest
 from kiln.core.trust.layout import tuning_key, tuning_prefix
@@ -92,7 +93,8 @@ def bucket_shapes(cfg: ModelConfig, tp: int, bucket: Bucket) -> tuple[GemmShape,
     exported graph, so a model change that adds a GEMM fails a test.
     """
     h, hd = cfg.hidden_size, cfg.head_dim
-    q, kv, mlp = cfg.num_heads // tp * hd, cfg.num_kv_heads // tp * hd, cfg.intermediate_size // tp
+    share = rank_share(cfg, tp, 0).counts()  # rank 0's: where tp splits unevenly, the largest GEMMs
+    q, kv, mlp = share["heads"] * hd, share["kv_heads"] * hd, share["mlp"]
     m = bucket.batch * bucket.tokens
     pairs = {(h, q), (h, kv), (q, h), (h, mlp), (mlp, h), (h, cfg.vocab_size)}
     return tuple(sorted(GemmShape(m, k, n, cfg.dtype) for k, n in pairs))

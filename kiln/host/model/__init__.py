@@ -27,9 +27,10 @@ from kiln.host.model.shards import (example_inputs, expected_shapes, random_stat
 
 
 
-def decoder_of(cfg, tp: int = 1, *, scan: bool = True):
-    """One rank's decoder module of `cfg`: DeepSeek-V4's (its slot cache) or ShardedDecoder (every paged family)."""
-    return (DeepseekV4Decoder if cfg.v4 is not None else ShardedDecoder)(cfg, tp, scan=scan)
+def decoder_of(cfg, tp: int = 1, *, scan: bool = True, rank: int = 0):
+    """Rank `rank`'s decoder module of `cfg` (its share: kiln.core.model.shares): DeepSeek-V4's (its slot cache)
+    or ShardedDecoder (every paged family)."""
+    return (DeepseekV4Decoder if cfg.v4 is not None else ShardedDecoder)(cfg, tp, scan=scan, rank=rank)
 
 
 __all__ = ["DeepseekV4Decoder", "FULL_ATTENTION", "GATHER_BELOW", "ShardedDecoder", "decoder_of", "all_reduce", "example_inputs", "expected_shapes",

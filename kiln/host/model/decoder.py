@@ -39,6 +39,7 @@ from torch import nn
 
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.layer_runs import Segment, layer_runs
+from kiln.core.model.shares import rank_share
 from kiln.host.model.families import deepseek, gemma, llama
 from kiln.host.model.families.llama import Layer
 from kiln.host.model.layers.norms import RMSNorm, softcap
@@ -57,10 +58,10 @@ def layer_of(cfg: ModelConfig) -> Layer:
 
 
 class Inner(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: int):
+    def __init__(self, cfg: ModelConfig, tp: int, rank: int = 0):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.runs = nn.ModuleList(LayerRun(cfg, tp, j) for j in range(len(layer_runs(cfg))))
+        self.runs = nn.ModuleList(LayerRun(cfg, tp, j, rank) for j in range(len(layer_runs(cfg))))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
 
 
@@ -71,17 +72,18 @@ class ShardedDecoder(nn.Module):
     layer's window, so the compiled graph holds one layer body per run whatever the depth. `scan=False` unrolls the
     same layers in Python (the eager reference and the depth bench's comparison); both compute the same.
     With tied embeddings there is no lm_head: the output head reads the embedding matrix, so the package
-    asks for one tensor, not two copies.
+    asks for one tensor, not two copies. `rank` picks the rank's share where tp splits unevenly
+    (kiln.core.model.shares): its tensors' shapes and, for query heads that straddle KV groups, its runs.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: int = 1, *, scan: bool = True):
+    def __init__(self, cfg: ModelConfig, tp: int = 1, *, scan: bool = True, rank: int = 0):
         super().__init__()
-        cfg.check_tp(tp)
         self.cfg = cfg
         self.tp = tp
+        self.kv_runs = rank_share(cfg, tp, rank).kv_runs
         self.scan = scan
         self.layer = layer_of(cfg)
-        self.model = Inner(cfg, tp)
+        self.model = Inner(cfg, tp, rank)
         # A Python float (no tensor in the graph): sqrt(hidden) as the model's dtype holds it.
         self.embed_multiplier = torch.tensor(cfg.hidden_size ** 0.5, dtype=getattr(torch, cfg.dtype),
                                              device="cpu").item()
@@ -114,7 +116,7 @@ class ShardedDecoder(nn.Module):
                              f"(longrope, dynamic); this model's rope is {self.cfg.rope_type!r}")
         windows = self._windows(tokens.device)
         ctx = step_context(self.cfg, start_pos, tokens.shape[1], kv_cache.shape[3], block_table, kv_cache.dtype,
-                           windowed=windows is not None, seq_lens=seq_lens)
+                           windowed=windows is not None, seq_lens=seq_lens, kv_runs=self.kv_runs)
         x = self.model.embed_tokens(tokens)
         if self.cfg.embed_scale:  # Gemma: sqrt(hidden), rounded to the dtype first as transformers does
             x = x * self.embed_multiplier

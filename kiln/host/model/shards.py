@@ -31,7 +31,7 @@ def rank_constants(cfg: ModelConfig, tp: int, rank: int,
         raise ValueError(f"rank {rank} is outside tp {tp}")
     out = {}
     reads = rank_reads(cfg, tp, rank)
-    for name, shape in constant_shapes(cfg, tp).items():
+    for name, shape in constant_shapes(cfg, tp, rank).items():
         own = constant_dtype(cfg, name)  # the model's, or float32 / int64 / float8 for those the contract keeps so
         follows = own == cfg.dtype and not quant.is_scale(name)  # a block's scale keeps its dtype whatever `dtype`
         constant = torch.empty(shape, dtype=dtype if follows else getattr(torch, own))
@@ -102,7 +102,7 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
 
 
 def example_inputs(cfg: ModelConfig, tp: int, batch: int, tokens: int, *, page_tokens: int,
-                   pages_per_seq: int, num_pages: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+                   pages_per_seq: int, num_pages: int, seed: int = 0, rank: int = 0) -> tuple[torch.Tensor, ...]:
     """Inputs of one rank for a (batch, tokens) bucket; the cache holds random context. A model whose rope
     depends on the sequence's length also takes seq_lens: here each sequence's context and new tokens.
     DeepSeek-V4's: num_pages random slots, and each sequence's slot instead of a block table."""
@@ -111,7 +111,7 @@ def example_inputs(cfg: ModelConfig, tp: int, batch: int, tokens: int, *, page_t
     tok = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=gen)
     max_start = pages_per_seq * page_tokens
     start = torch.randint(0, max_start + 1, (batch,), generator=gen)
-    layout = cache_layout(cfg, tp, max_start)
+    layout = cache_layout(cfg, tp, max_start, rank)
     cache = torch.randn(layout.shape(cfg.num_layers, num_pages, page_tokens), generator=gen).to(dtype)
     if not layout.paged:  # DeepSeek-V4: a slot per sequence (num_pages slots), the step within its context
         start = torch.randint(0, max(1, max_start - tokens + 1), (batch,), generator=gen)

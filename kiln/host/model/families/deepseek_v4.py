@@ -56,11 +56,11 @@ def layer(cfg: ModelConfig, tp: int, kind: tuple[str, str], p: dict[str, torch.T
 
 
 class Inner(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: int):
+    def __init__(self, cfg: ModelConfig, tp: int, rank: int = 0):
         super().__init__()
         n, h = cfg.v4.hc_mult, cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
-        self.runs = nn.ModuleList(LayerRun(cfg, tp, j) for j in range(len(layer_runs(cfg))))
+        self.runs = nn.ModuleList(LayerRun(cfg, tp, j, rank) for j in range(len(layer_runs(cfg))))
         self.norm = Holder()
         self.norm.weight = nn.Parameter(torch.ones(h))
         self.hc_head = Holder()
@@ -88,13 +88,14 @@ def pack(layout: CacheLayout, cache: Cache) -> torch.Tensor:
 class DeepseekV4Decoder(nn.Module):
     """One tensor-parallel rank of DeepSeek-V4: forward(tokens, start_pos, kv_cache, slots), the compiled step
     over a slot cache, and its parts: `step` over a cache of per-run tensors, `prompt` from position 0.
-    `scan=False` unrolls the runs in Python; both compute the same."""
+    `scan=False` unrolls the runs in Python; both compute the same. `rank` picks the rank's share where tp
+    splits unevenly (kiln.core.model.shares): its tensors' shapes."""
 
-    def __init__(self, cfg: ModelConfig, tp: int = 1, *, scan: bool = True):
+    def __init__(self, cfg: ModelConfig, tp: int = 1, *, scan: bool = True, rank: int = 0):
         super().__init__()
         cfg.check_tp(tp)
         self.cfg, self.tp, self.scan = cfg, tp, scan
-        self.model = Inner(cfg, tp)
+        self.model = Inner(cfg, tp, rank)
         if not cfg.tie_word_embeddings:
             self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 

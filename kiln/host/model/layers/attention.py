@@ -1,9 +1,10 @@
 """Grouped-query attention of one rank over the paged KV cache (Llama, Mistral, Qwen, Gemma, Phi-3).
 
-A rank holds heads/tp query heads and kv_heads/tp key/value heads: q, k and v
-are column-parallel (their rows split over the ranks), o is row-parallel and
-summed over the ranks. The layer's cache entry is [2, pages, page_tokens,
-kv_heads/tp, head_dim]: the keys (rotated) and the values of every cached token.
+A rank holds its share of the query heads and the key/value heads they use (kiln.core.model.shares: whole
+KV groups, or, with fewer KV heads than ranks, a run of query heads per KV head it holds): q, k and v are
+column-parallel (their rows split over the ranks), o is row-parallel and summed over the ranks. The layer's
+cache entry is [2, pages, page_tokens, the rank's KV heads, head_dim]: the keys (rotated) and the values of
+every cached token.
 """
 
 from __future__ import annotations
@@ -48,32 +49,46 @@ def grouped_query_attention(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor
                             kv: torch.Tensor, window: torch.Tensor | None,
                             ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
     """(the attention's output [b, t, hidden] summed over the ranks, this step's cache entry
-    [2, b, t, kv_heads/tp, head_dim]: its rotated keys and its values).
+    [2, b, t, the rank's KV heads, head_dim]: its rotated keys and its values). Its head counts are its
+    weights' (kiln.core.model.shares); query heads that straddle KV groups unevenly (ctx.kv_runs) attend in
+    runs, one per KV head.
 
     `p` holds the layer's tensors by checkpoint suffix (`self_attn.q_proj.weight`, ...), `h` the normed
     input, `kv` the layer's cache, `window` a 0-d window (tokens a query may look back, itself included)
     or None.
     """
     b, t, _ = h.shape
-    heads, kv_heads, hd = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
-    q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(b, t, heads, hd)
-    k = F.linear(h, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias")).view(b, t, kv_heads, hd)
-    v = F.linear(h, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias")).view(b, t, kv_heads, hd)
+    hd = cfg.head_dim
+    q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias"))
+    k = F.linear(h, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias"))
+    v = F.linear(h, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias"))
+    q, k, v = q.view(b, t, q.shape[-1] // hd, hd), k.view(b, t, k.shape[-1] // hd, hd), v.view(b, t, -1, hd)
     if cfg.qk_norm:  # Qwen3, Gemma 3: every head normalised over head_dim, before the rotary embedding
         q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps, cfg.norm_unit_offset)
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps, cfg.norm_unit_offset)
     cos, sin = ctx.rotary(window)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-    # Decode: the cached pages read where they lie. Decided when traced; over a range of token counts only when
-    # every count of the range qualifies (statically_known_true adds no guard that would narrow the range).
-    if statically_known_true(t <= IN_PLACE_TOKENS):
-        out = attend_in_place(cfg, q, k, v, kv, ctx.block_table, ctx.mask(window), attention_scale(cfg))
-    else:
-        group = heads // kv_heads
-        keys = torch.cat((gather_pages(kv[0], ctx.block_table), k), dim=1).repeat_interleave(group, dim=2)
-        values = torch.cat((gather_pages(kv[1], ctx.block_table), v), dim=1).repeat_interleave(group, dim=2)
-        out = attend(cfg, q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                     ctx.mask(window)).transpose(1, 2)
+    if ctx.kv_runs is None:
+        out = _grouped(cfg, q, k, v, kv, window, ctx)
+    else:  # each KV head with its run of query heads, in order
+        starts = [sum(ctx.kv_runs[:i]) for i in range(len(ctx.kv_runs))]
+        out = torch.cat([_grouped(cfg, q[:, :, a:a + n], k[:, :, i:i + 1], v[:, :, i:i + 1], kv[:, :, :, i:i + 1],
+                                  window, ctx) for i, (a, n) in enumerate(zip(starts, ctx.kv_runs))], dim=2)
     attended = linear_then_reduce(out.reshape(b, t, -1), p["self_attn.o_proj.weight"],
                                   p.get("self_attn.o_proj.bias"), tp)
     return attended, torch.stack((k, v))
+
+
+def _grouped(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+             window: torch.Tensor | None, ctx: StepContext) -> torch.Tensor:
+    """[b, t, heads, head_dim]: query heads q [b, t, heads, hd] in equal groups, one per KV head of k and v
+    [b, t, kv_heads, hd] and of the cache `kv` [2, pages, page_tokens, kv_heads, hd]."""
+    # Decode: the cached pages read where they lie. Decided when traced; over a range of token counts only when
+    # every count of the range qualifies (statically_known_true adds no guard that would narrow the range).
+    if statically_known_true(q.shape[1] <= IN_PLACE_TOKENS):
+        return attend_in_place(cfg, q, k, v, kv, ctx.block_table, ctx.mask(window), attention_scale(cfg))
+    group = q.shape[2] // k.shape[2]
+    keys = torch.cat((gather_pages(kv[0], ctx.block_table), k), dim=1).repeat_interleave(group, dim=2)
+    values = torch.cat((gather_pages(kv[1], ctx.block_table), v), dim=1).repeat_interleave(group, dim=2)
+    return attend(cfg, q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                  ctx.mask(window)).transpose(1, 2)

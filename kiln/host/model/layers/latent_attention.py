@@ -48,12 +48,13 @@ def latent_attention(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h: t
     """(the attention's output [b, t, hidden] summed over the ranks, this step's cache entry
     [1, b, t, 1, kv_lora_rank + qk_rope_head_dim]: each new token's normed latent and rotated key)."""
     b, t, _ = h.shape
-    heads, nope, rope = cfg.num_heads // tp, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     if cfg.q_lora_rank:
         q = F.linear(h, p["self_attn.q_a_proj.weight"], p.get("self_attn.q_a_proj.bias"))
         q = F.linear(rms_norm(q, p["self_attn.q_a_layernorm.weight"], LATENT_NORM_EPS), p["self_attn.q_b_proj.weight"])
     else:
         q = F.linear(h, p["self_attn.q_proj.weight"])
+    heads = q.shape[-1] // cfg.head_dim  # the rank's share (kiln.core.model.shares), from its weights
     q_nope, q_rot = q.view(b, t, heads, cfg.head_dim).split((nope, rope), dim=-1)
     compressed = F.linear(h, p["self_attn.kv_a_proj_with_mqa.weight"], p.get("self_attn.kv_a_proj_with_mqa.bias"))
     latent, k_rot = compressed.split((cfg.kv_lora_rank, rope), dim=-1)

@@ -50,11 +50,11 @@ class LayerRun(nn.Module):
     of its layers (kiln.core.model.layer_runs).
     """
 
-    def __init__(self, cfg: ModelConfig, tp: int, index: int):
+    def __init__(self, cfg: ModelConfig, tp: int, index: int, rank: int = 0):
         super().__init__()
         self.layers = layer_runs(cfg)[index]
         prefix = f"{RUN_PREFIX}{index}."
-        shapes = constant_shapes(cfg, tp)
+        shapes = constant_shapes(cfg, tp, rank)
         self.suffixes = [n.removeprefix(prefix) for n in shapes if n.startswith(prefix)]
         for suffix in self.suffixes:
             owner = self

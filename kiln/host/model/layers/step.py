@@ -29,6 +29,9 @@ class StepContext:
     """[b, t, ctx + t]: query position minus key position; None when no layer has a window."""
     block_table: torch.Tensor
     """[b, pages_per_seq]: the cache pages of each sequence, in order."""
+    kv_runs: tuple[int, ...] | None = None
+    """This rank's query heads per KV head where they straddle KV groups unevenly (kiln.core.model.shares.Share.
+    kv_runs), else None: a static fact of the rank, not a tensor."""
 
     def mask(self, window: torch.Tensor | None) -> torch.Tensor:
         """[b, 1, t, ctx + t]: what a layer of `window` (0-d, or None: no window) lets each query see."""
@@ -45,7 +48,7 @@ class StepContext:
 
 def step_context(cfg: ModelConfig, start_pos: torch.Tensor, num_tokens: int, page_tokens: int,
                  block_table: torch.Tensor, dtype: torch.dtype, windowed: bool,
-                 seq_lens: torch.Tensor | None = None) -> StepContext:
+                 seq_lens: torch.Tensor | None = None, kv_runs: tuple[int, ...] | None = None) -> StepContext:
     """The context of one step: query i of sequence b sits at position start_pos[b] + i; cached key j at
     position j (valid below start_pos[b]); new key i at start_pos[b] + i. `seq_lens` [b]: each sequence's
     length, which a longrope or dynamic rope goes by."""
@@ -64,7 +67,7 @@ def step_context(cfg: ModelConfig, start_pos: torch.Tensor, num_tokens: int, pag
     distance = positions[:, :, None] - key_pos[:, None, :]  # [b, t, ctx + t]
     return StepContext(cos=cos, sin=sin, local_cos=local_cos, local_sin=local_sin,
                        causal=key_ok[:, None, :] & (distance >= 0), distance=distance if windowed else None,
-                       block_table=block_table)
+                       block_table=block_table, kv_runs=kv_runs)
 
 
 def gather_pages(entry: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
