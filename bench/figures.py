@@ -115,6 +115,13 @@ FIGURES: dict[str, tuple[str, str]] = {
     "quantized_compile_ratio": ("quantized", "compile s, FP8-block weights / bfloat16 weights, the median of the "
                                 "decode and prefill forwards' (each in a fresh process and Inductor cache, the "
                                 "format compiled first alternating)"),
+    "uneven_llama_step_balance": ("uneven", "decode step (1x1) at tp 3 of Llama-3.1-8B's widths (KV heads 3, 3, "
+                                            "2): the slowest rank's median s / the mean of the ranks' medians"),
+    "uneven_llama_forwards": ("uneven", "a count, not a timing: forwards tp 3 compiles per bucket of that model (an "
+                                        "even tp: 1)"),
+    "uneven_v4_step_balance": ("uneven", "decode step (1x1) at tp 3 of DeepSeek-V4-Flash's proportions (output "
+                                         "groups 3, 3, 2): the slowest rank's median s / the mean of the ranks'"),
+    "uneven_v4_forwards": ("uneven", "a count, not a timing: forwards tp 3 compiles per bucket of that model"),
     "wrong_forwards_caught": ("checks", "a fraction, not a timing: wrong forwards the check fails / all of them "
                                         "(every MoE family, float32 and bfloat16, a fixed list of mutations, at a "
                                         "one-token step and a range's checked shapes)"),
@@ -151,6 +158,8 @@ TARGETS: dict[str, Target] = {
     "quantized_weight_bytes_ratio": Target("<=", 1.1),
     "quantized_decode_step_ratio": Target("<=", 2.0),
     "quantized_compile_ratio": Target("<=", 1.2),
+    "uneven_llama_step_balance": Target("<=", 1.15),
+    "uneven_v4_step_balance": Target("<=", 1.15),
     "wrong_forwards_caught": Target(">=", 1.0),
     "right_forward_draws_passed": Target(">=", 1.0),
 }

@@ -42,6 +42,7 @@ from bench.parts_ranges import part_ranges
 from bench.parts_single import part_compile_efficiency, part_dedup, part_overhead, part_pool_vs_loop, part_warm_cold
 from bench.parts_s3_read import part_s3_read
 from bench.parts_store import part_store
+from bench.parts_uneven import part_uneven
 from bench.runs import LoadSampler, MotoServer, Workdir
 from kiln.core.errors import BadInput
 
@@ -50,14 +51,16 @@ PARTS = {"fail_fast": part_fail_fast, "compile_efficiency": part_compile_efficie
          "overhead": part_overhead, "store": part_store, "borrow": part_borrow, "gate_scale": part_gate_scale,
          "collective": part_collective, "depth": part_depth, "s3_read": part_s3_read,
          "moe": part_moe, "mla": part_mla, "ranges": part_ranges, "rank_peak": part_rank_peak,
-         "decode_context": part_decode_context, "checks": part_checks, "quantized": part_quantized}
+         "decode_context": part_decode_context, "checks": part_checks, "quantized": part_quantized,
+         "uneven": part_uneven}
 REPEATS_INSIDE = {"store", "collective", "gate_scale", "depth", "s3_read", "moe", "mla", "ranges", "rank_peak",
-                  "decode_context", "checks", "quantized"}
+                  "decode_context", "checks", "quantized", "uneven"}
 """Parts that take their own samples in one call (alternating sides inside); the suite runs them once."""
-QUICK_SKIPS = ("borrow", "moe", "mla", "ranges", "rank_peak", "decode_context", "checks", "quantized")
+QUICK_SKIPS = ("borrow", "moe", "mla", "ranges", "rank_peak", "decode_context", "checks", "quantized", "uneven")
 """Parts `--quick` leaves out unless named: two cold 3-host exports do not fit in its few minutes, and the
-test suite's time has no room for the compiles of moe, mla, ranges, rank_peak, decode_context, checks and
-quantized (`kiln bench --quick moe mla ranges rank_peak decode_context checks quantized` runs them)."""
+test suite's time has no room for the compiles of moe, mla, ranges, rank_peak, decode_context, checks,
+quantized and uneven (`kiln bench --quick moe mla ranges rank_peak decode_context checks quantized uneven` runs
+them)."""
 NEEDS_PREFECT_SERVER = {"borrow", "warm_cold", "overhead"}
 NEEDS_S3 = {"fail_fast", "borrow", "store", "s3_read"}
 REPO = Path(__file__).resolve().parents[1]

@@ -276,8 +276,8 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run the benchmark suite (or named parts); write bench/results/<stamp>.*")
     b.add_argument("parts", nargs="*", metavar="PART", help="fail_fast, compile_efficiency, pool_vs_loop, dedup, "
                    "warm_cold, overhead, store, borrow, gate_scale, collective, depth, s3_read, moe, mla, ranges, rank_peak, "
-                   "decode_context, checks, quantized (default: all)")
-    b.add_argument("--quick", action="store_true", help="fewer buckets, one repetition, no borrow, moe, mla, ranges, rank_peak, decode_context, checks or quantized part "
+                   "decode_context, checks, quantized, uneven (default: all)")
+    b.add_argument("--quick", action="store_true", help="fewer buckets, one repetition, no borrow, moe, mla, ranges, rank_peak, decode_context, checks, quantized or uneven part "
                    "unless named (minutes)")
     b.add_argument("--samples", type=int, metavar="N",
                    help="samples per side of every ratio, sides alternating (default: 3; 1 with --quick)")

@@ -23,7 +23,7 @@ from kiln.core.run.decode import check_request, prefill_steps, refills_cache, st
 from kiln.core.trust.manifest import manifest_device
 from kiln.core.plan.recipe import Bucket, parse_buckets
 from kiln.core.forwards.shape_ranges import choose_forward, parse_shape_range
-from kiln.host.ranks.verify_ranks import RankLink, join_ranks, rank_device, spawn_ranks
+from kiln.host.ranks.verify_ranks import RankLink, join_ranks, rank_artifacts, rank_device, spawn_ranks
 
 
 def run_export(store_url: str | None, export_id: str, *, prompt: list[int], max_new_tokens: int,
@@ -70,9 +70,9 @@ def _run_rank(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) ->
                             device)
     link.doing("loading the forwards")
     forwards = {parse_shape_range(name): load_forward(art["path"], weights, art["sha256"], device=device)
-                for name, art in sorted(job["artifacts"].items())}
+                for name, art in rank_artifacts(job["artifacts"], rank).items()}
     side = host_group()
-    generated, logits = _decode(forwards, cfg, tp, job, torch, dist, side, link, device)
+    generated, logits = _decode(forwards, cfg, tp, job, torch, dist, side, link, device, rank)
     link.doing("leaving the gloo group")
     dist.barrier(group=side)
     dist.destroy_process_group()
@@ -80,14 +80,14 @@ def _run_rank(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) ->
 
 
 def _decode(forwards: dict, cfg, tp: int, job: dict, torch, dist, side,
-            link: RankLink, device: str) -> tuple[list[int], list]:
+            link: RankLink, device: str, rank: int = 0) -> tuple[list[int], list]:
     """The decode loop of one rank: prefill in chunks of the export's buckets, then one step per token, each on
     the forward (`forwards`: ShapeRange -> loaded package) the contract's rule picks; the cache is this rank's,
     on `device` with every step's inputs. Each step says its forward and position on `link`
     (kiln.host.ranks.verify_ranks.RankLink)."""
     page_tokens, pages_per_seq = job["page_tokens"], job["pages_per_seq"]
     dtype = getattr(torch, cfg.dtype)
-    layout = cache_layout(cfg, tp, page_tokens * pages_per_seq)
+    layout = cache_layout(cfg, tp, page_tokens * pages_per_seq, rank)  # its own KV heads
     # Sequence 0 owns pages 0..pages_per_seq-1 (a slot cache: slot 0, of 2, the fewest a forward takes);
     # padding rows of a wider bucket read the same pages or slot, write none.
     cache = torch.zeros(layout.shape(cfg.num_layers, pages_per_seq + 1 if layout.paged else 2, page_tokens),

@@ -41,7 +41,9 @@ def fetch_verified_export(store: Store, export_id: str, dest: Path, *, trusted,
     target: kiln.core.trust.manifest.forwards_for_host refuses by name before anything
     is fetched), then each artifact's sha256 (against the signed manifest) as it
     lands in `dest`, then each package's members. `artifacts` maps forward
-    shapes ('1x8', '2-8x16-64@8x64') to {'path', 'sha256', 'object'}; load them with
+    shapes ('1x8', '2-8x16-64@8x64'; where the ranks' shares differ, 'SHAPES ranks 0,1': one per rank shape)
+    to {'path', 'sha256', 'object', 'shapes'[, 'ranks']} (kiln.host.ranks.verify_ranks.rank_artifacts picks a
+    rank's); load them with
     kiln.host.ranks.loader.load_forward on the manifest's device
     (kiln.core.trust.manifest.manifest_device), which checks both again.
     """
@@ -56,7 +58,9 @@ def fetch_verified_export(store: Store, export_id: str, dest: Path, *, trusted,
     for f in chosen:
         path = dest / f"{f['key']}.pt2"
         store.get_file(validate_key(f["object"]), path, f["sha256"])  # raises IntegrityError on mismatch
-        artifacts[f["shapes"]] = {"path": str(path), "sha256": f["sha256"], "object": f["object"]}
+        name = f["shapes"] + (f" ranks {','.join(map(str, f['ranks']))}" if "ranks" in f else "")
+        artifacts[name] = {"path": str(path), "sha256": f["sha256"], "object": f["object"], "shapes": f["shapes"],
+                           **({"ranks": f["ranks"]} if "ranks" in f else {})}
     lines.append(f"sha256 ok for {len(artifacts)} artifact(s)")
     for art in artifacts.values():
         check_package(art["path"])  # the loader checks again; here a refusal stops before any process starts
@@ -138,7 +142,8 @@ def verify_export(store_url: str | None, export_id: str, *, pin: str | None = No
     recipe = Recipe.from_dict(manifest["recipe"])
     predicted = verify_peak_mib(shard_bytes=weight_bytes_per_rank(cfg, manifest["tp"]),
                                 full_bytes=weight_bytes_per_rank(cfg, 1), tp=manifest["tp"],
-                                num_forwards=len(artifacts), half=cfg.dtype != "float32",
+                                num_forwards=len({a["shapes"] for a in artifacts.values()}),
+                                half=cfg.dtype != "float32",
                                 process_base_mib=recipe.process_base_mib)
     available = host_memory()["host_available_mib"]
     if predicted > available:

@@ -274,17 +274,20 @@ def rank_constants(manifest: dict, names, tensors: dict[str, torch.Tensor], rank
                    device: torch.device) -> dict:
     """The package constants `names` of `rank` on `device`, as the manifest's `weights` says: each source tensor
     cut for the rank and cast to the dtype the package was compiled for; a stacked constant (`stack` not None) is
-    allocated once and each source copied into its slice of the leading dimension, in order."""
+    allocated once and each source copied into its slice of the leading dimension, in order. Where the ranks'
+    shares differ, a constant's `shapes` and a cut's `lengths` are per rank."""
     out = {}
     for name in names:
         w = manifest["weights"][name]
-        constant = torch.empty(w["shape"], dtype=getattr(torch, w["dtype"]), device=device)
+        shape = w["shapes"][rank] if "shapes" in w else w["shape"]
+        constant = torch.empty(shape, dtype=getattr(torch, w["dtype"]), device=device)
         for i, source in enumerate(w["sources"]):
             t = tensors[source["tensor"]]
             if source["cut"] is not None:  # FP8 block scales may repeat each entry over a rank's sub-blocks first
                 cut = source["cut"]
                 t = t.repeat_interleave(cut.get("repeat", 1), cut["dim"]) if cut.get("repeat", 1) > 1 else t
-                t = t.narrow(cut["dim"], cut["offsets"][rank], cut["length"])
+                length = cut["lengths"][rank] if "lengths" in cut else cut["length"]
+                t = t.narrow(cut["dim"], cut["offsets"][rank], length)
             (constant if w["stack"] is None else constant[i]).copy_(t)
         out[name] = constant
     return out
@@ -384,13 +387,15 @@ def check_export(args: argparse.Namespace) -> tuple[dict, dict[str, dict], torch
         if not torch.cuda.is_available():
             raise SystemExit("this export's packages run on CUDA and this torch sees no GPU: run it on a GPU host")
         device = torch.device("cuda", args.rank % torch.cuda.device_count())
-    # Each bucket's forward among those this host can run; refused by name before any rank connects.
-    problems = {f["key"]: target_problem(f, device) for f in manifest["forwards"]}
-    runnable = [f for f in manifest["forwards"] if problems[f["key"]] is None]
+    # This rank's forwards (where the ranks' shares differ, each forward lists the ranks it is for), and each
+    # bucket's among those this host can run; refused by name before any rank connects.
+    mine = [f for f in manifest["forwards"] if args.rank in f.get("ranks", [args.rank])]
+    problems = {f["key"]: target_problem(f, device) for f in mine}
+    runnable = [f for f in mine if problems[f["key"]] is None]
     chosen = {}
     for bucket in manifest["buckets"]:
         batch, tokens = map(int, bucket.split("x"))
-        holders = [f for f in manifest["forwards"] if holds(f, batch, tokens)]
+        holders = [f for f in mine if holds(f, batch, tokens)]
         if holders and all(problems[f["key"]] for f in holders):
             raise SystemExit(f"no forward of bucket {bucket} can run on this host: " + "; ".join(
                 f"forward {f['key']}: {problems[f['key']]}" for f in holders))

@@ -19,7 +19,6 @@ from kiln.core.errors import BadInput
 from kiln.core.forwards.forward_keys import check_export_id
 from kiln.core.machine.home import kiln_home
 from kiln.core.model.config import BUNDLED_MODEL, DTYPE_BYTES
-from kiln.core.model.shares import even, rank_share
 from kiln.core.plan.job import CHECKSUM_MODES, DEFAULT_TP, ExportJob, HostSpec, place_ranks
 from kiln.core.trust.layout import manifest_key
 from kiln.core.plan.recipe import SETTING, Recipe, form_overrides, recipe_form, recipe_of_form
@@ -66,9 +65,9 @@ class ExportParams(BaseModel):
                                    "s3://BUCKET/PREFIX holding one (read in place at the S3 endpoint).")
     tp: int = Field(DEFAULT_TP, ge=1, le=1024, title="Tensor-parallel ranks",
                     description="How many ranks share the model, each holding a slice of every layer: from 1 "
-                                "to 1024, at most the model's attention heads (DeepSeek-V4: output groups). "
-                                "An export needs every rank's share equal for now (the run fails at once "
-                                "naming the values that give that).")
+                                "to 1024, at most the model's attention heads (DeepSeek-V4: output groups); "
+                                "where it does not divide them, ranks hold near-equal shares, a package per "
+                                "distinct share (the run fails at once naming the values that work).")
     dtype: Literal[("checkpoint", *DTYPE_BYTES)] = Field(
         "checkpoint", title="Number format",
         description="The number format to compile and run in: 'checkpoint' keeps the one the checkpoint was "
@@ -231,11 +230,6 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
     if params.dtype != "checkpoint":
         cfg = cfg.replace(dtype=params.dtype)
     cfg.check_tp(params.tp)
-    if not even(cfg, params.tp):  # computed (kiln.core.model.shares), not yet compiled per rank shape
-        ok = [d for d in range(1, params.tp * 2 + 1) if _splits(cfg, d) and even(cfg, d)]
-        raise BadInput(f"--tp {params.tp} splits the model unevenly (ranks would hold "
-                       f"{'; '.join(str(rank_share(cfg, params.tp, r).counts()) for r in range(params.tp))}); Kiln "
-                       f"does not export uneven shares yet: use a tp of {', '.join(map(str, ok))}.")
     if cfg.v4 is not None and export_refusal(recipe):  # its slot cache: static shapes, no padded steps
         raise BadInput(export_refusal(recipe))
     names = host_names or []
@@ -277,10 +271,3 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
                     signing=plan)
     return job, hosts
 
-
-def _splits(cfg, tp: int) -> bool:
-    try:
-        cfg.check_tp(tp)
-    except BadInput:
-        return False
-    return True

@@ -262,13 +262,14 @@ std::string shape_str(const std::vector<int64_t>& s) {
 
 // This rank's package constants, as the layout says: each source tensor cut for the rank and cast; a stacked
 // constant ("stack" not null) is allocated once and each source copied into its slice of the leading dimension.
+// Where the ranks' shares differ, a constant's "shapes" and a cut's "lengths" are per rank.
 std::unordered_map<std::string, at::Tensor> rank_weights(const json& layout, const std::vector<std::string>& names,
                                                          const Checkpoint& ckpt, int rank) {
   std::unordered_map<std::string, at::Tensor> out;
   for (const auto& name : names) {
     if (!layout.contains(name)) fail("the package needs constant " + name + " but the manifest's weights lack it");
     const json& w = layout.at(name);
-    auto shape = w.at("shape").get<std::vector<int64_t>>();
+    auto shape = (w.contains("shapes") ? w.at("shapes").at(rank) : w.at("shape")).get<std::vector<int64_t>>();
     bool stacked = !w.at("stack").is_null();
     const json& sources = w.at("sources");
     if (stacked ? (shape.empty() || shape[0] != static_cast<int64_t>(sources.size())) : sources.size() != 1)
@@ -284,7 +285,7 @@ std::unordered_map<std::string, at::Tensor> rank_weights(const json& layout, con
       int64_t dim = -1, offset = 0, length = 0, repeat = 1;
       if (!src.at("cut").is_null()) {
         dim = src["cut"].at("dim");
-        length = src["cut"].at("length");
+        length = src["cut"].contains("lengths") ? src["cut"].at("lengths").at(rank) : src["cut"].at("length");
         offset = src["cut"].at("offsets").at(rank);
         repeat = src["cut"].value("repeat", 1);
       }
@@ -447,7 +448,14 @@ int run(const Args& a) {
          "example, examples/torch_only.py, or kiln run on a GPU host)");
   int tp = manifest.at("tp");
   if (tp != a.world_size) fail("the export is tp " + std::to_string(tp) + " but --world-size is " + std::to_string(a.world_size));
-  // The forwards whose range holds the bucket; of those, the contract's choice (--key picks among targets).
+  // This rank's forwards (where the ranks' shares differ, each lists the ranks it is for) whose range holds the
+  // bucket; of those, the contract's choice (--key picks among targets).
+  auto for_rank = [&](const json& f) {
+    if (!f.contains("ranks")) return true;
+    for (const auto& r : f.at("ranks"))
+      if (r.get<int>() == a.rank) return true;
+    return false;
+  };
   auto holds = [&](const json& f) {
     return f.at("batch")[0] <= a.batch && a.batch <= f.at("batch")[1] && f.at("tokens")[0] <= a.seq_tokens &&
            a.seq_tokens <= f.at("tokens")[1];
@@ -462,7 +470,7 @@ int run(const Args& a) {
   std::set<std::string> targets;
   std::string cannot_run;  // the forwards that hold the bucket but whose code this CPU cannot run, and why
   for (const auto& f : manifest.at("forwards"))
-    if (holds(f) && (a.key.empty() || f.at("key") == a.key)) {
+    if (for_rank(f) && holds(f) && (a.key.empty() || f.at("key") == a.key)) {
       if (std::string why = target_problem(f); !why.empty()) {
         cannot_run += "; forward " + f.at("key").get<std::string>() + ": " + why;
         continue;

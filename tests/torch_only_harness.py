@@ -52,7 +52,7 @@ weights = load_rank_weights(manifest["model"]["checkpoint"], cfg, world, rank)
 logits, loaded = {}, {}
 for bucket in manifest["buckets"]:
     batch, tokens = map(int, bucket.split("x"))
-    f = choose_forward(manifest["forwards"], batch, tokens)
+    f = choose_forward([f for f in manifest["forwards"] if rank in f.get("ranks", [rank])], batch, tokens)
     if f["key"] not in loaded:
         loaded[f["key"]] = load_forward(packages / f["object"].removeprefix("forwards/"), weights, f["sha256"])
     with torch.no_grad():

@@ -65,14 +65,6 @@ def test_shapes_not_matching_config(kiln_main, tmp_path, ckpt):
     _check_refused(run, store, "does not match its config")
 
 
-def test_tp_splitting_unevenly_is_refused_by_export_naming_the_even_ones(kiln_main, tmp_path):
-    """kiln.core.model.shares splits the tiny model's 12 KV heads 3, 3, 2, 2, 2 at tp 5 (computed, eagerly:
-    tests/reference/test_uneven_tp.py); an export of uneven shares is refused before anything starts."""
-    run, store = export(kiln_main, tmp_path, "--model", "tiny", "--tp", "5")
-    _check_refused(run, store, "--tp 5 splits the model unevenly", "does not export uneven shares yet: use a tp "
-                   "of 1, 2, 3, 4, 6.")
-
-
 def test_more_ranks_than_heads_is_refused_naming_what_works(kiln_main, tmp_path):
     run, store = export(kiln_main, tmp_path, "--model", "tiny", "--tp", "25")
     _check_refused(run, store, "--tp 25 cannot split the model: it has 24 attention heads, fewer than 25 ranks")

@@ -16,16 +16,10 @@ import re
 
 import boto3
 import pytest
+from incident_hosts import INCIDENT
 
 pytestmark = pytest.mark.slow
 
-# The incident's GB10 workers took 2048 MiB of host memory and a 2048 MiB CUDA context out of the same pool;
-# CPU hosts stand in for them with the 4096 MiB as host memory (a CPU export reserves no device memory).
-INCIDENT = ["--hosts", "3", "--tp", "3",
-            "--set", "headroom_floor_mib=8192", "--set", "recipe_headroom_mib=1024",
-            "--set", "worker_host_mib=4096", "--set", "unified_memory=true",
-            "--assume-available", "host-0=20480",
-            "--assume-available", "host-1=12038", "--assume-available", "host-2=11939"]
 # The fewest forwards that show each point (each compiles for tp 3, tens of seconds on 2 cores): the
 # refusal compiles nothing, so it keeps four; host-0 compiling everything needs two; every host
 # compiling needs three (the gate gives idle hosts the next key, kiln/core/plan/gate.py's _assign).

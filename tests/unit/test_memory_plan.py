@@ -155,11 +155,12 @@ def test_a_rank_check_that_would_not_fit_is_refused_before_anything_compiles():
     j = ExportJob(export_id="x", model_name="wide", checkpoint="/none", config=cfg.to_dict(), tp=2,
                   recipe=Recipe(buckets=(Bucket(1, 16), Bucket(1, 1))), store_url="file:///none")
     need = check_peak_mib(shard_bytes=weight_bytes_per_rank(cfg, 2), num_forwards=2, half=True, process_base_mib=512)
-    run_gate(j, [probe("h", (0, 1), need, ["k1", "k2"])])
+    shapes = {"k1": "1x16", "k2": "1x1"}  # a rank checks one forward per shapes
+    run_gate(j, [probe("h", (0, 1), need, ["k1", "k2"], shapes=shapes)])
     with pytest.raises(GateRefused, match=f"host h needs about {need} MiB to check one rank against eager "
                                           r"\(2 forward\(s\) of a \d+ MiB shard in bfloat16\) but "
                                           f"{need - 1} MiB are available.*Nothing was compiled"):
-        run_gate(j, [probe("h", (0, 1), need - 1, ["k1", "k2"])])
+        run_gate(j, [probe("h", (0, 1), need - 1, ["k1", "k2"], shapes=shapes)])
 
 
 def test_the_gate_expects_a_range_to_take_longer_and_then_what_was_measured():

@@ -143,3 +143,34 @@ def test_a_tp_without_a_whole_unit_for_every_rank_is_refused_naming_the_ones_tha
         small_heads.check_tp(3)
     with pytest.raises(BadInput, match=r"--tp must be a positive integer, got 0\."):
         TINY.check_tp(0)
+
+
+def test_an_uneven_tp_makes_a_forward_per_rank_shape_and_an_even_one_keeps_its_keys():
+    from kiln.core.forwards.shape_ranges import parse_buckets
+    from kiln.core.plan.job import ExportJob
+    from kiln.core.plan.recipe import Recipe
+
+    def specs(cfg, tp):
+        job = ExportJob(export_id="e", model_name="m", checkpoint="/none", config=cfg.to_dict(), tp=tp,
+                        recipe=Recipe(buckets=parse_buckets("1x8,2x4")), store_url="file:///tmp/s")
+        return job.specs(target="cpu-x", torch_version="2.13.0", code="c", compiler={})
+
+    even_specs = specs(TINY, 2)
+    assert all("share" not in s.graph for s in even_specs)  # the keys of every export before uneven shares
+    uneven = specs(TINY, 5)  # KV heads 3, 3, 2, 2, 2: two rank shapes
+    assert len(uneven) == 2 * len(even_specs) and len({s.key for s in uneven}) == len(uneven)
+    assert sorted(tuple(s.graph["share"]["ranks"]) for s in uneven) == [(0, 1)] * 2 + [(2, 3, 4)] * 2
+    assert {(s.graph["share"]["heads"], s.graph["share"]["kv_heads"]) for s in uneven} == {(6, 3), (4, 2)}
+
+
+def test_the_consumer_layout_states_each_ranks_shapes_where_they_differ():
+    from kiln.core.model.contract import weight_layout
+
+    layout = weight_layout(LLAMA_8B, 3)
+    q = layout["model.runs.0.self_attn.q_proj.weight"]
+    assert "shape" not in q and q["shapes"] == [[2, 1536, 4096], [2, 1536, 4096], [2, 1024, 4096]]
+    cut = q["sources"][0]["cut"]
+    assert "length" not in cut and cut["lengths"] == [1536, 1536, 1024] and cut["offsets"] == [0, 1536, 3072]
+    assert layout["model.embed_tokens.weight"]["shape"] == [128256, 4096]  # whole on every rank: the even form
+    even = weight_layout(LLAMA_8B, 2)["model.runs.0.self_attn.q_proj.weight"]
+    assert even["shape"] == [2, 2048, 4096] and even["sources"][0]["cut"]["length"] == 2048

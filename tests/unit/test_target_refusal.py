@@ -124,3 +124,24 @@ def test_the_rank_check_refuses_a_package_before_loading_it():
     with pytest.raises(BadInput, match=f"host h0: forward a+ \\(1x8\\) is for target {AVX512.fingerprint} and this "
                                        f"host's is {AVX2.fingerprint}: it needs ISA level avx512"):
         check_runs_here([_forward("a", AVX512)], _host(AVX2), "host h0")
+
+
+def test_ranks_of_unequal_shares_each_get_one_forward_per_shapes():
+    """kiln.core.model.shares: an export whose ranks' shares differ lists a forward per rank shape, each naming
+    its ranks; the consumer picks its rank's (rank_forwards), and a manifest that leaves a rank without one, or
+    names ranks on some forwards only, is refused."""
+    from kiln.core.trust.manifest import rank_forwards
+
+    a, b = {**_forward("a", AVX2), "ranks": [0]}, {**_forward("b", AVX2), "ranks": [1]}
+    m = _manifest([a, b])
+    chosen = forwards_for_host(m, _host(AVX512), 0)
+    assert sorted(f["key"] for f in chosen) == ["a" * 16, "b" * 16]  # one per shapes and rank shape
+    assert [f["key"] for f in rank_forwards(chosen, 1)] == ["b" * 16]
+    assert [f["key"] for f in rank_forwards([_forward("c", AVX2)], 1)] == ["c" * 16]  # an even export's: every rank
+    with pytest.raises(IntegrityError, match=r"forwards of shapes 1x8 \(.*\) are for ranks \[0\], not each of "
+                                             r"the 2"):
+        _manifest([a])
+    with pytest.raises(IntegrityError, match="some forwards of the manifest name their ranks and others do not"):
+        _manifest([a, _forward("c", AVX2)])
+    with pytest.raises(IntegrityError, match=r"its ranks \[2\] are not ranks of tp 2"):
+        _manifest([a, {**b, "ranks": [2]}])

@@ -358,39 +358,43 @@ def _held(weight: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int, 
     return shard_slice(weight, cfg, tp, rank) if tp > 1 else None
 
 
-def scale_grid(cfg: ModelConfig, tp: int, weight: str, rank: int = 0) -> tuple[int, int]:
-    """(rows, cols) each of rank `rank`'s scales of quantized weight `weight` (a checkpoint name or a stacked
-    constant's suffix) covers: kiln.core.model.quant.scale_grid of the rank's share. The same on every rank:
-    ranks with equal shares cut the blocks alike, unequal shares are whole blocks (kiln.core.model.shares)."""
-    return quant.scale_grid(cfg.quant, _held(weight, cfg, tp, rank), weight)
+def scale_grid(cfg: ModelConfig, tp: int, weight: str) -> tuple[int, int]:
+    """(rows, cols) each of a rank's scales of quantized weight `weight` (a checkpoint name or a stacked constant's
+    suffix) covers: the same on every rank (equal shares cut blocks alike, unequal ones are whole blocks)."""
+    return quant.scale_grid(cfg.quant, _held(weight, cfg, tp, 0), weight)
 
 
 def weight_layout(cfg: ModelConfig, tp: int) -> dict[str, dict]:
-    """Package constant name -> {'dtype', 'shape', 'stack', 'sources'}, the same for every rank.
+    """Package constant name -> {'dtype', 'shape', 'stack', 'sources'}.
 
-    `dtype` is the dtype the package was compiled for (cast the checkpoint's
-    tensors to it: the model's, float32 for a few, constant_dtype); `shape` what one rank binds; `stack` None (a plain
-    constant: its one source, cut) or the number of sources stacked along a
-    new leading dimension, in order; each source is {'tensor' (the checkpoint
-    tensor), 'full_shape', 'cut'}, with `cut` None (every rank binds it
-    whole) or {'dim', 'length', 'offsets'}: rank r binds `length` entries of
-    dimension `dim` starting at `offsets[r]`; with 'repeat' too (a quantized
-    weight's scales on the rank's sub-blocks, kiln.core.model.quant), of the
-    tensor whose entries along `dim` are each repeated `repeat` times first.
-    """
+    `dtype` is the dtype the package was compiled for (cast the checkpoint's tensors to it: the model's, float32
+    for a few, constant_dtype); `shape` what a rank binds; `stack` None (a plain constant: its one source, cut)
+    or the number of sources stacked along a new leading dimension, in order; each source is {'tensor' (the
+    checkpoint tensor), 'full_shape', 'cut'}, with `cut` None (every rank binds it whole) or {'dim', 'length',
+    'offsets'}: rank r binds `length` entries of dimension `dim` starting at `offsets[r]`; with 'repeat' too (a
+    quantized weight's scales on the rank's sub-blocks, kiln.core.model.quant), of the tensor whose entries
+    along `dim` are each repeated `repeat` times first. Where ranks' shares differ (kiln.core.model.shares),
+    'shapes' (rank r binds shapes[r]) replaces a shape that differs by rank, 'lengths' a length: a consumer
+    of the even form fails on the missing key rather than binding rank 0's."""
     full = parameter_shapes(cfg)
-    shapes = constant_shapes(cfg, tp)
+    shapes = [constant_shapes(cfg, tp, r) for r in range(tp)]
     reads = [rank_reads(cfg, tp, r) for r in range(tp)]
 
     def source(name: str, i: int) -> dict:
         tensor, first = reads[0][name][i]
-        cut = None if first is None else {"dim": first[0], "length": first[2] - first[1],
-                                          "offsets": [r[name][i][1][1] for r in reads]}
-        if first is not None and len(first) > 3:
-            cut["repeat"] = first[3]
+        if first is None:
+            return {"tensor": tensor, "full_shape": list(full[tensor]), "cut": None}
+        cuts = [r[name][i][1] for r in reads]
+        lengths = [c[2] - c[1] for c in cuts]
+        cut = {"dim": first[0], **({"length": lengths[0]} if len(set(lengths)) == 1 else {"lengths": lengths}),
+               "offsets": [c[1] for c in cuts], **({"repeat": first[3]} if len(first) > 3 else {})}
         return {"tensor": tensor, "full_shape": list(full[tensor]), "cut": cut}
 
-    return {name: {"dtype": constant_dtype(cfg, name), "shape": list(shapes[name]),
+    def shape(name: str) -> dict:
+        each = [list(s[name]) for s in shapes]
+        return {"shape": each[0]} if all(e == each[0] for e in each) else {"shapes": each}
+
+    return {name: {"dtype": constant_dtype(cfg, name), **shape(name),
                    "stack": None if parts == [name] else len(parts),
                    "sources": [source(name, i) for i in range(len(parts))]}
             for name, parts in _constant_parts(cfg).items()}

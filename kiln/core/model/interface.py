@@ -83,13 +83,14 @@ def choice_outputs(cfg: ModelConfig, batch, tokens, capacity_tokens: int) -> lis
             for site in choice_sites(cfg)]
 
 
-def forward_interface(cfg: ModelConfig, tp: int, inputs: dict) -> dict:
-    """{'inputs', 'outputs', 'process_group', 'dynamic_dims', ...} of one forward; `inputs` is a spec's input
-    dims. A dimension the forward takes over a range is named ('batch', 'tokens', like the page count) with
-    its bounds in 'dynamic_dims'; a static one is its size."""
+def forward_interface(cfg: ModelConfig, tp: int, inputs: dict, rank: int = 0) -> dict:
+    """{'inputs', 'outputs', 'process_group', 'dynamic_dims', ...} of one forward of rank `rank` (its cache holds
+    its own KV heads: kiln.core.model.shares); `inputs` is a spec's input dims. A dimension the forward takes
+    over a range is named ('batch', 'tokens', like the page count) with its bounds in 'dynamic_dims'; a static
+    one is its size."""
     ranges = {name: inputs[name] for name in ("batch", "tokens")}
     b, t = (name if lo < hi else lo for name, (lo, hi) in ranges.items())
-    layout = cache_layout(cfg, tp, inputs["page_tokens"] * inputs["pages_per_seq"])
+    layout = cache_layout(cfg, tp, inputs["page_tokens"] * inputs["pages_per_seq"], rank)
 
     def arg(name: str, dtype: str, shape: list) -> dict:
         return {"name": name, "dtype": dtype, "shape": shape}

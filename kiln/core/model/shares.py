@@ -180,6 +180,7 @@ def _units(cfg) -> list[tuple[str, int]]:
     return counts
 
 
+@functools.lru_cache(maxsize=256)  # asked for every tensor a rank cuts
 def _why_not(cfg, tp: int) -> str | None:
     """Why `tp` ranks cannot split `cfg` sensibly, or None."""
     if cfg.v4 is not None and cfg.num_heads % cfg.v4.o_groups:
@@ -244,3 +245,31 @@ def check_tp(cfg, tp: int) -> None:
     largest = max(count for _, count in _units(cfg))
     ok = [d for d in range(1, min(largest, 64) + 1) if _why_not(cfg, d) is None]
     raise BadInput(f"--tp {tp} cannot split the model: {why}; use a tp of {', '.join(map(str, ok))}.")
+
+
+def rank_classes(cfg, tp: int) -> list[list[int]] | None:
+    """The ranks of `tp` grouped by equal counts (each group one compiled forward), in rank order; None where
+    every rank's are equal (one forward serves them all, and the forward's key names no share)."""
+    if even(cfg, tp):
+        return None
+    groups: dict[str, list[int]] = {}
+    for rank, share in enumerate(_shares(cfg, tp)):
+        groups.setdefault(repr(share.counts()), []).append(rank)
+    return list(groups.values())
+
+
+def graph_shares(cfg, tp: int) -> list[dict | None]:
+    """What each distinct rank shape puts in its forwards' graph (kiln.core.plan.job.ExportJob.specs): [None]
+    where tp splits evenly, else per group of rank_classes {'ranks': its ranks, **their counts}; a compile
+    builds the model of its first rank."""
+    classes = rank_classes(cfg, tp)
+    if classes is None:
+        return [None]
+    return [{"ranks": ranks, **_shares(cfg, tp)[ranks[0]].counts()} for ranks in classes]
+
+
+def share_rank(graph: dict) -> int:
+    """The rank whose share a forward of `graph` is built for: its share's first rank, rank 0 where tp
+    splits evenly (every rank's share alike)."""
+    share = graph.get("share")
+    return 0 if share is None else share["ranks"][0]

@@ -162,11 +162,12 @@ def check_rank_checks_fit(job: ExportJob, reports: list[HostReport], probes: lis
     for report, probe in zip(reports, probes):
         if not report.ranks or not probe.specs:
             continue
-        need = check_peak_mib(shard_bytes=shard_bytes, num_forwards=len(probe.specs), half=cfg.dtype != "float32",
+        forwards = len({str(s.shapes) for s in probe.specs})  # a rank loads one per shapes (of its rank shape)
+        need = check_peak_mib(shard_bytes=shard_bytes, num_forwards=forwards, half=cfg.dtype != "float32",
                               process_base_mib=job.recipe.process_base_mib)
         if need > report.available_mib:
             short.append(f"host {report.name} needs about {need} MiB to check one rank against eager "
-                         f"({len(probe.specs)} forward(s) of a {shard_bytes // 2**20} MiB shard in {cfg.dtype}) "
+                         f"({forwards} forward(s) of a {shard_bytes // 2**20} MiB shard in {cfg.dtype}) "
                          f"but {report.available_mib} MiB are available")
     if short:
         raise GateRefused("; ".join(short) + ". Nothing was compiled: free memory there, or use a larger tp (a "

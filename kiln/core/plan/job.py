@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from kiln.core.model.config import ModelConfig
+from kiln.core.model.shares import graph_shares
 from kiln.core.forwards.forward_keys import ForwardSpec, forward_spec
 from kiln.core.plan.recipe import Recipe
 from kiln.core.trust.signing import SigningPlan
@@ -58,8 +59,9 @@ class ExportJob:
     def specs(self, *, target: str, torch_version: str, code: str, compiler: dict,
               tuning: dict[str, dict] | None = None,
               inductor_env: dict[str, str] | None = None, device: str = "cpu") -> list[ForwardSpec]:
-        """One forward spec per forward shapes of the recipe (Recipe.shapes) for hosts of `target`; `tuning`
-        maps the shapes' name -> its tuning.
+        """One forward spec per forward shapes of the recipe (Recipe.shapes) for hosts of `target`, and, where
+        tp splits the model unevenly, per distinct rank shape (kiln.core.model.shares.graph_shares: its graph's
+        'share'); `tuning` maps the shapes' name -> its tuning.
 
         `code` is the code fingerprint (kiln.host.compile.key_sources); `inductor_env` the TORCHINDUCTOR_* settings
         the compile workers inherit (kiln.host.compile.inductor_options.inductor_env), in the graph when given.
@@ -70,10 +72,11 @@ class ExportJob:
         graph = {"config": self.config, "tp": self.tp, "code": code, **({"device": device} if device != "cpu" else {})}
         if inductor_env is not None:
             graph["inductor_env"] = dict(inductor_env)
-        return [forward_spec(shapes=r, graph=graph, target=target, torch_version=torch_version,
-                             page_tokens=self.recipe.page_tokens, pages_per_seq=self.recipe.pages_per_seq,
-                             compiler=compiler, tuning=None if tuning is None else tuning[str(r)])
-                for r in self.recipe.shapes]
+        return [forward_spec(shapes=r, graph=graph if share is None else {**graph, "share": share}, target=target,
+                             torch_version=torch_version, page_tokens=self.recipe.page_tokens,
+                             pages_per_seq=self.recipe.pages_per_seq, compiler=compiler,
+                             tuning=None if tuning is None else tuning[str(r)])
+                for r in self.recipe.shapes for share in graph_shares(self.model_config, self.tp)]
 
     def replace(self, **changes) -> "ExportJob":
         return dataclasses.replace(self, **changes)

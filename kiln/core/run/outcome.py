@@ -13,6 +13,7 @@ from kiln.core.model.contract import constant_sources
 from kiln.core.errors import ForwardsMissing, IntegrityError, NotPythonFree, VerifyMismatch
 from kiln.core.forwards.forward_keys import ForwardSpec
 from kiln.core.model.interface import forward_interface
+from kiln.core.model.shares import share_rank
 from kiln.core.machine.cpu_target import CpuIsa
 from kiln.core.machine.target import device_of
 
@@ -67,7 +68,10 @@ def forward_records(specs: dict[str, ForwardSpec], stored: dict[str, dict], comp
                     "compile_attempts": c.get("attempts", 1) if c else 0,
                     "compile_peak_mib": c.get("compile_peak_mib"),
                     "python_free": s["calls"]["python_free"], "ops": s["calls"]["ops"],
-                    "interface": forward_interface(cfg, tp, spec.inputs), "constants": constants})
+                    "interface": forward_interface(cfg, tp, spec.inputs, share_rank(spec.graph)),
+                    "constants": constants})
+        if "share" in spec.graph:  # ranks of unequal shares: this forward is theirs alone (kiln.core.model.shares)
+            out[-1]["ranks"] = list(spec.graph["share"]["ranks"])
         if device_of(spec.target) == "cpu" and spec.target in (cpus or {}):
             out[-1]["target_cpu"] = cpus[spec.target].to_dict()
     return out

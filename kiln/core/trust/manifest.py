@@ -99,6 +99,7 @@ def check_manifest(manifest: object, *, export_id: str | None = None) -> dict:
         if not isinstance(f.get("python_free"), bool):
             raise IntegrityError(f"manifest entry for {f['key']} does not say whether it is Python-free.")
         _check_target_cpu(f)
+    _check_ranks(manifest)
     device = manifest_device(manifest)
     off = sorted({f["target"] for f in forwards if device_of(str(f.get("target", ""))) != device})
     if off:
@@ -109,6 +110,34 @@ def check_manifest(manifest: object, *, export_id: str | None = None) -> dict:
     except BadInput as exc:
         raise IntegrityError(str(exc)) from None
     return manifest
+
+
+def _check_ranks(manifest: dict) -> None:
+    """IntegrityError unless the forwards' 'ranks' (an export whose ranks' shares differ: each forward names the
+    ranks it is theirs; kiln.core.model.shares) give every rank of the export's tp one forward per shapes and
+    target, or no forward names any (every rank loads every one)."""
+    forwards, tp = manifest["forwards"], manifest.get("tp")
+    named = [f for f in forwards if "ranks" in f]
+    if not named:
+        return
+    if len(named) < len(forwards) or not isinstance(tp, int):
+        raise IntegrityError("some forwards of the manifest name their ranks and others do not.")
+    held: dict[tuple, list] = {}
+    for f in named:
+        ranks = f["ranks"]
+        if not isinstance(ranks, list) or not ranks or not all(isinstance(r, int) and 0 <= r < tp for r in ranks):
+            raise IntegrityError(f"manifest entry for {f['key']}: its ranks {ranks!r} are not ranks of tp {tp}.")
+        held.setdefault((f["shapes"], f.get("target")), []).extend(ranks)
+    for (shapes, target), ranks in held.items():
+        if sorted(ranks) != list(range(tp)):
+            raise IntegrityError(f"the manifest's forwards of shapes {shapes} ({target}) are for ranks "
+                                 f"{sorted(ranks)}, not each of the {tp} ranks once.")
+
+
+def rank_forwards(forwards: list[dict], rank: int) -> list[dict]:
+    """The forwards rank `rank` loads: those whose 'ranks' name it where ranks' shares differ (kiln.core.model.
+    shares: a package per rank shape), every one otherwise."""
+    return [f for f in forwards if rank in f.get("ranks", [rank])]
 
 
 def _check_shapes(forward: dict) -> None:
@@ -148,8 +177,8 @@ def manifest_device(manifest: dict) -> str:
 
 def forwards_for_host(manifest: dict, host: Target | None, num_gpus: int) -> list[dict]:
     """The forwards a consumer on a host of target `host` (None: it has none for the export's device) with
-    `num_gpus` usable GPUs loads, one per shapes (a bucket or a range); BadInput naming what does not fit
-    before anything is fetched.
+    `num_gpus` usable GPUs loads, one per shapes (a bucket or a range) and, where ranks' shares differ, per
+    rank shape (rank_forwards picks a rank's); BadInput naming what does not fit before anything is fetched.
 
     The rule (docs/run-without-kiln.md): a CUDA export needs a GPU, and a CUDA forward loads only on a host
     of its target (GPU arch, CUDA, Triton, wrapper ISA). A CPU forward loads on a CPU that can run it
@@ -166,11 +195,11 @@ def forwards_for_host(manifest: dict, host: Target | None, num_gpus: int) -> lis
                        "target, or export again with --set device=cpu.")
     if host is None:
         raise ValueError(f"a consumer of a {device} export needs this host's {device} target")
-    by_shapes: dict[str, list[dict]] = {}
-    for f in manifest["forwards"]:
-        by_shapes.setdefault(f["shapes"], []).append(f)
+    by_shapes: dict[tuple, list[dict]] = {}
+    for f in manifest["forwards"]:  # and by the ranks it is for, where ranks' shares differ (rank_forwards)
+        by_shapes.setdefault((f["shapes"], tuple(f.get("ranks", ()))), []).append(f)
     chosen = []
-    for shapes, fs in sorted(by_shapes.items()):
+    for (shapes, _), fs in sorted(by_shapes.items()):
         why = {f["key"]: cannot_run_here(f, host) for f in fs}
         runnable = [f for f in fs if why[f["key"]] is None]
         if not runnable:

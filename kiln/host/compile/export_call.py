@@ -52,19 +52,20 @@ def export_forward(spec: dict):
     import torch
 
     from kiln.core.model.config import ModelConfig
+    from kiln.core.model.shares import share_rank
     from kiln.host.model import decoder_of, example_inputs
 
     cfg = ModelConfig(**spec["graph"]["config"])
-    tp = spec["graph"]["tp"]
+    tp, rank = spec["graph"]["tp"], share_rank(spec["graph"])  # the rank shape it is for (kiln.core.model.shares)
     inputs = spec["inputs"]
     device = forward_device(spec["graph"])
     # Built on the meta device, then given storage that is never touched: the worker's memory depends on
     # the graph, not on the weights (the package holds none of them anyway).
     with torch.device("meta"):
-        model = decoder_of(cfg, tp).to(getattr(torch, cfg.dtype)).eval()
+        model = decoder_of(cfg, tp, rank=rank).to(getattr(torch, cfg.dtype)).eval()
     model = model.to_empty(device=device)
     args = example_inputs(cfg, tp, *inputs["hint"], page_tokens=inputs["page_tokens"],
-                          pages_per_seq=inputs["pages_per_seq"], num_pages=inputs["pages_per_seq"] + 2)
+                          pages_per_seq=inputs["pages_per_seq"], num_pages=inputs["pages_per_seq"] + 2, rank=rank)
     args = tuple(a.to(device) for a in args)
     with torch.no_grad():
         return torch.export.export(model, args, dynamic_shapes=dynamic_shapes(inputs, len(args), cfg.v4 is not None))

@@ -58,7 +58,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     (kiln.core.trust.manifest.cannot_run_here) is refused (BadInput) before any process starts.
     """
     from kiln.core.machine.target import device_of
-    from kiln.core.trust.manifest import check_runs_here
+    from kiln.core.trust.manifest import check_runs_here, rank_forwards
     from kiln.host.ranks.loader import limit_of
     from kiln.host.weights.rank_weights import fingerprint
 
@@ -77,7 +77,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     diffs: dict[str, dict] = {}
     todo: dict[int, list[dict]] = {}
     for rank in host.ranks:
-        for f in forwards:
+        for f in rank_forwards(forwards, rank):  # where shares differ, the forwards of its rank shape
             seen = _record_path(record, f, job.tp, rank, weights, decided)
             check = cache.read_record(seen)
             # The measured figures are remembered (an unreadable record counts as none); the limit is this export's.

@@ -210,8 +210,9 @@ def limit_of(own: float | None, *, atol: float, half_ratio: float) -> float:
     return atol if own is None else max(atol, half_ratio * own)
 
 
-def eager_model(cfg, tp: int, weights: dict, *, device: str = "cpu"):
-    """The eager shard of `cfg` (layers unrolled) in cfg.dtype on `device`, holding `weights`.
+def eager_model(cfg, tp: int, weights: dict, *, device: str = "cpu", rank: int = 0):
+    """The eager shard of rank `rank` of `cfg` (layers unrolled; its share: kiln.core.model.shares) in cfg.dtype
+    on `device`, holding `weights`.
 
     Built without storage, then each weight copied in (converted as it goes): one copy of the shard in
     cfg.dtype, never a second one in a converted state dict."""
@@ -220,7 +221,7 @@ def eager_model(cfg, tp: int, weights: dict, *, device: str = "cpu"):
     from kiln.host.model import decoder_of
 
     with torch.device("meta"):
-        model = decoder_of(cfg, tp, scan=False).to(getattr(torch, cfg.dtype)).eval()
+        model = decoder_of(cfg, tp, scan=False, rank=rank).to(getattr(torch, cfg.dtype)).eval()
     model = model.to_empty(device=device)
     params = model.state_dict()
     if set(params) != set(weights):
@@ -231,13 +232,14 @@ def eager_model(cfg, tp: int, weights: dict, *, device: str = "cpu"):
     return model
 
 
-def eager_outputs(cfg, tp: int, weights: dict, args, *, device: str = "cpu") -> tuple[tuple, tuple | None]:
+def eager_outputs(cfg, tp: int, weights: dict, args, *, device: str = "cpu",
+                  rank: int = 0) -> tuple[tuple, tuple | None]:
     """(outputs of the eager shard in cfg.dtype, and in float32 on the same weights when cfg.dtype is lower),
     computed on `device` (the weights and `args` may lie anywhere: they are copied there)."""
     import torch
 
     def run(dtype: str):
-        model = eager_model(cfg.replace(dtype=dtype), tp, weights, device=device)
+        model = eager_model(cfg.replace(dtype=dtype), tp, weights, device=device, rank=rank)
         with torch.no_grad():
             cast = tuple((a.to(getattr(torch, dtype)) if a.is_floating_point() else a).to(device) for a in args)
             return model(*cast)
@@ -245,12 +247,12 @@ def eager_outputs(cfg, tp: int, weights: dict, args, *, device: str = "cpu") -> 
     return run(cfg.dtype), (None if cfg.dtype == "float32" else run("float32"))
 
 
-def _eager_model(cfg, tp: int, weights: dict, dtype: str, device: str = "cpu"):
-    return eager_model(cfg.replace(dtype=dtype), tp, weights, device=device)
+def _eager_model(cfg, tp: int, weights: dict, dtype: str, device: str = "cpu", rank: int = 0):
+    return eager_model(cfg.replace(dtype=dtype), tp, weights, device=device, rank=rank)
 
 
 def check_against_eager(got, cfg, tp: int, weights: dict, args, *, atol: float, half_ratio: float,
-                        device: str = "cpu") -> dict:
+                        device: str = "cpu", rank: int = 0) -> dict:
     """judge's {'diff', 'own', 'limit'} of a forward's outputs `got` against the eager shard on `args`, with
     'choices' (the forward's discrete choices checked: rows over every choice layer), 'differ' (how many of
     them differ from float32's own) and 'wrong_choice' (None, or the worst choice the dtype does not allow:
@@ -280,14 +282,14 @@ def check_against_eager(got, cfg, tp: int, weights: dict, args, *, atol: float, 
     with torch.no_grad():
         exact = None
         if cfg.dtype == "float32":
-            model = _eager_model(cfg, tp, weights, "float32", device)
+            model = _eager_model(cfg, tp, weights, "float32", device, rank)
             with probing(ChoiceProbe(picks)) as forced:
                 reference = model(*cast("float32"))[:2]
             eager, slack = reference, scale_rounding(forced, atol)
         else:
             with probing(ChoiceProbe()) as low:
-                eager = _eager_model(cfg, tp, weights, cfg.dtype, device)(*cast(cfg.dtype))[:2]
-            model = _eager_model(cfg, tp, weights, "float32", device)
+                eager = _eager_model(cfg, tp, weights, cfg.dtype, device, rank)(*cast(cfg.dtype))[:2]
+            model = _eager_model(cfg, tp, weights, "float32", device, rank)
             exact_args = cast("float32")
             with probing(ChoiceProbe(low.chosen)) as own:
                 exact = model(*exact_args)[:2]
@@ -327,11 +329,13 @@ def compare_with_eager(compiled, cfg, tp: int, rank: int, weights: dict, bucket,
 
     # A page count other than the one compiled with exercises the dynamic dimension.
     args = example_inputs(cfg, tp, bucket.batch, bucket.tokens, page_tokens=page_tokens,
-                          pages_per_seq=pages_per_seq, num_pages=pages_per_seq * bucket.batch + 3, seed=seed)
+                          pages_per_seq=pages_per_seq, num_pages=pages_per_seq * bucket.batch + 3, seed=seed,
+                          rank=rank)
     args = tuple(a.to(device) for a in args)
     with torch.no_grad():
         got = compiled(*args)
-    return check_against_eager(got, cfg, tp, weights, args, atol=atol, half_ratio=half_ratio, device=device)
+    return check_against_eager(got, cfg, tp, weights, args, atol=atol, half_ratio=half_ratio, device=device,
+                               rank=rank)
 
 
 def compare_at_shapes(compiled, cfg, tp: int, rank: int, weights: dict, shapes, *, page_tokens: int,

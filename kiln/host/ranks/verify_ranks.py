@@ -82,6 +82,13 @@ def _rank_process(target, rank: int, tp: int, rendezvous: str, job: dict, link: 
         link.report("error", traceback.format_exc())
 
 
+def rank_artifacts(artifacts: dict[str, dict], rank: int) -> dict[str, dict]:
+    """Forward shapes -> the artifact rank `rank` loads (kiln.core.trust.manifest.rank_forwards: where the
+    ranks' shares differ, the one for its rank shape)."""
+    return {art.get("shapes", name): art for name, art in sorted(artifacts.items())
+            if rank in art.get("ranks", [rank])}
+
+
 def _check_rank(rank: int, tp: int, rendezvous: str, job: dict, link: RankLink) -> dict:
     from kiln.host.processes.procs import PeakSampler
 
@@ -96,6 +103,7 @@ def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLi
 
     from kiln.core.model.config import ModelConfig
     from kiln.core.model.cache_layout import cache_layout
+    from kiln.core.model.shares import rank_share
     from kiln.core.run.outcome import worst_shape
     from kiln.core.forwards.shape_ranges import parse_shape_range
     from kiln.host.ranks.loader import check_against_eager, load_forward, place_weights
@@ -115,9 +123,11 @@ def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLi
     if rank == 0:
         link.doing("loading the unsharded model's weights")
         full = load_rank_weights(job["checkpoint"], cfg, 1, 0, s3_endpoint=job.get("s3_endpoint"))
-    layout = cache_layout(cfg, tp, job["page_tokens"] * job["pages_per_seq"])
+    layout = cache_layout(cfg, tp, job["page_tokens"] * job["pages_per_seq"], rank)
+    kv_heads = rank_share(cfg, tp, rank).kv_heads  # the KV heads this rank caches (kiln.core.model.shares)
+    spans = [rank_share(cfg, tp, r).kv_heads for r in range(tp)]
     diffs = {}
-    for name, art in sorted(job["artifacts"].items()):
+    for name, art in sorted(rank_artifacts(job["artifacts"], rank).items()):
         link.doing(f"loading forward {name}")
         compiled = load_forward(art["path"], weights, art["sha256"], device=device)
         shapes = {}
@@ -127,21 +137,16 @@ def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLi
                 pages_per_seq=job["pages_per_seq"], num_pages=job["pages_per_seq"] * bucket.batch + 5, seed=7))
             cache = args[2]
             # Each rank caches its own KV heads, or (latent attention) every rank the same whole latent.
-            heads = layout.heads
-            shard = cache[..., rank * heads:(rank + 1) * heads, :].contiguous() if layout.sharded else cache
+            shard = cache[..., kv_heads[0]:kv_heads[1], :].contiguous() if layout.sharded else cache
             link.doing(f"running forward {name} at {bucket}")
             with torch.no_grad():
                 logits, new_kv, *picks = (o.cpu() for o in compiled(*args[:2], shard, *args[3:]))
-            parts = [torch.empty_like(new_kv) for _ in range(tp)]  # the side group's gloo gathers host tensors
-            dist.all_gather(parts, new_kv.contiguous(), group=side)
-            chosen = []  # every rank routes alike (its router and indexer are replicated): one rank's choices
-            for mine in picks:
-                every_rank = [torch.empty_like(mine) for _ in range(tp)]
-                dist.all_gather(every_rank, mine.contiguous(), group=side)
-                chosen.append(every_rank)
+            parts = _gathered_heads(new_kv, spans, side) if layout.sharded else _gathered(new_kv, tp, side)
+            # every rank routes alike (its router and indexer are replicated): one rank's choices
+            chosen = [_gathered(mine, tp, side) for mine in picks]
             if rank == 0:
                 link.doing(f"running the unsharded eager model for {name} at {bucket}")
-                every = torch.cat(parts, dim=-2) if layout.sharded else _same(parts)
+                every = _whole_heads(parts, spans) if layout.sharded else _same(parts)
                 got = (logits, every, *(_same(c, "choices") for c in chosen))
                 shapes[str(bucket)] = check_against_eager(got, cfg, 1, full, args, atol=job["atol"],
                                                            half_ratio=job["half_ratio"], device=device)
@@ -151,6 +156,46 @@ def _check_together(rank: int, tp: int, rendezvous: str, job: dict, link: RankLi
     dist.barrier(group=side)
     dist.destroy_process_group()
     return diffs
+
+
+def _gathered(tensor, tp: int, side) -> list:
+    """Every rank's `tensor` (the same shape on each), in rank order."""
+    import torch
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(tensor) for _ in range(tp)]  # the side group's gloo gathers host tensors
+    dist.all_gather(parts, tensor.contiguous(), group=side)
+    return parts
+
+
+def _gathered_heads(new_kv, spans: list[tuple[int, int]], side) -> list:
+    """Every rank's new entries [..., its KV heads, width], gathered: padded to the most heads any rank holds
+    (gloo gathers equal shapes; shares may differ: kiln.core.model.shares), cut back to each rank's."""
+    import torch.nn.functional as F
+
+    most = max(b - a for a, b in spans)
+    padded = F.pad(new_kv, (0, 0, 0, most - new_kv.shape[-2]))
+    return [part[..., :b - a, :] for part, (a, b) in zip(_gathered(padded, len(spans), side), spans)]
+
+
+def _whole_heads(parts: list, spans: list[tuple[int, int]]):
+    """The unsharded new entries from each rank's KV heads (`spans`: [start, stop) of each rank's); a KV head
+    two ranks hold (fewer KV heads than ranks) must agree on both, to its dtype's rounding (each rank projects
+    it in a matrix of its own width, which may round alike or not)."""
+    import torch
+
+    heads = max(b for _, b in spans)
+    out = [None] * heads
+    rtol = 1e-4 if parts[0].dtype == torch.float32 else 2e-2
+    for rank, (part, (a, _)) in enumerate(zip(parts, spans)):
+        for i in range(part.shape[-2]):
+            head = part[..., i, :]
+            if out[a + i] is not None and not torch.allclose(
+                    out[a + i].float(), head.float(), rtol=rtol, atol=rtol * float(head.float().abs().max())):
+                raise IntegrityError(f"rank {rank}'s new entries of KV head {a + i} differ from another rank's; "
+                                     "ranks that hold one KV head must compute it alike.")
+            out[a + i] = head
+    return torch.stack(out, dim=-2)
 
 
 def _same(parts: list, what: str = "new replicated cache"):
@@ -183,7 +228,7 @@ def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[
     kiln.core.run.outcome.worst_shape), the ranks' peak MiB added up); raises on any rank's error.
 
     `artifacts` maps forward shapes' name ('2-8x16-64@8x64', kiln.core.forwards.shape_ranges) to {'path', 'sha256'} of
-    a verified local copy, compiled for
+    a verified local copy (cli.verify.fetch_verified_export's: one per rank shape where shares differ), compiled for
     `device` ('cpu' or 'cuda': each rank on its GPU, see rank_device; the group is gloo either way).
     """
     job = {"checkpoint": str(checkpoint), "s3_endpoint": s3_endpoint, "config": config, "artifacts": artifacts,
