@@ -79,15 +79,14 @@ def group_of(nodeid: str) -> str:
 
 def check(items: list[pytest.Item]) -> None:
     """Fail the collection when a test uses a FIXTURE_FILES fixture from a module not listed for it (its
-    worker would make the fixture a second time), or SPLIT_BY_CASE names a test its module lacks."""
-    collected = {item.nodeid.partition("::")[0]: set() for item in items}
-    for item in items:
-        path, _, test = item.nodeid.partition("::")
-        collected[path].add(test.partition("[")[0])
+    worker would make the fixture a second time), or SPLIT_BY_CASE names a test its module lacks (what the
+    module defines, not what was selected: a run of one case by its node id collects only that one)."""
+    modules = {item.nodeid.partition("::")[0]: getattr(item, "module", None) for item in items}
     for path, cases in SPLIT_BY_CASE.items():
-        missing = set(cases) - collected.get(path, set(cases))
+        module = modules.get(path)
+        missing = [] if module is None else sorted(name for name in cases if not hasattr(module, name))
         if missing:
-            raise pytest.UsageError(f"tests/xdist_groups.py SPLIT_BY_CASE names {sorted(missing)}, which {path} "
+            raise pytest.UsageError(f"tests/xdist_groups.py SPLIT_BY_CASE names {missing}, which {path} "
                                     "does not define: rename them there too")
     for item in items:
         for fixture, files in FIXTURE_FILES.items():

@@ -107,6 +107,14 @@ CASES = {
     # width 96 behind its sigmoid gate on the expert layers; layer 1 dense.
     "qwen2-moe": ("qwen2_moe", dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                                     shared_expert_intermediate_size=96, mlp_only_layers=[1]), "float32"),
+    # The same with Qwen2's window and yarn (qwen2-window-yarn's): its one export end to end shows both. layer_types
+    # as Qwen2 lays them out (full, then sliding from max_window_layers), which Qwen2MoeConfig would otherwise
+    # derive its own way (every other layer below max_window_layers).
+    "qwen2-moe-window-yarn": ("qwen2_moe", dict(
+        num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=96, mlp_only_layers=[1], use_sliding_window=True, sliding_window=5,
+        max_window_layers=1, layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}), "float32"),
     # Gemma 2: head_dim 32 with query_pre_attn_scalar 24 (the scale is not head_dim's), sliding and full layers
     # interleaved (window 6), soft caps low enough that these small weights reach them.
     "gemma2": ("gemma2", dict(head_dim=32, num_hidden_layers=4, sliding_window=6, query_pre_attn_scalar=24,

@@ -36,6 +36,7 @@ FEATURE_OFF = {
     "qwen3-moe": {"norm_topk_prob": False},
     "qwen3-moe-step": {"experts_per_token": 1},
     "qwen2-moe": {"shared_expert_intermediate_size": 0},
+    "qwen2-moe-window-yarn": {"sliding_window": None, "first_sliding_layer": 0},
     "gemma2": {"attn_softcap": None, "final_softcap": None},
     "gemma3": {"local_rope_theta": None},
     "phi3": {"rotary_dim": None},

@@ -22,18 +22,19 @@ NEW_TOKENS = 6
 BUCKETS = "1x4,1x8"
 """One forward, 1x4-8@1x8: every step of every case runs on a range package."""
 E2E = {
-    # case: why it is exported end to end (each feature alone is checked in eager mode too). Mistral and dense
-    # Qwen3 are eager only (test_eager_reference): a window over the paged cache is exported with Qwen2's and
-    # Phi-3's, q/k norms with Qwen3-MoE's, sharded q/k/v biases with Qwen2's; one export less is about 3 CPU-minutes.
+    # case: why it is exported end to end (each feature alone is checked in eager mode too). Mistral, dense
+    # Qwen3 and dense Qwen2 are eager only (test_eager_reference): a window over the paged cache is exported with
+    # Qwen2-MoE's and Phi-3's, q/k norms with Qwen3-MoE's, Qwen2's attention (sharded q/k/v biases, its window
+    # from max_window_layers, yarn) with Qwen2-MoE's; one export less is about 3 CPU-minutes.
     "llama32-deep-biases": "Llama 3.2 shape (tied embeddings, llama3 rope scaling, head_dim 64) with attention_bias "
                            "and mlp_bias (row-parallel biases added once after the all-reduce), 24 layers: one "
                            "scanned layer body over 24 layers' stacked weights",
-    "qwen2-window-yarn": "Qwen2: sharded q/k/v biases, a sliding window shorter than the prompt on layer 1, yarn "
-                         "(factor 4 over an original context of 16: cos and sin scaled by its attention factor)",
     "qwen3-moe": "Qwen3-MoE: 64 experts, top 2 (every step of the 1x4-8 range gathers the chosen ones), a dense layer between, each "
                  "expert's columns sharded, the router replicated",
-    "qwen2-moe": "Qwen2-MoE: a shared expert behind its sigmoid gate beside 8 experts (top 2), each sharded; q/k/v "
-                 "biases",
+    "qwen2-moe-window-yarn": "Qwen2-MoE: a shared expert behind its sigmoid gate beside 8 experts (top 2), each "
+                             "sharded; Qwen2's attention: sharded q/k/v biases, a sliding window shorter than the "
+                             "prompt from layer 1, yarn (factor 4 over an original context of 16: cos and sin scaled "
+                             "by its attention factor)",
     "gemma2": "Gemma 2: GeGLU, (1 + weight) norms around attention and MLP, scaled embeddings, soft-capped scores "
               "and logits, query_pre_attn_scalar, sliding and full layers interleaved",
     "gemma3": "Gemma 3: Gemma's layers with q/k norms; full layers rotate at 1e6 scaled by 8, sliding ones at 1e4",

@@ -146,29 +146,48 @@ def test_two_ranks_of_the_quantized_bytes_compute_what_one_does(flash, tmp_path)
     assert diff <= 1e-4 and math.isfinite(diff)
 
 
+FLASH_EXPORT = ("--tp", "2", "--dtype", "float32", "--buckets", "1x1,1x8", "--shape-policy", "static",
+                "--set", "max_context_tokens=64", "--set", "page_tokens=16")
+"""Two static forwards: the 20-token prompt is fed as 8 + 8 + 1 x 4 (no padding: a V4 step rewrites every
+token's state), then 1 token per step."""
+
+
+@pytest.fixture(scope="module")
+def flash_export(flash, kiln, prefect_server, tmp_path_factory) -> dict:
+    """`kiln export` of the V4-Flash-layout checkpoint at tp 2 in float32 (FLASH_EXPORT): {'store', 'root' (its
+    directory), 'env', 'report'}. The suite's one DeepSeek-V4 export: test_deepseek_v4.py holds the unquantized
+    model to transformers eagerly, at tp 1 and tp 2; its layers are these (the quantized projections
+    dequantized where a layer reads them)."""
+    import json
+
+    root = tmp_path_factory.mktemp("flash-export")
+    store, env = f"file://{root / 'store'}", {"PREFECT_API_URL": prefect_server}
+    exported = kiln("export", "--model", str(flash[0]), *FLASH_EXPORT, "--store", store, "--export-id", "flash",
+                    "--report", str(root / "report.json"), env=env)
+    assert exported.code == 0, exported.err[-3000:]
+    return {"store": store, "root": root / "store", "env": env,
+            "report": json.loads((root / "report.json").read_text())}
+
+
 @pytest.mark.slow
-def test_kiln_export_and_run_of_the_published_layout_generate_what_transformers_does(flash, kiln, prefect_server,
+def test_kiln_export_and_run_of_the_published_layout_generate_what_transformers_does(flash, flash_export, kiln,
                                                                                       dev_verify_key, tmp_path):
-    """`kiln export --tp 2 --dtype float32` of the V4-Flash-layout checkpoint (one forward, 1x1: the 20-token
-    prompt fed a token a step) keeps the weights quantized in each rank and the package, and `kiln run`
-    generates what transformers' dequantized model generates: ids equal, logits within 1e-3. torch alone
-    (examples/torch_only.py) binds the int8, uint8 and float8 constants from the manifest and the checkpoint's
-    bytes and steps as Kiln's loader does."""
+    """`kiln export --tp 2 --dtype float32` of the V4-Flash-layout checkpoint keeps the weights quantized in each
+    rank and the package, and `kiln run` generates what transformers' dequantized model generates: ids equal,
+    logits within 1e-4, over a 20-token prompt (8 + 8 + 1 x 4) and 12 steps (past the window of 8, across CSA
+    windows of 4 and HCA windows of 8). `kiln verify` finds both ranks' forwards match the unsharded model;
+    torch alone (examples/torch_only.py) binds the int8, uint8 and float8 constants from the manifest and the
+    checkpoint's bytes and steps both forwards as Kiln's loader does."""
     import json
 
     from hf_models import reference_generate
 
     path, _ = flash
-    store, env = f"file://{tmp_path / 'store'}", {"PREFECT_API_URL": prefect_server}
-    exported = kiln("export", "--model", str(path), "--tp", "2", "--dtype", "float32", "--buckets", "1x1",
-                    "--shape-policy", "static", "--set", "max_context_tokens=64", "--set", "page_tokens=16",
-                    "--store", store, "--export-id", "flash", "--report", str(tmp_path / "report.json"), env=env)
-    assert exported.code == 0, exported.err[-3000:]
-    report = json.loads((tmp_path / "report.json").read_text())
-    manifest = json.loads((tmp_path / "store" / report["manifest"]).read_text())
+    store, env, report, root = (flash_export[k] for k in ("store", "env", "report", "root"))
+    manifest = json.loads((root / report["manifest"]).read_text())
     dtypes = {w["dtype"] for w in manifest["weights"].values()}
     assert {"int8", "uint8", "float8_e4m3fn"} <= dtypes, dtypes
-    prompt, new_tokens = _tokens(FLASH["vocab_size"], 20, seed=3)[0].tolist(), 8  # seed 1's greedy path repeats
+    prompt, new_tokens = _tokens(FLASH["vocab_size"], 20, seed=3)[0].tolist(), 12  # seed 1's greedy path repeats
     ran = kiln("run", "flash", "--store", store, "--tokens", ",".join(map(str, prompt)),
                "--max-new-tokens", str(new_tokens), "--json", str(tmp_path / "run.json"), env=env)
     assert ran.code == 0, ran.err[-3000:]
@@ -179,13 +198,42 @@ def test_kiln_export_and_run_of_the_published_layout_generate_what_transformers_
     assert got["generated"] == want["generated"]
     diff = max(abs(x - y) for a, b in zip(got["logits"], want["logits"]) for x, y in zip(a, b))
     print(f"V4-Flash layout, tp 2, float32: max |logit diff| against transformers' dequantized model {diff:.2e}; "
-          f"compile s {[f.get('compile_s') for f in report['forwards']]}")
-    assert diff <= 1e-3
+          f"compile s per forward {[f.get('compile_s') for f in report['forwards']]}")
+    assert diff <= 1e-4
+    verified = kiln("verify", "flash", "--store", store, env=env)
+    assert verified.code == 0, verified.err[-3000:]
+    assert "verify ok: 2 ranks match the unsharded model" in verified.out
     from torch_only_harness import run_torch_only, run_with_kiln
 
-    root = tmp_path / "store"
     manifest_path, packages = root / report["manifest"], root / "forwards"
     run_torch_only(manifest_path, packages, str(path), tmp_path / "torch-only", verify_key=dev_verify_key)
     run_with_kiln(manifest_path, packages, tmp_path / "with-kiln")
     alone, ours = (torch.load(tmp_path / d / "rank0.pt") for d in ("torch-only", "with-kiln"))
-    assert sorted(alone) == ["1x1"] and torch.equal(alone["1x1"], ours["1x1"])
+    assert sorted(alone) == ["1x1", "1x8"] and all(torch.equal(alone[b], ours[b]) for b in alone)
+
+
+@pytest.mark.slow
+def test_the_cpp_runner_steps_the_flash_export_as_kiln_computes(flash, flash_export, dev_verify_key, tmp_path):
+    """The C++ runner's 1x8 prefill of the tp 2 export (two ranks, each sequence's slot from the manifest's
+    cache layout; int8, uint8 and float8 constants bound from the checkpoint's bytes) gives Kiln's eager
+    float32 logits on every rank, within 1e-4."""
+    import numpy as np
+    from cpp_runner_harness import build_runner, run_ranks
+
+    runner = build_runner()
+    path, _ = flash
+    cfg = inspect_checkpoint(path).replace(dtype="float32")
+    tokens = _tokens(cfg.vocab_size, 8)
+    root, report = flash_export["root"], flash_export["report"]
+    out = tmp_path / "logits-{rank}.f32"
+    results = run_ranks(runner, root / report["manifest"], root / "forwards", "1x8", tokens[0].tolist(), out,
+                        extra=("--verify-key", str(dev_verify_key)))
+    for rank, (code, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank}: {stderr[-3000:]}"
+    with torch.no_grad():
+        want = _kiln(cfg, path, scan=False).prompt(tokens).float().numpy()  # Kiln against Kiln: unrolled
+    for rank in range(2):
+        got = np.fromfile(str(out).format(rank=rank), dtype="<f4").reshape(want.shape)
+        diff = float(np.abs(got - want).max())
+        print(f"C++ runner rank {rank}: max |logit diff| vs eager {diff:.2e}")
+        assert diff <= 1e-4, f"rank {rank}: {diff}"

@@ -36,9 +36,11 @@ def _run_both(kiln, tmp_path: Path, store_url: str, envs: list[dict]) -> list[di
     store = open_store(store_url)
 
     def one(i: int):
+        # Both report to the session's Prefect server (the kiln fixture's default): what the two signers share
+        # is the store. Two exports on their own embedded APIs are test_faults_cluster.py's point, not this one's.
         env = {**envs[i], "PREFECT_HOME": str(tmp_path / f"prefect{i}"), **overlap[i]}
         return kiln("export", "--model", models[i], *ARGS, "--store", store_url, "--report",
-                    str(tmp_path / f"r{i}.json"), env=env, embedded=True)
+                    str(tmp_path / f"r{i}.json"), env=env)
 
     runs = run_overlapping(one, lambda: bool(store.list(layout.LEASES)))  # the first holds a compile lease
     for run in runs:
