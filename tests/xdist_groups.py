@@ -48,6 +48,9 @@ SPLIT_BY_CASE = {
         "test_a_fused_checkpoint_export_runs_with_torch_alone": "phi3-longrope",
         "test_a_latent_attention_export_caches_latents": "deepseek-v3",
     },
+    "tests/reference/test_uneven_export.py": {
+        "test_verify_and_torch_alone_bind_each_rank_its_own_package": "qwen3-tp3-straddle",
+    },
 }
 """Modules whose tests group by the case (export) they use: a parametrized test by its parameter, any other
 test by the case named here (a test left out runs in the module's own group)."""
@@ -56,6 +59,8 @@ HEAVIEST = ("ops", "tp2_export", "tests/bench/test_bench_quick.py", "tests/refer
             "tests/integration/test_faults_cluster.py", "tests/integration/test_incident.py",
             "small_forward", "tests/tuning/test_tuning_export.py", "tests/tuning/test_tuning_compile.py",
             "tests/integration/test_s3_model.py", "tests/reference/test_v4_flash.py",
+            "tests/reference/test_incident_replay.py", "tests/reference/test_uneven_export.py",
+            "tests/reference/test_uneven_tp.py",
             "tests/integration/test_dask_cluster.py",
             "tests/trust/test_s3_trust.py", "tests/trust/test_many_signers.py",
             "tests/faults/test_compile_kill_export.py",
