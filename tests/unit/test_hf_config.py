@@ -493,3 +493,24 @@ def test_to_hf_refuses_what_no_config_of_the_family_has():
     ]:
         with pytest.raises(BadInput, match=words):
             to_hf(cfg)
+
+
+def test_configs_transformers_reads_its_own_way_are_computed_or_refused_as_it_does():
+    """Two fields transformers 5.25 reads but computes otherwise than their names say: Gemma3Attention never
+    applies attn_logit_softcapping (Kiln leaves it out too), and Qwen2MoeConfig without layer_types slides every
+    other layer below max_window_layers (Kiln refuses that by name, and writes layer_types back)."""
+    transformers = pytest.importorskip("transformers")
+    capped = from_hf({**GEMMA3, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})
+    assert capped.attn_softcap is None and capped.final_softcap == 30.0
+    assert from_hf({**GEMMA2, "attn_logit_softcapping": 50.0}).attn_softcap == 50.0  # Gemma 2 applies it
+    moe = {**LLAMA, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "num_experts": 8,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+           "num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 5, "max_window_layers": 2}
+    with pytest.raises(BadInput, match="use_sliding_window without layer_types: Qwen2MoeConfig then slides every "
+                                       "other layer below max_window_layers"):
+        from_hf(moe)
+    cfg = from_hf({**moe, "layer_types": ["full_attention"] * 2 + ["sliding_attention"] * 2})
+    assert [cfg.window_of(i) for i in range(4)] == [None, None, 5, 5]
+    written = to_hf(cfg)
+    theirs = transformers.Qwen2MoeConfig(**{k: v for k, v in written.items() if k != "architectures"})
+    assert theirs.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2 and from_hf(written) == cfg

@@ -5,7 +5,8 @@ and MLP; embeddings scaled by sqrt(hidden_size); scores scaled by query_pre_attn
 soft-capped scores and logits; sliding and full layers interleaved (layer_types, or a full layer every
 sliding_window_pattern); tied embeddings. Gemma 3: Gemma 2's layers with per-head q/k norms, no soft caps by
 default, and a rotary base of their own on sliding layers (rope_local_base_freq, or transformers 5's
-rope_parameters per layer type), unscaled.
+rope_parameters per layer type), unscaled. Gemma3TextConfig reads attn_logit_softcapping but Gemma3Attention
+never applies it: a gemma3_text config's score cap is inert here too (its logit cap is applied).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def _scales(raw: dict, family: str) -> dict:
             if not value > 0:
                 raise BadInput(f"config.json: {key}={value!r} must be positive or null.")
         out[field] = value
+    if family == "gemma3_text":  # transformers' Gemma3Attention passes no softcap to its attention
+        out["attn_softcap"] = None
     return out
 
 

@@ -4,7 +4,9 @@ Pure: no torch import.
 - Qwen2: q/k/v biases (no others); a sliding window, when use_sliding_window, on the layers from
   max_window_layers on (or as layer_types lists them: full layers, then sliding ones).
 - Qwen3: per-head q/k RMSNorm; attention_bias on q, k, v and o; head_dim 128 unless given; Qwen2's window.
-- Qwen2-MoE: Qwen2's attention and window (its `qkv_bias` flag, true by default); experts on the layers
+- Qwen2-MoE: Qwen2's attention and, as layer_types lists them, its window (Qwen2MoeConfig derives a missing
+  layer_types its own way, sliding every other layer below max_window_layers, which Kiln refuses by name; it
+  writes layer_types back); its `qkv_bias` flag, true by default; experts on the layers
   decoder_sparse_step and mlp_only_layers choose, top-k renormalised when norm_topk_prob; and a shared expert
   on every expert layer, weighted by a sigmoid gate.
 - Qwen3-MoE: Qwen3's attention; Qwen2-MoE's routing without the shared expert; a sliding window, when
@@ -24,13 +26,17 @@ _ROUTING = frozenset({"num_experts_per_tok", "moe_intermediate_size", "norm_topk
                       "mlp_only_layers"})
 
 
-def _window(raw: dict) -> dict:
+def _window(raw: dict, family: str = "qwen2") -> dict:
     """Qwen2's sliding window: off unless use_sliding_window and a sliding_window; the layers from
     max_window_layers (28 by default) on slide, or the sliding ones of layer_types, which must come last."""
     if not flag(raw, "use_sliding_window") or raw.get("sliding_window") is None:
         return {}
     layers = raw["num_hidden_layers"]
     types = raw.get("layer_types")
+    if types is None and family == "qwen2_moe":
+        raise BadInput("config.json: use_sliding_window without layer_types: Qwen2MoeConfig then slides every "
+                       "other layer below max_window_layers, which Kiln does not compute; list layer_types "
+                       "(full-attention layers, then sliding ones).")
     if types is None:
         first = raw.get("max_window_layers", 28)
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
@@ -118,7 +124,7 @@ QWEN3 = Family("qwen3", COMMON_READ | _WINDOW | {"attention_bias", "layer_types"
 def _qwen2_moe(raw: dict) -> ModelConfig:
     shared = positive_int(raw, "shared_expert_intermediate_size", 5632)
     return ModelConfig(**shared_fields(raw, "qwen2_moe"), activation=silu(raw), qkv_bias=flag(raw, "qkv_bias", True),
-                       **_window(raw), **_experts(raw, experts=60, per_token=4, width=1408),
+                       **_window(raw, "qwen2_moe"), **_experts(raw, experts=60, per_token=4, width=1408),
                        shared_expert_intermediate_size=shared, **rope_fields(raw, "qwen2_moe"))
 
 
@@ -126,7 +132,11 @@ def _qwen2_moe_to_hf(cfg: ModelConfig) -> dict:
     if not cfg.shared_expert_intermediate_size or cfg.o_bias or cfg.mlp_bias:
         raise BadInput("a shared expert is Qwen2-MoE's, every qwen2_moe config has one, and its only biases are "
                        "q/k/v's.")
-    return {"hidden_act": "silu", **_window_hf(cfg), **_experts_hf(cfg, "num_experts"),
+    window = _window_hf(cfg)
+    if cfg.sliding_window is not None:  # Qwen2MoeConfig would derive missing layer_types its own way
+        window["layer_types"] = ["sliding_attention" if cfg.window_of(i) else "full_attention"
+                                 for i in range(cfg.num_layers)]
+    return {"hidden_act": "silu", **window, **_experts_hf(cfg, "num_experts"),
             "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size, "qkv_bias": cfg.qkv_bias}
 
 
