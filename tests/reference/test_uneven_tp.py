@@ -34,6 +34,22 @@ CASES = {
                                         moe_intermediate_size=100), 3),
     # Latent attention: query heads 2, 1, 1; the dense layer's MLP and the experts' columns uneven too.
     "deepseek-v3-tp3": ("deepseek_v3", dict(DEEPSEEK, intermediate_size=250, moe_intermediate_size=40), 3),
+    # Phi-3's fused q/k/v and gate/up: each rank's rows of its share cut from the fused tensors; partial rotary.
+    "phi3-tp3": ("phi3", dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2,
+                              intermediate_size=500, partial_rotary_factor=0.75, sliding_window=6,
+                              pad_token_id=None, eos_token_id=None, bos_token_id=None), 3),
+    # Gemma 3: (1 + weight) norms around attention and MLP, q/k norms, GeGLU, sliding and full layers.
+    "gemma3-tp3": ("gemma3_text", dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                                       intermediate_size=400, num_hidden_layers=3, sliding_window=5,
+                                       layer_types=["sliding_attention", "full_attention", "sliding_attention"]), 3),
+    # Mixtral's experts (block_sparse_moe) 34, 33, 33 columns; Qwen2-MoE's shared expert behind its gate too.
+    "mixtral-tp3": ("mixtral", dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
+                                    num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2,
+                                    intermediate_size=100), 3),
+    "qwen2-moe-tp3": ("qwen2_moe", dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
+                                        num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=100, shared_expert_intermediate_size=152,
+                                        intermediate_size=250, mlp_only_layers=[1]), 3),
     # tp 5: KV heads 1 each of 5, query heads 2 each; MLP columns 205, 205, 205, 205, 204.
     "llama-tp5": ("llama", dict(hidden_size=320, num_attention_heads=10, num_key_value_heads=5, head_dim=32,
                                 intermediate_size=1024, num_hidden_layers=2), 5),
