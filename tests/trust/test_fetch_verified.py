@@ -65,7 +65,7 @@ def test_a_good_export_yields_checked_local_files(setup):
     export(package())
     manifest, artifacts, lines = fetch()
     assert artifacts == {"1x8": {"path": str(dest / f"{KEY}.pt2"), "sha256": manifest["forwards"][0]["sha256"],
-                                 "object": manifest["forwards"][0]["object"]}}
+                                 "object": manifest["forwards"][0]["object"], "shapes": "1x8"}}
     assert (dest / f"{KEY}.pt2").read_bytes() == package()
     assert [line.split(":")[0] for line in lines[1:]] == ["signature ok", "device cpu", "sha256 ok for 1 artifact(s)",
                                                           "package members ok for 1 artifact(s); loading with runtime input checks on"]
