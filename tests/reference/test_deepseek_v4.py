@@ -192,6 +192,7 @@ def _rank_main(rank: int, path: str, init: str, out: str, prompt: list[int], ste
         rows = _prefill_and_decode(model, prompt, steps)
         if rank == 0:
             torch.save(rows, out)
+        dist.barrier()  # no rank leaves the group while another still talks in it (gloo aborts)
     finally:
         dist.destroy_process_group()
 

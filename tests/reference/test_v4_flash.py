@@ -124,6 +124,7 @@ def _rank_main(rank: int, path: str, init: str, out: str, tokens: list[int]) -> 
             logits = _kiln(cfg, path, 2, rank, scan=False).prompt(torch.tensor([tokens]))
         if rank == 0:
             torch.save(logits, out)
+        dist.barrier()  # no rank leaves the group while another still talks in it (gloo aborts)
     finally:
         dist.destroy_process_group()
 
