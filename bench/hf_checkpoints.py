@@ -23,13 +23,15 @@ and a CSA layer. swiglu_limit low enough that these weights reach it; a compress
 
 
 def randomise(model) -> None:
-    """Biases (DeepSeek's routing correction too) ~ N(0, 0.1) and norm weights ~ N(1, 0.1), from the global
-    generator, so they matter in every output."""
+    """Biases (DeepSeek's routing correction too) ~ N(0, 0.1), norm weights ~ N(1, 0.1) and gpt-oss's sinks
+    ~ N(0, 1), from the global generator, so they matter in every output."""
     import torch
 
     with torch.no_grad():
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("bias") or "norm" in name and name.endswith("weight"):
+            if name.endswith(".sinks"):
+                p.copy_(torch.randn_like(p))
+            elif name.endswith("bias") or "norm" in name and name.endswith("weight"):
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
 
 

@@ -2,8 +2,8 @@
 
 The reference is independent of Kiln: transformers' LlamaForCausalLM,
 MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM,
-Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM and
-DeepseekV3ForCausalLM, built from a config dict and saved
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM,
+DeepseekV3ForCausalLM and GptOssForCausalLM, built from a config dict and saved
 with `save_pretrained` (safetensors). Nothing is downloaded.
 """
 
@@ -21,7 +21,8 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralCon
            "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
            "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
            "phi3": ("Phi3Config", "Phi3ForCausalLM"), "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
-           "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM")}
+           "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
+           "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}
 
 BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
@@ -169,6 +170,19 @@ CASES = {
     "deepseek-v3-bf16": ("deepseek_v3", dict(DEEPSEEK, hidden_size=256, qk_nope_head_dim=128, qk_rope_head_dim=64,
                                              v_head_dim=128, kv_lora_rank=128, q_lora_rank=96, vocab_size=32000,
                                              initializer_range=0.05), "bfloat16"),
+    # gpt-oss: heads of 64 with a sink each (drawn N(0, 1)), biases on q/k/v/o; sliding (window 6) and full layers
+    # alternating; 8 experts of width 64, top 2, a clamp of 1 that these weights reach; yarn over an original
+    # context of 16, untruncated (GptOssConfig's kind of rope, scaled down).
+    "gpt-oss": ("gpt_oss", dict(num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, intermediate_size=64,
+                                sliding_window=6, swiglu_limit=1.0, rope_parameters={
+                                    "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 16,
+                                    "rope_theta": 150000.0}), "float32"),
+    # At a real shape in bfloat16: hidden 256, heads of 64, vocabulary 32000, 16 experts top 4, GptOssConfig's own
+    # rope and clamp.
+    "gpt-oss-bf16": ("gpt_oss", dict(hidden_size=256, num_hidden_layers=4, vocab_size=32000, num_local_experts=16,
+                                     num_experts_per_tok=4, intermediate_size=128, sliding_window=6,
+                                     initializer_range=0.05), "bfloat16"),
 }
 """name -> (family, config overrides, weight dtype)."""
 

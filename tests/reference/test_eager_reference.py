@@ -45,6 +45,8 @@ FEATURE_OFF = {
     "deepseek-v3": {"topk_groups": 4},  # every group open: the top 3 of all 16 experts
     "deepseek-v3-yarn": {"attn_scale_multiplier": 1.0},
     "deepseek-v3-bf16": {"rope_interleave": False},
+    "gpt-oss": {"swiglu_limit": 1e4},
+    "gpt-oss-bf16": {"sliding_window": None, "full_attention_layers": ()},
 }
 
 

@@ -47,6 +47,10 @@ E2E = {
                      "14 with the long ones, the cache rebuilt at the switch as transformers' Phi-3 does (the "
                      "forward takes each sequence's length, seq_lens)",
     "llama-realistic-bf16": "bfloat16, head_dim 128, 4 layers, vocabulary 32000",
+    "gpt-oss": "gpt-oss: a learned sink per head in the prefill's attention and the decode step's in-place one, "
+               "sliding (window 6, shorter than the prompt) and full layers alternating, q/k/v/o biases; a biased "
+               "router over 8 experts (top 2), each rank's interleaved gate/up columns of the stacked experts "
+               "with their biases, the clamped SwiGLU, the down bias added once after the sum; yarn, untruncated",
 }
 
 

@@ -53,6 +53,11 @@ CASES = {
     # tp 5: KV heads 1 each of 5, query heads 2 each; MLP columns 205, 205, 205, 205, 204.
     "llama-tp5": ("llama", dict(hidden_size=320, num_attention_heads=10, num_key_value_heads=5, head_dim=32,
                                 intermediate_size=1024, num_hidden_layers=2), 5),
+    # gpt-oss: query heads 3, 3, 2 over 2 KV heads (rank 1's straddle, their sinks cut in runs); each expert's
+    # interleaved gate/up columns 68, 66, 66 of 200 and its biases; sliding and full layers alternating.
+    "gpt-oss-tp3-straddle": ("gpt_oss", dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
+                                             num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
+                                             intermediate_size=100, sliding_window=6, swiglu_limit=1.0), 3),
 }
 """name -> (family, transformers config overrides of hf_models.BASE, tp)."""
 

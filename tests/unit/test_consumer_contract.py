@@ -46,6 +46,10 @@ CONFIGS = {
         kv_lora_rank=64, q_lora_rank=32, o_bias=True, num_layers=3, num_experts=8, experts_per_token=2,
         moe_intermediate_size=64, moe_layers=(1, 2), shared_expert_intermediate_size=64, router="sigmoid_groups",
         num_expert_groups=4, topk_groups=2, routed_scaling_factor=2.5, rope_interleave=True),
+    "gpt_oss: sinks, stacked experts with biases, alternating windows": TINY.replace(
+        architecture="gpt_oss", qkv_bias=True, o_bias=True, num_experts=4, experts_per_token=2,
+        moe_intermediate_size=TINY.intermediate_size, moe_layers=(0, 1), sliding_window=8, full_attention_layers=(1,),
+        attention_sinks=True, swiglu_limit=7.0),
 }
 CONFIGS["qwen3_moe: FP8 blocks, a rank's share of the experts inside a block"] = CONFIGS[
     "qwen3_moe: a dense run between expert runs"].replace(quant=WeightQuant("fp8_blocks", (64, 64)))

@@ -297,9 +297,15 @@ def test_every_config_field_is_in_the_forward_key():
     latent = base.replace(kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, num_kv_heads=24)
     longrope = base.replace(**LONGROPE)
     dynamic = base.replace(rope_type="dynamic", rope_max_position=64)
-    seen = {key(base), key(latent), key(longrope), key(dynamic)}
+    oss = base.replace(architecture="gpt_oss", attention_sinks=True, swiglu_limit=7.0)
+    seen = {key(base), key(latent), key(longrope), key(dynamic), key(oss)}
     for field in dataclasses.fields(ModelConfig):
         if field.name == "v4":  # DeepSeek-V4's own fields, each alone: test_hf_config_v4
+            continue
+        if field.name in ("swiglu_limit", "swiglu_alpha"):  # gpt-oss's; its sinks go with it (the key above)
+            assert key(oss.replace(**{field.name: 3.5})) not in seen, field.name
+            continue
+        if field.name == "attention_sinks":
             continue
         factors = field.name in ("rope_short_factor", "rope_long_factor")
         start = latent if field.name in LATENT_FIELDS else longrope if factors else \

@@ -26,7 +26,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM"}
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM",
+                 "gpt_oss": "GptOssForCausalLM"}
 """model_type -> the transformers class whose math Kiln reproduces."""
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
@@ -175,6 +176,14 @@ class ModelConfig:
     scored by the sum of its two best corrected scores."""
     routed_scaling_factor: float = 1.0
     """The chosen experts' routing weights are multiplied by this (DeepSeek's routed_scaling_factor)."""
+    attention_sinks: bool = False
+    """Each query head has a learned sink logit (gpt-oss's `self_attn.sinks`): a column of the softmax that takes
+    its share of the probability and attends to nothing."""
+    swiglu_limit: float | None = None
+    """gpt-oss's experts: gate clamped above and up clamped on both sides at this, then (up + 1) x gate x
+    sigmoid(swiglu_alpha x gate); their router and projections carry biases. None: the SwiGLU of `activation`."""
+    swiglu_alpha: float = 1.702
+    """gpt-oss's experts: the sigmoid's gain in their clamped SwiGLU."""
     v4: V4Fields | None = None
     """DeepSeek-V4's own settings (kiln.core.model.v4_fields), exactly when architecture is deepseek_v4; its rope_*
     fields are then the compressed layers' rope, qk_rope_head_dim the trailing rotated dims of its heads."""
@@ -205,6 +214,9 @@ class ModelConfig:
             raise BadInput("config.json: DeepSeek-V4's own fields (v4) go with model_type deepseek_v4, and only it.")
         if self.v4 is not None:
             check_model(self)
+        if (self.swiglu_limit is not None or self.attention_sinks) != (self.architecture == "gpt_oss"):
+            raise BadInput("config.json: attention sinks and the clamped SwiGLU experts (swiglu_limit) are gpt-oss's, "
+                           "and every gpt_oss config has both.")
         if self.num_heads % self.num_kv_heads:
             raise BadInput(
                 f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -226,7 +238,7 @@ class ModelConfig:
                            f"Kiln computes {', '.join(ROPE_TYPES)}.")
         for field in ("rope_theta", "rope_factor", "rms_norm_eps", "rope_low_freq_factor", "rope_high_freq_factor",
                       "rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "attn_scale_multiplier",
-                      "routed_scaling_factor"):
+                      "routed_scaling_factor", "swiglu_alpha"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise BadInput(f"config.json: {field} must be a positive number, got {value!r}.")
@@ -248,7 +260,7 @@ class ModelConfig:
         if self.activation not in ACTIVATIONS:
             raise BadInput(f"config.json: activation {self.activation!r} is not supported; Kiln computes "
                            f"{', '.join(ACTIVATIONS)}.")
-        for field in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rope_theta"):
+        for field in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rope_theta", "swiglu_limit"):
             value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
                 raise BadInput(f"config.json: {field} must be a positive number or null, got {value!r}.")

@@ -36,7 +36,7 @@ each source cut to its own rows, at tp 1 too.
 
 from __future__ import annotations
 
-from kiln.core.model import quant, v4_fields
+from kiln.core.model import attention_shapes, gpt_oss_fields, quant, v4_fields
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.layer_runs import layer_runs
 from kiln.core.model.shares import rank_share
@@ -90,6 +90,8 @@ def constant_dtype(cfg: ModelConfig, name: str) -> str:
         return quant.weight_dtype(cfg.quant, name)
     if cfg.v4 is not None:
         return v4_fields.constant_dtype(cfg, name)
+    if cfg.swiglu_limit is not None:
+        return gpt_oss_fields.constant_dtype(cfg, name)
     if cfg.router == "sigmoid_groups" and name.endswith((".gate.weight", ".gate.e_score_correction_bias")):
         return "float32"
     return cfg.dtype
@@ -141,11 +143,14 @@ def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
         out[f"{p}.input_layernorm.weight"] = (h,)
-        out.update(_latent_attention_shapes(cfg, p) if cfg.latent else _attention_shapes(cfg, p))
+        out.update(attention_shapes.latent(cfg, p) if cfg.latent else attention_shapes.grouped(cfg, p))
         out[f"{p}.post_attention_layernorm.weight"] = (h,)
         if cfg.sandwich_norms:
             out[f"{p}.pre_feedforward_layernorm.weight"] = (h,)
             out[f"{p}.post_feedforward_layernorm.weight"] = (h,)
+        if cfg.swiglu_limit is not None:  # gpt-oss: its router's bias, its stacked experts
+            out.update(gpt_oss_fields.layer_shapes(cfg, p))
+            continue
         if cfg.is_moe(i):
             module, (gate, up, down) = EXPERTS[cfg.architecture]
             e_mlp = cfg.moe_intermediate_size
@@ -189,52 +194,13 @@ def _with_scales(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> dict[s
     return out
 
 
-def _attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    """Layer `p`'s grouped-query attention tensors."""
-    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    out: dict[str, tuple[int, ...]] = {}
-    for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-        out[f"{p}.self_attn.{name}.weight"] = (rows, h)
-        if cfg.qkv_bias:
-            out[f"{p}.self_attn.{name}.bias"] = (rows,)
-    if cfg.qk_norm:
-        out[f"{p}.self_attn.q_norm.weight"] = (cfg.head_dim,)
-        out[f"{p}.self_attn.k_norm.weight"] = (cfg.head_dim,)
-    out[f"{p}.self_attn.o_proj.weight"] = (h, q)
-    if cfg.o_bias:
-        out[f"{p}.self_attn.o_proj.bias"] = (h,)
-    return out
-
-
-def _latent_attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    """Layer `p`'s latent attention tensors (DeepSeek's attention_bias: q_a, kv_a and o carry biases)."""
-    h, a = cfg.hidden_size, f"{p}.self_attn"
-    out: dict[str, tuple[int, ...]] = {}
-
-    def linear(name: str, rows: int, cols: int, bias: bool = False) -> None:
-        out[f"{a}.{name}.weight"] = (rows, cols)
-        if bias:
-            out[f"{a}.{name}.bias"] = (rows,)
-
-    if cfg.q_lora_rank:
-        linear("q_a_proj", cfg.q_lora_rank, h, cfg.o_bias)
-        out[f"{a}.q_a_layernorm.weight"] = (cfg.q_lora_rank,)
-        linear("q_b_proj", cfg.num_heads * cfg.head_dim, cfg.q_lora_rank)
-    else:
-        linear("q_proj", cfg.num_heads * cfg.head_dim, h)
-    linear("kv_a_proj_with_mqa", cfg.kv_lora_rank + cfg.qk_rope_head_dim, h, cfg.o_bias)
-    out[f"{a}.kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
-    linear("kv_b_proj", cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-    linear("o_proj", h, cfg.num_heads * cfg.v_head_dim, cfg.o_bias)
-    return out
-
-
 _EXPERT = ".experts."
 
 
 def is_expert(name: str) -> bool:
-    """`name` (a checkpoint tensor or a stacked constant's suffix) is an expert's projection."""
-    return _EXPERT in name
+    """`name` (a checkpoint tensor or a stacked constant's suffix) is one expert's projection (gpt-oss stacks its
+    experts in the checkpoint: kiln.core.model.gpt_oss_fields)."""
+    return _EXPERT in name and not gpt_oss_fields.owns(name)
 
 
 def _stack_suffix(suffix: str) -> str:
@@ -332,6 +298,8 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
     share = rank_share(cfg, tp, rank)
     if cfg.v4 is not None and v4_fields.shard_slice(name, cfg, share) is not None:
         return v4_fields.shard_slice(name, cfg, share)
+    if cfg.swiglu_limit is not None and gpt_oss_fields.owns(name):
+        return gpt_oss_fields.shard_slice(name, share)
     if cfg.quant is not None and quant.is_scale(name):  # on the rank's grid: kiln.core.model.quant.scale_cut
         weight = quant.weight_of(name)
         cut = quant.scale_cut(cfg.quant, _held(weight, cfg, tp, rank), weight)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from kiln.core.model.gpt_oss_fields import params as gpt_oss_params
 from kiln.core.model.quant import scale_grid
 from kiln.core.model.shares import rank_share
 from kiln.core.model.v4_fields import module_shapes
@@ -74,6 +75,8 @@ def params_per_rank(cfg, tp: int) -> int:
     mlp += 2 * most["mlp"] + cfg.hidden_size if cfg.mlp_bias else 0
     norms = (4 if cfg.sandwich_norms else 2) * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
     per_layer = attn + norms
+    if cfg.swiglu_limit is not None:  # gpt-oss: sinks, router bias, expert biases
+        per_layer += gpt_oss_params(cfg, most["heads"], most["experts"])
     moe = cfg.num_experts * (3 * cfg.hidden_size * most["experts"] + cfg.hidden_size)
     moe += cfg.num_experts if cfg.router == "sigmoid_groups" else 0  # the choice's correction bias
     if cfg.shared_expert_intermediate_size:  # with Qwen2-MoE's gate (hidden_size); DeepSeek's has none

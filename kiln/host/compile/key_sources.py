@@ -40,6 +40,8 @@ KEY_SOURCES = (
     "kiln.host.model",  # the graph's code (a package of model files works too)
     "kiln.core.model.config",  # the derived sizes the model reads (head_dim, shard sizes)
     "kiln.core.model.contract",  # parameter shapes, shard slices, the process group
+    "kiln.core.model.attention_shapes",  # each attention kind's tensors (the contract's)
+    "kiln.core.model.gpt_oss_fields",  # gpt-oss's stacked experts, sinks and router bias: shapes, cuts, dtypes
     "kiln.core.model.layer_runs",  # which layers one scan runs (the stacked constants' layers)
     "kiln.core.model.cache_layout",  # the KV cache's layout (DeepSeek-V4's slot: the states a step unpacks)
     "kiln.core.model.interface",  # the choice outputs a forward returns after new_kv (which sites, their layers)

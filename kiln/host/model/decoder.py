@@ -40,7 +40,7 @@ from torch import nn
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.layer_runs import Segment, layer_runs
 from kiln.core.model.shares import rank_share
-from kiln.host.model.families import deepseek, gemma, llama
+from kiln.host.model.families import deepseek, gemma, gpt_oss, llama
 from kiln.host.model.families.llama import Layer
 from kiln.host.model.layers.norms import RMSNorm, softcap
 from kiln.host.model.layers.quantized import layer_weights
@@ -51,7 +51,9 @@ from kiln.host.model.layers.step import FULL_ATTENTION, StepContext, step_contex
 
 def layer_of(cfg: ModelConfig) -> Layer:
     """The decoder layer `cfg` computes: DeepSeek's (latent attention), Gemma's (norms around attention and
-    MLP) or Llama's (every other family)."""
+    MLP), gpt-oss's (sinks, its experts) or Llama's (every other family)."""
+    if cfg.architecture == "gpt_oss":
+        return gpt_oss.layer
     if cfg.latent:
         return deepseek.layer
     return gemma.layer if cfg.sandwich_norms else llama.layer
@@ -62,7 +64,8 @@ class Inner(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.runs = nn.ModuleList(LayerRun(cfg, tp, j, rank) for j in range(len(layer_runs(cfg))))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset,
+                            float32_weight=cfg.architecture == "gpt_oss")
 
 
 class ShardedDecoder(nn.Module):

@@ -83,11 +83,13 @@ class SafetensorsFile:
                 self._readinto(begin + start * row_bytes, tmp)
                 out.copy_(tmp)
             return
-        if cut[0] != 1 or len(shape) != 2:
-            raise ValueError(f"cannot cut {name} {shape} along dimension {cut[0]}")
+        dim, lo, hi = cut  # any other dimension: whole outer rows read a chunk at a time, their span kept
+        outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
+        row_bytes = shape[dim] * inner * dtype.itemsize
+        into = out.view(outer, hi - lo, inner)
         rows = max(1, _CHUNK_BYTES // max(1, row_bytes))
-        for first in range(0, shape[0], rows):
-            n = min(rows, shape[0] - first)
-            tmp = torch.empty((n, shape[1]), dtype=dtype)
+        for first in range(0, outer, rows):
+            n = min(rows, outer - first)
+            tmp = torch.empty((n, shape[dim], inner), dtype=dtype)
             self._readinto(begin + first * row_bytes, tmp)
-            out[first:first + n].copy_(tmp[:, cut[1]:cut[2]])
+            into[first:first + n].copy_(tmp[:, lo:hi])

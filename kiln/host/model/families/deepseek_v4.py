@@ -30,7 +30,7 @@ from kiln.core.model.layer_runs import Segment, layer_runs
 from kiln.host.model.layers.choices import stacked_choices, unstack_picks
 from kiln.host.model.layers.clipped_experts import experts
 from kiln.host.model.layers.compressed_attention import attention
-from kiln.host.model.layers.compressor import rms_norm32
+from kiln.host.model.layers.norms import rms_norm32
 from kiln.host.model.layers.quantized import layer_weights
 from kiln.host.model.layers.stacked import Holder, LayerRun, keep_own_dtypes, segment_runs
 from kiln.host.model.layers.hyper_connections import expand, hyper_head, mix_weights

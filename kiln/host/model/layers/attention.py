@@ -22,19 +22,24 @@ from kiln.host.model.layers.step import StepContext, gather_pages
 
 
 def attend(cfg: ModelConfig, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           mask: torch.Tensor) -> torch.Tensor:
+           mask: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention [b, heads, t, v_width] of q over keys/values where `mask` [b, 1, t, keys] allows.
 
     Scaled by query_pre_attn_scalar ** -0.5 when the config gives one (Gemma), else head_dim ** -0.5 times
-    attn_scale_multiplier (DeepSeek's yarn mscale). Soft-capped scores (Gemma 2) are computed as
-    transformers' eager attention does: scores, cap, mask, a float32 softmax cast back, then the values;
-    otherwise torch's fused attention."""
+    attn_scale_multiplier (DeepSeek's yarn mscale). Soft-capped scores (Gemma 2) and sinks (gpt-oss: `sinks`
+    [heads], a logit per head that joins each row's softmax and attends to nothing) are computed as
+    transformers' eager attention does: scores, cap, mask, the sink column, a float32 softmax cast back, the
+    sink's column dropped, then the values; otherwise torch's fused attention."""
     scale = attention_scale(cfg)
-    if cfg.attn_softcap is None:
+    if cfg.attn_softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     scores = softcap(torch.matmul(q, keys.transpose(2, 3)) * scale, cfg.attn_softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+    if sinks is not None:
+        b, heads, t, _ = scores.shape
+        scores = torch.cat((scores, sinks.to(scores.dtype).reshape(1, heads, 1, 1).expand(b, heads, t, 1)), dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs if sinks is None else probs[..., :-1], values)
 
 
 def attention_scale(cfg: ModelConfig) -> float:
@@ -68,27 +73,29 @@ def grouped_query_attention(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps, cfg.norm_unit_offset)
     cos, sin = ctx.rotary(window)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    sinks = p.get("self_attn.sinks")  # gpt-oss: one per query head of the rank
     if ctx.kv_runs is None:
-        out = _grouped(cfg, q, k, v, kv, window, ctx)
+        out = _grouped(cfg, q, k, v, kv, window, ctx, sinks)
     else:  # each KV head with its run of query heads, in order
         starts = [sum(ctx.kv_runs[:i]) for i in range(len(ctx.kv_runs))]
         out = torch.cat([_grouped(cfg, q[:, :, a:a + n], k[:, :, i:i + 1], v[:, :, i:i + 1], kv[:, :, :, i:i + 1],
-                                  window, ctx) for i, (a, n) in enumerate(zip(starts, ctx.kv_runs))], dim=2)
+                                  window, ctx, None if sinks is None else sinks[a:a + n])
+                         for i, (a, n) in enumerate(zip(starts, ctx.kv_runs))], dim=2)
     attended = linear_then_reduce(out.reshape(b, t, -1), p["self_attn.o_proj.weight"],
                                   p.get("self_attn.o_proj.bias"), tp)
     return attended, torch.stack((k, v))
 
 
 def _grouped(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-             window: torch.Tensor | None, ctx: StepContext) -> torch.Tensor:
+             window: torch.Tensor | None, ctx: StepContext, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """[b, t, heads, head_dim]: query heads q [b, t, heads, hd] in equal groups, one per KV head of k and v
-    [b, t, kv_heads, hd] and of the cache `kv` [2, pages, page_tokens, kv_heads, hd]."""
+    [b, t, kv_heads, hd] and of the cache `kv` [2, pages, page_tokens, kv_heads, hd]; `sinks` [heads] or None."""
     # Decode: the cached pages read where they lie. Decided when traced; over a range of token counts only when
     # every count of the range qualifies (statically_known_true adds no guard that would narrow the range).
     if statically_known_true(q.shape[1] <= IN_PLACE_TOKENS):
-        return attend_in_place(cfg, q, k, v, kv, ctx.block_table, ctx.mask(window), attention_scale(cfg))
+        return attend_in_place(cfg, q, k, v, kv, ctx.block_table, ctx.mask(window), attention_scale(cfg), sinks)
     group = q.shape[2] // k.shape[2]
     keys = torch.cat((gather_pages(kv[0], ctx.block_table), k), dim=1).repeat_interleave(group, dim=2)
     values = torch.cat((gather_pages(kv[1], ctx.block_table), v), dim=1).repeat_interleave(group, dim=2)
     return attend(cfg, q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                  ctx.mask(window)).transpose(1, 2)
+                  ctx.mask(window), sinks).transpose(1, 2)

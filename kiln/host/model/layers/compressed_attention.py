@@ -26,7 +26,8 @@ from kiln.core.model.v4_fields import CSA, SLIDING
 from kiln.host.model.layers import choices
 from kiln.host.model.layers.choices import INDEXER_SITE
 from kiln.host.model.layers.collectives import reduce
-from kiln.host.model.layers.compressor import compress, pair_tables, ring_read, ring_write, rms_norm32, rotate_pairs
+from kiln.host.model.layers.compressor import compress, pair_tables, ring_read, ring_write, rotate_pairs
+from kiln.host.model.layers.norms import rms_norm32
 from kiln.host.model.layers.hyper_connections import unweighted_rms_norm
 
 

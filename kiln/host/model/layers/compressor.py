@@ -19,13 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.core.model.config import ModelConfig
-
-
-def rms_norm32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """DeepseekV4RMSNorm: normed in float32, times the (float32) weight, then cast to x's dtype."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * h).to(x.dtype)
+from kiln.host.model.layers.norms import rms_norm32
 
 
 def pair_tables(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

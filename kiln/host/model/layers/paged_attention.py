@@ -28,11 +28,13 @@ head_dim] keys: equal at one token, so the checks' memory does not grow."""
 
 
 def attend_in_place(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-                    block_table: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+                    block_table: torch.Tensor, mask: torch.Tensor, scale: float,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention [b, t, heads, head_dim] (q's dtype) of q [b, t, heads, head_dim] over the cached
     keys and values of `kv` [2, pages, page_tokens, kv_heads, head_dim] that `block_table` [b, pages_per_seq]
     names, then the step's own k, v [b, t, kv_heads, head_dim], where `mask` [b, 1, t, context + t] allows.
-    A query head attends with its group's key head (heads // kv_heads per group)."""
+    A query head attends with its group's key head (heads // kv_heads per group). `sinks` [heads] (gpt-oss): a
+    logit per head that joins its softmax and attends to nothing."""
     b, t, heads, hd = q.shape
     kv_heads = k.shape[2]
     query = q.reshape(b, t, kv_heads, heads // kv_heads, 1, hd).float()  # [b, t, kvh, group, 1, hd]
@@ -49,6 +51,9 @@ def attend_in_place(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch
     if cfg.attn_softcap is not None:
         s = softcap(s, cfg.attn_softcap)
     s = s.masked_fill(~mask[:, 0, :, None, None, :], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().reshape(1, 1, kv_heads, heads // kv_heads, 1).expand(*s.shape[:-1], 1)
+        s = torch.cat((s, sink), dim=-1)
     probs = torch.softmax(s, dim=-1)
-    out = weighted(probs[..., :context], cached_values) + weighted(probs[..., context:], v)
+    out = weighted(probs[..., :context], cached_values) + weighted(probs[..., context:context + t], v)  # no sink
     return out.to(q.dtype).reshape(b, t, heads, hd)
