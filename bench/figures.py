@@ -115,6 +115,16 @@ FIGURES: dict[str, tuple[str, str]] = {
     "quantized_compile_ratio": ("quantized", "compile s, FP8-block weights / bfloat16 weights, the median of the "
                                 "decode and prefill forwards' (each in a fresh process and Inductor cache, the "
                                 "format compiled first alternating)"),
+    "mxfp4_weight_bytes_ratio": ("quantized", "a rank's weights as its loader holds them / its slices' bytes in "
+                                 "gpt-oss's MXFP4 checkpoint (gpt-oss-20b widths, 2 layers, its 32 experts, tp 2)"),
+    "mxfp4_vs_bf16_bytes_ratio": ("quantized", "a rank's held weights, MXFP4 checkpoint / the same model in bfloat16 "
+                                  "(bytes)"),
+    "mxfp4_decode_step_ratio": ("quantized", "decode step (1x1), MXFP4 experts dequantized in the graph / bfloat16 "
+                                "experts (median s per step, alternating, one thread)"),
+    "mxfp4_prefill_step_ratio": ("quantized", "prefill step (1x64), MXFP4 experts / bfloat16 experts (median s per "
+                                 "step, alternating, one thread)"),
+    "mxfp4_compile_ratio": ("quantized", "compile s, MXFP4 experts / bfloat16 experts, the median of the decode and "
+                            "prefill forwards'"),
     "uneven_llama_step_balance": ("uneven", "decode step (1x1) at tp 3 of Llama-3.1-8B's widths (KV heads 3, 3, "
                                             "2): the slowest rank's median s / the mean of the ranks' medians"),
     "uneven_llama_forwards": ("uneven", "a count, not a timing: forwards tp 3 compiles per bucket of that model (an "
@@ -158,6 +168,9 @@ TARGETS: dict[str, Target] = {
     "quantized_weight_bytes_ratio": Target("<=", 1.1),
     "quantized_decode_step_ratio": Target("<=", 2.0),
     "quantized_compile_ratio": Target("<=", 1.2),
+    "mxfp4_weight_bytes_ratio": Target("<=", 1.1),
+    "mxfp4_decode_step_ratio": Target("<=", 2.0),
+    "mxfp4_compile_ratio": Target("<=", 1.2),
     "uneven_llama_step_balance": Target("<=", 1.15),
     "uneven_v4_step_balance": Target("<=", 1.15),
     "wrong_forwards_caught": Target(">=", 1.0),

@@ -60,7 +60,7 @@ HEAVIEST = ("ops", "tp2_export", "tests/bench/test_bench_quick.py", "tests/refer
             "small_forward", "tests/tuning/test_tuning_export.py", "tests/tuning/test_tuning_compile.py",
             "tests/integration/test_s3_model.py", "tests/reference/test_v4_flash.py",
             "tests/reference/test_incident_replay.py", "tests/reference/test_uneven_export.py",
-            "tests/reference/test_uneven_tp.py",
+            "tests/reference/test_uneven_tp.py", "tests/reference/test_mxfp4.py",
             "tests/integration/test_dask_cluster.py",
             "tests/trust/test_s3_trust.py", "tests/trust/test_many_signers.py",
             "tests/faults/test_compile_kill_export.py",

@@ -25,7 +25,8 @@ E2E = {
     # case: why it is exported end to end (each feature alone is checked in eager mode too). Mistral, dense
     # Qwen3 and dense Qwen2 are eager only (test_eager_reference): a window over the paged cache is exported with
     # Qwen2-MoE's and Phi-3's, q/k norms with Qwen3-MoE's, Qwen2's attention (sharded q/k/v biases, its window
-    # from max_window_layers, yarn) with Qwen2-MoE's; one export less is about 3 CPU-minutes.
+    # from max_window_layers, yarn) with Qwen2-MoE's; one export less is about 3 CPU-minutes. gpt-oss is exported
+    # from its published MXFP4 layout (test_mxfp4), which computes every part of its bfloat16 one.
     "llama32-deep-biases": "Llama 3.2 shape (tied embeddings, llama3 rope scaling, head_dim 64) with attention_bias "
                            "and mlp_bias (row-parallel biases added once after the all-reduce), 24 layers: one "
                            "scanned layer body over 24 layers' stacked weights",
@@ -47,10 +48,6 @@ E2E = {
                      "14 with the long ones, the cache rebuilt at the switch as transformers' Phi-3 does (the "
                      "forward takes each sequence's length, seq_lens)",
     "llama-realistic-bf16": "bfloat16, head_dim 128, 4 layers, vocabulary 32000",
-    "gpt-oss": "gpt-oss: a learned sink per head in the prefill's attention and the decode step's in-place one, "
-               "sliding (window 6, shorter than the prompt) and full layers alternating, q/k/v/o biases; a biased "
-               "router over 8 experts (top 2), each rank's interleaved gate/up columns of the stacked experts "
-               "with their biases, the clamped SwiGLU, the down bias added once after the sum; yarn, untruncated",
 }
 
 

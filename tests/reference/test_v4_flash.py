@@ -16,7 +16,7 @@ import torch
 import transformers
 from v4_flash_checkpoints import write_v4_flash
 
-from bench.hf_checkpoints import V4_SMALL, randomise_v4
+from bench.hf_checkpoints import CSA, HCA, V4_SMALL, randomise_v4
 from kiln.core.model import quant
 from kiln.core.model.rank_bytes import weight_bytes_per_rank
 from kiln.host.model.families.deepseek_v4 import DeepseekV4Decoder
@@ -111,6 +111,41 @@ def test_bfloat16_from_the_same_bytes_stays_within_transformers_own_error(flash)
         theirs = float((_transformers(path, torch.bfloat16)(tokens).logits.float() - exact).abs().max())
         ours = float((_kiln(cfg, path).prompt(tokens).float() - exact).abs().max())
     print(f"bfloat16: Kiln {ours:.3f} from transformers' float32; transformers' own bfloat16 {theirs:.3f}")
+    assert ours <= 2 * theirs
+
+
+REAL_WIDTHS = dict(vocab_size=32000, num_hidden_layers=2, layer_types=[CSA, HCA], mlp_layer_types=["hash_moe", "moe"],
+                   n_routed_experts=6, num_experts_per_tok=4, index_topk=16)
+"""DeepSeek-V4-Flash's own widths (DeepseekV4Config's defaults: hidden 4096, 64 heads of 512 with 64 rotating
+dims, q_lora_rank 1024, 8 output groups of 1024, experts 2048 wide, an indexer of 64 heads of 128, hc_mult 4,
+compress rates 4 and 128, a window of 128) at 2 layers (a CSA layer routed by hash, an HCA layer by top-k), 6
+experts (top 4), a vocabulary of 32000 and an indexer top 16 (of its 512: 160 tokens compress to 40 CSA entries,
+so the indexer chooses)."""
+
+
+@pytest.mark.slow
+def test_v4_flash_at_its_own_widths_in_bfloat16_stays_within_transformers_own_error(tmp_path):
+    """The published layout at V4-Flash's widths: 160 tokens (past the window and one HCA compression), Kiln's
+    bfloat16 from the FP8 and FP4 bytes against transformers' dequantized float32 model, within twice
+    transformers' own bfloat16 error; the rank holds the bytes as published."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV4Config(**REAL_WIDTHS)
+    assert (config.hidden_size, config.head_dim, config.moe_intermediate_size, config.o_groups) == (4096, 512, 2048, 8)
+    model = transformers.DeepseekV4ForCausalLM(config).eval()
+    randomise_v4(model, config.n_routed_experts, 1)
+    path, _ = write_v4_flash(model, tmp_path, dequantized_too=False)
+    del model
+    cfg = inspect_checkpoint(path)
+    assert cfg.dtype == "bfloat16" and cfg.quant.experts == "fp4"
+    tokens = _tokens(cfg.vocab_size, 160)
+    with torch.no_grad():
+        exact = _transformers(path)(tokens).logits.float()
+        theirs = float((_transformers(path, torch.bfloat16)(tokens).logits.float() - exact).abs().max())
+        ours = float((_kiln(cfg, path).prompt(tokens).float() - exact).abs().max())
+    held = sum(t.nbytes for t in load_rank_weights(path, cfg, 1, 0).values())
+    print(f"V4-Flash widths, bfloat16, 160 tokens: Kiln {ours:.3f} from transformers' float32 dequantized model; "
+          f"transformers' own bfloat16 {theirs:.3f}; the rank holds {held / 2**20:.0f} MiB")
+    assert held == weight_bytes_per_rank(cfg, 1)
     assert ours <= 2 * theirs
 
 

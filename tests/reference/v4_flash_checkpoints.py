@@ -85,9 +85,9 @@ def dequantize_fp4(packed, scales):
     return values * scales.float().repeat_interleave(FP4_GROUP, 1)
 
 
-def write_v4_flash(model, root: Path) -> tuple[Path, dict]:
+def write_v4_flash(model, root: Path, dequantized_too: bool = True) -> tuple[Path, dict]:
     """(the V4-Flash-layout checkpoint of `model` at root / 'flash', name -> the float32 weight its bytes
-    dequantize to for every quantized tensor)."""
+    dequantize to for every quantized tensor, or {} without `dequantized_too`)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -103,7 +103,8 @@ def write_v4_flash(model, root: Path) -> tuple[Path, dict]:
             continue
         q, scales = quantize(tensor)
         published[name], published[name.removesuffix(".weight") + ".scale"] = q, scales
-        dequantized[name] = dequantize(q, scales)
+        if dequantized_too:
+            dequantized[name] = dequantize(q, scales)
     out = root / "flash"
     out.mkdir(parents=True, exist_ok=True)
     save_file(published, out / "model.safetensors", metadata={"format": "pt"})

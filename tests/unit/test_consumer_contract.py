@@ -51,6 +51,10 @@ CONFIGS = {
         moe_intermediate_size=TINY.intermediate_size, moe_layers=(0, 1), sliding_window=8, full_attention_layers=(1,),
         attention_sinks=True, swiglu_limit=7.0),
 }
+CONFIGS["gpt_oss in bfloat16: float32 norms"] = CONFIGS[
+    "gpt_oss: sinks, stacked experts with biases, alternating windows"].replace(dtype="bfloat16")
+CONFIGS["gpt_oss: MXFP4 experts, each rank's groups of 32"] = CONFIGS[
+    "gpt_oss: sinks, stacked experts with biases, alternating windows"].replace(quant=WeightQuant("mxfp4", (1, 32)))
 CONFIGS["qwen3_moe: FP8 blocks, a rank's share of the experts inside a block"] = CONFIGS[
     "qwen3_moe: a dense run between expert runs"].replace(quant=WeightQuant("fp8_blocks", (64, 64)))
 CONFIGS["deepseek_v3: FP8 blocks, the latent's rows a partial block"] = CONFIGS[
@@ -82,7 +86,7 @@ def test_the_parameter_count_is_a_ranks_constants(name):
     for tp in (1, 2):
         layout = weight_layout(cfg, tp).values()
         assert params_per_rank(cfg, tp) == sum(math.prod(w["shape"]) for w in layout)
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "uint8": 1}
         assert weight_bytes_per_rank(cfg, tp) == sum(math.prod(w["shape"]) * itemsize[w["dtype"]] for w in layout)
 
 

@@ -52,6 +52,34 @@ def test_gpt_oss_values_outside_what_kiln_computes_are_refused_by_name(change, w
         from_hf({**SMALL, **change})
 
 
+MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                              "model.embed_tokens", "lm_head"]}
+
+
+def test_mxfp4_is_read_for_gpt_oss_and_refused_elsewhere():
+    """gpt-oss's published quantization_config: its experts MXFP4, nothing else; the same in another family, a
+    list that leaves the experts unconverted, a field mxfp4 does not have, or sizes not in groups of 32 are
+    refused by name."""
+    cfg = from_hf({**SMALL, "intermediate_size": 96, "quantization_config": MXFP4})
+    assert (cfg.quant.method, cfg.quant.block) == ("mxfp4", (1, 32))
+    assert from_hf(to_hf(cfg)) == cfg
+    shapes = parameter_shapes(cfg)
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj_blocks"] == (8, 192, 4, 16)
+    assert shapes["model.layers.0.mlp.experts.down_proj_scales"] == (8, 128, 3)
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in shapes
+    llama = {k: v for k, v in SMALL.items() if k not in ("num_local_experts", "num_experts_per_tok", "sliding_window",
+                                                          "swiglu_limit", "router_aux_loss_coef",
+                                                          "output_router_logits")}
+    with pytest.raises(BadInput, match="gpt-oss's format"):
+        from_hf({**llama, "model_type": "llama", "architectures": ["LlamaForCausalLM"], "quantization_config": MXFP4})
+    with pytest.raises(BadInput, match="model.layers.*.mlp.experts"):
+        from_hf({**SMALL, "quantization_config": {**MXFP4, "modules_to_not_convert": ["model.layers.*.mlp.experts"]}})
+    with pytest.raises(BadInput, match="group_size"):
+        from_hf({**SMALL, "quantization_config": {**MXFP4, "group_size": 64}})
+    with pytest.raises(BadInput, match="multiples of 32"):
+        from_hf({**SMALL, "quantization_config": MXFP4})  # intermediate 100
+
+
 def test_a_ranks_cut_of_the_interleaved_experts_holds_its_own_gate_and_up_columns():
     """gate_up_proj interleaves gate and up columns, so a rank's span [s, e) of each is the contiguous columns
     [2s, 2e); the down projection's rows [s, e); its bias and the router whole; the sinks follow the heads."""

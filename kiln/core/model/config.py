@@ -203,6 +203,13 @@ class ModelConfig:
             object.__setattr__(self, "v4", V4Fields(**self.v4))
         if isinstance(self.quant, dict):  # read back from JSON
             object.__setattr__(self, "quant", WeightQuant(**self.quant))
+        if self.quant is not None and (self.quant.method == "mxfp4") != (self.architecture == "gpt_oss"):
+            raise BadInput("config.json: MXFP4 (quant_method mxfp4) is gpt-oss's format, and the only quantized "
+                           "one Kiln reads for gpt-oss.")
+        if self.quant is not None and self.quant.method == "mxfp4" and (self.hidden_size % 32
+                                                                        or self.intermediate_size % 32):
+            raise BadInput(f"config.json: MXFP4 experts hold 32 inputs a scale: hidden_size ({self.hidden_size}) "
+                           f"and intermediate_size ({self.intermediate_size}) must be multiples of 32.")
         if self.quant is not None and self.architecture == "phi3":
             raise BadInput(f"config.json: quantized weights ({self.quant.method}) are read for every family but "
                            "Phi-3 (its fused qkv_proj and gate_up_proj).")

@@ -112,7 +112,7 @@ def _projections(cfg, tp: int) -> list[tuple[int, int, int, int | None]]:
 
 def _quantized(cfg, tp: int) -> tuple[int, int]:
     """(the quantized weights' entries, their scales') one rank holds; (0, 0) unquantized."""
-    if cfg.quant is None:
+    if cfg.quant is None or cfg.quant.method == "mxfp4":  # MXFP4's entries: kiln.core.model.gpt_oss_fields.params
         return 0, 0
     weights = scales = 0
     for count, rows, cols, dim in _projections(cfg, tp):

@@ -19,6 +19,10 @@ inside one checkpoint block, whose scale it repeats (block / g times); along a d
 checkpoint's blocks. Where n is a multiple of the block (DeepSeek-V3 at tp 8), g is the block and a rank's
 scales are a plain cut of the checkpoint's (`scale_cut`).
 
+gpt-oss's MXFP4 (`mxfp4`, quantization_config {"quant_method": "mxfp4"}) quantizes its experts alone, in
+tensors of their own (kiln.core.model.gpt_oss_fields: `<proj>_blocks` and `<proj>_scales`); every `.weight` of
+such a checkpoint is unquantized.
+
 DeepSeek-V4-Flash's variant of the format (WeightQuant.scale_fmt "ue8m0", .experts "fp4"):
 - UE8M0 scales: each block's scale a power of two stored as float8_e8m0fnu (safetensors F8_E8M0) and named
   `<module>.scale` (transformers renames it weight_scale_inv); a rank holds the bytes as uint8 (E8M0_DTYPE)
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 from kiln.core.errors import BadInput
 
 FP8_BLOCKS = "fp8_blocks"
+MXFP4 = "mxfp4"
 SCALE_FORMATS = ("float", "ue8m0")
 """How a block's scale is stored (WeightQuant.scale_fmt): float32, or UE8M0 (a power of two, one byte)."""
 EXPERT_FORMATS = ("fp8", "fp4")
@@ -49,8 +54,9 @@ FP4_GROUP = 32
 """Inputs per FP4 scale."""
 UE8M0_SUFFIX = ".scale"
 """A UE8M0 checkpoint's scales are `<module>.scale` (DeepSeek-V4-Flash's name)."""
-METHODS = (FP8_BLOCKS,)
-"""The quantized formats Kiln reads (WeightQuant.method)."""
+METHODS = (FP8_BLOCKS, MXFP4)
+"""The quantized formats Kiln reads (WeightQuant.method). MXFP4 (gpt-oss's experts) has tensors of its own,
+kiln.core.model.gpt_oss_fields': no `<module>.weight` is quantized in its sense here."""
 
 WEIGHT_DTYPE = "float8_e4m3fn"
 """The dtype a quantized weight is held in: in the checkpoint (safetensors F8_E4M3), a rank's memory and the
@@ -75,7 +81,8 @@ class WeightQuant:
     """How a checkpoint's projections are quantized (ModelConfig.quant)."""
 
     method: str
-    """One of METHODS: fp8_blocks (float8_e4m3fn weights, a scale per block)."""
+    """One of METHODS: fp8_blocks (float8_e4m3fn weights, a scale per block), or mxfp4 (gpt-oss's experts: e2m1
+    codes two a byte, a power-of-two scale per 32 inputs; block (1, 32))."""
     block: tuple[int, int]
     """(rows, cols) of one scale's block (weight_block_size)."""
     scale_fmt: str = "float"
@@ -104,7 +111,7 @@ class WeightQuant:
 
 def is_quantized(quant: WeightQuant | None, name: str) -> bool:
     """`name` (a checkpoint tensor, a package constant or a stacked constant's suffix) is a quantized weight."""
-    if quant is None or not name.endswith(".weight") or name.startswith("lm_head"):
+    if quant is None or quant.method == MXFP4 or not name.endswith(".weight") or name.startswith("lm_head"):
         return False
     parts = name.rsplit(".", 2)
     return len(parts) == 3 and parts[-2] in QUANTIZED and UNQUANTIZED_WITHIN not in name

@@ -84,6 +84,8 @@ def _unit(cfg, count: int, tp: int, weights: tuple[str, ...]) -> int:
     row-parallel projections)."""
     if cfg.quant is None:
         return 1
+    if cfg.quant.method == quant.MXFP4:  # gpt-oss's experts: whole groups of 32 inputs (their down blocks' cut)
+        return quant.FP4_GROUP
     fp4 = any(quant.is_fp4(cfg.quant, name) for name in weights)
     if count % (2 * tp if fp4 else tp) == 0:
         return 1

@@ -92,6 +92,9 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
             logical = (*shape[:-1], shape[-1] * (2 if quant.is_fp4(cfg.quant, name) else 1))
             out[name], out[quant.scale_of(name, cfg.quant)] = quantize_like(
                 cfg.quant, name, torch.randn(logical, generator=gen) * logical[-1] ** -0.5)
+        elif constant_dtype(cfg, name) == "uint8":  # gpt-oss's MXFP4 bytes, and scales of 2^-3 or so
+            out[name] = (torch.randint(123, 126, shape, generator=gen) if name.endswith("_scales")
+                         else torch.randint(0, 256, shape, generator=gen)).to(torch.uint8)
         elif name.endswith("norm.weight"):
             out[name] = torch.ones(shape, dtype=dtype)
         elif constant_dtype(cfg, name) == "int64":  # an index table (DeepSeek-V4's tid2eid): expert ids

@@ -141,6 +141,9 @@ def check_quantized(cfg: ModelConfig, have: dict[str, tuple[str, str]]) -> None:
             raise BadInput(f"{file}: tensor {name} is {code}; Kiln reads "
                            + ("UE8M0 (F8_E8M0)" if cfg.quant.scale_fmt == "ue8m0" else "float32 (F32)")
                            + " block scales, as config.json's quantization_config says.")
+        if name.endswith(("_blocks", "_scales")) and got != "uint8":  # gpt-oss's MXFP4
+            raise BadInput(f"{file}: tensor {name} is {code}; MXFP4 blocks and scales are bytes (U8), as "
+                           "gpt-oss publishes them.")
         if got == fp8 and not quant.is_quantized(cfg.quant, name):
             raise BadInput(f"{file}: tensor {name} is FP8 ({code}), but "
                            + ("config.json has no quantization_config" if cfg.quant is None else

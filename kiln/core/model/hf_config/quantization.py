@@ -1,9 +1,10 @@
 """config.json's `quantization_config`: the quantized format Kiln reads (FP8 blocks), and every other refused by name.
 
 Pure: no torch import. Read as transformers' FineGrainedFP8Config reads it, field by field:
-- `quant_method` "fp8" with a `weight_block_size` [rows, cols]: FP8 blocks (kiln.core.model.quant); any other
-  method (gptq, awq, bitsandbytes, compressed-tensors, mxfp4, ...) or FP8 without blocks is refused, naming
-  it and saying what Kiln reads;
+- `quant_method` "fp8" with a `weight_block_size` [rows, cols]: FP8 blocks (kiln.core.model.quant); "mxfp4" in a
+  gpt-oss checkpoint: its experts' MXFP4 blocks and scales (modules_to_not_convert may list anything but the
+  experts, as gpt-oss's own lists attention, router, embeddings and head); any other method (gptq, awq,
+  bitsandbytes, compressed-tensors, ...) or FP8 without blocks is refused, naming it and saying what Kiln reads;
 - `fmt` "e4m3" (or absent): the weights are float8_e4m3fn; `activation_scheme` "dynamic" (or absent):
   activations are not quantized with static scales from the checkpoint (Kiln computes them in the compute
   dtype, as transformers' dequantized model does);
@@ -19,14 +20,15 @@ Pure: no torch import. Read as transformers' FineGrainedFP8Config reads it, fiel
 from __future__ import annotations
 
 from kiln.core.errors import BadInput
-from kiln.core.model.quant import FP8_BLOCKS, WeightQuant
+from kiln.core.model.quant import FP4_GROUP, FP8_BLOCKS, MXFP4, WeightQuant
 
 FIELD = "quantization_config"
 
 _READS = ("Kiln reads FP8 block-quantized weights (quant_method fp8, fmt e4m3, activation_scheme dynamic, a "
           "weight_block_size, float32 weight_scale_inv per block), as DeepSeek-V3 and Qwen3's FP8 checkpoints "
           "are published; DeepSeek-V4's with UE8M0 scales (scale_fmt ue8m0) and FP4 experts (expert_dtype fp4), "
-          "as DeepSeek-V4-Flash is published; and unquantized float32/bfloat16/float16 ones")
+          "as DeepSeek-V4-Flash is published; gpt-oss's MXFP4 experts (quant_method mxfp4); and unquantized "
+          "float32/bfloat16/float16 ones")
 
 _INERT = frozenset({"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
                     "ignored_layers", "scale_fmt", "expert_dtype", "dequantize", "modules_to_convert"})
@@ -49,6 +51,8 @@ def read_quantization(raw: dict, family: str) -> WeightQuant | None:
     if not isinstance(quant, dict):
         raise BadInput(f"config.json: {FIELD}={quant!r} must be an object.")
     method = quant.get("quant_method")
+    if method == "mxfp4":
+        return _mxfp4(quant, family)
     if method != "fp8" or quant.get("weight_block_size") is None:
         what = f"quant_method={method!r}" if method != "fp8" else "quant_method 'fp8' without a weight_block_size"
         raise BadInput(f"config.json: {FIELD} {what}: {_READS}. Export an unquantized checkpoint of this model "
@@ -81,8 +85,37 @@ def read_quantization(raw: dict, family: str) -> WeightQuant | None:
     return WeightQuant(FP8_BLOCKS, tuple(block), quant.get("scale_fmt", "float"), quant.get("expert_dtype", "fp8"))
 
 
+_MXFP4_READS = frozenset({"quant_method", "modules_to_not_convert", "dequantize"})
+MXFP4_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+"""gpt-oss's published modules_to_not_convert: everything but the experts."""
+
+
+def _mxfp4(quant: dict, family: str) -> WeightQuant:
+    """gpt-oss's MXFP4: its experts' blocks and scales (kiln.core.model.gpt_oss_fields), nothing else quantized;
+    modules_to_not_convert may list anything but the experts."""
+    if family != "gpt_oss":
+        raise BadInput(f"config.json: {FIELD} quant_method='mxfp4' is gpt-oss's format (its experts' _blocks and "
+                       f"_scales); a {family} checkpoint in it is not read: {_READS}.")
+    unknown = sorted(set(quant) - _MXFP4_READS)
+    if unknown:
+        raise BadInput(f"config.json: {FIELD} " + ", ".join(f"{k}={quant[k]!r}" for k in unknown)
+                       + f": Kiln reads mxfp4's quant_method and modules_to_not_convert.")
+    names = quant.get("modules_to_not_convert") or []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise BadInput(f"config.json: {FIELD} modules_to_not_convert={names!r} must be a list of module names.")
+    experts = [n for n in names if "experts" in n or n.rstrip(".*") in ("model", "model.layers", "model.layers.*",
+                                                                        "model.layers.*.mlp")]
+    if experts:
+        raise BadInput(f"config.json: {FIELD} modules_to_not_convert lists {experts[0]!r}: in an mxfp4 checkpoint "
+                       "the experts are what is quantized; drop quantization_config if they are not.")
+    return WeightQuant(MXFP4, (1, FP4_GROUP))
+
+
 def quantization_to_hf(quant: WeightQuant) -> dict:
-    """The quantization_config of `quant`, as DeepSeek-V3's (or, UE8M0, V4-Flash's) config.json writes it."""
+    """The quantization_config of `quant`, as DeepSeek-V3's (or, UE8M0, V4-Flash's; or gpt-oss's) config.json
+    writes it."""
+    if quant.method == MXFP4:
+        return {"quant_method": "mxfp4", "modules_to_not_convert": list(MXFP4_NOT_CONVERTED)}
     out = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
            "weight_block_size": list(quant.block)}
     if quant.scale_fmt != "float":

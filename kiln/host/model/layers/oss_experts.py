@@ -6,7 +6,10 @@ from one projection whose columns interleave them (gate j at 2j, up j at 2j + 1)
 swiglu_limit and up on both sides, then (up + 1) x gate x sigmoid(swiglu_alpha x gate), then the down
 projection. The tensors are kiln.core.model.gpt_oss_fields': gate_up [E, H, 2I/tp] (input-major, as the
 checkpoint holds it) with its bias [E, 2I/tp], down [E, I/tp, H]; the down projection's bias [E, H] is every
-rank's, so it is added once, weighted, after the sum over the ranks.
+rank's, so it is added once, weighted, after the sum over the ranks. gpt-oss as published holds the two
+projections as MXFP4 bytes and scales, output-major; they are dequantized in the graph where the layer reads
+them (kiln.host.model.layers.quantized.dequantize: e2m1 codes two a byte, 2^(byte - 127) per 32 inputs), the
+chosen experts' alone where a step gathers, and read through input-major views.
 
 The ways of computing follow kiln.host.model.layers.moe (GATHER_BELOW): a step of few (token, expert) pairs
 gathers its experts' weights; in bfloat16 a wider step runs torch._grouped_mm over the pairs sorted by expert
@@ -21,11 +24,13 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kiln.core.model.config import ModelConfig
-from kiln.core.model.gpt_oss_fields import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, ROUTER, ROUTER_BIAS
+from kiln.core.model.gpt_oss_fields import (DOWN, DOWN_BIAS, DOWN_BLOCKS, DOWN_SCALES, GATE_UP, GATE_UP_BIAS,
+                                            GATE_UP_BLOCKS, GATE_UP_SCALES, GROUP_BYTES, ROUTER, ROUTER_BIAS)
 from kiln.host.model.layers import choices
 from kiln.host.model.layers.choices import EXPERT_SITE
 from kiln.host.model.layers.collectives import reduce
 from kiln.host.model.layers.moe import GATHER_BELOW
+from kiln.host.model.layers.quantized import dequantize
 
 
 def route(cfg: ModelConfig, p: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,18 +56,35 @@ def oss_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h: torch.
     weights, chosen = route(cfg, p, x)
     choices.report(picks, EXPERT_SITE, chosen)
     n, k = chosen.shape
-    gate_up, gate_up_bias, down = p[GATE_UP], p[GATE_UP_BIAS], p[DOWN]
+    gate_up_bias = p[GATE_UP_BIAS]
     if statically_known_true(GATHER_BELOW * n * k <= cfg.num_experts):  # over a range: only if all of it gathers
         flat = chosen.reshape(-1)
+        gate_up, down = _weights(p, x.dtype, flat)  # each pair's expert's
         rows = x.repeat_interleave(k, dim=0)[:, None, :]  # [n*k, 1, H]
-        act = swiglu(cfg, torch.bmm(rows, gate_up[flat]) + gate_up_bias[flat][:, None])
-        mixed = _weighted(torch.bmm(act, down[flat])[:, 0], weights, h.dtype)
-    elif _groups_trace(x, gate_up, down):
-        mixed = _weighted(_grouped(cfg, x, chosen, gate_up, gate_up_bias, down), weights, h.dtype)
+        act = swiglu(cfg, torch.bmm(rows, gate_up) + gate_up_bias[flat][:, None])
+        mixed = _weighted(torch.bmm(act, down)[:, 0], weights, h.dtype)
     else:
-        mixed = _every_expert(cfg, x, weights, chosen, gate_up, gate_up_bias, down)
+        gate_up, down = _weights(p, x.dtype)
+        mixed = (_weighted(_grouped(cfg, x, chosen, gate_up, gate_up_bias, down), weights, h.dtype)
+                 if _groups_trace(x, gate_up, down) else
+                 _every_expert(cfg, x, weights, chosen, gate_up, gate_up_bias, down))
     bias = (p[DOWN_BIAS][chosen] * weights[..., None]).to(h.dtype).sum(dim=1)  # [n, H]: every rank's, once
     return (reduce(mixed, tp) + bias).reshape(b, t, hidden)
+
+
+def _weights(p: dict[str, torch.Tensor], dtype: torch.dtype,
+             index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [..., H, 2I/tp], down [..., I/tp, H]) of experts `index` (all when None): the stacked tensors, or
+    MXFP4's bytes and scales (gathered first, so only those experts are dequantized) dequantized to `dtype`,
+    input-major views of their output-major rows."""
+    if GATE_UP_BLOCKS not in p:
+        gate_up, down = p[GATE_UP], p[DOWN]
+        return (gate_up, down) if index is None else (gate_up[index], down[index])
+    out = []
+    for blocks, scales in ((GATE_UP_BLOCKS, GATE_UP_SCALES), (DOWN_BLOCKS, DOWN_SCALES)):
+        held, scale = (p[blocks], p[scales]) if index is None else (p[blocks][index], p[scales][index])
+        out.append(dequantize(held.flatten(-2).view(torch.int8), scale, (1, GROUP_BYTES), dtype).transpose(-1, -2))
+    return out[0], out[1]
 
 
 def _weighted(out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -66,6 +66,10 @@ class LayerRun(nn.Module):
             own = constant_dtype(cfg, prefix + suffix)
             if own == "int64":  # an index table (DeepSeek-V4's tid2eid)
                 owner.register_buffer(leaf, torch.zeros(shapes[prefix + suffix], dtype=torch.int64))
+            elif own == "uint8":  # gpt-oss's MXFP4: random e2m1 bytes, scales 2^-6 (kiln.core.model.gpt_oss_fields)
+                shape = shapes[prefix + suffix]
+                initial = (torch.full(shape, 121) if suffix.endswith("_scales") else torch.randint(0, 256, shape))
+                owner.register_parameter(leaf, nn.Parameter(initial.to(torch.uint8), requires_grad=False))
             elif quant.is_scale(suffix):  # a quantized projection's scales: 1 / 64 (UE8M0: its byte, 127 - 6)
                 initial = torch.full(shapes[prefix + suffix], 121 if own == quant.E8M0_DTYPE else 1 / 64)
                 owner.register_parameter(leaf, nn.Parameter(initial.to(getattr(torch, own)), requires_grad=False))
