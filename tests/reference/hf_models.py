@@ -237,3 +237,18 @@ def reference_generate(path: Path, prompt: list[int], max_new_tokens: int, dtype
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     return {"generated": out.sequences[0, len(prompt):].tolist(),
             "logits": [step[0].float().tolist() for step in out.logits]}
+
+
+def export_then_run(kiln, path: Path, tmp_path: Path, export_id: str, prefect_server: str, prompt: list[int],
+                    new_tokens: int) -> tuple[dict, dict]:
+    """`kiln export --tp 2 --dtype float32 --buckets 1x4,1x8` of the checkpoint at `path` into a store under
+    tmp_path, then `kiln run` of `prompt`: (the export's report, the run's JSON)."""
+    store = f"file://{tmp_path / 'store'}"
+    env = {"PREFECT_API_URL": prefect_server}
+    exported = kiln("export", "--model", str(path), "--tp", "2", "--dtype", "float32", "--buckets", "1x4,1x8",
+                    "--store", store, "--export-id", export_id, "--report", str(tmp_path / "report.json"), env=env)
+    assert exported.code == 0, exported.err[-3000:]
+    ran = kiln("run", export_id, "--store", store, "--tokens", ",".join(map(str, prompt)),
+               "--max-new-tokens", str(new_tokens), "--json", str(tmp_path / "run.json"), env=env)
+    assert ran.code == 0, ran.err[-3000:]
+    return json.loads((tmp_path / "report.json").read_text()), json.loads((tmp_path / "run.json").read_text())

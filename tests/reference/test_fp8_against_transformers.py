@@ -19,7 +19,7 @@ import json
 
 import pytest
 from fp8_checkpoints import dequantize, misread, write_fp8
-from hf_models import CLASSES, DEEPSEEK, hf_config, hf_model, reference_generate
+from hf_models import CLASSES, DEEPSEEK, export_then_run, hf_config, hf_model, reference_generate
 
 PROMPT = [5, 17, 300, 42, 7, 99, 3, 250, 11, 8, 130, 64]
 NEW_TOKENS = 6
@@ -138,23 +138,14 @@ def test_kiln_computes_what_transformers_dequantized_model_computes(case, eager_
 @pytest.mark.slow
 def test_an_fp8_export_in_float32_generates_what_transformers_dequantized_model_does(fp8, kiln, prefect_server,
                                                                                       tmp_path):
-    published, reference = fp8
-    store = f"file://{tmp_path / 'store'}"
-    env = {"PREFECT_API_URL": prefect_server}
-    exported = kiln("export", "--model", str(published), "--tp", "2", "--dtype", "float32", "--buckets", "1x4,1x8",
-                    "--store", store, "--export-id", "fp8-blocks", "--report", str(tmp_path / "report.json"), env=env)
-    assert exported.code == 0, exported.err[-3000:]
-    ran = kiln("run", "fp8-blocks", "--store", store, "--tokens", ",".join(map(str, PROMPT)),
-               "--max-new-tokens", str(NEW_TOKENS), "--json", str(tmp_path / "run.json"), env=env)
-    assert ran.code == 0, ran.err[-3000:]
     import transformers
 
-    got = json.loads((tmp_path / "run.json").read_text())
+    published, reference = fp8
+    report, got = export_then_run(kiln, published, tmp_path, "fp8-blocks", prefect_server, PROMPT, NEW_TOKENS)
     want = reference_generate(reference, PROMPT, NEW_TOKENS,
                               quantization_config=transformers.FineGrainedFP8Config(dequantize=True))
     assert got["generated"] == want["generated"] and len(set(want["generated"])) > 1
     diff = max(abs(x - y) for a, b in zip(got["logits"], want["logits"]) for x, y in zip(a, b))
-    report = json.loads((tmp_path / "report.json").read_text())
     print(f"FP8 blocks, float32: max |logit diff| vs transformers {diff:.2e}; compile s "
           f"{[f.get('compile_s') for f in report['forwards']]}")
     assert diff < 1e-3

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hf_models import hf_config, hf_model, transformers
+from hf_models import export_then_run, hf_config, hf_model, reference_generate, transformers
 from mxfp4_checkpoints import dequantized_reference, write_mxfp4
 from test_uneven_tp import _rank_logits, _ranks, _tokens
 
@@ -118,23 +118,13 @@ def test_an_mxfp4_export_generates_what_transformers_dequantized_model_does(kiln
     model's greedy ids, logits within 1e-3; the package binds the MXFP4 bytes (uint8 constants, each rank's
     groups), torch alone, from the manifest, computes what Kiln's loader does on both ranks, and `kiln verify`
     passes."""
-    from hf_models import reference_generate
     from test_export_run import NEW_TOKENS, PROMPT, torch_alone_is_kiln
 
     path = _written(dict(TP3, num_hidden_layers=4, intermediate_size=128), tmp_path / "ckpt")
-    store = f"file://{tmp_path / 'store'}"
-    env = {"PREFECT_API_URL": prefect_server}
-    exported = kiln("export", "--model", str(path), "--tp", "2", "--dtype", "float32", "--buckets", "1x4,1x8",
-                    "--store", store, "--export-id", "mxfp4", "--report", str(tmp_path / "report.json"), env=env)
-    assert exported.code == 0, exported.err[-3000:]
-    ran = kiln("run", "mxfp4", "--store", store, "--tokens", ",".join(map(str, PROMPT)),
-               "--max-new-tokens", str(NEW_TOKENS), "--json", str(tmp_path / "run.json"), env=env)
-    assert ran.code == 0, ran.err[-3000:]
-    got = json.loads((tmp_path / "run.json").read_text())
+    report, got = export_then_run(kiln, path, tmp_path, "mxfp4", prefect_server, PROMPT, NEW_TOKENS)
     want = reference_generate(path, PROMPT, NEW_TOKENS, quantization_config=transformers.Mxfp4Config(dequantize=True))
     assert got["generated"] == want["generated"] and len(set(want["generated"])) > 1
     diff = max(abs(x - y) for a, b in zip(got["logits"], want["logits"]) for x, y in zip(a, b))
-    report = json.loads((tmp_path / "report.json").read_text())
     print(f"MXFP4, float32, tp 2: max |logit diff| vs transformers {diff:.2e}; compile s "
           f"{[f.get('compile_s') for f in report['forwards']]}")
     assert diff < 1e-3
@@ -145,6 +135,6 @@ def test_an_mxfp4_export_generates_what_transformers_dequantized_model_does(kiln
     assert blocks["dtype"] == "uint8" and blocks["shape"] == [4, 8, 256, 2, 16]  # 2 of the 4 groups of 32
     assert blocks["sources"][0]["cut"] == {"dim": 2, "length": 2, "offsets": [0, 2]}
     torch_alone_is_kiln(manifest_path, root, manifest, tmp_path, dev_verify_key)
-    verified = kiln("verify", "mxfp4", "--store", store, env=env)
+    verified = kiln("verify", "mxfp4", "--store", f"file://{root}", env={"PREFECT_API_URL": prefect_server})
     assert verified.code == 0, verified.err[-3000:]
     assert "verify ok: 2 ranks match the unsharded model" in verified.out
