@@ -111,13 +111,26 @@ def test_transformers_reads_these_checkpoints_as_mxfp4(tmp_path):
     assert a.shape == b.shape and 0 < float((a - b).abs().max()) < float(b.abs().max())
 
 
+def test_an_mxfp4_checkpoint_without_its_quantization_config_is_refused_by_name(tmp_path):
+    """The bytes without the config.json that says what they are: refused before anything is read, naming the
+    format and the fix."""
+    from kiln.core.errors import BadInput
+
+    path = _written(TP3, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BadInput, match="MXFP4 experts.*quant_method mxfp4"):
+        inspect_checkpoint(path)
+
+
 @pytest.mark.slow
 def test_an_mxfp4_export_generates_what_transformers_dequantized_model_does(kiln, prefect_server, dev_verify_key,
                                                                             tmp_path):
     """`kiln export --tp 2 --dtype float32` of the published layout, then `kiln run`: transformers' dequantized
     model's greedy ids, logits within 1e-3; the package binds the MXFP4 bytes (uint8 constants, each rank's
-    groups), torch alone, from the manifest, computes what Kiln's loader does on both ranks, and `kiln verify`
-    passes."""
+    groups), torch alone, from the manifest, computes what Kiln's loader does on both ranks, `kiln verify`
+    passes, and the C++ runner steps the package."""
     from test_export_run import NEW_TOKENS, PROMPT, torch_alone_is_kiln
 
     path = _written(dict(TP3, num_hidden_layers=4, intermediate_size=128), tmp_path / "ckpt")
@@ -138,3 +151,27 @@ def test_an_mxfp4_export_generates_what_transformers_dequantized_model_does(kiln
     verified = kiln("verify", "mxfp4", "--store", f"file://{root}", env={"PREFECT_API_URL": prefect_server})
     assert verified.code == 0, verified.err[-3000:]
     assert "verify ok: 2 ranks match the unsharded model" in verified.out
+    _cpp_runner_steps_it(path, root, manifest_path, dev_verify_key, tmp_path)
+
+
+def _cpp_runner_steps_it(path, root, manifest_path, verify_key, tmp_path) -> None:
+    """The C++ runner's 1x8 prefill on both ranks (uint8 blocks and scales bound from the checkpoint's bytes,
+    each rank's groups) gives Kiln's eager float32 logits, within 1e-4."""
+    import numpy as np
+    from cpp_runner_harness import build_runner, run_ranks
+    from test_eager_reference import kiln_logits
+
+    runner = build_runner()
+    tokens = list(range(3, 11))
+    out = tmp_path / "logits-{rank}.f32"
+    results = run_ranks(runner, manifest_path, root / "forwards", "1x8", tokens, out,
+                        extra=("--verify-key", str(verify_key)))
+    for rank, (code, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank}: {stderr[-3000:]}"
+    cfg = inspect_checkpoint(path).replace(dtype="float32")
+    want = kiln_logits(cfg, load_rank_weights(path, cfg, 1, 0), torch.tensor([tokens])).numpy()
+    for rank in range(2):
+        got = np.fromfile(str(out).format(rank=rank), dtype="<f4").reshape(want.shape)
+        diff = float(np.abs(got - want).max())
+        print(f"C++ runner rank {rank}: max |logit diff| vs eager {diff:.2e}")
+        assert diff <= 1e-4, f"rank {rank}: {diff}"

@@ -26,9 +26,9 @@ def weight_bytes_per_rank(cfg: ModelConfig, tp: int) -> int:
     """Bytes of one rank's weights, what the gate, the KV plan and the memory sizing count on: sharded attention
     and MLP, replicated embeddings and norms; a quantized checkpoint's projections in their own dtype, with their
     scales (kiln.core.model.param_counts.weight_bytes). A quantized DeepSeek-V4's formats (float32, int64,
-    float8, FP4 bytes, UE8M0 scales), and gpt-oss's (float32 norms, MXFP4 bytes and scales), are too many to
-    count by hand: its constants are summed, each shape in its
-    own dtype, which is exactly what a rank binds."""
+    float8, FP4 bytes, UE8M0 scales) and gpt-oss's (float32 norms; MXFP4 bytes and scales) are too many to
+    count by hand: their constants are summed, each shape in its own dtype, which is exactly what a rank
+    binds."""
     if cfg.architecture == "gpt_oss" or cfg.v4 is not None and cfg.quant is not None:
         return _held_bytes(cfg, tp)
     return weight_bytes(cfg, tp, cfg.dtype_bytes)

@@ -89,6 +89,9 @@ def missing_hint(missing: list[str], present) -> str:
     if missing == ["lm_head.weight"]:
         return (" (config.json says tie_word_embeddings: false; a checkpoint without lm_head.weight ties it "
                 "to the embeddings)")
+    if any(n.endswith(("_blocks", "_scales")) for n in present):
+        return (" (it holds MXFP4 experts, `_blocks` beside `_scales`, as gpt-oss is published, but config.json "
+                "has no quantization_config with quant_method mxfp4: restore the checkpoint's config.json)")
     fused = sorted(n for n in present if n.endswith((".experts.gate_up_proj", ".experts.down_proj")))
     if fused:
         return (f" (it holds experts fused as 3-D tensors, e.g. {fused[0]}: transformers 5's in-memory layout; "
