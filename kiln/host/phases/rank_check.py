@@ -144,10 +144,12 @@ def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict])
     from kiln.core.forwards.shape_ranges import parse_shape_range
     from kiln.core.machine.target import device_of
     from kiln.host.ranks.loader import compare_at_shapes, load_forward, place_weights
+    from kiln.host.compile import inductor_cache
     from kiln.host.ranks.verify_ranks import rank_device
     from kiln.host.model import solo_group
     from kiln.host.weights.rank_weights import load_rank_weights
 
+    inductor_cache.use_for_loading()  # its probe of the CPU's vector ISA built once per host, not per check
     faults.point("check", rank)
     cfg = job.model_config
     diffs: dict[str, dict] = {}

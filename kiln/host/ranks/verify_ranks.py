@@ -68,11 +68,13 @@ def _rank_process(target, rank: int, tp: int, rendezvous: str, job: dict, link: 
     """A rank's process: it dies with its parent, its packages check every input's shape, and it posts
     `target(...)`'s result, or the refusal (a KilnError, e.g. a refused artifact: its message says it all)
     or the traceback that ended it."""
+    from kiln.host.compile import inductor_cache
     from kiln.host.processes import scratch
     from kiln.host.processes.procs import die_with_parent
 
     die_with_parent()
     scratch.adopt()  # AOTInductor's extractions land in this rank's own directory, swept once it is gone
+    inductor_cache.use_for_loading()  # its probe of the CPU's vector ISA built once per host, not per rank
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"  # a wrong shape raises instead of crashing or lying
     try:
         link.report("ok", target(rank, tp, rendezvous, job, link))
