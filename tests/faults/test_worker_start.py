@@ -82,6 +82,30 @@ def test_workers_take_the_environment_of_their_pool_and_nothing_else(tmp_path, m
         assert seen["threads"] == {"os": 2, "python": ["MainThread", "kiln-parent-watch"]}, seen["threads"]
 
 
+def _what_it_started_with() -> dict:
+    return {"pid": os.getpid(), "torch": "torch" in sys.modules, "loader": "kiln.host.ranks.loader" in sys.modules}
+
+
+def test_a_loader_forks_from_a_server_of_its_own_beside_the_compile_workers(tmp_path):
+    """A rank's process (kiln.host.phases.rank_check, kiln.host.ranks.verify_ranks) forks from a server that
+    imported LOADER_PRELOAD; asking for it leaves the compile workers' server of the same environment alone."""
+    from kiln.host.processes.spawned import call_in_spawned
+    from kiln.host.ranks.loader import LOADER_PRELOAD
+
+    _seen(tmp_path)
+    [compile_server] = worker_start.server_pids()
+    ctx = worker_start.acquire(LOADER_PRELOAD)
+    try:
+        got = call_in_spawned(_what_it_started_with, context=ctx)
+    finally:
+        worker_start.release(ctx)
+    assert got["pid"] != os.getpid() and got["torch"] and got["loader"], got
+    servers = worker_start.server_pids()
+    assert compile_server in servers and len(servers) == 2, servers
+    _seen(tmp_path)
+    assert worker_start.server_pids() == servers, "each kind of server is started once per environment"
+
+
 OWNER = """
 import sys, threading, time
 from pathlib import Path
