@@ -137,10 +137,11 @@ def prepare() -> None:
     release(acquire())
 
 
-def server_pids() -> list[int]:
-    """Pids of this process's running servers."""
+def server_pids(preload: list[str] | None = None) -> list[int]:
+    """Pids of this process's running servers (of those that import `preload`, where given)."""
     with _LOCK:
-        return [s._forkserver_pid for s in _SERVERS.values() if s._forkserver_pid is not None]
+        return [s._forkserver_pid for k, s in _SERVERS.items()
+                if s._forkserver_pid is not None and preload in (None, _PRELOADS.get(k))]
 
 
 def _stop(server: forkserver.ForkServer) -> None:
