@@ -70,16 +70,41 @@ def _seen(tmp_path) -> tuple[dict, int]:
 def test_workers_take_the_environment_of_their_pool_and_nothing_else(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_TEST_WORKER_ENV", "first")
     first, _ = _seen(tmp_path)
-    [server_first] = worker_start.server_pids()
+    [server_first] = worker_start.server_pids(worker_start.PRELOAD)  # a loader's server may run beside it
     again, _ = _seen(tmp_path)
-    assert worker_start.server_pids() == [server_first], "the same environment starts its server once"
+    assert worker_start.server_pids(worker_start.PRELOAD) == [server_first], "one environment, one server"
     monkeypatch.setenv("KILN_TEST_WORKER_ENV", "second")
     second, _ = _seen(tmp_path)
     assert first["env"] == again["env"] == "first" and second["env"] == "second"
-    assert worker_start.server_pids() != [server_first], "a server for another environment was kept"
+    assert worker_start.server_pids(worker_start.PRELOAD) != [server_first], "a server for another environment was kept"
     for seen in (first, second):
         assert seen["cuda"] is False
         assert seen["threads"] == {"os": 2, "python": ["MainThread", "kiln-parent-watch"]}, seen["threads"]
+
+
+def _what_it_started_with() -> dict:
+    return {"pid": os.getpid(), "torch": "torch" in sys.modules, "loader": "kiln.host.ranks.loader" in sys.modules}
+
+
+def test_a_loader_forks_from_a_server_of_its_own_beside_the_compile_workers(tmp_path):
+    """A rank's process (kiln.host.phases.rank_check, kiln.host.ranks.verify_ranks) forks from a server that
+    imported LOADER_PRELOAD; asking for it leaves the compile workers' server of the same environment alone."""
+    from kiln.host.processes.spawned import call_in_spawned
+    from kiln.host.ranks.loader import LOADER_PRELOAD
+
+    _seen(tmp_path)
+    [compile_server] = worker_start.server_pids(worker_start.PRELOAD)
+    ctx = worker_start.acquire(LOADER_PRELOAD)
+    try:
+        got = call_in_spawned(_what_it_started_with, context=ctx)
+    finally:
+        worker_start.release(ctx)
+    assert got["pid"] != os.getpid() and got["torch"] and got["loader"], got
+    [loader_server] = worker_start.server_pids(LOADER_PRELOAD)
+    assert worker_start.server_pids(worker_start.PRELOAD) == [compile_server] != [loader_server]
+    _seen(tmp_path)
+    assert worker_start.server_pids(worker_start.PRELOAD) == [compile_server], "its server started once"
+    assert worker_start.server_pids(LOADER_PRELOAD) == [loader_server], "a compile pool stopped the loader's server"
 
 
 OWNER = """

@@ -11,7 +11,7 @@ import pytest
 
 from kiln.core.errors import BadInput
 from kiln.core.machine.home import check_private_dir, inductor_root
-from kiln.host.compile.inductor_cache import inductor_default_dir, prepare
+from kiln.host.compile.inductor_cache import inductor_default_dir, prepare, use_for_loading
 
 NOBODY = 65534
 DIR = stat.S_IFDIR
@@ -83,6 +83,17 @@ def test_a_group_or_world_writable_root_is_refused(home):
                                        ".*`chmod 700 .*point KILN_INDUCTOR_DIR \\(or KILN_HOME\\) at a directory"):
         prepare()
     assert _mode(root) == 0o777, "Kiln refuses it and changes nothing"
+
+
+def test_a_loading_process_probes_the_cpu_in_the_private_cache_or_keeps_its_own(home, monkeypatch):
+    # A rank's process (kiln.host.ranks.verify_ranks, kiln.host.phases.rank_check): AOTInductor's loader builds
+    # its vector-ISA probes in Inductor's cache, once per host in the private one.
+    use_for_loading()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(home / f"inductor-{os.geteuid()}" / "cache")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    os.chmod(home / f"inductor-{os.geteuid()}", 0o777)  # not private: refused for compiling, left alone here
+    use_for_loading()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user (chown) needs root")

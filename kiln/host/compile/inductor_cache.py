@@ -77,6 +77,21 @@ def prepare(where: str = "this host") -> InductorDirs:
     return InductorDirs(root=str(root), cache=str(cache), tmp=str(tmp))
 
 
+def use_for_loading() -> None:
+    """In a process that loads packages and compiles none (a rank check's, a rank of `kiln verify` or `kiln run`,
+    after kiln.host.processes.scratch.adopt): Inductor's cache is this user's private one (`prepare`), not the
+    process's own temporary directory. AOTInductor's loader builds and loads a small library per vector ISA to
+    learn the CPU's (torch's `pick_vec_isa`, for its device check); in a fresh directory every process built
+    them again (about 7 s of g++ each on 2 busy cores, against 1.5 s to find them built). The directory that
+    AOTInductor extracts packages into stays the process's own (TMPDIR). Where the private cache cannot be made
+    or is not private, the process keeps its own, as before."""
+    try:
+        dirs = prepare()
+    except BadInput:
+        return
+    os.environ[CACHE_ENV] = dirs.cache
+
+
 def private_dir(path: Path, uid: int, *, what: str, fix: str) -> Path:
     """`path`, created with mode 0700 (and its missing parents) when absent, then checked
     (kiln.core.machine.home.check_private_dir); BadInput when it cannot be made or is not private."""

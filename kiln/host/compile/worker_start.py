@@ -28,6 +28,11 @@ request. What the spawn start gave is kept:
 
 The server's own memory (an idle interpreter with torch imported, mostly shared
 with its workers) is one per environment, not one per worker.
+
+The processes that load packages (rank checks, the ranks of `kiln verify` and
+`kiln run`) come from a server of their own in the same way, which imports what
+a loader needs (kiln.host.ranks.loader.LOADER_PRELOAD, what such a process
+imported itself when spawned, so its resident set counts the same modules).
 """
 
 from __future__ import annotations
@@ -46,11 +51,14 @@ PRELOAD = ["torch", "torch.export", "torch._inductor.compile_fx", "torch._induct
 _LOCK = threading.Lock()
 _SERVERS: dict[str, forkserver.ForkServer] = {}
 _USERS: dict[str, int] = {}
+_PRELOADS: dict[str, list[str]] = {}
 
 
-def environment_key() -> str:
-    """What a worker inherits from its server that a spawned one would take from the caller now."""
-    return hashlib.sha256(repr(sorted(os.environ.items())).encode()).hexdigest()[:16]
+def environment_key(preload: list[str] | None = None) -> str:
+    """What a worker inherits from its server that a spawned one would take from the caller now (and, for a
+    server of another `preload` than PRELOAD, that list)."""
+    ours = repr(sorted(os.environ.items())) + ("" if preload in (None, PRELOAD) else repr(preload))
+    return hashlib.sha256(ours.encode()).hexdigest()[:16]
 
 
 class _Popen(popen_forkserver.Popen):
@@ -97,18 +105,22 @@ class WarmContext(mp_context.ForkServerContext):
         return process
 
 
-def acquire() -> WarmContext:
+def acquire(preload: list[str] | None = None) -> WarmContext:
     """The context for a pool starting now: the server for the current environment, started if need be
     (asynchronously: the first worker's start waits for its imports). Servers for other environments that
-    no pool uses are stopped."""
-    key = environment_key()
+    no pool uses are stopped. `preload`: what the server imports (default PRELOAD, a compile worker's; the
+    processes that load packages ask for theirs, kiln.host.ranks.loader.LOADER_PRELOAD)."""
+    preload = list(preload or PRELOAD)
+    key = environment_key(preload)
     with _LOCK:
-        for other in [k for k in _SERVERS if k != key and not _USERS.get(k)]:
+        for other in [k for k in _SERVERS if k != key and not _USERS.get(k) and _PRELOADS.get(k) == preload]:
             _stop(_SERVERS.pop(other))
+            _PRELOADS.pop(other, None)
         if key not in _SERVERS:
             server = forkserver.ForkServer()
-            server.set_forkserver_preload(PRELOAD)
+            server.set_forkserver_preload(preload)
             _SERVERS[key] = server
+            _PRELOADS[key] = preload
         _SERVERS[key].ensure_running()
         _USERS[key] = _USERS.get(key, 0) + 1
     return WarmContext(key)
@@ -125,10 +137,11 @@ def prepare() -> None:
     release(acquire())
 
 
-def server_pids() -> list[int]:
-    """Pids of this process's running servers."""
+def server_pids(preload: list[str] | None = None) -> list[int]:
+    """Pids of this process's running servers (of those that import `preload`, where given)."""
     with _LOCK:
-        return [s._forkserver_pid for s in _SERVERS.values() if s._forkserver_pid is not None]
+        return [s._forkserver_pid for k, s in _SERVERS.items()
+                if s._forkserver_pid is not None and preload in (None, _PRELOADS.get(k))]
 
 
 def _stop(server: forkserver.ForkServer) -> None:

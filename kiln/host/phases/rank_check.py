@@ -16,6 +16,7 @@ from kiln.core.plan.deadlines import check_deadline
 from kiln.core.plan.job import ExportJob, HostSpec
 from kiln.core.plan.sizing import check_peak_mib
 from kiln.core.run.outcome import passed
+from kiln.host.compile import worker_start
 from kiln.host.machine import cache, probe
 from kiln.host.processes import faults
 from kiln.host.machine.cache import cache_dir, local_path
@@ -59,7 +60,7 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     """
     from kiln.core.machine.target import device_of
     from kiln.core.trust.manifest import check_runs_here, rank_forwards
-    from kiln.host.ranks.loader import limit_of
+    from kiln.host.ranks.loader import LOADER_PRELOAD, limit_of
     from kiln.host.weights.rank_weights import fingerprint
 
     if forwards:  # a package for another CPU dies of SIGILL in its rank's process: refuse it before any starts
@@ -94,25 +95,31 @@ def check_ranks(job: ExportJob, host: HostSpec, forwards: list[dict]) -> dict[st
     memory["predicted_mib"] = check_memory(job, max(len(fs) for fs in todo.values()),
                                            probe.host_memory()["host_available_mib"], f"host {host.name}")
     memory["peak_mib"] = 0
-    for rank, fs in todo.items():
-        try:
-            result = call_in_spawned(
-                _check_rank, job, host, rank, fs,
-                deadline=check_deadline(len(fs), weight_bytes_per_rank(job.model_config, job.tp), job.recipe),
-                what=f"the check of rank {rank} on host {host.name} (forwards {', '.join(f['shapes'] for f in fs)})")
-        except ChildDied:
-            raise CheckCrashed(
-                f"host {host.name}: the check of rank {rank} died (its process crashed loading or running a "
-                f"forward of shapes {', '.join(f['shapes'] for f in fs)}, or was killed); a crash is final, "
-                "not retried") from None
-        found = {name: {**check, "checker": decided["checker"]} for name, check in result["checks"].items()}
-        memory["peak_mib"] = max(memory["peak_mib"], result["peak_mib"])
-        diffs.update(found)
-        for f in fs:
-            check = found[f"rank{rank}/{f['shapes']}"]
-            if passed(check):
-                remember_check(_record_path(record, f, job.tp, rank, weights, decided),
-                               {**check, "verified_at": _mtime_iso(None)})
+    # Each check's process forks from a server that imported what a loader needs once, not a spawn that imports it.
+    warm = worker_start.acquire(LOADER_PRELOAD)
+    try:
+        for rank, fs in todo.items():
+            try:
+                result = call_in_spawned(
+                    _check_rank, job, host, rank, fs,
+                    deadline=check_deadline(len(fs), weight_bytes_per_rank(job.model_config, job.tp), job.recipe),
+                    what=f"the check of rank {rank} on host {host.name} (forwards "
+                         f"{', '.join(f['shapes'] for f in fs)})", context=warm)
+            except ChildDied:
+                raise CheckCrashed(
+                    f"host {host.name}: the check of rank {rank} died (its process crashed loading or running a "
+                    f"forward of shapes {', '.join(f['shapes'] for f in fs)}, or was killed); a crash is final, "
+                    "not retried") from None
+            found = {name: {**check, "checker": decided["checker"]} for name, check in result["checks"].items()}
+            memory["peak_mib"] = max(memory["peak_mib"], result["peak_mib"])
+            diffs.update(found)
+            for f in fs:
+                check = found[f"rank{rank}/{f['shapes']}"]
+                if passed(check):
+                    remember_check(_record_path(record, f, job.tp, rank, weights, decided),
+                                   {**check, "verified_at": _mtime_iso(None)})
+    finally:
+        worker_start.release(warm)
     return {"checks": diffs, "memory": memory, "checkpoint": content}
 
 
@@ -144,10 +151,12 @@ def _check_rank(job: ExportJob, host: HostSpec, rank: int, forwards: list[dict])
     from kiln.core.forwards.shape_ranges import parse_shape_range
     from kiln.core.machine.target import device_of
     from kiln.host.ranks.loader import compare_at_shapes, load_forward, place_weights
+    from kiln.host.compile import inductor_cache
     from kiln.host.ranks.verify_ranks import rank_device
     from kiln.host.model import solo_group
     from kiln.host.weights.rank_weights import load_rank_weights
 
+    inductor_cache.use_for_loading()  # its probe of the CPU's vector ISA built once per host, not per check
     faults.point("check", rank)
     cfg = job.model_config
     diffs: dict[str, dict] = {}

@@ -1,4 +1,6 @@
-"""One call in a fresh spawned process (`call_in_spawned`), stopped once its answer is in.
+"""One call in a fresh spawned process (`call_in_spawned`), stopped once its answer is in; or in a process
+forked from a server that imported torch already (its `context`: kiln.host.compile.worker_start's), which
+is as fresh (a new interpreter's fork that ran nothing but imports) and starts seconds sooner.
 
 Each rank check and each tuning measurement runs so: native code it loads cannot take the caller down,
 and a process that hangs on its way out (an interpreter's teardown after loading native code) cannot hold
@@ -45,7 +47,7 @@ class RemoteTraceback(Exception):
 
 
 def call_in_spawned(fn, *args, exit_grace_s: float = EXIT_GRACE_S, deadline: Deadline | None = None,
-                    what: str | None = None):
+                    what: str | None = None, context=None):
     """fn(*args) in a fresh spawned process that dies with this one (die_with_parent): its return value, or
     the exception it raised, raised here with the process's traceback as its cause (an exception that cannot
     be pickled comes as a RuntimeError). ChildDied when the process ends without an answer. The process is
@@ -53,8 +55,10 @@ def call_in_spawned(fn, *args, exit_grace_s: float = EXIT_GRACE_S, deadline: Dea
 
     With a `deadline`, a process that has not answered within `deadline.seconds` is killed with everything
     it started, and DeadlinePassed (final) names `what` (e.g. 'the check of rank 1 on host h0'; default:
-    fn's name) and how the deadline was derived."""
-    ctx = multiprocessing.get_context("spawn")
+    fn's name) and how the deadline was derived.
+
+    `context`: the multiprocessing context that starts the process (default: spawn's)."""
+    ctx = context or multiprocessing.get_context("spawn")
     answers, answer = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_answer, args=(answer, fn, args), daemon=False)
     proc.start()

@@ -36,6 +36,11 @@ from pathlib import Path
 from kiln.core.errors import IntegrityError, KilnError, UnloadablePackage
 from kiln.host.trust.package_check import check_package, package_device
 
+LOADER_PRELOAD = ["torch", "torch.distributed", "torch._inductor.package", "torch._inductor.codecache",
+                  "kiln.host.model", "kiln.host.weights.rank_weights", "kiln.host.ranks.loader"]
+"""What a process that loads packages imports before it loads any (aoti_load_package's modules, the eager model,
+the weights' readers): its forkserver (kiln.host.compile.worker_start.acquire) imports them once."""
+
 
 def load_forward(path: Path | str, weights: dict, sha256: str, *, device: str = "cpu"):
     """Verify (sha256, then package members), load and bind weights; return the callable forward, which

@@ -1,6 +1,6 @@
 """All ranks together: the compiled forwards under a real gloo group against the unsharded model.
 
-Spawns `tp` processes (never threads), each loading the same weightless
+Starts `tp` processes (never threads; kiln.host.compile.worker_start), each loading the same weightless
 package with its own weight shard; the custom all-reduce inside the package
 sums across them. Rank 0 compares the combined logits and the gathered new
 KV entries with the unsharded eager model.
@@ -13,7 +13,6 @@ was doing, and the others, which would wait on it in gloo, are stopped.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import time
@@ -68,11 +67,13 @@ def _rank_process(target, rank: int, tp: int, rendezvous: str, job: dict, link: 
     """A rank's process: it dies with its parent, its packages check every input's shape, and it posts
     `target(...)`'s result, or the refusal (a KilnError, e.g. a refused artifact: its message says it all)
     or the traceback that ended it."""
+    from kiln.host.compile import inductor_cache
     from kiln.host.processes import scratch
     from kiln.host.processes.procs import die_with_parent
 
     die_with_parent()
     scratch.adopt()  # AOTInductor's extractions land in this rank's own directory, swept once it is gone
+    inductor_cache.use_for_loading()  # its probe of the CPU's vector ISA built once per host, not per rank
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"  # a wrong shape raises instead of crashing or lying
     try:
         link.report("ok", target(rank, tp, rendezvous, job, link))
@@ -240,8 +241,9 @@ def verify_all_ranks(*, checkpoint: str, config: dict, tp: int, artifacts: dict[
 
 def spawn_ranks(target, tp: int, job: dict, *, timeout_s: float = 600,
                 poll_s: float = POLL_S) -> dict[int, object]:
-    """Run `target(rank, tp, rendezvous, job, link)` in `tp` spawned processes, which join one gloo group with
-    join_ranks(rank, tp, rendezvous).
+    """Run `target(rank, tp, rendezvous, job, link)` in `tp` processes of their own, which join one gloo group
+    with join_ranks(rank, tp, rendezvous). They fork from kiln.host.compile.worker_start's server for
+    LOADER_PRELOAD (a fresh interpreter that imported torch and the loader, nothing else), as fresh as a spawn.
 
     Each rank says what it starts with `link.doing(...)`; what `target` returns is its result, and a
     KilnError it raises its refusal (`_rank_process` posts them with `link.report(...)`, RankLink).
@@ -252,11 +254,24 @@ def spawn_ranks(target, tp: int, job: dict, *, timeout_s: float = 600,
     waits DEATH_GRACE_S for one); RanksTimedOut after `timeout_s` without every result; RuntimeError
     with the rank's traceback for any other error.
     """
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    doing = [ctx.RawArray("c", DOING_BYTES) for _ in range(tp)]
+    from kiln.host.compile import worker_start
+    from kiln.host.processes import scratch
+    from kiln.host.ranks.loader import LOADER_PRELOAD
+
+    # The ranks fork from a server that imported what a loader needs once, not tp spawns that each import it.
+    ctx = worker_start.acquire(LOADER_PRELOAD)
+    try:
+        return _run_ranks(ctx, target, tp, job, timeout_s=timeout_s, poll_s=poll_s)
+    finally:
+        worker_start.release(ctx)
+
+
+def _run_ranks(ctx, target, tp: int, job: dict, *, timeout_s: float, poll_s: float) -> dict[int, object]:
+    """spawn_ranks with the processes started by `ctx`."""
     from kiln.host.processes import scratch
 
+    queue = ctx.Queue()
+    doing = [ctx.RawArray("c", DOING_BYTES) for _ in range(tp)]
     meeting = scratch.mkdtemp("kiln-ranks-")
     rendezvous = os.path.join(meeting, "store")
     procs = [ctx.Process(target=_rank_process, args=(target, r, tp, rendezvous, job, RankLink(r, queue, doing[r])),
