@@ -252,3 +252,12 @@ def export_then_run(kiln, path: Path, tmp_path: Path, export_id: str, prefect_se
                "--max-new-tokens", str(new_tokens), "--json", str(tmp_path / "run.json"), env=env)
     assert ran.code == 0, ran.err[-3000:]
     return json.loads((tmp_path / "report.json").read_text()), json.loads((tmp_path / "run.json").read_text())
+
+
+def generates_as_transformers(got: dict, path: Path, prompt: list[int], new_tokens: int, **loading) -> float:
+    """Assert `kiln run`'s JSON `got` generated transformers' greedy ids (reference_generate of the checkpoint at
+    `path`, `loading` e.g. its dequantizing quantization_config), not a degenerate repetition; return the largest
+    logit difference over the steps."""
+    want = reference_generate(path, prompt, new_tokens, **loading)
+    assert got["generated"] == want["generated"] and len(set(want["generated"])) > 1
+    return max(abs(x - y) for a, b in zip(got["logits"], want["logits"]) for x, y in zip(a, b))

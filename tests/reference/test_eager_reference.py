@@ -131,17 +131,23 @@ def test_each_way_of_computing_the_experts_computes_the_same(case, hf_root):
     assert float((grouped_alone - grouped_among[:, :1]).abs().max()) < 2e-2 * float(grouped_alone.abs().max())
 
 
-def test_deepseek_routing_correction_matters(hf_root):
-    """DeepSeek-V3's e_score_correction_bias changes which experts are chosen (not their weights): with it
-    zeroed, Kiln's logits move (the reference case perturbs it, as a trained model's is not zero)."""
-    path = write_case("deepseek-v3", hf_root)
+def moved_by(case: str, hf_root, suffix: str, replace) -> float:
+    """How far Kiln's logits of `case` (20 tokens) move when every package constant ending in `suffix` (there
+    must be one) is replaced by `replace(tensor)`."""
+    path = write_case(case, hf_root)
     cfg = inspect_checkpoint(path)
     weights = load_rank_weights(path, cfg, 1, 0)
     tokens = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
-    bias = [name for name in weights if name.endswith("e_score_correction_bias")]
-    assert bias, "the expert layers' correction bias is a package constant"
-    zeroed = {name: torch.zeros_like(w) if name in bias else w for name, w in weights.items()}
-    assert float((kiln_logits(cfg, zeroed, tokens) - kiln_logits(cfg, weights, tokens)).abs().max()) > 1e-2
+    names = [name for name in weights if name.endswith(suffix)]
+    assert names, f"{suffix} is a package constant of {case}"
+    changed = {name: replace(w) if name in names else w for name, w in weights.items()}
+    return float((kiln_logits(cfg, changed, tokens) - kiln_logits(cfg, weights, tokens)).abs().max())
+
+
+def test_deepseek_routing_correction_matters(hf_root):
+    """DeepSeek-V3's e_score_correction_bias changes which experts are chosen (not their weights): with it
+    zeroed, Kiln's logits move (the reference case perturbs it, as a trained model's is not zero)."""
+    assert moved_by("deepseek-v3", hf_root, "e_score_correction_bias", torch.zeros_like) > 1e-2
 
 
 @pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-bf16"])
