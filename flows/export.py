@@ -191,6 +191,8 @@ def _closing_line(report: Report) -> None:
 def _run(job: ExportJob, hosts: list[HostSpec], report: Report, phase: Phases, runner: HostRunner) -> None:
     """The phases of one try, in order: each step below is one phase (kv-plan and gate are one step)."""
     phase.assume = job.assume_available
+    if job.image_text:  # an image-text checkpoint: its text decoder is exported
+        report.warnings.append(job.image_text["left_out"])
     phase.ledger("start")
     with phase("probe"):
         probes = _probe(job, hosts, runner, report)

@@ -268,6 +268,6 @@ def prepare(params: ExportParams, *, host_names: list[str] | None = None, check_
                     config=cfg.to_dict(), tp=params.tp, recipe=recipe, store_url=store.url,
                     s3_endpoint=params.s3_endpoint or None, checksum_mode=params.s3_checksum,
                     store_block=params.store_block or None, assume_available=params.assumed(),
-                    signing=plan)
+                    signing=plan, image_text=weights.image_text(checkpoint, s3_endpoint=params.s3_endpoint or None))
     return job, hosts
 

@@ -22,7 +22,14 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralCon
            "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
            "phi3": ("Phi3Config", "Phi3ForCausalLM"), "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
            "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
-           "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}
+           "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+           # image-text checkpoints, whose text decoder Kiln exports
+           "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
+           "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
+           "llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
+           "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration")}
+TEXT_OF = {"gemma3": "gemma3_text", "mistral3": "mistral", "llava": "llama", "kimi_k25": "deepseek_v3"}
+"""An image-text family -> the family of its text decoder (the ModelConfig Kiln reads)."""
 
 BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
@@ -178,6 +185,24 @@ CASES = {
                                     "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 16,
                                     "rope_theta": 150000.0}), "float32"),
+    # Image-text checkpoints (save_pretrained's layout: language_model.model.*, vision_tower.*,
+    # multi_modal_projector.*), each a small vision tower beside a text decoder Kiln computes: Gemma 3's (the
+    # "gemma3" case's text model; the head tied, Gemma3Config's default), Mistral 3's (a window of 6, the head
+    # untied), LLaVA's (Llama's, untied by default) and Kimi K2.5's (DeepSeek-V3's, text_config's model_type kimi_k2).
+    "gemma3-image-text": ("gemma3", dict(text_config=("gemma3", {}), vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8),
+        mm_tokens_per_image=4), "float32"),
+    "mistral3-image-text": ("mistral3", dict(text_config=("mistral-window", {"model_type": "mistral"}),
+                                             tie_word_embeddings=False, vision_config=dict(
+        model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=32, patch_size=8, head_dim=16)), "float32"),
+    "llava-image-text": ("llava", dict(text_config=("llama3-rope", {"model_type": "llama"}), vision_config=dict(
+        model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32)), "float32"),
+    "kimi-k25-image-text": ("kimi_k25", dict(text_config=("deepseek-v3", {"model_type": "kimi_k2"}),
+                                             tie_word_embeddings=False, vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=8,
+        pos_emb_height=8, pos_emb_width=8)), "float32"),
     # At a real shape in bfloat16: hidden 256, heads of 64, vocabulary 32000, 16 experts top 4, GptOssConfig's own
     # rope and clamp.
     "gpt-oss-bf16": ("gpt_oss", dict(hidden_size=256, num_hidden_layers=4, vocab_size=32000, num_local_experts=16,
@@ -188,9 +213,15 @@ CASES = {
 
 
 def hf_config(family: str, overrides: dict, dtype: str):
+    """The transformers config of a case; an image-text family's text_config is (a text case, its overrides)."""
     import torch
     cls = getattr(transformers, CLASSES[family][0])
-    cfg = cls(**{**BASE, **overrides})
+    if family in TEXT_OF:
+        case, more = overrides["text_config"]
+        text = {**BASE, **CASES[case][1], **more, "dtype": dtype}
+        cfg = cls(**{**overrides, "text_config": text})
+    else:
+        cfg = cls(**{**BASE, **overrides})
     cfg.dtype = getattr(torch, dtype)
     return cfg
 
@@ -216,7 +247,19 @@ def write_case(name: str, root: Path, seed: int = 0) -> Path:
         return path
     model = hf_model(family, hf_config(family, overrides, dtype), seed)
     model.to(getattr(torch, dtype)).save_pretrained(path)
+    if family in PUBLISHED_NAMES:
+        from safetensors.torch import load_file, save_file
+        old, new = PUBLISHED_NAMES[family]
+        for file in path.glob("*.safetensors"):
+            save_file({k.replace(old, new): v for k, v in load_file(file).items()}, str(file),
+                      metadata={"format": "pt"})
     return path
+
+
+PUBLISHED_NAMES = {"kimi_k25": ("language_model.model.blocks.", "language_model.model.layers.")}
+"""family -> (a name part transformers' save_pretrained writes, the published checkpoints' spelling): transformers
+5.25 saves Kimi K2.5's decoder layers as `blocks` (its vision tower's rename of blocks to layers, reversed over
+every name), which it reads back either way; Kimi-K2.5 as published names them `layers`."""
 
 
 def reference_generate(path: Path, prompt: list[int], max_new_tokens: int, dtype: str = "float32",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import CASES, CLASSES, transformers, write_case
+from hf_models import CASES, CLASSES, TEXT_OF, transformers, write_case
 
 from kiln.core.model.cache_layout import cache_layout
 from kiln.core.model.layer_runs import layer_runs
@@ -75,7 +75,7 @@ def test_kiln_computes_what_transformers_computes(case, hf_root):
     family, _, dtype = CASES[case]
     path = write_case(case, hf_root)
     cfg = inspect_checkpoint(path)
-    assert cfg.dtype == dtype and cfg.architecture == family
+    assert cfg.dtype == dtype and cfg.architecture == TEXT_OF.get(family, family)  # an image-text one: its decoder
     tokens = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
     weights = load_rank_weights(path, cfg, 1, 0)
     got = kiln_logits(cfg, weights, tokens, scan=True)

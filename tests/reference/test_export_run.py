@@ -38,7 +38,9 @@ E2E = {
                              "by its attention factor)",
     "gemma2": "Gemma 2: GeGLU, (1 + weight) norms around attention and MLP, scaled embeddings, soft-capped scores "
               "and logits, query_pre_attn_scalar, sliding and full layers interleaved",
-    "gemma3": "Gemma 3: Gemma's layers with q/k norms; full layers rotate at 1e6 scaled by 8, sliding ones at 1e4",
+    "gemma3-image-text": "Gemma 3 as published, an image-text checkpoint (Gemma3ForConditionalGeneration): its text "
+                         "decoder, Gemma's layers with q/k norms, full layers rotating at 1e6 scaled by 8, sliding "
+                         "ones at 1e4; the vision tower left out, the manifest naming the checkpoint's own tensors",
     "deepseek-v3": "DeepSeek-V3: latent attention (the cache holds each token's latent and rotary key, the same on "
                    "every rank; q and kv up-projections split by heads), a dense layer then 16 experts chosen by "
                    "corrected sigmoid scores within the best 2 of 4 groups, scaled, plus a shared expert",
@@ -225,4 +227,21 @@ def test_a_latent_attention_export_caches_latents(export_and_run, kiln, prefect_
     assert interface["dynamic_dims"]["tokens"] == {"min": 4, "max": 8}
     verified = kiln("verify", "ref-deepseek-v3", "--store", got["store"], env={"PREFECT_API_URL": prefect_server})
     assert verified.code == 0 and "verify ok: 2 ranks match the unsharded model" in verified.out, verified.err[-3000:]
+    torch_alone_is_kiln(manifest_path, root, manifest, tmp_path, got["verify_key"])
+
+
+def test_an_image_text_export_says_what_it_left_out_and_runs_with_torch_alone(export_and_run, tmp_path):
+    """The text decoder of an image-text checkpoint: the report says the vision tower was left out; the manifest
+    names the checkpoint's own tensors (save_pretrained's language_model.model.*), which torch alone reads."""
+    from pathlib import Path
+
+    got = export_and_run("gemma3-image-text")
+    assert any("Gemma3ForConditionalGeneration checkpoint: Kiln exported its text decoder and left out" in w
+               and "vision_tower" in w for w in got["report"]["warnings"])
+    root = Path(got["store"].removeprefix("file://"))
+    manifest_path = root / got["report"]["manifest"]
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["model"]["image_text"]["prefixes"] == {"model.": "language_model.model."}
+    sources = {s["tensor"] for w in manifest["weights"].values() for s in w["sources"]}
+    assert sources and all(t.startswith("language_model.model.") for t in sources)
     torch_alone_is_kiln(manifest_path, root, manifest, tmp_path, got["verify_key"])

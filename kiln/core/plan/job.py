@@ -51,6 +51,10 @@ class ExportJob:
     """An S3 checkpoint's objects (name, size, ETag) when the export was prepared (the manifest records
     it; verify checks it again); None for a directory (its files' digests are read by the hosts' checks:
     kiln.core.run.report.Report.checkpoint_identity)."""
+    image_text: dict | None = None
+    """An image-text checkpoint's {'left_out': what the export leaves out (its vision tower and projector), the
+    report's sentence; 'prefixes': decoder prefix -> the checkpoint's, for the manifest's tensor names}
+    (kiln.core.model.hf_config.multimodal.text_tensors); None for a text-only checkpoint."""
 
     @property
     def model_config(self) -> ModelConfig:

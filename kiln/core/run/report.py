@@ -37,8 +37,9 @@ class Report:
         self.signing: dict = {"signed": None}
         """{'signed', 'key_fingerprint', 'source', 'signature', 'note'}: how the manifest is signed."""
         self.warnings: list[str] = []
-        """Recipe settings that had no effect on this export (kiln.core.plan.decisions.settings_without_effect), one
-        sentence each: on the run's page and in the JSON."""
+        """What the user should know of this export, one sentence each, on the run's page and in the JSON: recipe
+        settings that had no effect (kiln.core.plan.decisions.settings_without_effect), packages left alone,
+        what of an image-text checkpoint was left out (kiln.core.model.hf_config.multimodal)."""
 
     @classmethod
     def of_job(cls, job, hosts, *, attempt: int = 1) -> "Report":

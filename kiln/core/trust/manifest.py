@@ -40,13 +40,20 @@ def export_manifest(job, report) -> dict:
     """The manifest of a finished export: `job` (kiln.core.plan.job.ExportJob) and its `report` (forwards,
     KV plan, hosts and phases recorded)."""
     from kiln.core.model.contract import weight_layout
+    from kiln.core.model.hf_config.multimodal import stored_name
 
     identity = job.checkpoint_identity or report.checkpoint_identity  # S3: listed at the start; a directory: read
+    prefixes = job.image_text["prefixes"] if job.image_text else None
+    weights = weight_layout(job.model_config, job.tp)
+    for entry in weights.values():  # an image-text checkpoint: its text decoder's tensors as its files name them
+        for source in entry["sources"]:
+            source["tensor"] = stored_name(source["tensor"], prefixes)
     return build_manifest(
         export_id=job.export_id, model={"name": job.model_name, "checkpoint": job.checkpoint, "config": job.config,
-                                        **({"checkpoint_identity": identity} if identity else {})},
+                                        **({"checkpoint_identity": identity} if identity else {}),
+                                        **({"image_text": job.image_text} if job.image_text else {})},
         recipe=job.recipe.to_dict(), tp=job.tp, buckets=[str(b) for b in job.recipe.buckets],
-        forwards=report.forwards, weights=weight_layout(job.model_config, job.tp), kv_plan=report.kv_plan,
+        forwards=report.forwards, weights=weights, kv_plan=report.kv_plan,
         hosts=list(report.hosts.values()), phases=list(report.phases), signing=job.signing.manifest_entry())
 
 

@@ -5,7 +5,8 @@ and refuses missing files, an index naming files outside the directory,
 corrupt headers (kiln.core.model.safetensors_header), truncated files and shapes
 that do not match config.json. `load_rank_weights` makes the same checks on
 the files it reads, then reads one rank's slices without materialising the
-whole model. `write_checkpoint` writes the same layout,
+whole model. An image-text checkpoint's text decoder is read under its own names
+(kiln.core.model.hf_config.multimodal); its vision tower is never read. `write_checkpoint` writes the same layout,
 sharded with an index file when asked.
 """
 
@@ -21,6 +22,7 @@ from safetensors.torch import save_file
 from kiln.core.model.config import BUNDLED_MODEL, TINY, ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.model.hf_config import from_hf, to_hf
+from kiln.core.model.hf_config.multimodal import text_tensors, wrapper_of
 from kiln.core.model import quant
 from kiln.core.model.safetensors_header import DTYPES, TensorEntry, index_weight_map
 from kiln.host.model import expected_shapes, random_state_dict, rank_constants
@@ -55,8 +57,8 @@ def _headers(path: Path) -> dict[str, tuple[Path, TensorEntry]]:
     return out
 
 
-def read_config(path: Path | str) -> ModelConfig:
-    path = Path(path)
+def _raw_config(path: Path) -> dict:
+    """The checkpoint's config.json, parsed; BadInput when the directory, the file or its JSON is not there."""
     if not path.is_dir():
         raise BadInput(f"checkpoint directory {path} does not exist; pass --model tiny or a directory "
                        "with config.json and *.safetensors (kiln checkpoint DIR writes one).")
@@ -64,10 +66,13 @@ def read_config(path: Path | str) -> ModelConfig:
     if not cfg_file.exists():
         raise BadInput(f"{path} has no config.json; a Hugging Face-layout checkpoint needs one.")
     try:
-        raw = json.loads(cfg_file.read_text())
+        return json.loads(cfg_file.read_text())
     except ValueError as exc:
         raise BadInput(f"{cfg_file} is not valid JSON ({exc}).") from None
-    return from_hf(raw)
+
+
+def read_config(path: Path | str) -> ModelConfig:
+    return from_hf(_raw_config(Path(path)))
 
 
 def _spare(name: str, cfg: ModelConfig) -> bool:
@@ -154,12 +159,27 @@ def check_quantized(cfg: ModelConfig, have: dict[str, tuple[str, str]]) -> None:
                            + "; the checkpoint does not match its config.")
 
 
-def _checked(path: Path, cfg: ModelConfig) -> dict[str, tuple[Path, TensorEntry]]:
-    """The checkpoint's tensors (`_headers`) after `check_tensors` against `cfg`."""
-    have = _headers(path)
+def _decoder_tensors(path: Path) -> tuple[dict[str, tuple[Path, TensorEntry]], dict[str, str], dict | None]:
+    """The checkpoint's tensors (`_headers`) as its text decoder names them, the names they have in the files,
+    and for an image-text checkpoint what its export leaves out and its prefixes
+    (kiln.core.model.hf_config.multimodal.text_tensors)."""
+    return text_tensors(_raw_config(path), _headers(path), lambda t: t[1].end_byte - t[1].begin_byte)
+
+
+def _checked(path: Path, cfg: ModelConfig) -> tuple[dict[str, tuple[Path, TensorEntry]], dict[str, str]]:
+    """The decoder's tensors and their names in the files (`_decoder_tensors`) after `check_tensors`."""
+    have, stored, _ = _decoder_tensors(path)
     check_tensors(str(path), cfg, {name: (str(file), entry.shape, entry.dtype)
                                    for name, (file, entry) in have.items()})
-    return have
+    return have, stored
+
+
+def image_text(path: Path | str) -> dict | None:
+    """For an image-text checkpoint, {'left_out': what its export leaves out, in the report's words;
+    'prefixes': where its text decoder's tensors are} (kiln.core.model.hf_config.multimodal.text_tensors);
+    None for a text-only checkpoint."""
+    path = Path(path)
+    return None if wrapper_of(_raw_config(path)) is None else _decoder_tensors(path)[2]
 
 
 def inspect_checkpoint(path: Path | str) -> ModelConfig:
@@ -177,14 +197,14 @@ def load_rank_weights(path: Path | str, cfg: ModelConfig, tp: int, rank: int) ->
     inspected). Each constant is allocated once and its slices read straight from the files into it
     (kiln.host.weights.safetensors_io): the rank's weights are never held twice, and the checkpoint is not
     memory-mapped into this process."""
-    have = _checked(Path(path), cfg)
+    have, stored = _checked(Path(path), cfg)
     files: dict[Path, SafetensorsFile] = {}
 
     def read_into(name: str, cut: tuple | None, out: torch.Tensor) -> None:
         file = have[name][0]
         if file not in files:
             files[file] = SafetensorsFile(file)
-        files[file].read_into(name, cut, out)
+        files[file].read_into(stored.get(name, name), cut, out)
 
     try:
         return rank_constants(cfg, tp, rank, read_into, getattr(torch, cfg.dtype))

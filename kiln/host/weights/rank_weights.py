@@ -34,6 +34,16 @@ def inspect(checkpoint: str, *, s3_endpoint: str | None = None) -> ModelConfig:
     return inspect_checkpoint(checkpoint)
 
 
+def image_text(checkpoint: str, *, s3_endpoint: str | None = None) -> dict | None:
+    """For an image-text checkpoint, {'left_out': what its export leaves out (the vision tower and projector),
+    in the report's words; 'prefixes': where its text decoder's tensors are}
+    (kiln.core.model.hf_config.multimodal.text_tensors); None for a text-only checkpoint."""
+    if is_s3(checkpoint):
+        return _s3(checkpoint, s3_endpoint).image_text()
+    from kiln.host.weights.checkpoint import image_text as of_directory
+    return of_directory(checkpoint)
+
+
 def identity(checkpoint: str, *, s3_endpoint: str | None = None) -> dict | None:
     """What a manifest records of an S3 checkpoint (every object's name, size and ETag), known from a listing;
     None for a directory, whose identity (`directory_identity`) takes reading every file."""

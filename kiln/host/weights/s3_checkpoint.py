@@ -43,6 +43,7 @@ import torch
 from kiln.core.model.config import ModelConfig
 from kiln.core.errors import BadInput, StoreError
 from kiln.core.model.hf_config import from_hf
+from kiln.core.model.hf_config.multimodal import text_tensors, wrapper_of
 from kiln.core.model.safetensors_header import DTYPES, header_length, index_weight_map, parse_header
 from kiln.host.weights import s3_weight_cache
 from kiln.host.weights.safetensors_io import torch_dtype
@@ -152,6 +153,9 @@ class S3Checkpoint:
         if not any(n.endswith(".safetensors") for n in self.objects):
             raise BadInput(f"{self.url}/ holds no *.safetensors objects; a checkpoint needs its weights there.")
         self._tensors: dict[str, TensorInfo] | None = None
+        """Every tensor of the text decoder by its name there (an image-text checkpoint's renamed: tensors())."""
+        self._raw: dict | None = None
+        self._image_text: dict | None = None
 
     # -- reading -------------------------------------------------------------
 
@@ -202,11 +206,25 @@ class S3Checkpoint:
             self.bytes_read += got
             self.requests += 1
 
+    def _raw_config(self) -> dict:
+        """config.json, parsed (read once)."""
+        if self._raw is None:
+            try:
+                self._raw = json.loads(self._get("config.json"))
+            except ValueError as exc:
+                raise BadInput(f"{self._name('config.json')} is not a valid config ({exc}).") from None
+        return self._raw
+
+    def image_text(self) -> dict | None:
+        """kiln.host.weights.checkpoint.image_text's answer for this checkpoint (None for a text-only one, read
+        without its headers)."""
+        if wrapper_of(self._raw_config()) is None:
+            return None
+        self.tensors()
+        return self._image_text
+
     def read_config(self) -> ModelConfig:
-        try:
-            return from_hf(json.loads(self._get("config.json")))
-        except ValueError as exc:
-            raise BadInput(f"{self._name('config.json')} is not a valid config ({exc}).") from None
+        return from_hf(self._raw_config())
 
     def _index(self) -> dict[str, str] | None:
         """The index's weight_map (tensor name -> object name), checked by kiln.core.model.safetensors_header and
@@ -244,7 +262,8 @@ class S3Checkpoint:
                 if name not in have:
                     raise BadInput(f"{self._name(INDEX)}: weight_map places tensor {name!r} in {file}, whose header "
                                    "does not hold it; fix the index or upload the checkpoint again.")
-            self._tensors = have
+            self._tensors, _, self._image_text = text_tensors(self._raw_config(), have,
+                                                                     lambda t: t.end_byte - t.start_byte)
         return self._tensors
 
     def inspect(self) -> ModelConfig:

@@ -1,6 +1,6 @@
 """The table of families, and the two entry points: config.json -> ModelConfig and back.
 
-Pure: no torch import. from_hf finds the family (model_type, or the one class of `architectures`),
+Pure: no torch import. from_hf reads an image-text checkpoint's text decoder (multimodal.py), finds the family (model_type, or the one class of `architectures`),
 reads `quantization_config` (quantization.py: FP8 blocks, or refused by name), refuses any field that
 neither the family reads nor INERT lists, checks that the fields it needs are there, and hands the rest to
 the family's module. to_hf refuses a ModelConfig holding a Feature its family's configs cannot hold, then
@@ -18,6 +18,7 @@ from kiln.core.model.hf_config.gemma import GEMMA2, GEMMA3_TEXT
 from kiln.core.model.hf_config.gpt_oss import GPT_OSS
 from kiln.core.model.hf_config.llama import LLAMA, MISTRAL
 from kiln.core.model.hf_config.mixtral import MIXTRAL
+from kiln.core.model.hf_config.multimodal import text_decoder
 from kiln.core.model.hf_config.phi3 import PHI3
 from kiln.core.model.hf_config.quantization import FIELD as QUANTIZATION, quantization_to_hf, read_quantization
 from kiln.core.model.hf_config.qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
@@ -32,6 +33,7 @@ def from_hf(raw: dict) -> ModelConfig:
     """The ModelConfig of a Hugging Face `config.json` dict; BadInput naming any field Kiln does not compute."""
     if not isinstance(raw, dict):
         raise BadInput("config.json must hold a JSON object.")
+    raw = text_decoder(raw)  # an image-text checkpoint: its text decoder's config
     family = _family(raw)
     quant = read_quantization(raw, family.name)
     raw = {k: v for k, v in raw.items() if k != QUANTIZATION}
