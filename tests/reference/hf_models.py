@@ -23,6 +23,7 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralCon
            "phi3": ("Phi3Config", "Phi3ForCausalLM"), "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
            "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
            "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+           "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
            # image-text checkpoints, whose text decoder Kiln exports
            "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
            "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
@@ -185,6 +186,15 @@ CASES = {
                                     "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 16,
                                     "rope_theta": 150000.0}), "float32"),
+    # MiniMax-M2: q and k each normalised over all heads before the split, the leading 16 of 32 dims rotating
+    # (the published rotary_dim), 8 experts (w1/w3/w2) top 2 by corrected sigmoid scores on every layer.
+    "minimax-m2": ("minimax_m2", dict(num_hidden_layers=3, num_local_experts=8, num_experts_per_tok=2,
+                                      intermediate_size=64, head_dim=32, rotary_dim=16), "float32"),
+    # At a real shape in bfloat16: heads of 128 (64 rotating, as MiniMax-M2's), vocabulary 32000, 16 experts top 4.
+    "minimax-m2-bf16": ("minimax_m2", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=128, rotary_dim=64, num_hidden_layers=3, vocab_size=32000,
+                                           num_local_experts=16, num_experts_per_tok=4, intermediate_size=128,
+                                           initializer_range=0.05), "bfloat16"),
     # Image-text checkpoints (save_pretrained's layout: language_model.model.*, vision_tower.*,
     # multi_modal_projector.*), each a small vision tower beside a text decoder Kiln computes: Gemma 3's (the
     # "gemma3" case's text model; the head tied, Gemma3Config's default), Mistral 3's (a window of 6, the head

@@ -46,6 +46,7 @@ FEATURE_OFF = {
     "deepseek-v3-yarn": {"attn_scale_multiplier": 1.0},
     "deepseek-v3-bf16": {"rope_interleave": False},
     "gpt-oss": {"swiglu_limit": 1e4},
+    "minimax-m2": {"rotary_dim": None},
     "gpt-oss-bf16": {"sliding_window": None, "full_attention_layers": ()},
 }
 

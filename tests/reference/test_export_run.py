@@ -49,6 +49,9 @@ E2E = {
                      "fed with the short factors (its length is 12), the decode steps past the original context of "
                      "14 with the long ones, the cache rebuilt at the switch as transformers' Phi-3 does (the "
                      "forward takes each sequence's length, seq_lens)",
+    "minimax-m2": "MiniMax-M2: q and k each normalised over all heads (each rank's sums of squares summed over "
+                  "the ranks), half of each head rotating, 8 experts on every layer chosen by corrected sigmoid "
+                  "scores",
     "llama-realistic-bf16": "bfloat16, head_dim 128, 4 layers, vocabulary 32000",
 }
 

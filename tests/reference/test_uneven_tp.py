@@ -58,6 +58,11 @@ CASES = {
     "gpt-oss-tp3-straddle": ("gpt_oss", dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
                                              num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
                                              intermediate_size=100, sliding_window=6, swiglu_limit=1.0), 3),
+    # MiniMax-M2: KV heads 2, 1 of 3 (query heads 4, 2), so each rank's share of q_norm's and k_norm's sums of
+    # squares differs; experts' columns 34, 33, 33 of 100 at tp 3 would need 3 KV heads each: tp 2 here.
+    "minimax-m2-tp2": ("minimax_m2", dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=3, head_dim=32,
+                                          rotary_dim=16, num_hidden_layers=2, num_local_experts=8,
+                                          num_experts_per_tok=2, intermediate_size=100), 2),
 }
 """name -> (family, transformers config overrides of hf_models.BASE, tp)."""
 

@@ -50,6 +50,9 @@ CONFIGS = {
         architecture="gpt_oss", qkv_bias=True, o_bias=True, num_experts=4, experts_per_token=2,
         moe_intermediate_size=TINY.intermediate_size, moe_layers=(0, 1), sliding_window=8, full_attention_layers=(1,),
         attention_sinks=True, swiglu_limit=7.0),
+    "minimax_m2: q/k norms over all heads, corrected sigmoid routing, partial rotary": TINY.replace(
+        architecture="minimax_m2", qk_norm=True, qk_norm_whole=True, rotary_dim=8, num_experts=4, experts_per_token=2,
+        moe_intermediate_size=TINY.intermediate_size, moe_layers=(0, 1), router="sigmoid_groups"),
 }
 CONFIGS["gpt_oss in bfloat16: float32 norms"] = CONFIGS[
     "gpt_oss: sinks, stacked experts with biases, alternating windows"].replace(dtype="bfloat16")

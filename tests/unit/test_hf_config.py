@@ -309,7 +309,8 @@ def test_every_config_field_is_in_the_forward_key():
             continue
         factors = field.name in ("rope_short_factor", "rope_long_factor")
         start = latent if field.name in LATENT_FIELDS else longrope if factors else \
-            dynamic if field.name == "rope_max_position" else base
+            dynamic if field.name == "rope_max_position" else \
+            base.replace(qk_norm=True) if field.name == "qk_norm_whole" else base
         changed = start.replace(**{field.name: _changed(start, field)})
         assert changed != start, field.name
         k = key(changed)

@@ -13,9 +13,9 @@ def grouped(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
         out[f"{p}.self_attn.{name}.weight"] = (rows, h)
         if cfg.qkv_bias:
             out[f"{p}.self_attn.{name}.bias"] = (rows,)
-    if cfg.qk_norm:
-        out[f"{p}.self_attn.q_norm.weight"] = (cfg.head_dim,)
-        out[f"{p}.self_attn.k_norm.weight"] = (cfg.head_dim,)
+    if cfg.qk_norm:  # per head, or (MiniMax-M2) over all heads
+        out[f"{p}.self_attn.q_norm.weight"] = (q if cfg.qk_norm_whole else cfg.head_dim,)
+        out[f"{p}.self_attn.k_norm.weight"] = (kv if cfg.qk_norm_whole else cfg.head_dim,)
     out[f"{p}.self_attn.o_proj.weight"] = (h, q)
     if cfg.o_bias:
         out[f"{p}.self_attn.o_proj.bias"] = (h,)

@@ -27,7 +27,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM",
-                 "gpt_oss": "GptOssForCausalLM"}
+                 "gpt_oss": "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
 """model_type -> the transformers class whose math Kiln reproduces."""
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
@@ -43,8 +43,7 @@ sqrt(softplus) scores (a fixed table on its hash layers, the corrected top k on 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3), its
-    mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE) or DeepSeek-V3 (latent attention and experts)."""
+    """What a decoder of a family Kiln reads computes (ARCHITECTURES), everything but its weights."""
 
     vocab_size: int
     """Rows of the embedding and of the output head."""
@@ -111,6 +110,9 @@ class ModelConfig:
     qk_norm: bool = False
     """Each query and key head is RMS-normalised over head_dim, with its own weight, before the rotary
     embedding (Qwen3's q_norm / k_norm)."""
+    qk_norm_whole: bool = False
+    """With qk_norm: q and k each RMS-normalised over all their heads before the split (MiniMax-M2), the weights
+    as wide, split over the ranks with the heads; each rank's sums of squares are summed over the ranks."""
     num_experts: int = 0
     """Experts of each mixture-of-experts layer (Mixtral's num_local_experts, Qwen3-MoE's num_experts)."""
     experts_per_token: int = 0
@@ -224,6 +226,8 @@ class ModelConfig:
         if (self.swiglu_limit is not None or self.attention_sinks) != (self.architecture == "gpt_oss"):
             raise BadInput("config.json: attention sinks and the clamped SwiGLU experts (swiglu_limit) are gpt-oss's, "
                            "and every gpt_oss config has both.")
+        if self.qk_norm_whole and not self.qk_norm:
+            raise BadInput("config.json: qk_norm_whole (a q/k norm over all heads) needs qk_norm.")
         if self.num_heads % self.num_kv_heads:
             raise BadInput(
                 f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "

@@ -58,12 +58,19 @@ _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "q_
 _ROW = ("o_proj", "down_proj", "w2")
 
 EXPERTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+           "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
            "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
            "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
            "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 """model_type -> (the module of a mixture-of-experts layer, its experts' (gate, up, down) projection names), as
-published checkpoints name them: `<module>.gate.weight` is the router (DeepSeek-V3's also holds
-`<module>.gate.e_score_correction_bias`), `<module>.experts.<e>.<proj>.weight` expert e's projections."""
+published checkpoints name them: `<module>.gate.weight` is the router (a sigmoid router's correction bias is
+`<module>.<correction_bias(cfg)>`), `<module>.experts.<e>.<proj>.weight` expert e's projections."""
+
+
+def correction_bias(cfg: ModelConfig) -> str:
+    """Where a sigmoid router's e_score_correction_bias sits in its module: under the router (DeepSeek-V3's
+    `gate.e_score_correction_bias`) or beside it (MiniMax-M2's `e_score_correction_bias`)."""
+    return "e_score_correction_bias" if cfg.architecture == "minimax_m2" else "gate.e_score_correction_bias"
 SHARED_EXPERTS = {"qwen2_moe": ("mlp.shared_expert", "mlp.shared_expert_gate"),
                   "deepseek_v3": ("mlp.shared_experts", None)}
 """model_type -> (the module of the shared expert every token runs, its sigmoid gate's module or None): its
@@ -92,7 +99,8 @@ def constant_dtype(cfg: ModelConfig, name: str) -> str:
         return v4_fields.constant_dtype(cfg, name)
     if cfg.swiglu_limit is not None:
         return gpt_oss_fields.constant_dtype(cfg, name)
-    if cfg.router == "sigmoid_groups" and name.endswith((".gate.weight", ".gate.e_score_correction_bias")):
+    if cfg.router == "sigmoid_groups" and cfg.architecture != "minimax_m2" and name.endswith(
+            (".gate.weight", ".gate.e_score_correction_bias")):  # MiniMax-M2 keeps its router in the model's dtype
         return "float32"
     return cfg.dtype
 
@@ -154,9 +162,13 @@ def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.is_moe(i):
             module, (gate, up, down) = EXPERTS[cfg.architecture]
             e_mlp = cfg.moe_intermediate_size
+            bias = f"{p}.{module}.{correction_bias(cfg)}"
+            beside = cfg.router == "sigmoid_groups" and ".gate." not in bias  # the module's own: before its router
+            if beside:
+                out[bias] = (cfg.num_experts,)
             out[f"{p}.{module}.gate.weight"] = (cfg.num_experts, h)
-            if cfg.router == "sigmoid_groups":
-                out[f"{p}.{module}.gate.e_score_correction_bias"] = (cfg.num_experts,)
+            if cfg.router == "sigmoid_groups" and not beside:
+                out[bias] = (cfg.num_experts,)
             for e in range(cfg.num_experts):
                 for name, shape in ((gate, (e_mlp, h)), (up, (e_mlp, h)), (down, (h, e_mlp))):
                     out[f"{p}.{module}.experts.{e}.{name}.weight"] = shape
@@ -305,7 +317,8 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
         cut = quant.scale_cut(cfg.quant, _held(weight, cfg, tp, rank), weight)
         return None if cut is None else cut[:3]
     parts = name.rsplit(".", 2)
-    if len(parts) < 3 or parts[-2] not in _COLUMN + _ROW or parts[-1] not in ("weight", "bias"):
+    whole_norm = cfg.qk_norm_whole and len(parts) == 3 and parts[-2] in ("q_norm", "k_norm")  # split with the heads
+    if not whole_norm and (len(parts) < 3 or parts[-2] not in _COLUMN + _ROW or parts[-1] not in ("weight", "bias")):
         return None
     if parts[-1] == "bias" and parts[-2] in _ROW:
         return None
@@ -314,8 +327,9 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
     latent = cfg.qk_nope_head_dim + cfg.v_head_dim
     mlp = share.experts if is_expert(name) else share.shared if is_shared_expert(name) else share.mlp
     a, b = {"q_proj": q, "q_b_proj": q, "o_proj": (h0 * cfg.v_head_dim, h1 * cfg.v_head_dim) if cfg.latent else q,
-            "k_proj": kv, "v_proj": kv, "kv_b_proj": (h0 * latent, h1 * latent)}.get(parts[-2], mlp)
-    dim = 0 if parts[-2] in _COLUMN else 1
+            "k_proj": kv, "v_proj": kv, "kv_b_proj": (h0 * latent, h1 * latent), "q_norm": q,
+            "k_norm": kv}.get(parts[-2], mlp)
+    dim = 0 if parts[-2] in _COLUMN or whole_norm else 1
     if dim == 1 and quant.is_fp4(cfg.quant, name):  # stored two inputs a byte: the rank's bytes
         a, b = a // 2, b // 2
     return dim, a, b

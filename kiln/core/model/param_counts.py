@@ -73,7 +73,8 @@ def params_per_rank(cfg, tp: int) -> int:
         attn = _latent_attention(cfg, tp)
     mlp = 3 * cfg.hidden_size * most["mlp"]
     mlp += 2 * most["mlp"] + cfg.hidden_size if cfg.mlp_bias else 0
-    norms = (4 if cfg.sandwich_norms else 2) * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    norms = (4 if cfg.sandwich_norms else 2) * cfg.hidden_size
+    norms += (q + kv if cfg.qk_norm_whole else 2 * cfg.head_dim) if cfg.qk_norm else 0
     per_layer = attn + norms
     if cfg.swiglu_limit is not None:  # gpt-oss: sinks, router bias, expert biases
         per_layer += gpt_oss_params(cfg, most["heads"], most["experts"])

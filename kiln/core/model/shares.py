@@ -187,6 +187,9 @@ def _why_not(cfg, tp: int) -> str | None:
     """Why `tp` ranks cannot split `cfg` sensibly, or None."""
     if cfg.v4 is not None and cfg.num_heads % cfg.v4.o_groups:
         return f"its {cfg.num_heads} attention heads do not fill its {cfg.v4.o_groups} output groups evenly"
+    if cfg.qk_norm_whole and cfg.num_kv_heads < tp:  # a key head held twice would count twice in k_norm's sum
+        return (f"its k_norm normalises all {cfg.num_kv_heads} key/value heads together, and a rank's share of "
+                "them must be its own")
     for what, count in _units(cfg):
         if count < tp:
             return f"it has {count} {what}, fewer than {tp} ranks"

@@ -53,6 +53,7 @@ class Feature:
 
 
 QK_NORM = Feature("q/k norms (qk_norm)", lambda cfg: cfg.qk_norm)
+QK_NORM_WHOLE = Feature("q/k norms over all heads (qk_norm_whole)", lambda cfg: cfg.qk_norm_whole)
 GEMMA_MATH = Feature(
     "Gemma's norms, embedding scale, GeGLU, attention scale and soft caps",
     lambda cfg: any((cfg.norm_unit_offset, cfg.sandwich_norms, cfg.embed_scale, cfg.activation == "gelu_tanh",
@@ -76,7 +77,7 @@ GROUPED_ROUTER = Feature(
     "grouped sigmoid routing (router sigmoid_groups, num_expert_groups, topk_groups, routed_scaling_factor)",
     lambda cfg: (cfg.router, cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor) != (
         "softmax", 1, 1, 1.0))
-FEATURES = (QK_NORM, GEMMA_MATH, LOCAL_ROPE, INTERLEAVED, SLIDING, EXPERTS, SHARED_EXPERT, PARTIAL_ROTARY, LATENT,
+FEATURES = (QK_NORM, QK_NORM_WHOLE, GEMMA_MATH, LOCAL_ROPE, INTERLEAVED, SLIDING, EXPERTS, SHARED_EXPERT, PARTIAL_ROTARY, LATENT,
             GROUPED_ROUTER)
 """Every Feature; to_hf checks each."""
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kiln.core.model.config import ModelConfig
-from kiln.host.model.layers.collectives import linear_then_reduce
+from kiln.host.model.layers.collectives import linear_then_reduce, reduce
 from kiln.host.model.layers.norms import rms_norm, softcap
 from kiln.host.model.layers.paged_attention import IN_PLACE_TOKENS, attend_in_place
 from kiln.host.model.layers.rotary import rotate
@@ -67,8 +67,10 @@ def grouped_query_attention(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor
     q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias"))
     k = F.linear(h, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias"))
     v = F.linear(h, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias"))
+    if cfg.qk_norm_whole:  # MiniMax-M2: q and k each normalised over all their heads, before the split
+        q, k = whole_qk_norm(cfg, tp, p, q, k)
     q, k, v = q.view(b, t, q.shape[-1] // hd, hd), k.view(b, t, k.shape[-1] // hd, hd), v.view(b, t, -1, hd)
-    if cfg.qk_norm:  # Qwen3, Gemma 3: every head normalised over head_dim, before the rotary embedding
+    if cfg.qk_norm and not cfg.qk_norm_whole:  # Qwen3, Gemma 3: every head over head_dim, before the rotary
         q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps, cfg.norm_unit_offset)
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps, cfg.norm_unit_offset)
     cos, sin = ctx.rotary(window)
@@ -84,6 +86,20 @@ def grouped_query_attention(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor
     attended = linear_then_reduce(out.reshape(b, t, -1), p["self_attn.o_proj.weight"],
                                   p.get("self_attn.o_proj.bias"), tp)
     return attended, torch.stack((k, v))
+
+
+def whole_qk_norm(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], q: torch.Tensor,
+                  k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniMax-M2's q_norm and k_norm (MiniMaxM2RMSNorm over the whole projection, float32, the weight applied
+    after the cast back) of a rank's columns q [b, t, its heads x hd] and k: the mean of squares is over every
+    rank's columns, so each rank's sums of squares are summed over the ranks (one collective for both)."""
+    qf, kf = q.to(torch.float32), k.to(torch.float32)
+    sums = reduce(torch.stack((qf.pow(2).sum(-1), kf.pow(2).sum(-1)), dim=-1), tp)
+    widths = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+    normed = [x * torch.rsqrt(sums[..., i:i + 1] / width + cfg.rms_norm_eps)
+              for i, (x, width) in enumerate(zip((qf, kf), widths))]
+    return (p["self_attn.q_norm.weight"] * normed[0].to(q.dtype),
+            p["self_attn.k_norm.weight"] * normed[1].to(k.dtype))
 
 
 def _grouped(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,

@@ -3,11 +3,11 @@
 Routers (ModelConfig.router):
 - softmax (Mixtral, Qwen2-MoE, Qwen3-MoE): the softmax over the experts in
   float32, its top k, renormalised when `norm_topk_prob`;
-- sigmoid_groups (DeepSeek-V3): sigmoid scores in float32; the choice adds each
-  expert's `e_score_correction_bias` and keeps to the best topk_groups of the
-  n_group groups (a group scores the sum of its two best); the weights are the
-  uncorrected scores of the chosen, renormalised when `norm_topk_prob`, times
-  routed_scaling_factor.
+- sigmoid_groups (DeepSeek-V3; MiniMax-M2 with one group): sigmoid scores in
+  float32; the choice adds each expert's `e_score_correction_bias` and keeps to
+  the best topk_groups of the n_group groups (a group scores the sum of its two
+  best); the weights are the uncorrected scores of the chosen, renormalised when
+  `norm_topk_prob`, times routed_scaling_factor.
 Each expert is a SwiGLU MLP whose intermediate columns are split over the ranks,
 so a rank's weighted sum of its experts' partial down projections is summed once
 over the ranks, together with the shared expert's partial output (Qwen2-MoE's,
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kiln.core.model.config import ModelConfig
-from kiln.core.model.contract import EXPERTS, SHARED_EXPERTS
+from kiln.core.model.contract import EXPERTS, SHARED_EXPERTS, correction_bias
 from kiln.host.model.layers import choices
 from kiln.host.model.layers.choices import EXPERT_SITE
 from kiln.host.model.layers.collectives import reduce
@@ -52,8 +52,11 @@ def _route_groups(cfg: ModelConfig, p: dict[str, torch.Tensor], module: str,
                   x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's noaux_tc routing, op for op as DeepseekV3TopkRouter computes it."""
     n, experts, groups = x.shape[0], cfg.num_experts, cfg.num_expert_groups
-    scores = F.linear(x.to(torch.float32), p[f"{module}.gate.weight"].to(torch.float32)).sigmoid()
-    corrected = scores + p[f"{module}.gate.e_score_correction_bias"].to(torch.float32)
+    if cfg.architecture == "minimax_m2":  # MiniMaxM2TopKRouter: the logits in the model's dtype, then float32
+        scores = F.linear(x, p[f"{module}.gate.weight"]).to(torch.float32).sigmoid()
+    else:
+        scores = F.linear(x.to(torch.float32), p[f"{module}.gate.weight"].to(torch.float32)).sigmoid()
+    corrected = scores + p[f"{module}.{correction_bias(cfg)}"].to(torch.float32)
     group_scores = corrected.view(n, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
     best = torch.topk(group_scores, k=cfg.topk_groups, dim=-1, sorted=False)[1]
     keep = torch.zeros_like(group_scores).scatter(1, best, 1).bool()
