@@ -24,6 +24,7 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralCon
            "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
            "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
            "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
+           "mistral4": ("Mistral4Config", "Mistral4ForCausalLM"),
            # image-text checkpoints, whose text decoder Kiln exports
            "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
            "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
@@ -195,6 +196,22 @@ CASES = {
                                            head_dim=128, rotary_dim=64, num_hidden_layers=3, vocab_size=32000,
                                            num_local_experts=16, num_experts_per_tok=4, intermediate_size=128,
                                            initializer_range=0.05), "bfloat16"),
+    # Mistral 4: DeepSeek-V3's latent attention and shape, its experts fused 3-D tensors routed by a softmax within
+    # the best 2 of 4 groups (scaled by 2.5), yarn over an original context of 8 (factor 4, mscale_all_dim 1) and
+    # llama_4_scaling_beta 0.5: queries past position 8 and 16 grow (the 20-token prompt crosses both).
+    "mistral4": ("mistral4", dict(DEEPSEEK, n_shared_experts=1, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+        "llama_4_scaling_beta": 0.5, "partial_rotary_factor": 32 / 96}), "float32"),
+    # At a real shape in bfloat16: heads of 128 + 64 rotating dims, values of 128, vocabulary 32000; its router's
+    # softmax in bfloat16, as Mistral4TopkRouter takes it.
+    "mistral4-bf16": ("mistral4", dict(DEEPSEEK, hidden_size=256, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                       v_head_dim=128, kv_lora_rank=128, q_lora_rank=96, vocab_size=32000,
+                                       initializer_range=0.05, rope_parameters={
+                                           "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                           "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5}),
+                      "bfloat16"),
     # Image-text checkpoints (save_pretrained's layout: language_model.model.*, vision_tower.*,
     # multi_modal_projector.*), each a small vision tower beside a text decoder Kiln computes: Gemma 3's (the
     # "gemma3" case's text model; the head tied, Gemma3Config's default), Mistral 3's (a window of 6, the head

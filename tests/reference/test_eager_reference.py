@@ -47,6 +47,7 @@ FEATURE_OFF = {
     "deepseek-v3-bf16": {"rope_interleave": False},
     "gpt-oss": {"swiglu_limit": 1e4},
     "minimax-m2": {"rotary_dim": None},
+    "mistral4": {"query_scale_beta": 0.0},
     "gpt-oss-bf16": {"sliding_window": None, "full_attention_layers": ()},
 }
 
@@ -93,7 +94,7 @@ def test_kiln_computes_what_transformers_computes(case, hf_root):
         assert float((without - got).abs().max()) > 1e-2, f"{case}: the feature does not change these logits"
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe", "qwen2-moe", "deepseek-v3"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe", "qwen2-moe", "deepseek-v3", "mistral4"])
 def test_each_way_of_computing_the_experts_computes_the_same(case, hf_root):
     """The ways a mixture-of-experts layer computes (kiln.host.model.mixture_of_experts): in float32 one
     token alone gathers its experts, the same token among many runs every expert over every token; in
@@ -151,7 +152,7 @@ def test_deepseek_routing_correction_matters(hf_root):
     assert moved_by("deepseek-v3", hf_root, "e_score_correction_bias", torch.zeros_like) > 1e-2
 
 
-@pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-bf16"])
+@pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-bf16", "mistral4"])
 def test_latent_attention_absorbed_or_expanded_computes_what_transformers_computes(case, hf_root, monkeypatch):
     """Latent attention's two orders of the same math (kiln.host.model.layers.latent_attention.absorbs): each matches
     transformers (float32 within 1e-4; bfloat16 within twice transformers' own error). At DeepSeek-V3's own

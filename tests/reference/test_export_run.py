@@ -52,6 +52,9 @@ E2E = {
     "minimax-m2": "MiniMax-M2: q and k each normalised over all heads (each rank's sums of squares summed over "
                   "the ranks), half of each head rotating, 8 experts on every layer chosen by corrected sigmoid "
                   "scores",
+    "mistral4": "Mistral 4: DeepSeek-V3's latent attention with queries growing past positions 8 and 16, experts "
+                "read from fused 3-D tensors (each rank's gate and up rows cut from gate_up_proj, its down columns "
+                "from down_proj) and routed by a softmax within the best groups, a shared expert",
     "llama-realistic-bf16": "bfloat16, head_dim 128, 4 layers, vocabulary 32000",
 }
 
@@ -247,4 +250,24 @@ def test_an_image_text_export_says_what_it_left_out_and_runs_with_torch_alone(ex
     assert manifest["model"]["image_text"]["prefixes"] == {"model.": "language_model.model."}
     sources = {s["tensor"] for w in manifest["weights"].values() for s in w["sources"]}
     assert sources and all(t.startswith("language_model.model.") for t in sources)
+    torch_alone_is_kiln(manifest_path, root, manifest, tmp_path, got["verify_key"])
+
+
+def test_a_fused_experts_export_runs_with_torch_alone(export_and_run, tmp_path):
+    """The consumer contract of fused 3-D experts (Mistral 4): each run's expert constants stack one source per
+    layer, the layer's gate_up_proj cut to the rank's gate (or up) rows along dimension 1, its down_proj to the
+    rank's columns along dimension 2; torch alone binds them from the checkpoint as Kiln's loader does."""
+    from pathlib import Path
+
+    got = export_and_run("mistral4")
+    root = Path(got["store"].removeprefix("file://"))
+    manifest_path = root / got["report"]["manifest"]
+    manifest = json.loads(manifest_path.read_text())
+    weights = manifest["weights"]
+    run = next(n.rsplit(".mlp.", 1)[0] for n in weights if n.endswith("mlp.experts.up_proj.weight"))
+    up, down = weights[f"{run}.mlp.experts.up_proj.weight"], weights[f"{run}.mlp.experts.down_proj.weight"]
+    assert up["stack"] == 2 and up["shape"] == [2, 16, 16, 128]  # 2 layers x 16 experts, 16 of 32 rows each
+    assert up["sources"][0]["tensor"] == "model.layers.1.mlp.experts.gate_up_proj"
+    assert up["sources"][0]["cut"] == {"dim": 1, "length": 16, "offsets": [32, 48]}  # after the 32 gate rows
+    assert down["sources"][0]["cut"] == {"dim": 2, "length": 16, "offsets": [0, 16]}
     torch_alone_is_kiln(manifest_path, root, manifest, tmp_path, got["verify_key"])

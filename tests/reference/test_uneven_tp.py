@@ -63,6 +63,11 @@ CASES = {
     "minimax-m2-tp2": ("minimax_m2", dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=3, head_dim=32,
                                           rotary_dim=16, num_hidden_layers=2, num_local_experts=8,
                                           num_experts_per_tok=2, intermediate_size=100), 2),
+    # Mistral 4: latent attention's query heads 2, 1, 1; its fused 3-D experts' columns 14, 13, 13 of 40 (gate and
+    # up rows cut from one tensor, down columns from another); queries scaled past position 8.
+    "mistral4-tp3": ("mistral4", dict(DEEPSEEK, moe_intermediate_size=40, intermediate_size=250, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5}), 3),
 }
 """name -> (family, transformers config overrides of hf_models.BASE, tp)."""
 

@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from kiln.core.model import fused_experts
 from kiln.core.model.config import TINY
 from kiln.core.model.contract import FUSED, constant_sources, parameter_shapes, shard_slice, weight_layout
 from kiln.core.model.rank_bytes import weight_bytes_per_rank
@@ -53,6 +54,11 @@ CONFIGS = {
     "minimax_m2: q/k norms over all heads, corrected sigmoid routing, partial rotary": TINY.replace(
         architecture="minimax_m2", qk_norm=True, qk_norm_whole=True, rotary_dim=8, num_experts=4, experts_per_token=2,
         moe_intermediate_size=TINY.intermediate_size, moe_layers=(0, 1), router="sigmoid_groups"),
+    "mistral4: latent attention, fused 3-D experts, softmax groups, query scale": TINY.replace(
+        architecture="mistral4", num_heads=4, num_kv_heads=4, head_dim=48, qk_rope_head_dim=16, v_head_dim=32,
+        kv_lora_rank=64, q_lora_rank=32, num_layers=3, num_experts=8, experts_per_token=2, moe_intermediate_size=64,
+        moe_layers=(1, 2), shared_expert_intermediate_size=64, router="softmax_groups", num_expert_groups=4,
+        topk_groups=2, rope_interleave=True, query_scale_beta=0.1),
 }
 CONFIGS["gpt_oss in bfloat16: float32 norms"] = CONFIGS[
     "gpt_oss: sinks, stacked experts with biases, alternating windows"].replace(dtype="bfloat16")
@@ -77,7 +83,9 @@ def test_constants_are_the_torch_modules_own(name):
         module = {n: list(p.shape) for n, p in ShardedDecoder(cfg, tp).to("meta").state_dict().items()}
         assert [(n, w["shape"]) for n, w in weight_layout(cfg, tp).items()] == list(module.items())
     fused = FUSED.get(cfg.architecture, {})
-    holds = {n: len(fused.get(n.split(".", 3)[-1], ("one",))) for n in parameter_shapes(cfg)}
+    gate_and_up = fused_experts.GATE_UP if fused_experts.fused(cfg) else None  # fused 3-D experts: two parts
+    holds = {n: 2 if gate_and_up and n.endswith(gate_and_up) else len(fused.get(n.split(".", 3)[-1], ("one",)))
+             for n in parameter_shapes(cfg)}
     assert Counter(s for group in constant_sources(cfg).values() for s in group) == Counter(holds)
 
 

@@ -271,7 +271,7 @@ def _changed(cfg: ModelConfig, field: dataclasses.Field):
                "num_heads": 48, "num_kv_heads": 6, "first_sliding_layer": 1, "moe_layers": (0, 1),
                "full_attention_layers": (1,), "activation": "gelu_tanh", "query_pre_attn_scalar": 24.0,
                "attn_softcap": 50.0, "final_softcap": 30.0, "local_rope_theta": 1e4,
-               "shared_expert_intermediate_size": 64, "rotary_dim": 8, "router": "sigmoid_groups",
+               "shared_expert_intermediate_size": 64, "rotary_dim": 8, "router": "sigmoid_groups", "query_scale_beta": 0.1,
                "rope_short_factor": (1.5,) * 8, "rope_long_factor": (3.0,) * 8,
                "quant": WeightQuant("fp8_blocks", (128, 128)), **LATENT_FIELDS}
     if field.name in special:

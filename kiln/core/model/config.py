@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kiln.core.errors import BadInput
+from kiln.core.model.expert_checks import check_experts
 from kiln.core.model.param_counts import params_per_rank
 from kiln.core.model.quant import WeightQuant
 from kiln.core.model.shares import check_tp
@@ -27,7 +28,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM",
-                 "gpt_oss": "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
+                 "gpt_oss": "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
+                 "mistral4": "Mistral4ForCausalLM"}
 """model_type -> the transformers class whose math Kiln reproduces."""
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
@@ -35,12 +37,6 @@ LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
 call): a forward of such a model takes each sequence's length as an input (`seq_lens`)."""
 ACTIVATIONS = ("silu", "gelu_tanh")
 """The gated MLP's activation: SwiGLU's silu, or GeGLU's tanh-approximated gelu (Gemma's gelu_pytorch_tanh)."""
-ROUTERS = ("softmax", "sigmoid_groups", "sqrtsoftplus")
-"""How a mixture of experts picks its experts: the top k of a softmax (Mixtral, Qwen), DeepSeek-V3's sigmoid
-scores, corrected by a per-expert bias for the choice only, within the best groups of experts, or DeepSeek-V4's
-sqrt(softplus) scores (a fixed table on its hash layers, the corrected top k on the others)."""
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """What a decoder of a family Kiln reads computes (ARCHITECTURES), everything but its weights."""
@@ -170,7 +166,7 @@ class ModelConfig:
     """Attention scores' scale (head_dim ** -0.5) is multiplied by this: DeepSeek folds yarn's
     mscale(factor, mscale_all_dim) squared into it; 1 for every other model."""
     router: str = "softmax"
-    """How a mixture of experts picks its experts (ROUTERS)."""
+    """How a mixture of experts picks its experts (kiln.core.model.expert_checks.ROUTERS)."""
     num_expert_groups: int = 1
     """sigmoid_groups: the experts form this many equal groups (n_group)..."""
     topk_groups: int = 1
@@ -178,6 +174,9 @@ class ModelConfig:
     scored by the sum of its two best corrected scores."""
     routed_scaling_factor: float = 1.0
     """The chosen experts' routing weights are multiplied by this (DeepSeek's routed_scaling_factor)."""
+    query_scale_beta: float = 0.0
+    """Queries are multiplied by 1 + this x log(1 + floor(position / rope_original_max_position)) before the
+    attention, growing with the position (Mistral 4's llama_4_scaling_beta); 0: never scaled."""
     attention_sinks: bool = False
     """Each query head has a learned sink logit (gpt-oss's `self_attn.sinks`): a column of the softmax that takes
     its share of the probability and attends to nothing."""
@@ -275,39 +274,11 @@ class ModelConfig:
             value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
                 raise BadInput(f"config.json: {field} must be a positive number or null, got {value!r}.")
+        if isinstance(self.query_scale_beta, bool) or not isinstance(self.query_scale_beta, (int, float)) \
+                or self.query_scale_beta < 0:
+            raise BadInput(f"config.json: llama_4_scaling_beta must be a number >= 0, got {self.query_scale_beta!r}.")
         if self.moe_layers:
-            for field in ("num_experts", "experts_per_token", "moe_intermediate_size"):
-                value = getattr(self, field)
-                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                    raise BadInput(f"config.json: {field} must be a positive integer for a mixture of experts, "
-                                   f"got {value!r}.")
-            if isinstance(self.shared_expert_intermediate_size, bool) or not isinstance(
-                    self.shared_expert_intermediate_size, int) or self.shared_expert_intermediate_size < 0:
-                raise BadInput("config.json: shared_expert_intermediate_size must be an integer >= 0, got "
-                               f"{self.shared_expert_intermediate_size!r}.")
-            if self.router not in ROUTERS:
-                raise BadInput(f"config.json: router {self.router!r} is not supported; Kiln computes "
-                               f"{', '.join(ROUTERS)}.")
-            for field in ("num_expert_groups", "topk_groups"):
-                value = getattr(self, field)
-                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                    raise BadInput(f"config.json: {field} must be a positive integer, got {value!r}.")
-            if self.num_experts % self.num_expert_groups or self.topk_groups > self.num_expert_groups:
-                raise BadInput(f"config.json: n_group ({self.num_expert_groups}) must divide the "
-                               f"{self.num_experts} experts, and topk_group ({self.topk_groups}) may not exceed it.")
-            if self.router == "sigmoid_groups" and (
-                    self.num_experts // self.num_expert_groups < 2
-                    or self.experts_per_token > self.topk_groups * (self.num_experts // self.num_expert_groups)):
-                raise BadInput(f"config.json: a group of {self.num_experts // self.num_expert_groups} expert(s) "
-                               f"(n_group {self.num_expert_groups}) must hold at least 2, and topk_group "
-                               f"{self.topk_groups} groups at least num_experts_per_tok ({self.experts_per_token}).")
-            if self.experts_per_token > self.num_experts:
-                raise BadInput(f"config.json: num_experts_per_tok ({self.experts_per_token}) exceeds the "
-                               f"{self.num_experts} experts.")
-            if list(self.moe_layers) != sorted(set(self.moe_layers)) or not all(
-                    isinstance(i, int) and 0 <= i < self.num_layers for i in self.moe_layers):
-                raise BadInput(f"config.json: the mixture-of-experts layers {list(self.moe_layers)} must be distinct "
-                               f"layer indices below {self.num_layers}, in order.")
+            check_experts(self)
 
     def _check_length_dependent_rope(self) -> None:
         """longrope's two factor lists (one per rotated pair), dynamic's length; nothing of them elsewhere."""

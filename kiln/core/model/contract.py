@@ -31,12 +31,14 @@ and `constant_sources` state the model's layout without torch; a unit test
 holds them to the torch module's own state dict. A checkpoint tensor is
 usually the source of one constant; a fused one (Phi-3's qkv_proj and
 gate_up_proj, FUSED) is the source of each of its projections' constants,
-each source cut to its own rows, at tp 1 too.
+each source cut to its own rows, at tp 1 too; so is a layer's fused 3-D experts
+tensor (Mistral 4's gate_up_proj: kiln.core.model.fused_experts), cut along its
+own dimension.
 """
 
 from __future__ import annotations
 
-from kiln.core.model import attention_shapes, gpt_oss_fields, quant, v4_fields
+from kiln.core.model import attention_shapes, fused_experts, gpt_oss_fields, quant, v4_fields
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.layer_runs import layer_runs
 from kiln.core.model.shares import rank_share
@@ -61,7 +63,8 @@ EXPERTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
            "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
            "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
            "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-           "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+           "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+           "mistral4": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 """model_type -> (the module of a mixture-of-experts layer, its experts' (gate, up, down) projection names), as
 published checkpoints name them: `<module>.gate.weight` is the router (a sigmoid router's correction bias is
 `<module>.<correction_bias(cfg)>`), `<module>.experts.<e>.<proj>.weight` expert e's projections."""
@@ -72,7 +75,7 @@ def correction_bias(cfg: ModelConfig) -> str:
     `gate.e_score_correction_bias`) or beside it (MiniMax-M2's `e_score_correction_bias`)."""
     return "e_score_correction_bias" if cfg.architecture == "minimax_m2" else "gate.e_score_correction_bias"
 SHARED_EXPERTS = {"qwen2_moe": ("mlp.shared_expert", "mlp.shared_expert_gate"),
-                  "deepseek_v3": ("mlp.shared_experts", None)}
+                  "deepseek_v3": ("mlp.shared_experts", None), "mistral4": ("mlp.shared_experts", None)}
 """model_type -> (the module of the shared expert every token runs, its sigmoid gate's module or None): its
 projections are `<module>.{gate,up,down}_proj.weight`, as wide as shared_expert_intermediate_size."""
 
@@ -115,8 +118,10 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the unsharded model, named as in a Hugging Face checkpoint, with its shape."""
     module = _module_shapes(cfg)
     out: dict[str, tuple[int, ...]] = {}
-    for name, (tensor, start) in _part_offsets(cfg, module).items():
-        out[tensor] = (start + module[name][0], *module[name][1:])  # a fused tensor: its last part's end
+    for name, (tensor, start, dim) in _part_offsets(cfg, module).items():
+        shape = list(module[name])
+        shape[dim] += start  # a fused tensor: its last part's end
+        out[tensor] = tuple(shape)
     return out
 
 
@@ -128,16 +133,22 @@ def _fused_source(name: str, parts: dict[str, str]) -> str:
     return f"{LAYER_PREFIX}{layer}.{parts[suffix]}" if suffix in parts else name
 
 
-def _part_offsets(cfg: ModelConfig, module: dict[str, tuple[int, ...]] | None = None) -> dict[str, tuple[str, int]]:
-    """Module tensor -> (its checkpoint tensor, the row where it starts there): (itself, 0) unless fused.
+def _part_offsets(cfg: ModelConfig, module: dict[str, tuple[int, ...]] | None = None) -> dict[
+        str, tuple[str, int, int]]:
+    """Module tensor -> (its checkpoint tensor, where it starts there, along which dimension): (itself, 0, 0)
+    unless fused (FUSED: along the rows; kiln.core.model.fused_experts: 3-D experts along their own dimension).
     `module`: _module_shapes(cfg), where the caller has it already."""
     fused = FUSED.get(cfg.architecture) or {}
     parts = {part: tensor for tensor, names in fused.items() for part in names}
     out, rows = {}, {}
     for name, shape in (module or _module_shapes(cfg)).items():
+        three_d = fused_experts.source(cfg, name) if fused_experts.fused(cfg) else None
+        if three_d is not None:
+            out[name] = three_d[0], three_d[2], three_d[1]
+            continue
         tensor = _fused_source(name, parts)
         start = rows.get(tensor, 0)
-        out[name] = (tensor, start)
+        out[name] = (tensor, start, 0)
         rows[tensor] = start + shape[0]
     return out
 
@@ -169,7 +180,9 @@ def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[f"{p}.{module}.gate.weight"] = (cfg.num_experts, h)
             if cfg.router == "sigmoid_groups" and not beside:
                 out[bias] = (cfg.num_experts,)
-            for e in range(cfg.num_experts):
+            if fused_experts.fused(cfg):  # [experts, ...] each, from the checkpoint's 3-D tensors
+                out.update(fused_experts.layer_shapes(cfg, p))
+            for e in range(0 if fused_experts.fused(cfg) else cfg.num_experts):
                 for name, shape in ((gate, (e_mlp, h)), (up, (e_mlp, h)), (down, (h, e_mlp))):
                     out[f"{p}.{module}.experts.{e}.{name}.weight"] = shape
             if cfg.shared_expert_intermediate_size:
@@ -218,7 +231,7 @@ def is_expert(name: str) -> bool:
 def _stack_suffix(suffix: str) -> str:
     """A per-layer tensor's suffix in its stacked constant: an expert's index dropped
     (`mlp.experts.3.gate_proj.weight` -> `mlp.experts.gate_proj.weight`), since the experts stack too."""
-    if not is_expert(suffix):
+    if not is_expert(suffix) or not suffix.split(_EXPERT, 1)[1][:1].isdigit():  # fused 3-D experts: no index
         return suffix
     module, rest = suffix.split(_EXPERT, 1)
     return f"{module}{_EXPERT}{rest.split('.', 1)[1]}"
@@ -244,9 +257,10 @@ def rank_reads(cfg: ModelConfig, tp: int, rank: int) -> dict[str, list[tuple[str
     times."""
     shapes = _module_shapes(cfg)
     where = _part_offsets(cfg, shapes)
+    full = parameter_shapes(cfg) if fused_experts.fused(cfg) else {}
 
     def read(part: str) -> tuple[str, tuple[int, ...] | None]:
-        tensor, start = where[part]
+        tensor, start, along = where[part]
         cut = shard_slice(part, cfg, tp, rank)
         if cut is not None and quant.is_scale(part):  # with its repeat, where the rank's grid has one
             weight = quant.weight_of(part)
@@ -254,10 +268,12 @@ def rank_reads(cfg: ModelConfig, tp: int, rank: int) -> dict[str, list[tuple[str
             cut = cut if cut[3] > 1 else cut[:3]
         if tensor == part:
             return tensor, cut
-        dim, a, b = cut if cut is not None else (0, 0, shapes[part][0])
-        if dim != 0:
-            raise AssertionError(f"{part}: a fused projection is cut along its rows")
-        return tensor, (0, start + a, start + b)
+        dim, a, b = cut if cut is not None else (along, 0, shapes[part][along])
+        if dim != along:
+            raise AssertionError(f"{part}: a fused projection is cut along the dimension it is fused along")
+        if full and (dim, start, b - a) == (along, 0, full[tensor][along]):
+            return tensor, None  # the whole tensor (a 3-D down_proj at tp 1)
+        return tensor, (dim, start + a, start + b)
 
     return {name: [read(part) for part in parts] for name, parts in _constant_parts(cfg).items()}
 
@@ -326,10 +342,11 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
     q, kv = (h0 * cfg.head_dim, h1 * cfg.head_dim), (k0 * cfg.head_dim, k1 * cfg.head_dim)
     latent = cfg.qk_nope_head_dim + cfg.v_head_dim
     mlp = share.experts if is_expert(name) else share.shared if is_shared_expert(name) else share.mlp
+    three_d = fused_experts.fused(cfg) and is_expert(name) and not name.split(_EXPERT, 1)[1][:1].isdigit()
     a, b = {"q_proj": q, "q_b_proj": q, "o_proj": (h0 * cfg.v_head_dim, h1 * cfg.v_head_dim) if cfg.latent else q,
             "k_proj": kv, "v_proj": kv, "kv_b_proj": (h0 * latent, h1 * latent), "q_norm": q,
             "k_norm": kv}.get(parts[-2], mlp)
-    dim = 0 if parts[-2] in _COLUMN or whole_norm else 1
+    dim = (0 if parts[-2] in _COLUMN or whole_norm else 1) + (1 if three_d else 0)  # 3-D: after the experts
     if dim == 1 and quant.is_fp4(cfg.quant, name):  # stored two inputs a byte: the rank's bytes
         a, b = a // 2, b // 2
     return dim, a, b

@@ -172,15 +172,21 @@ def _deepseek_v3_to_hf(cfg: ModelConfig) -> dict:
         all_dim = _mscale_all_dim(cfg)
         rope["rope_scaling"] = {**rope_scaling(cfg), "mscale_all_dim": all_dim}
     return {"head_dim": cfg.qk_rope_head_dim, **rope, "hidden_act": "silu", "qk_head_dim": cfg.head_dim,
-            "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank or None,
+            **latent_and_experts_hf(cfg), **_ROUTING, "first_k_dense_replace": first,
+            **({"moe_layer_freq": step} if step != 1 else {})}
+
+
+def latent_and_experts_hf(cfg: ModelConfig) -> dict:
+    """The latent attention's and the grouped experts' fields of a config.json, as DeepSeek-V3 and Mistral 4
+    spell them."""
+    return {"kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank or None,
             "qk_rope_head_dim": cfg.qk_rope_head_dim, "qk_nope_head_dim": cfg.qk_nope_head_dim,
             "v_head_dim": cfg.v_head_dim, "rope_interleave": cfg.rope_interleave, "attention_bias": cfg.o_bias,
             "n_routed_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
             "moe_intermediate_size": cfg.moe_intermediate_size,
             "n_shared_experts": cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size,
             "routed_scaling_factor": cfg.routed_scaling_factor, "n_group": cfg.num_expert_groups,
-            "topk_group": cfg.topk_groups, "norm_topk_prob": cfg.norm_topk_prob, **_ROUTING,
-            "first_k_dense_replace": first, **({"moe_layer_freq": step} if step != 1 else {})}
+            "topk_group": cfg.topk_groups, "norm_topk_prob": cfg.norm_topk_prob}
 
 
 DEEPSEEK_V3 = Family(

@@ -1,6 +1,7 @@
 """The table of families, and the two entry points: config.json -> ModelConfig and back.
 
-Pure: no torch import. from_hf reads an image-text checkpoint's text decoder (multimodal.py), finds the family (model_type, or the one class of `architectures`),
+Pure: no torch import. from_hf reads an image-text checkpoint's text decoder (multimodal.py), finds the
+family (model_type, or the one class of `architectures`),
 reads `quantization_config` (quantization.py: FP8 blocks, or refused by name), refuses any field that
 neither the family reads nor INERT lists, checks that the fields it needs are there, and hands the rest to
 the family's module. to_hf refuses a ModelConfig holding a Feature its family's configs cannot hold, then
@@ -18,6 +19,7 @@ from kiln.core.model.hf_config.gemma import GEMMA2, GEMMA3_TEXT
 from kiln.core.model.hf_config.gpt_oss import GPT_OSS
 from kiln.core.model.hf_config.llama import LLAMA, MISTRAL
 from kiln.core.model.hf_config.minimax import MINIMAX_M2
+from kiln.core.model.hf_config.mistral4 import MISTRAL4
 from kiln.core.model.hf_config.mixtral import MIXTRAL
 from kiln.core.model.hf_config.multimodal import text_decoder
 from kiln.core.model.hf_config.phi3 import PHI3
@@ -26,7 +28,7 @@ from kiln.core.model.hf_config.qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
 from kiln.core.model.hf_config.rope import rope_positions, rope_scaling
 
 FAMILIES = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE, GEMMA2, GEMMA3_TEXT,
-                                PHI3, DEEPSEEK_V3, DEEPSEEK_V4, GPT_OSS, MINIMAX_M2)}
+                                PHI3, DEEPSEEK_V3, DEEPSEEK_V4, GPT_OSS, MINIMAX_M2, MISTRAL4)}
 """model_type -> its Family: every family Kiln reads."""
 
 

@@ -80,5 +80,6 @@ def _minimax_m2_to_hf(cfg: ModelConfig) -> dict:
 
 MINIMAX_M2 = Family("minimax_m2", COMMON_READ | {"num_local_experts", "num_experts", "num_experts_per_tok",
                                                  "rotary_dim", "partial_rotary_factor"},
-                    _minimax_m2, _minimax_m2_to_hf, features=(EXPERTS, QK_NORM, QK_NORM_WHOLE, PARTIAL_ROTARY, GROUPED_ROUTER),
+                    _minimax_m2, _minimax_m2_to_hf,
+                    features=(EXPERTS, QK_NORM, QK_NORM_WHOLE, PARTIAL_ROTARY, GROUPED_ROUTER),
                     required=())

@@ -62,6 +62,9 @@ def latent_attention(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h: t
     turn = rotate_interleaved if cfg.rope_interleave else rotate
     cos, sin = ctx.rotary(window)
     q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot[:, :, None, :], cos, sin)
+    if ctx.query_scale is not None:  # Mistral 4: queries grow with their position
+        scale = ctx.query_scale.to(q_rot.dtype)
+        q_nope, q_rot = q_nope * scale, q_rot * scale
     entry = torch.cat((latent[:, :, None, :], k_rot), dim=-1)  # [b, t, 1, latent + rope]
     every = torch.cat((gather_pages(kv[0], ctx.block_table), entry), dim=1)[:, :, 0]  # [b, ctx + t, latent + rope]
     n, r, v = every.shape[1], cfg.kv_lora_rank, cfg.v_head_dim

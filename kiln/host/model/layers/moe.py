@@ -36,7 +36,7 @@ def route(cfg: ModelConfig, p: dict[str, torch.Tensor], module: str,
           x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [n, k] float32, or the model's dtype for Qwen's MoEs, as transformers weighs; chosen
     experts [n, k]) of the tokens x [n, hidden]."""
-    if cfg.router == "sigmoid_groups":
+    if cfg.router in ("sigmoid_groups", "softmax_groups"):
         return _route_groups(cfg, p, module, x)
     probs = torch.softmax(F.linear(x, p[f"{module}.gate.weight"]).to(torch.float32), dim=-1)
     chosen = choices.decide(EXPERT_SITE, probs, torch.topk(probs, cfg.experts_per_token, dim=-1).indices)
@@ -50,17 +50,22 @@ def route(cfg: ModelConfig, p: dict[str, torch.Tensor], module: str,
 
 def _route_groups(cfg: ModelConfig, p: dict[str, torch.Tensor], module: str,
                   x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's noaux_tc routing, op for op as DeepseekV3TopkRouter computes it."""
+    """DeepSeek-V3's noaux_tc routing, op for op as DeepseekV3TopkRouter computes it (MiniMax-M2's with one
+    group; Mistral 4's over softmax scores, uncorrected)."""
     n, experts, groups = x.shape[0], cfg.num_experts, cfg.num_expert_groups
-    if cfg.architecture == "minimax_m2":  # MiniMaxM2TopKRouter: the logits in the model's dtype, then float32
+    if cfg.router == "softmax_groups":  # Mistral4TopkRouter: a softmax in the model's dtype, nothing corrected
+        scores = corrected = F.linear(x, p[f"{module}.gate.weight"]).softmax(dim=-1)
+    elif cfg.architecture == "minimax_m2":  # MiniMaxM2TopKRouter: the logits in the model's dtype, then float32
         scores = F.linear(x, p[f"{module}.gate.weight"]).to(torch.float32).sigmoid()
     else:
         scores = F.linear(x.to(torch.float32), p[f"{module}.gate.weight"].to(torch.float32)).sigmoid()
-    corrected = scores + p[f"{module}.{correction_bias(cfg)}"].to(torch.float32)
+    if cfg.router == "sigmoid_groups":
+        corrected = scores + p[f"{module}.{correction_bias(cfg)}"].to(torch.float32)
     group_scores = corrected.view(n, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
     best = torch.topk(group_scores, k=cfg.topk_groups, dim=-1, sorted=False)[1]
     keep = torch.zeros_like(group_scores).scatter(1, best, 1).bool()
     keep = keep[:, :, None].expand(n, groups, experts // groups).reshape(n, experts)
+    # Mistral 4 masks the other groups with 0 (scores are positive), DeepSeek-V3 with -inf: the same choice
     choice = corrected.masked_fill(~keep, float("-inf"))
     chosen = torch.topk(choice, k=cfg.experts_per_token, dim=-1, sorted=False)[1]
     chosen = choices.decide(EXPERT_SITE, corrected, chosen, groups=groups, keep=cfg.topk_groups)

@@ -88,7 +88,7 @@ class LayerRun(nn.Module):
         for suffix in self.suffixes:
             module, _, leaf = suffix.rpartition(".")
             w = getattr(self.get_submodule(module) if module else self, leaf)
-            out[suffix] = w.view(len(self.layers), -1, *w.shape[1:]) if is_expert(suffix) else w
+            out[suffix] = w.view(len(self.layers), -1, *w.shape[-2:]) if is_expert(suffix) else w  # fused: as it is
         return out
 
 

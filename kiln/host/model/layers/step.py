@@ -29,6 +29,9 @@ class StepContext:
     """[b, t, ctx + t]: query position minus key position; None when no layer has a window."""
     block_table: torch.Tensor
     """[b, pages_per_seq]: the cache pages of each sequence, in order."""
+    query_scale: torch.Tensor | None = None
+    """[b, t, 1, 1] float32: each query's scale, 1 + beta x log(1 + floor(position / original context)) (Mistral 4's
+    llama_4_scaling_beta, ModelConfig.query_scale_beta); None when the model has none."""
     kv_runs: tuple[int, ...] | None = None
     """This rank's query heads per KV head where they straddle KV groups unevenly (kiln.core.model.shares.Share.
     kv_runs), else None: a static fact of the rank, not a tensor."""
@@ -65,9 +68,13 @@ def step_context(cfg: ModelConfig, start_pos: torch.Tensor, num_tokens: int, pag
     key_ok = torch.cat((cached < start_pos[:, None], torch.ones(b, num_tokens, dtype=torch.bool, device=device)),
                        dim=1)
     distance = positions[:, :, None] - key_pos[:, None, :]  # [b, t, ctx + t]
+    query_scale = None
+    if cfg.query_scale_beta:  # as transformers' get_llama_4_attn_scale
+        grown = torch.log(1 + torch.floor(positions / cfg.rope_original_max_position))
+        query_scale = (1 + cfg.query_scale_beta * grown)[:, :, None, None]
     return StepContext(cos=cos, sin=sin, local_cos=local_cos, local_sin=local_sin,
                        causal=key_ok[:, None, :] & (distance >= 0), distance=distance if windowed else None,
-                       block_table=block_table, kv_runs=kv_runs)
+                       block_table=block_table, query_scale=query_scale, kv_runs=kv_runs)
 
 
 def gather_pages(entry: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
