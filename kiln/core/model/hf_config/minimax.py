@@ -15,8 +15,7 @@ from __future__ import annotations
 from kiln.core.model.config import ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.model.hf_config.common import (COMMON_READ, EXPERTS, GROUPED_ROUTER, PARTIAL_ROTARY, QK_NORM,
-                                              QK_NORM_WHOLE, Family,
-                                              aliased, number, shared_fields, silu)
+                                              QK_NORM_WHOLE, Family, aliased, number, shared_fields, silu)
 from kiln.core.model.hf_config.rope import rope_fields
 
 _DEFAULTS = {"vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62,
