@@ -55,14 +55,14 @@ _INERT = {
 """Fields inert for DeepSeek-V3, with why."""
 
 
-def _int_at_least(raw: dict, name: str, least: int) -> int:
+def int_at_least(raw: dict, name: str, least: int) -> int:
     value = raw[name]
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise BadInput(f"config.json: {name}={value!r} must be an integer >= {least}.")
     return value
 
 
-def _attention_scale(raw: dict, rope: dict) -> float:
+def attention_scale(raw: dict, rope: dict) -> float:
     """transformers' yarn_apply_mscale: mscale(factor, mscale_all_dim) squared for a scaled rope with a non-zero
     mscale_all_dim, else 1. `rope` is rope_fields' reading of `raw`."""
     params = raw.get("rope_parameters")
@@ -99,8 +99,8 @@ def _experts(raw: dict) -> dict:
     experts = aliased(raw, names, None if any(k in raw for k in names) else 256)
     width = positive_int(raw, "moe_intermediate_size", 0)
     layers = positive_int(raw, "num_hidden_layers", 0)
-    first, step = _int_at_least(raw, "first_k_dense_replace", 0), positive_int(raw, "moe_layer_freq", 1)
-    shared = 0 if raw["n_shared_experts"] is None else _int_at_least(raw, "n_shared_experts", 0)
+    first, step = int_at_least(raw, "first_k_dense_replace", 0), positive_int(raw, "moe_layer_freq", 1)
+    shared = 0 if raw["n_shared_experts"] is None else int_at_least(raw, "n_shared_experts", 0)
     return {"num_experts": positive_int({"n_routed_experts": experts}, "n_routed_experts", 0),
             "experts_per_token": positive_int(raw, "num_experts_per_tok", 0), "moe_intermediate_size": width,
             "norm_topk_prob": flag(raw, "norm_topk_prob"),
@@ -116,7 +116,7 @@ def _deepseek_v3(raw: dict) -> ModelConfig:
     rope = rope_fields(raw, "deepseek_v3")
     return ModelConfig(**{**shared_fields(raw, "deepseek_v3"), **_latent(raw)}, activation=silu(raw),
                        o_bias=flag(raw, "attention_bias"), **_experts(raw), **rope,
-                       attn_scale_multiplier=_attention_scale(raw, rope))
+                       attn_scale_multiplier=attention_scale(raw, rope))
 
 
 def _layer_rule(cfg: ModelConfig) -> tuple[int, int]:
@@ -131,7 +131,7 @@ def _layer_rule(cfg: ModelConfig) -> tuple[int, int]:
                    f"moe_layer_freq-th with the remote code's moe_layer_freq), not {list(cfg.moe_layers)}.")
 
 
-def _mscale_all_dim(cfg: ModelConfig) -> float:
+def mscale_all_dim(cfg: ModelConfig) -> float:
     """The mscale_all_dim that from_hf reads back as cfg.attn_scale_multiplier: the inverse of mscale squared,
     rounded to 12 digits when that reads back exactly (1.0 rather than 0.9999999999999999), else the nearest
     float that does."""
@@ -169,7 +169,7 @@ def _deepseek_v3_to_hf(cfg: ModelConfig) -> dict:
     first, step = _layer_rule(cfg)
     rope = {}
     if cfg.attn_scale_multiplier != 1.0:
-        all_dim = _mscale_all_dim(cfg)
+        all_dim = mscale_all_dim(cfg)
         rope["rope_scaling"] = {**rope_scaling(cfg), "mscale_all_dim": all_dim}
     return {"head_dim": cfg.qk_rope_head_dim, **rope, "hidden_act": "silu", "qk_head_dim": cfg.head_dim,
             **latent_and_experts_hf(cfg), **_ROUTING, "first_k_dense_replace": first,

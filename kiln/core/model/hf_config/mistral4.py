@@ -18,7 +18,7 @@ from kiln.core.model.config import ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.model.hf_config.common import (COMMON_READ, EXPERTS, GROUPED_ROUTER, LATENT, SHARED_EXPERT, Family,
                                               aliased, flag, number, positive_int, shared_fields, silu)
-from kiln.core.model.hf_config.deepseek import _attention_scale, _int_at_least, _mscale_all_dim, latent_and_experts_hf
+from kiln.core.model.hf_config.deepseek import attention_scale, int_at_least, mscale_all_dim, latent_and_experts_hf
 from kiln.core.model.hf_config.rope import rope_fields, rope_scaling
 
 _DEFAULTS = {
@@ -77,8 +77,8 @@ def _latent(raw: dict) -> dict:
 def _experts(raw: dict) -> dict:
     """ModelConfig's mixture-of-experts and routing fields."""
     width = positive_int(raw, "moe_intermediate_size", 0)
-    first = _int_at_least(raw, "first_k_dense_replace", 0)
-    shared = 0 if raw["n_shared_experts"] is None else _int_at_least(raw, "n_shared_experts", 0)
+    first = int_at_least(raw, "first_k_dense_replace", 0)
+    shared = 0 if raw["n_shared_experts"] is None else int_at_least(raw, "n_shared_experts", 0)
     experts = aliased(raw, ("n_routed_experts", "num_local_experts"), 128)
     return {"num_experts": positive_int({"n_routed_experts": experts}, "n_routed_experts", 0),
             "experts_per_token": positive_int(raw, "num_experts_per_tok", 0), "moe_intermediate_size": width,
@@ -97,7 +97,7 @@ def _mistral4(raw: dict) -> ModelConfig:
     rope = rope_fields(read, "mistral4")
     fields = {**shared_fields(read, "mistral4"), **latent}
     return ModelConfig(**fields, activation=silu(raw), o_bias=flag(raw, "attention_bias"), **_experts(raw), **rope,
-                       attn_scale_multiplier=_attention_scale(read, rope), query_scale_beta=beta)
+                       attn_scale_multiplier=attention_scale(read, rope), query_scale_beta=beta)
 
 
 def _mistral4_to_hf(cfg: ModelConfig) -> dict:
@@ -112,7 +112,7 @@ def _mistral4_to_hf(cfg: ModelConfig) -> dict:
     rope = {**rope_scaling(cfg), "llama_4_scaling_beta": cfg.query_scale_beta,
             "partial_rotary_factor": cfg.qk_rope_head_dim / cfg.head_dim}
     if cfg.attn_scale_multiplier != 1.0:
-        rope["mscale_all_dim"] = _mscale_all_dim(cfg)
+        rope["mscale_all_dim"] = mscale_all_dim(cfg)
     return {"head_dim": cfg.head_dim, "qk_head_dim": cfg.head_dim, "hidden_act": "silu", "rope_scaling": None,
             "rope_theta": cfg.rope_theta, "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
             **latent_and_experts_hf(cfg), "first_k_dense_replace": first}
