@@ -48,7 +48,6 @@ SPLIT_BY_CASE = {
         "test_a_fused_checkpoint_export_runs_with_torch_alone": "phi3-longrope",
         "test_a_latent_attention_export_caches_latents": "deepseek-v3",
         "test_an_image_text_export_says_what_it_left_out_and_runs_with_torch_alone": "gemma3-image-text",
-        "test_a_fused_experts_export_runs_with_torch_alone": "mistral4",
     },
     "tests/reference/test_uneven_export.py": {
         "test_verify_and_torch_alone_bind_each_rank_its_own_package": "qwen3-tp3-straddle",

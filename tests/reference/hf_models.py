@@ -25,12 +25,15 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralCon
            "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
            "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
            "mistral4": ("Mistral4Config", "Mistral4ForCausalLM"),
+           "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
            # image-text checkpoints, whose text decoder Kiln exports
            "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
            "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
            "llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
-           "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration")}
-TEXT_OF = {"gemma3": "gemma3_text", "mistral3": "mistral", "llava": "llama", "kimi_k25": "deepseek_v3"}
+           "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration"),
+           "llama4": ("Llama4Config", "Llama4ForConditionalGeneration")}
+TEXT_OF = {"gemma3": "gemma3_text", "mistral3": "mistral", "llava": "llama", "kimi_k25": "deepseek_v3",
+           "llama4": "llama4_text"}
 """An image-text family -> the family of its text decoder (the ModelConfig Kiln reads)."""
 
 BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -212,8 +215,22 @@ CASES = {
                                            "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
                                            "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5}),
                       "bfloat16"),
+    # Llama 4: layers 0, 1 and 3 rotate (pairs of dims, then q and k normed without a weight) within chunks of 8
+    # positions; layer 2 has no rope and attends to everything, its queries scaled by the attention temperature
+    # (floor_scale 4: past position 3 it grows); layers 1 and 3 are 8 experts (fused, input-major) of which the
+    # top 2 by logit each take the token scaled by its sigmoid, beside a shared expert; llama3's rope.
+    "llama4": ("llama4_text", dict(num_hidden_layers=4, head_dim=32, intermediate_size=64, intermediate_size_mlp=256,
+                                   num_local_experts=8, num_experts_per_tok=2, interleave_moe_layer_step=2,
+                                   no_rope_layer_interval=3, attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
+                                   rope_parameters={**LLAMA3_ROPE, "rope_theta": 500000.0}), "float32"),
+    # At a real shape in bfloat16 (Llama 4 Scout's kind): heads of 128, vocabulary 32000, 16 experts top 1 on every
+    # layer, the fourth layer without rope.
+    "llama4-bf16": ("llama4_text", dict(hidden_size=256, head_dim=128, num_hidden_layers=4, vocab_size=32000,
+                                        intermediate_size=128, intermediate_size_mlp=256, num_local_experts=16,
+                                        num_experts_per_tok=1, attention_chunk_size=8, floor_scale=4, attn_scale=0.1,
+                                        initializer_range=0.05), "bfloat16"),
     # Image-text checkpoints (save_pretrained's layout: language_model.model.*, vision_tower.*,
-    # multi_modal_projector.*), each a small vision tower beside a text decoder Kiln computes: Gemma 3's (the
+    # multi_modal_projector.*), each a small vision tower beside a text decoder Kiln computes (Llama 4's below): Gemma 3's (the
     # "gemma3" case's text model; the head tied, Gemma3Config's default), Mistral 3's (a window of 6, the head
     # untied), LLaVA's (Llama's, untied by default) and Kimi K2.5's (DeepSeek-V3's, text_config's model_type kimi_k2).
     "gemma3-image-text": ("gemma3", dict(text_config=("gemma3", {}), vision_config=dict(
@@ -230,6 +247,10 @@ CASES = {
                                              tie_word_embeddings=False, vision_config=dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=8,
         pos_emb_height=8, pos_emb_width=8)), "float32"),
+    # Llama 4's (the "llama4" case's text model, untied as Llama4Config is by default) beside its vision model.
+    "llama4-image-text": ("llama4", dict(text_config=("llama4", {"model_type": "llama4_text"}), vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8,
+        vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)), "float32"),
     # At a real shape in bfloat16: hidden 256, heads of 64, vocabulary 32000, 16 experts top 4, GptOssConfig's own
     # rope and clamp.
     "gpt-oss-bf16": ("gpt_oss", dict(hidden_size=256, num_hidden_layers=4, vocab_size=32000, num_local_experts=16,

@@ -48,6 +48,8 @@ FEATURE_OFF = {
     "gpt-oss": {"swiglu_limit": 1e4},
     "minimax-m2": {"rotary_dim": None},
     "mistral4": {"query_scale_beta": 0.0},
+    "llama4": {"attention_chunk_size": None},
+    "llama4-bf16": {"temperature_floor": 0},
     "gpt-oss-bf16": {"sliding_window": None, "full_attention_layers": ()},
 }
 
@@ -94,13 +96,14 @@ def test_kiln_computes_what_transformers_computes(case, hf_root):
         assert float((without - got).abs().max()) > 1e-2, f"{case}: the feature does not change these logits"
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe", "qwen2-moe", "deepseek-v3", "mistral4"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe", "qwen2-moe", "deepseek-v3", "mistral4", "llama4"])
 def test_each_way_of_computing_the_experts_computes_the_same(case, hf_root):
     """The ways a mixture-of-experts layer computes (kiln.host.model.mixture_of_experts): in float32 one
     token alone gathers its experts, the same token among many runs every expert over every token; in
     bfloat16 both run the grouped multiplies over the pairs sorted by expert, whose every pair matches its
     gathered expert's output (the same routing: float32 and bfloat16 may route a near tie apart)."""
     from kiln.core.model.contract import EXPERTS
+    from kiln.core.model.fused_experts import input_major
     from kiln.host.model import GATHER_BELOW, mixture_of_experts
     from kiln.host.model.layers.moe import _gathered, _grouped, groups_trace, route
 
@@ -117,14 +120,17 @@ def test_each_way_of_computing_the_experts_computes_the_same(case, hf_root):
     h = torch.randn(1, many, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     module, names = EXPERTS[cfg.architecture]
     gate = f"{module}.experts.{names[0]}.weight"
-    assert not groups_trace(h[0], layer[gate]) and groups_trace(h[0].bfloat16(), half[gate])
     projections = [half[f"{module}.experts.{name}.weight"] for name in names]
+    if input_major(cfg):  # Llama 4's [E, H, I]: the module reads them transposed
+        projections = [w.transpose(1, 2) for w in projections]
+    assert not groups_trace(h[0], projections[0].float()) and groups_trace(h[0].bfloat16(), projections[0])
     with torch.no_grad():
         alone = mixture_of_experts(cfg, 1, layer, h[:, :1])
         among = mixture_of_experts(cfg, 1, layer, h)
-        _, chosen = route(cfg, half, module, h[0].bfloat16())
-        pairs = _grouped(h[0].bfloat16(), chosen, *projections).float()
-        gathered = _gathered(h[0].bfloat16(), chosen, *projections).float()
+        weights, chosen = route(cfg, half, module, h[0].bfloat16())
+        scale = weights if cfg.router == "sigmoid_input" else None  # Llama 4 scales each pair's token
+        pairs = _grouped(h[0].bfloat16(), chosen, *projections, scale).float()
+        gathered = _gathered(h[0].bfloat16(), chosen, *projections, scale).float()
         grouped_alone = mixture_of_experts(cfg, 1, half, h[:, :1].bfloat16()).float()
         grouped_among = mixture_of_experts(cfg, 1, half, h.bfloat16()).float()
     assert float(alone.abs().max()) > 1e-2

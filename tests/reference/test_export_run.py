@@ -55,6 +55,10 @@ E2E = {
     "mistral4": "Mistral 4: DeepSeek-V3's latent attention with queries growing past positions 8 and 16, experts "
                 "read from fused 3-D tensors (each rank's gate and up rows cut from gate_up_proj, its down columns "
                 "from down_proj) and routed by a softmax within the best groups, a shared expert",
+    "llama4": "Llama 4: layers that rotate pairs of dims and norm q and k without a weight, attending within chunks of "
+              "8 (the prompt and the decode cross two), a layer with no rope whose queries grow with the attention "
+              "temperature, every other layer experts read from input-major fused tensors, each chosen expert taking "
+              "its token scaled by its sigmoid, a shared expert beside",
     "llama-realistic-bf16": "bfloat16, head_dim 128, 4 layers, vocabulary 32000",
 }
 
@@ -253,21 +257,35 @@ def test_an_image_text_export_says_what_it_left_out_and_runs_with_torch_alone(ex
     torch_alone_is_kiln(manifest_path, root, manifest, tmp_path, got["verify_key"])
 
 
-def test_a_fused_experts_export_runs_with_torch_alone(export_and_run, tmp_path):
-    """The consumer contract of fused 3-D experts (Mistral 4): each run's expert constants stack one source per
-    layer, the layer's gate_up_proj cut to the rank's gate (or up) rows along dimension 1, its down_proj to the
-    rank's columns along dimension 2; torch alone binds them from the checkpoint as Kiln's loader does."""
+FUSED_CUTS = {
+    # case: (the experts' module, a run's up constant's shape, the cuts of its first source and of down's)
+    "mistral4": ("mlp", [2, 16, 16, 128],  # 2 layers x 16 experts, 16 of 32 rows each
+                 {"dim": 1, "length": 16, "offsets": [32, 48]},  # after the 32 gate rows
+                 {"dim": 2, "length": 16, "offsets": [0, 16]}),
+    "llama4": ("feed_forward", [2, 8, 128, 32],  # layers 1 and 3 x 8 experts, 32 of 64 columns each
+               {"dim": 2, "length": 32, "offsets": [64, 96]},  # after the 64 gate columns
+               {"dim": 1, "length": 32, "offsets": [0, 32]}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FUSED_CUTS))
+def test_a_fused_experts_export_runs_with_torch_alone(case, export_and_run, tmp_path):
+    """The consumer contract of fused 3-D experts: each run's expert constants stack one source per layer, the
+    layer's gate_up_proj cut to the rank's gate (or up) part, its down_proj to the rank's share: Mistral 4's
+    [E, 2I, H] rows along dimension 1 and [E, H, I] columns along 2, Llama 4's input-major [E, H, 2I] columns
+    along dimension 2 and [E, I, H] rows along 1. torch alone binds them from the checkpoint as Kiln's loader
+    does."""
     from pathlib import Path
 
-    got = export_and_run("mistral4")
+    module, shape, up_cut, down_cut = FUSED_CUTS[case]
+    got = export_and_run(case)
     root = Path(got["store"].removeprefix("file://"))
     manifest_path = root / got["report"]["manifest"]
     manifest = json.loads(manifest_path.read_text())
     weights = manifest["weights"]
-    run = next(n.rsplit(".mlp.", 1)[0] for n in weights if n.endswith("mlp.experts.up_proj.weight"))
-    up, down = weights[f"{run}.mlp.experts.up_proj.weight"], weights[f"{run}.mlp.experts.down_proj.weight"]
-    assert up["stack"] == 2 and up["shape"] == [2, 16, 16, 128]  # 2 layers x 16 experts, 16 of 32 rows each
-    assert up["sources"][0]["tensor"] == "model.layers.1.mlp.experts.gate_up_proj"
-    assert up["sources"][0]["cut"] == {"dim": 1, "length": 16, "offsets": [32, 48]}  # after the 32 gate rows
-    assert down["sources"][0]["cut"] == {"dim": 2, "length": 16, "offsets": [0, 16]}
+    run = next(n.rsplit(f".{module}.", 1)[0] for n in weights if n.endswith(f"{module}.experts.up_proj.weight"))
+    up, down = (weights[f"{run}.{module}.experts.{p}_proj.weight"] for p in ("up", "down"))
+    assert up["stack"] == 2 and up["shape"] == shape
+    assert up["sources"][0]["tensor"] == f"model.layers.1.{module}.experts.gate_up_proj"
+    assert up["sources"][0]["cut"] == up_cut and down["sources"][0]["cut"] == down_cut
     torch_alone_is_kiln(manifest_path, root, manifest, tmp_path, got["verify_key"])

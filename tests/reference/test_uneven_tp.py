@@ -68,6 +68,13 @@ CASES = {
     "mistral4-tp3": ("mistral4", dict(DEEPSEEK, moe_intermediate_size=40, intermediate_size=250, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5}), 3),
+    # Llama 4: KV heads 2, 1, 1; its input-major fused experts' columns 34, 33, 33 of 100 (gate and up columns cut from
+    # one tensor, down rows from another), the dense layers' 84, 83, 83 of 250; chunks of 8, layer 2 without rope.
+    "llama4-tp3": ("llama4_text", dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                                       num_hidden_layers=4, intermediate_size=100, intermediate_size_mlp=250,
+                                       num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                       no_rope_layer_interval=3, attention_chunk_size=8, floor_scale=4,
+                                       attn_scale=0.5), 3),
 }
 """name -> (family, transformers config overrides of hf_models.BASE, tp)."""
 

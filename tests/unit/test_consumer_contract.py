@@ -59,6 +59,10 @@ CONFIGS = {
         kv_lora_rank=64, q_lora_rank=32, num_layers=3, num_experts=8, experts_per_token=2, moe_intermediate_size=64,
         moe_layers=(1, 2), shared_expert_intermediate_size=64, router="softmax_groups", num_expert_groups=4,
         topk_groups=2, rope_interleave=True, query_scale_beta=0.1),
+    "llama4_text: chunks, layers with no rope, input-major fused experts under feed_forward": TINY.replace(
+        architecture="llama4_text", num_layers=4, attention_chunk_size=8, nope_layers=(2,), qk_l2_norm=True,
+        temperature_floor=4, temperature_scale=0.1, num_experts=4, experts_per_token=1, moe_intermediate_size=96,
+        moe_layers=(1, 3), shared_expert_intermediate_size=96, router="sigmoid_input"),
 }
 CONFIGS["gpt_oss in bfloat16: float32 norms"] = CONFIGS[
     "gpt_oss: sinks, stacked experts with biases, alternating windows"].replace(dtype="bfloat16")

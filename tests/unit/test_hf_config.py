@@ -259,6 +259,9 @@ def test_qwen2_layer_types_that_interleave_are_refused():
                  "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]})
 
 
+LLAMA4_FIELDS = {"attention_chunk_size": 8, "nope_layers": (1,), "qk_l2_norm": True, "temperature_floor": 4,
+                 "temperature_scale": 0.5}
+"""Llama 4's own fields, each a value other than its default."""
 LATENT_FIELDS = {"kv_lora_rank": 64, "q_lora_rank": 48, "qk_rope_head_dim": 4, "v_head_dim": 32}
 LONGROPE = {"rope_type": "longrope", "rope_short_factor": (1.0,) * 8, "rope_long_factor": (2.0,) * 8}
 """A longrope model's fields (TINY's head_dim 16: 8 rotated pairs); its factors are changed on it."""
@@ -298,7 +301,8 @@ def test_every_config_field_is_in_the_forward_key():
     longrope = base.replace(**LONGROPE)
     dynamic = base.replace(rope_type="dynamic", rope_max_position=64)
     oss = base.replace(architecture="gpt_oss", attention_sinks=True, swiglu_limit=7.0)
-    seen = {key(base), key(latent), key(longrope), key(dynamic), key(oss)}
+    llama4 = base.replace(architecture="llama4_text", router="sigmoid_input", num_expert_groups=1)
+    seen = {key(base), key(latent), key(longrope), key(dynamic), key(oss), key(llama4)}
     for field in dataclasses.fields(ModelConfig):
         if field.name == "v4":  # DeepSeek-V4's own fields, each alone: test_hf_config_v4
             continue
@@ -306,6 +310,9 @@ def test_every_config_field_is_in_the_forward_key():
             assert key(oss.replace(**{field.name: 3.5})) not in seen, field.name
             continue
         if field.name == "attention_sinks":
+            continue
+        if field.name in LLAMA4_FIELDS:  # Llama 4's, each changed alone on a Llama 4 model
+            assert key(llama4.replace(**{field.name: LLAMA4_FIELDS[field.name]})) not in seen, field.name
             continue
         factors = field.name in ("rope_short_factor", "rope_long_factor")
         start = latent if field.name in LATENT_FIELDS else longrope if factors else \

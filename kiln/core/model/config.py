@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kiln.core.errors import BadInput
+from kiln.core.model import llama4_fields
 from kiln.core.model.expert_checks import check_experts
 from kiln.core.model.param_counts import params_per_rank
 from kiln.core.model.quant import WeightQuant
@@ -29,7 +30,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM",
                  "gpt_oss": "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
-                 "mistral4": "Mistral4ForCausalLM"}
+                 "mistral4": "Mistral4ForCausalLM", "llama4_text": "Llama4ForCausalLM"}
 """model_type -> the transformers class whose math Kiln reproduces."""
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
@@ -185,6 +186,19 @@ class ModelConfig:
     sigmoid(swiglu_alpha x gate); their router and projections carry biases. None: the SwiGLU of `activation`."""
     swiglu_alpha: float = 1.702
     """gpt-oss's experts: the sigmoid's gain in their clamped SwiGLU."""
+    attention_chunk_size: int | None = None
+    """Llama 4: the layers that rotate attend within chunks of this many positions (a query at p sees the keys
+    from p - p % chunk to p); None: no chunks."""
+    nope_layers: tuple[int, ...] = ()
+    """Llama 4: the layers with no rope (no_rope_layers' zeros): full attention, unrotated q and k, no q/k norm,
+    queries scaled by the attention temperature (kiln.core.model.llama4_fields)."""
+    qk_l2_norm: bool = False
+    """Llama 4's use_qk_norm: the rotating layers' q and k RMS-normalised over head_dim, weightless, after the rope."""
+    temperature_floor: int = 0
+    """Llama 4's attn_temperature_tuning: queries of the layers with no rope are multiplied by
+    1 + temperature_scale x log1p(floor((position + 1) / this)); 0: never."""
+    temperature_scale: float = 0.0
+    """Llama 4's attn_scale (with temperature_floor)."""
     v4: V4Fields | None = None
     """DeepSeek-V4's own settings (kiln.core.model.v4_fields), exactly when architecture is deepseek_v4; its rope_*
     fields are then the compressed layers' rope, qk_rope_head_dim the trailing rotated dims of its heads."""
@@ -263,6 +277,8 @@ class ModelConfig:
             raise BadInput(f"config.json: max_window_layers must be >= 0, got {self.first_sliding_layer!r}.")
         object.__setattr__(self, "moe_layers", tuple(self.moe_layers))  # a list when read back from JSON
         object.__setattr__(self, "full_attention_layers", tuple(self.full_attention_layers))
+        object.__setattr__(self, "nope_layers", tuple(self.nope_layers))
+        llama4_fields.check(self)
         if list(self.full_attention_layers) != sorted(set(self.full_attention_layers)) or not all(
                 isinstance(i, int) and 0 <= i < self.num_layers for i in self.full_attention_layers):
             raise BadInput(f"config.json: the full-attention layers {list(self.full_attention_layers)} must be "

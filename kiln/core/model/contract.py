@@ -41,6 +41,8 @@ from __future__ import annotations
 from kiln.core.model import attention_shapes, fused_experts, gpt_oss_fields, quant, v4_fields
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.layer_runs import layer_runs
+from kiln.core.model.module_names import (EXPERTS, SHARED_EXPERTS, correction_bias, is_shared_expert, mlp_module,
+                                          router_of)
 from kiln.core.model.shares import rank_share
 
 PROCESS_GROUP = "0"
@@ -58,27 +60,6 @@ RUN_PREFIX = "model.runs."
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "q_b_proj", "kv_b_proj")
 _ROW = ("o_proj", "down_proj", "w2")
-
-EXPERTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-           "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
-           "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-           "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-           "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-           "mistral4": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
-"""model_type -> (the module of a mixture-of-experts layer, its experts' (gate, up, down) projection names), as
-published checkpoints name them: `<module>.gate.weight` is the router (a sigmoid router's correction bias is
-`<module>.<correction_bias(cfg)>`), `<module>.experts.<e>.<proj>.weight` expert e's projections."""
-
-
-def correction_bias(cfg: ModelConfig) -> str:
-    """Where a sigmoid router's e_score_correction_bias sits in its module: under the router (DeepSeek-V3's
-    `gate.e_score_correction_bias`) or beside it (MiniMax-M2's `e_score_correction_bias`)."""
-    return "e_score_correction_bias" if cfg.architecture == "minimax_m2" else "gate.e_score_correction_bias"
-SHARED_EXPERTS = {"qwen2_moe": ("mlp.shared_expert", "mlp.shared_expert_gate"),
-                  "deepseek_v3": ("mlp.shared_experts", None), "mistral4": ("mlp.shared_experts", None)}
-"""model_type -> (the module of the shared expert every token runs, its sigmoid gate's module or None): its
-projections are `<module>.{gate,up,down}_proj.weight`, as wide as shared_expert_intermediate_size."""
-
 
 FUSED = {"phi3": {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                                  "self_attn.v_proj.weight"),
@@ -106,12 +87,6 @@ def constant_dtype(cfg: ModelConfig, name: str) -> str:
             (".gate.weight", ".gate.e_score_correction_bias")):  # MiniMax-M2 keeps its router in the model's dtype
         return "float32"
     return cfg.dtype
-
-
-def is_shared_expert(name: str) -> bool:
-    """`name` (a checkpoint tensor or a constant's suffix) is a shared expert's projection (DeepSeek-V4's
-    `ffn.shared_experts` too)."""
-    return any(f"{module}." in name for module in [m for m, _ in SHARED_EXPERTS.values()] + ["ffn.shared_experts"])
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -177,7 +152,7 @@ def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             beside = cfg.router == "sigmoid_groups" and ".gate." not in bias  # the module's own: before its router
             if beside:
                 out[bias] = (cfg.num_experts,)
-            out[f"{p}.{module}.gate.weight"] = (cfg.num_experts, h)
+            out[f"{p}.{module}.{router_of(cfg)}"] = (cfg.num_experts, h)
             if cfg.router == "sigmoid_groups" and not beside:
                 out[bias] = (cfg.num_experts,)
             if fused_experts.fused(cfg):  # [experts, ...] each, from the checkpoint's 3-D tensors
@@ -195,9 +170,9 @@ def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             continue
         for name, shape, bias in (("gate_proj", (mlp, h), mlp), ("up_proj", (mlp, h), mlp),
                                   ("down_proj", (h, mlp), h)):
-            out[f"{p}.mlp.{name}.weight"] = shape
+            out[f"{p}.{mlp_module(cfg)}.{name}.weight"] = shape
             if cfg.mlp_bias:
-                out[f"{p}.mlp.{name}.bias"] = (bias,)
+                out[f"{p}.{mlp_module(cfg)}.{name}.bias"] = (bias,)
     out["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, h)
@@ -346,7 +321,8 @@ def shard_slice(name: str, cfg: ModelConfig, tp: int, rank: int) -> tuple[int, i
     a, b = {"q_proj": q, "q_b_proj": q, "o_proj": (h0 * cfg.v_head_dim, h1 * cfg.v_head_dim) if cfg.latent else q,
             "k_proj": kv, "v_proj": kv, "kv_b_proj": (h0 * latent, h1 * latent), "q_norm": q,
             "k_norm": kv}.get(parts[-2], mlp)
-    dim = (0 if parts[-2] in _COLUMN or whole_norm else 1) + (1 if three_d else 0)  # 3-D: after the experts
+    output_dim = 0 if not three_d or not fused_experts.input_major(cfg) else 1  # Llama 4's: [experts, in, out]
+    dim = (output_dim if parts[-2] in _COLUMN or whole_norm else 1 - output_dim) + (1 if three_d else 0)
     if dim == 1 and quant.is_fp4(cfg.quant, name):  # stored two inputs a byte: the rank's bytes
         a, b = a // 2, b // 2
     return dim, a, b

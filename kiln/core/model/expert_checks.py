@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from kiln.core.errors import BadInput
 
-ROUTERS = ("softmax", "sigmoid_groups", "sqrtsoftplus", "softmax_groups")
+ROUTERS = ("softmax", "sigmoid_groups", "sqrtsoftplus", "softmax_groups", "sigmoid_input")
 """How a mixture of experts picks its experts: the top k of a softmax (Mixtral, Qwen), DeepSeek-V3's sigmoid
 scores, corrected by a per-expert bias for the choice only, within the best groups of experts, DeepSeek-V4's
 sqrt(softplus) scores (a fixed table on its hash layers, the corrected top k on the others), or Mistral 4's
-softmax within the best groups (no correction), in the model's dtype."""
+softmax within the best groups (no correction), in the model's dtype, or Llama 4's top k of the logits, each
+chosen expert's sigmoid scaling the token it is given (kiln.core.model.llama4_fields)."""
 
 
 def check_experts(cfg) -> None:

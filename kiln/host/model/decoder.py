@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.core.model import llama4_fields
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.layer_runs import Segment, layer_runs
 from kiln.core.model.shares import rank_share
@@ -46,7 +47,7 @@ from kiln.host.model.layers.norms import RMSNorm, softcap
 from kiln.host.model.layers.quantized import layer_weights
 from kiln.host.model.layers.choices import stacked_choices, unstack_picks
 from kiln.host.model.layers.stacked import LayerRun, every, interleave, keep_own_dtypes, segment_runs
-from kiln.host.model.layers.step import FULL_ATTENTION, StepContext, step_context
+from kiln.host.model.layers.step import FULL_ATTENTION, UNCHUNKED, StepContext, step_context
 
 
 def layer_of(cfg: ModelConfig) -> Layer:
@@ -102,12 +103,17 @@ class ShardedDecoder(nn.Module):
 
     def _windows(self, device) -> torch.Tensor | None:
         """[layers] int64: each layer's window, FULL_ATTENTION (a value no distance reaches) on full-attention
-        layers; None when no layer has a window. Computed in the graph (a buffer would become a package
+        layers (Llama 4's: its chunks, FULL_ATTENTION on its layers with no rope); None when no layer has a window. Computed in the graph (a buffer would become a package
         constant)."""
         cfg = self.cfg
+        layer = torch.arange(cfg.num_layers, device=device)
+        if llama4_fields.windowed(cfg):  # Llama 4: its chunk where it rotates, FULL_ATTENTION where it does not
+            nope = torch.zeros_like(layer, dtype=torch.bool)
+            for i in cfg.nope_layers:
+                nope = nope | (layer == i)
+            return torch.where(nope, FULL_ATTENTION, cfg.attention_chunk_size or UNCHUNKED)
         if all(cfg.window_of(i) is None for i in range(cfg.num_layers)):
             return None
-        layer = torch.arange(cfg.num_layers, device=device)
         sliding = layer >= cfg.first_sliding_layer
         for i in cfg.full_attention_layers:
             sliding = sliding & (layer != i)

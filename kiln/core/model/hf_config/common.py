@@ -75,8 +75,8 @@ LATENT = Feature(
                      or cfg.rope_interleave or cfg.attn_scale_multiplier != 1.0))
 GROUPED_ROUTER = Feature(
     "grouped sigmoid routing (router sigmoid_groups, num_expert_groups, topk_groups, routed_scaling_factor)",
-    lambda cfg: (cfg.router, cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor) != (
-        "softmax", 1, 1, 1.0))
+    lambda cfg: cfg.router not in ("softmax", "sigmoid_input")  # Llama 4's own: kiln.core.model.llama4_fields
+    or (cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor) != (1, 1, 1.0))
 FEATURES = (QK_NORM, QK_NORM_WHOLE, GEMMA_MATH, LOCAL_ROPE, INTERLEAVED, SLIDING, EXPERTS, SHARED_EXPERT,
             PARTIAL_ROTARY, LATENT, GROUPED_ROUTER)
 """Every Feature; to_hf checks each."""

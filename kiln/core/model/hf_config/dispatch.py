@@ -18,6 +18,7 @@ from kiln.core.model.hf_config.common import FEATURES, INERT, Family, shared_hf
 from kiln.core.model.hf_config.gemma import GEMMA2, GEMMA3_TEXT
 from kiln.core.model.hf_config.gpt_oss import GPT_OSS
 from kiln.core.model.hf_config.llama import LLAMA, MISTRAL
+from kiln.core.model.hf_config.llama4 import LLAMA4_TEXT
 from kiln.core.model.hf_config.minimax import MINIMAX_M2
 from kiln.core.model.hf_config.mistral4 import MISTRAL4
 from kiln.core.model.hf_config.mixtral import MIXTRAL
@@ -28,7 +29,8 @@ from kiln.core.model.hf_config.qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
 from kiln.core.model.hf_config.rope import rope_positions, rope_scaling
 
 FAMILIES = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE, GEMMA2, GEMMA3_TEXT,
-                                PHI3, DEEPSEEK_V3, DEEPSEEK_V4, GPT_OSS, MINIMAX_M2, MISTRAL4)}
+                                PHI3, DEEPSEEK_V3, DEEPSEEK_V4, GPT_OSS, MINIMAX_M2, MISTRAL4,
+                                LLAMA4_TEXT)}
 """model_type -> its Family: every family Kiln reads."""
 
 

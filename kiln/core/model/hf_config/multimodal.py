@@ -1,6 +1,6 @@
 """The text decoder of an image-text checkpoint: its config under `text_config`, its weights under a prefix.
 
-Pure: no torch import. Gemma 3, Mistral 3 (Mistral Small 3.1, Magistral), LLaVA and Kimi K2.5 are published
+Pure: no torch import. Gemma 3, Mistral 3 (Mistral Small 3.1, Magistral), LLaVA, Llama 4 and Kimi K2.5 are published
 as image-text checkpoints: a vision tower and a projector beside a text decoder of a family Kiln computes.
 Given text alone, their ForConditionalGeneration class computes what the decoder's own CausalLM class does,
 so Kiln exports the decoder: `text_config` read by its family (with the text config class's defaults for
@@ -56,6 +56,8 @@ WRAPPERS = {w.name: w for w in (
     Wrapper("llava", ("LlavaForConditionalGeneration",), "llama", False,
             _COMMON | {"image_seq_length", "projector_hidden_act", "vision_feature_select_strategy",
                        "vision_feature_layer", "multimodal_projector_bias"}),
+    Wrapper("llama4", ("Llama4ForConditionalGeneration",), "llama4_text", False,
+            _COMMON | {"boi_token_index", "eoi_token_index", "boi_token_id", "eoi_token_id"}),
     Wrapper("kimi_k25", ("Kimi_K25ForConditionalGeneration", "KimiK25ForConditionalGeneration"), "deepseek_v3",
             True, _COMMON | {"projection_hidden_size", "projection_layer_norm_eps", "video_token_id",
                              "vision_start_token_id", "vision_end_token_id", "media_placeholder_token_id"}),
@@ -63,7 +65,7 @@ WRAPPERS = {w.name: w for w in (
 """model_type -> the image-text wrapper whose text decoder Kiln exports."""
 
 NOT_YET = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text",
-           "llama4": "llama4_text", "qwen2_vl": "qwen2 with multimodal rope (mrope)",
+           "qwen2_vl": "qwen2 with multimodal rope (mrope)",
            "qwen2_5_vl": "qwen2 with multimodal rope (mrope)", "qwen3_vl": "qwen3 with multimodal rope (mrope)",
            "qwen3_vl_moe": "qwen3_moe with multimodal rope (mrope)"}
 """Image-text model_types whose text decoder is of a family Kiln does not compute yet: refused, naming it."""

@@ -7,7 +7,8 @@ Mistral (a sliding window), Qwen2 (q/k/v biases, a window from some layer on),
 Qwen3 (per-head q/k norms), Phi-3 (its fused qkv_proj and gate_up_proj are cut
 into the same q/k/v and gate/up constants when weights are read,
 kiln.core.model.contract.FUSED) compute the same layer; Mixtral, Qwen2-MoE and
-Qwen3-MoE put a mixture of experts in place of the MLP on their expert layers.
+Qwen3-MoE put a mixture of experts in place of the MLP on their expert layers. Llama 4 computes it too, its
+positions its own (kiln.host.model.layers.nope), its MLP and experts under `feed_forward`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from kiln.core.model.config import ModelConfig
+from kiln.core.model.module_names import EXPERTS, mlp_module, router_of
 from kiln.host.model.layers.attention import grouped_query_attention
 from kiln.host.model.layers.mlp import gated_mlp
 from kiln.host.model.layers.moe import mixture_of_experts
@@ -33,9 +35,7 @@ window (tokens a query may look back, itself included) or None."""
 
 def is_expert_layer(cfg: ModelConfig, p: dict[str, torch.Tensor]) -> bool:
     """The layer whose tensors `p` holds is a mixture-of-experts layer (it has a router)."""
-    from kiln.core.model.contract import EXPERTS
-
-    return bool(cfg.moe_layers) and f"{EXPERTS[cfg.architecture][0]}.gate.weight" in p
+    return bool(cfg.moe_layers) and f"{EXPERTS[cfg.architecture][0]}.{router_of(cfg)}" in p
 
 
 def pre_norm_layer(attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Layer:
@@ -52,7 +52,7 @@ def pre_norm_layer(attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]) 
         h = norm("post_attention_layernorm", x)
         if is_expert_layer(cfg, p):
             return x + mixture_of_experts(cfg, tp, p, h, picks), entry
-        return x + gated_mlp(cfg, tp, p, h), entry
+        return x + gated_mlp(cfg, tp, p, h, mlp_module(cfg)), entry
 
     return layer
 

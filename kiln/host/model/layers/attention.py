@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from kiln.core.model import llama4_fields
 from kiln.core.model.config import ModelConfig
+from kiln.host.model.layers import nope
 from kiln.host.model.layers.collectives import linear_then_reduce, reduce
 from kiln.host.model.layers.norms import rms_norm, softcap
 from kiln.host.model.layers.paged_attention import IN_PLACE_TOKENS, attend_in_place
@@ -73,8 +75,11 @@ def grouped_query_attention(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor
     if cfg.qk_norm and not cfg.qk_norm_whole:  # Qwen3, Gemma 3: every head over head_dim, before the rotary
         q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps, cfg.norm_unit_offset)
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps, cfg.norm_unit_offset)
-    cos, sin = ctx.rotary(window)
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    if cfg.architecture == llama4_fields.ARCHITECTURE:  # Llama 4: complex rope and l2 norm, or a temperature
+        q, k = nope.positions(cfg, q, k, window, ctx)
+    else:
+        cos, sin = ctx.rotary(window)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     sinks = p.get("self_attn.sinks")  # gpt-oss: one per query head of the rank
     if ctx.kv_runs is None:
         out = _grouped(cfg, q, k, v, kv, window, ctx, sinks)

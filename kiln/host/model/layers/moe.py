@@ -3,6 +3,8 @@
 Routers (ModelConfig.router):
 - softmax (Mixtral, Qwen2-MoE, Qwen3-MoE): the softmax over the experts in
   float32, its top k, renormalised when `norm_topk_prob`;
+- sigmoid_input (Llama 4): the top k of the logits in the model's dtype, each chosen expert's sigmoid multiplying
+  the token it runs on (not its output);
 - sigmoid_groups (DeepSeek-V3; MiniMax-M2 with one group): sigmoid scores in
   float32; the choice adds each expert's `e_score_correction_bias` and keeps to
   the best topk_groups of the n_group groups (a group scores the sum of its two
@@ -21,7 +23,9 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kiln.core.model.config import ModelConfig
-from kiln.core.model.contract import EXPERTS, SHARED_EXPERTS, correction_bias
+from kiln.core.model import fused_experts
+from kiln.core.model.llama4_fields import ROUTER as SCALES_INPUT
+from kiln.core.model.module_names import EXPERTS, SHARED_EXPERTS, correction_bias, router_of
 from kiln.host.model.layers import choices
 from kiln.host.model.layers.choices import EXPERT_SITE
 from kiln.host.model.layers.collectives import reduce
@@ -38,6 +42,10 @@ def route(cfg: ModelConfig, p: dict[str, torch.Tensor], module: str,
     experts [n, k]) of the tokens x [n, hidden]."""
     if cfg.router in ("sigmoid_groups", "softmax_groups"):
         return _route_groups(cfg, p, module, x)
+    if cfg.router == SCALES_INPUT:  # Llama4Router: the top k of the logits, their sigmoid in float32, cast back
+        logits = F.linear(x, p[f"{module}.{router_of(cfg)}"])
+        chosen = choices.decide(EXPERT_SITE, logits, torch.topk(logits, cfg.experts_per_token, dim=-1).indices)
+        return torch.sigmoid(logits.gather(1, chosen).float()).to(x.dtype), chosen
     probs = torch.softmax(F.linear(x, p[f"{module}.gate.weight"]).to(torch.float32), dim=-1)
     chosen = choices.decide(EXPERT_SITE, probs, torch.topk(probs, cfg.experts_per_token, dim=-1).indices)
     weights = probs.gather(1, chosen)
@@ -105,6 +113,7 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
     choices.report(picks, EXPERT_SITE, chosen)
     n, k = chosen.shape
     few = statically_known_true(GATHER_BELOW * n * k <= cfg.num_experts)  # over a range: only if all of it gathers
+    scales_input = cfg.router == SCALES_INPUT  # Llama 4: each pair's token times its weight goes in, unweighted out
     if few and isinstance(p, LayerWeights) and p.quantized(projections[0]):
         # Quantized experts: the chosen experts' stored bytes and scales gathered, only those dequantized (read
         # whole, a decode step would dequantize every expert).
@@ -112,10 +121,15 @@ def mixture_of_experts(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h:
         out = _pairs(x, chosen, *(p.gathered(name, flat) for name in projections))
     else:
         gate_w, up_w, down_w = (p[name] for name in projections)  # [E, I/tp, H], [E, I/tp, H], [E, H, I/tp]
-        out = (_grouped(x, chosen, gate_w, up_w, down_w) if groups_trace(x, gate_w)
-               else _gathered(x, chosen, gate_w, up_w, down_w) if few else None)
+        if fused_experts.input_major(cfg):  # Llama 4's [E, H, I/tp], [E, H, I/tp], [E, I/tp, H]: views
+            gate_w, up_w, down_w = (w.transpose(1, 2) for w in (gate_w, up_w, down_w))
+        pair_scale = weights if scales_input else None
+        out = (_grouped(x, chosen, gate_w, up_w, down_w, pair_scale) if groups_trace(x, gate_w)
+               else _gathered(x, chosen, gate_w, up_w, down_w, pair_scale) if few else None)
     if out is None:
-        mixed = _every_expert(cfg, x, weights, chosen, gate_w, up_w, down_w)
+        mixed = _every_expert(cfg, x, weights, chosen, gate_w, up_w, down_w, scales_input)
+    elif scales_input:
+        mixed = out.reshape(n, k, hidden).to(h.dtype).sum(dim=1)
     else:
         mixed = (out.reshape(n, k, hidden) * weights[..., None]).to(h.dtype).sum(dim=1)
     if cfg.shared_expert_intermediate_size:  # every token also runs the shared expert(s): this rank's part
@@ -133,30 +147,35 @@ def groups_trace(x: torch.Tensor, gate_w: torch.Tensor) -> bool:
 
 
 def _gathered(x: torch.Tensor, chosen: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor,
-              down_w: torch.Tensor) -> torch.Tensor:
+              down_w: torch.Tensor, pair_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Each (token, expert) pair's expert output [n * k, H], token-major, unweighted: its expert's weights
-    gathered and multiplied by the pair alone."""
+    gathered and multiplied by the pair alone (its token times `pair_scale` [n, k] where given: Llama 4)."""
     flat = chosen.reshape(-1)
-    return _pairs(x, chosen, gate_w[flat], up_w[flat], down_w[flat])
+    return _pairs(x, chosen, gate_w[flat], up_w[flat], down_w[flat], pair_scale)
 
 
 def _pairs(x: torch.Tensor, chosen: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-           down: torch.Tensor) -> torch.Tensor:
+           down: torch.Tensor, pair_scale: torch.Tensor | None = None) -> torch.Tensor:
     """_gathered's multiplies, given each pair's expert weights (gate, up [n * k, I/tp, H], down [n * k, H, I/tp])."""
     rows = x.repeat_interleave(chosen.shape[1], dim=0)[:, None, :]  # [n*k, 1, H]
+    if pair_scale is not None:
+        rows = rows * pair_scale.reshape(-1, 1, 1)
     act = F.silu(torch.bmm(rows, gate.transpose(1, 2))) * torch.bmm(rows, up.transpose(1, 2))
     return torch.bmm(act, down.transpose(1, 2))[:, 0]
 
 
 def _grouped(x: torch.Tensor, chosen: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor,
-             down_w: torch.Tensor) -> torch.Tensor:
-    """Each (token, expert) pair's expert output [n * k, H], in the pairs' order (token-major), unweighted."""
+             down_w: torch.Tensor, pair_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Each (token, expert) pair's expert output [n * k, H], in the pairs' order (token-major), unweighted (its
+    token times `pair_scale` [n, k] where given: Llama 4)."""
     flat = chosen.reshape(-1)  # [n*k]
     order = torch.argsort(flat, stable=True)  # the pairs sorted by expert
     per_expert = torch.zeros(gate_w.shape[0], dtype=torch.int32, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(per_expert, 0, dtype=torch.int32)  # where each expert's rows end
     rows = x[order // chosen.shape[1]]  # [n*k, H], grouped by expert
+    if pair_scale is not None:
+        rows = rows * pair_scale.reshape(-1)[order][:, None]
     act = (F.silu(torch._grouped_mm(rows, gate_w.transpose(1, 2), offs=offs))
            * torch._grouped_mm(rows, up_w.transpose(1, 2), offs=offs))
     out = torch._grouped_mm(act, down_w.transpose(1, 2), offs=offs)
@@ -164,10 +183,12 @@ def _grouped(x: torch.Tensor, chosen: torch.Tensor, gate_w: torch.Tensor, up_w: 
 
 
 def _every_expert(cfg: ModelConfig, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
-                  gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+                  gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
+                  scales_input: bool = False) -> torch.Tensor:
     """Every expert over every token [n, H], one scan over the experts: each weights its activations by its
     routing weights (0 where not chosen) before its down projection, which adds into the sum (addmm: a
-    pointwise sum would fuse into one kernel holding every expert's output)."""
+    pointwise sum would fuse into one kernel holding every expert's output). `scales_input` (Llama 4): each
+    weights its tokens instead (an expert of a token's weight 0 adds 0: no biases)."""
     from torch._higher_order_ops.scan import scan
 
     dense = torch.zeros(chosen.shape[0], cfg.num_experts, dtype=weights.dtype, device=x.device)
@@ -175,7 +196,11 @@ def _every_expert(cfg: ModelConfig, x: torch.Tensor, weights: torch.Tensor, chos
 
     def body(carry, expert):  # the tokens ride in the carry: Inductor (torch 2.13) fails on a tensor closed over
         mixed, rows = carry   # from the layer scan outside ("shape [b, t, H] is invalid for input of size H")
-        act = (F.silu(F.linear(rows, expert["gate"])) * F.linear(rows, expert["up"]) * expert["weight"][:, None])
+        if scales_input:
+            scaled = rows * expert["weight"][:, None]
+            act = F.silu(F.linear(scaled, expert["gate"])) * F.linear(scaled, expert["up"])
+        else:
+            act = (F.silu(F.linear(rows, expert["gate"])) * F.linear(rows, expert["up"]) * expert["weight"][:, None])
         return (torch.addmm(mixed, act.to(rows.dtype), expert["down"].t()), rows.clone()), ()
 
     return scan(body, (torch.zeros_like(x), x), {"gate": gate_w, "up": up_w, "down": down_w, "weight": dense})[0][0]
