@@ -26,6 +26,8 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralCon
            "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
            "mistral4": ("Mistral4Config", "Mistral4ForCausalLM"),
            "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
+           "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+           "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
            # image-text checkpoints, whose text decoder Kiln exports
            "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
            "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
@@ -229,6 +231,15 @@ CASES = {
                                         intermediate_size=128, intermediate_size_mlp=256, num_local_experts=16,
                                         num_experts_per_tok=1, attention_chunk_size=8, floor_scale=4, attn_scale=0.1,
                                         initializer_range=0.05), "bfloat16"),
+    # DeepSeek sparse attention: DeepSeek-V3's shape, each query attending to the 4 tokens (of up to 20) its lightning
+    # indexer (8 heads of 48, the leading 32 dims rotated in halves; GLM-5's in interleaved pairs) scores best.
+    "deepseek-v32": ("deepseek_v32", dict(DEEPSEEK, index_topk=4, index_head_dim=48, index_n_heads=8), "float32"),
+    "glm5": ("glm_moe_dsa", dict(DEEPSEEK, index_topk=4, index_head_dim=48, index_n_heads=8), "float32"),
+    # At a real shape in bfloat16: heads of 128 + 64 rotating dims, the indexer's 16 heads of 128 keeping 8 tokens.
+    "deepseek-v32-bf16": ("deepseek_v32", dict(DEEPSEEK, hidden_size=256, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                               v_head_dim=128, kv_lora_rank=128, q_lora_rank=96, vocab_size=32000,
+                                               index_topk=8, index_head_dim=128, index_n_heads=16,
+                                               initializer_range=0.05), "bfloat16"),
     # Image-text checkpoints (save_pretrained's layout: language_model.model.*, vision_tower.*,
     # multi_modal_projector.*), each a small vision tower beside a text decoder Kiln computes (Llama 4's below): Gemma 3's (the
     # "gemma3" case's text model; the head tied, Gemma3Config's default), Mistral 3's (a window of 6, the head

@@ -13,6 +13,7 @@ import torch
 from hf_models import CASES, CLASSES, TEXT_OF, transformers, write_case
 
 from kiln.core.model.cache_layout import cache_layout
+from kiln.core.model.dsa_fields import DsaFields
 from kiln.core.model.layer_runs import layer_runs
 from kiln.host.weights.checkpoint import inspect_checkpoint, load_rank_weights
 from kiln.host.model import ShardedDecoder
@@ -50,6 +51,8 @@ FEATURE_OFF = {
     "mistral4": {"query_scale_beta": 0.0},
     "llama4": {"attention_chunk_size": None},
     "llama4-bf16": {"temperature_floor": 0},
+    "deepseek-v32": {"dsa": DsaFields(8, 48, 32, False)},  # every token kept: dense latent attention
+    "glm5": {"dsa": DsaFields(8, 48, 4, False)},  # the indexer's pairs turned as halves
     "gpt-oss-bf16": {"sliding_window": None, "full_attention_layers": ()},
 }
 

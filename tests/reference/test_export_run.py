@@ -59,6 +59,9 @@ E2E = {
               "8 (the prompt and the decode cross two), a layer with no rope whose queries grow with the attention "
               "temperature, every other layer experts read from input-major fused tensors, each chosen expert taking "
               "its token scaled by its sigmoid, a shared expert beside",
+    "deepseek-v32": "DeepSeek-V3.2: DeepSeek-V3's latent attention made sparse, each query attending to the 4 "
+                    "tokens a lightning indexer (whole on every rank, its key cached with the latent) scores best; "
+                    "the picks a choice output",
     "llama-realistic-bf16": "bfloat16, head_dim 128, 4 layers, vocabulary 32000",
 }
 

@@ -75,6 +75,10 @@ CASES = {
                                        num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2,
                                        no_rope_layer_interval=3, attention_chunk_size=8, floor_scale=4,
                                        attn_scale=0.5), 3),
+    # DeepSeek-V3.2: latent attention's query heads 2, 1, 1; every rank runs the whole lightning indexer (8 heads of
+    # 48) and attends to the 4 tokens it picks, over the prefill and each decoded token.
+    "deepseek-v32-tp3": ("deepseek_v32", dict(DEEPSEEK, moe_intermediate_size=40, intermediate_size=250, index_topk=4,
+                                              index_head_dim=48, index_n_heads=8), 3),
 }
 """name -> (family, transformers config overrides of hf_models.BASE, tp)."""
 

@@ -18,6 +18,7 @@ from kiln.core.run.outcome import check_digests, check_outcome, forward_records
 from kiln.core.model.param_counts import params_per_rank
 from kiln.core.model.quant import WeightQuant
 from kiln.core.forwards.shape_ranges import parse_shape_range
+from kiln.core.model.dsa_fields import DsaFields
 
 CONFIGS = {
     "tiny": TINY,
@@ -59,6 +60,11 @@ CONFIGS = {
         kv_lora_rank=64, q_lora_rank=32, num_layers=3, num_experts=8, experts_per_token=2, moe_intermediate_size=64,
         moe_layers=(1, 2), shared_expert_intermediate_size=64, router="softmax_groups", num_expert_groups=4,
         topk_groups=2, rope_interleave=True, query_scale_beta=0.1),
+    "deepseek_v32: sparse latent attention, a lightning indexer whole on every rank": TINY.replace(
+        architecture="deepseek_v32", num_heads=4, num_kv_heads=4, head_dim=48, qk_rope_head_dim=16, v_head_dim=32,
+        kv_lora_rank=64, q_lora_rank=32, num_layers=3, num_experts=8, experts_per_token=2, moe_intermediate_size=64,
+        moe_layers=(1, 2), shared_expert_intermediate_size=64, router="sigmoid_groups", num_expert_groups=4,
+        topk_groups=2, rope_interleave=True, dsa=DsaFields(4, 32, 8, False)),
     "llama4_text: chunks, layers with no rope, input-major fused experts under feed_forward": TINY.replace(
         architecture="llama4_text", num_layers=4, attention_chunk_size=8, nope_layers=(2,), qk_l2_norm=True,
         temperature_floor=4, temperature_scale=0.1, num_experts=4, experts_per_token=1, moe_intermediate_size=96,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kiln.core.model.config import ModelConfig
+from kiln.core.model.dsa_fields import indexer_shapes
 
 
 def grouped(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
@@ -42,4 +43,6 @@ def latent(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     out[f"{a}.kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
     linear("kv_b_proj", cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
     linear("o_proj", h, cfg.num_heads * cfg.v_head_dim, cfg.o_bias)
+    if cfg.dsa is not None:  # DeepSeek sparse attention's lightning indexer, replicated
+        out.update(indexer_shapes(cfg, a))
     return out

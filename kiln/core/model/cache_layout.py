@@ -63,12 +63,13 @@ class CacheLayout:
     values holding every state tensor of `states`, sized for `capacity_tokens` tokens."""
 
     entries: tuple[str, ...]
-    """What each entry is: ('keys', 'values'), or ('latent_and_rope_key',) for latent attention; ('state',)
-    for a slot cache."""
+    """What each entry is: ('keys', 'values'), or ('latent_and_rope_key',) for latent attention
+    (('latent_rope_and_index_key',) with DeepSeek sparse attention's indexer key); ('state',) for a slot cache."""
     heads: int
     """Heads per rank in an entry: kv_heads/tp, or 1 (one latent every head reads)."""
     width: int
-    """Values per head: head_dim, or kv_lora_rank + qk_rope_head_dim (the latent, then the rotated key);
+    """Values per head: head_dim, or kv_lora_rank + qk_rope_head_dim (the latent, then the rotated key; then
+    index_head_dim, the indexer's rotated key, with DeepSeek sparse attention);
     0 for a slot cache (its `slot_values` is a slot's width)."""
     sharded: bool
     """Each rank caches its own heads (True), or every rank caches the same whole entry (latent attention,
@@ -138,6 +139,9 @@ def cache_layout(cfg: ModelConfig, tp: int, context_tokens: int | None = None, r
             raise ValueError("DeepSeek-V4's cache layout depends on the context: pass context_tokens")
         return CacheLayout(entries=("state",), heads=1, width=0, sharded=False,
                            states=tuple(_v4_states(cfg, context_tokens)), capacity_tokens=context_tokens)
+    if cfg.latent and cfg.dsa is not None:  # DeepSeek sparse attention: the indexer's key after them
+        return CacheLayout(entries=("latent_rope_and_index_key",), heads=1, sharded=False,
+                           width=cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.dsa.index_head_dim)
     if cfg.latent:
         return CacheLayout(entries=("latent_and_rope_key",), heads=1, width=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                            sharded=False)

@@ -14,7 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from kiln.core.errors import BadInput
-from kiln.core.model import llama4_fields
+from kiln.core.model import dsa_fields, llama4_fields
+from kiln.core.model.dsa_fields import DsaFields
 from kiln.core.model.expert_checks import check_experts
 from kiln.core.model.param_counts import params_per_rank
 from kiln.core.model.quant import WeightQuant
@@ -30,7 +31,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM",
                  "gpt_oss": "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
-                 "mistral4": "Mistral4ForCausalLM", "llama4_text": "Llama4ForCausalLM"}
+                 "mistral4": "Mistral4ForCausalLM", "llama4_text": "Llama4ForCausalLM",
+                 "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 """model_type -> the transformers class whose math Kiln reproduces."""
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
@@ -199,6 +201,8 @@ class ModelConfig:
     1 + temperature_scale x log1p(floor((position + 1) / this)); 0: never."""
     temperature_scale: float = 0.0
     """Llama 4's attn_scale (with temperature_floor)."""
+    dsa: DsaFields | None = None
+    """DeepSeek sparse attention's lightning indexer (kiln.core.model.dsa_fields), exactly for DeepSeek-V3.2 and GLM-5."""
     v4: V4Fields | None = None
     """DeepSeek-V4's own settings (kiln.core.model.v4_fields), exactly when architecture is deepseek_v4; its rope_*
     fields are then the compressed layers' rope, qk_rope_head_dim the trailing rotated dims of its heads."""
@@ -216,6 +220,8 @@ class ModelConfig:
             self._check_latent()
         if isinstance(self.v4, dict):  # read back from JSON
             object.__setattr__(self, "v4", V4Fields(**self.v4))
+        if isinstance(self.dsa, dict):
+            object.__setattr__(self, "dsa", DsaFields(**self.dsa))
         if isinstance(self.quant, dict):  # read back from JSON
             object.__setattr__(self, "quant", WeightQuant(**self.quant))
         if self.quant is not None and (self.quant.method == "mxfp4") != (self.architecture == "gpt_oss"):
@@ -279,6 +285,7 @@ class ModelConfig:
         object.__setattr__(self, "full_attention_layers", tuple(self.full_attention_layers))
         object.__setattr__(self, "nope_layers", tuple(self.nope_layers))
         llama4_fields.check(self)
+        dsa_fields.check(self)
         if list(self.full_attention_layers) != sorted(set(self.full_attention_layers)) or not all(
                 isinstance(i, int) and 0 <= i < self.num_layers for i in self.full_attention_layers):
             raise BadInput(f"config.json: the full-attention layers {list(self.full_attention_layers)} must be "

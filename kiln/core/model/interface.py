@@ -26,7 +26,7 @@ What a cached token holds is the cache layout (`cache_layout`): per-head keys
 and values (entries 2, heads kv_heads/tp, width head_dim), or, for latent
 attention, one entry of the token's latent and rotary key that every head
 reads (entries 1, heads 1, width kv_lora_rank + qk_rope_head_dim, the same on
-every rank). DeepSeek-V4's cache is not per-token entries but state that is
+every rank; DeepSeek sparse attention's indexer key, index_head_dim, after them). DeepSeek-V4's cache is not per-token entries but state that is
 rewritten as tokens arrive (a sliding window, compressors' rings, compressed
 entries and a CSA layer's indexer keys): a slot per sequence
 (kv_cache[num_slots, slot_values], one `slots[batch]` input naming each
@@ -50,19 +50,20 @@ CHOICE_OUTPUTS = {"experts": EXPERT_CHOICES, "indexer": INDEXER_PICKS}
 
 def choice_sites(cfg: ModelConfig) -> list[str]:
     """The choice sites whose picks a forward of `cfg` returns after new_kv, in output order: 'experts' where
-    a layer routes its tokens by a top-k, 'indexer' where a DeepSeek-V4 layer is CSA."""
+    a layer routes its tokens by a top-k, 'indexer' where a DeepSeek-V4 layer is CSA or a layer's attention is
+    DeepSeek sparse attention."""
     if cfg.v4 is not None:
         from kiln.core.model.v4_fields import CSA, TOPK_MOE
 
         return ([*(["experts"] if TOPK_MOE in cfg.v4.mlp_layer_types else []),
                  *(["indexer"] if CSA in cfg.v4.layer_types else [])])
-    return ["experts"] if cfg.moe_layers else []
+    return [*(["experts"] if cfg.moe_layers else []), *(["indexer"] if cfg.dsa is not None else [])]
 
 
 def choice_layers(cfg: ModelConfig, site: str) -> list[int]:
     """The layers that make choices at `site`, in order."""
-    if cfg.v4 is None:
-        return list(cfg.moe_layers) if site == "experts" else []
+    if cfg.v4 is None:  # DeepSeek sparse attention: every layer's indexer
+        return list(cfg.moe_layers) if site == "experts" else list(range(cfg.num_layers)) if cfg.dsa else []
     from kiln.core.model.v4_fields import CSA, TOPK_MOE
 
     kinds = cfg.v4.mlp_layer_types if site == "experts" else cfg.v4.layer_types
@@ -73,6 +74,8 @@ def choice_width(cfg: ModelConfig, site: str, capacity_tokens: int) -> int:
     """Picks per token at `site` of a forward whose cache holds `capacity_tokens` per sequence."""
     if site == "experts":
         return cfg.experts_per_token
+    if cfg.dsa is not None:  # whatever the context (a pick past the tokens there are: none)
+        return cfg.dsa.index_topk
     return min(cfg.v4.index_topk, -(-capacity_tokens // cfg.v4.csa_rate))
 
 

@@ -10,6 +10,8 @@ EXPERTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
            "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
            "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
            "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+           "deepseek_v32": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+           "glm_moe_dsa": ("mlp", ("gate_proj", "up_proj", "down_proj")),
            "mistral4": ("mlp", ("gate_proj", "up_proj", "down_proj")),
            "llama4_text": ("feed_forward", ("gate_proj", "up_proj", "down_proj"))}
 """model_type -> (the module of a mixture-of-experts layer, its experts' (gate, up, down) projection names), as
@@ -19,6 +21,7 @@ kiln.core.model.fused_experts)."""
 
 SHARED_EXPERTS = {"qwen2_moe": ("mlp.shared_expert", "mlp.shared_expert_gate"),
                   "deepseek_v3": ("mlp.shared_experts", None), "mistral4": ("mlp.shared_experts", None),
+                  "deepseek_v32": ("mlp.shared_experts", None), "glm_moe_dsa": ("mlp.shared_experts", None),
                   "llama4_text": ("feed_forward.shared_expert", None)}
 """model_type -> (the module of the shared expert every token runs, its sigmoid gate's module or None): its
 projections are `<module>.{gate,up,down}_proj.weight`, as wide as shared_expert_intermediate_size."""

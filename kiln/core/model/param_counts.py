@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from kiln.core.model.dsa_fields import indexer_params
 from kiln.core.model.gpt_oss_fields import params as gpt_oss_params
 from kiln.core.model.quant import scale_grid
 from kiln.core.model.shares import rank_share
@@ -32,7 +33,8 @@ def _latent_attention(cfg, tp: int) -> int:
          if cfg.q_lora_rank else h * heads * cfg.head_dim)
     kv = h * latent + latent * bias + cfg.kv_lora_rank
     kv += cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    return q + kv + heads * cfg.v_head_dim * h + h * bias
+    indexer = 0 if cfg.dsa is None else indexer_params(cfg)  # DeepSeek sparse attention's, whole on every rank
+    return q + kv + heads * cfg.v_head_dim * h + h * bias + indexer
 
 
 _V4_SPLIT = (("wq_b.weight", "heads"), ("attn_sink", "heads"), ("wo_a.weight", "groups"), ("wo_b.weight", "groups"),

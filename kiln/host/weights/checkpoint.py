@@ -75,14 +75,18 @@ def read_config(path: Path | str) -> ModelConfig:
     return from_hf(_raw_config(Path(path)))
 
 
+MTP_FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+"""Families whose published checkpoints hold a multi-token-prediction module after the decoder layers."""
+
+
 def _spare(name: str, cfg: ModelConfig) -> bool:
     """Tensors a checkpoint may hold that the model does not read: a tied head's copy, cached rotary tables,
-    DeepSeek-V3's multi-token-prediction module (the layers after num_hidden_layers: published checkpoints
+    DeepSeek-V3's (V3.2's, GLM-5's) multi-token-prediction module (the layers after num_hidden_layers: published checkpoints
     hold it for speculative decoding, and one step does not use it)."""
     if name == "lm_head.weight" and cfg.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"):
         return True
     layer = name.removeprefix("model.layers.").split(".", 1)[0]
-    return cfg.architecture == "deepseek_v3" and name.startswith("model.layers.") and layer.isdigit() \
+    return cfg.architecture in MTP_FAMILIES and name.startswith("model.layers.") and layer.isdigit() \
         and int(layer) >= cfg.num_layers
 
 

@@ -18,7 +18,7 @@ Modules: `common` (the Family record, INERT, the readers of one value),
 group, each reading as its transformers config class does (`llama`: Llama,
 Mistral; `qwen`: Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE; `mixtral`; `gemma`:
 Gemma 2, Gemma 3; `phi3`; `deepseek`: DeepSeek-V3; `deepseek_v4`: DeepSeek-V4; `gpt_oss`;
-`minimax`: MiniMax-M2; `mistral4`; `llama4`: Llama 4's text decoder), `quantization`
+`minimax`: MiniMax-M2; `mistral4`; `llama4`: Llama 4's text decoder; `dsa`: DeepSeek-V3.2, GLM-5), `quantization`
 (`quantization_config`: FP8 blocks, any other format refused by name), `multimodal` (the text decoder
 of an image-text checkpoint: its text_config, its weights' names) and
 `dispatch` (the table of families, from_hf and to_hf). A new family is one module and one

@@ -73,7 +73,7 @@ def attention_scale(raw: dict, rope: dict) -> float:
     return mscale * mscale
 
 
-def _latent(raw: dict) -> dict:
+def latent_fields(raw: dict) -> dict:
     """ModelConfig's latent-attention fields; head_dim and qk_head_dim only as DeepseekV3Config writes them."""
     nope, rope = positive_int(raw, "qk_nope_head_dim", 0), positive_int(raw, "qk_rope_head_dim", 0)
     for name, value in (("head_dim", rope), ("qk_head_dim", nope + rope)):
@@ -88,7 +88,7 @@ def _latent(raw: dict) -> dict:
             "rope_interleave": flag(raw, "rope_interleave")}
 
 
-def _experts(raw: dict) -> dict:
+def expert_fields(raw: dict) -> dict:
     """ModelConfig's mixture-of-experts and routing fields."""
     for name, value in _ROUTING.items():
         if name in raw and raw[name] != value:
@@ -114,8 +114,8 @@ def _experts(raw: dict) -> dict:
 def _deepseek_v3(raw: dict) -> ModelConfig:
     raw = {**_DEFAULTS, **raw}
     rope = rope_fields(raw, "deepseek_v3")
-    return ModelConfig(**{**shared_fields(raw, "deepseek_v3"), **_latent(raw)}, activation=silu(raw),
-                       o_bias=flag(raw, "attention_bias"), **_experts(raw), **rope,
+    return ModelConfig(**{**shared_fields(raw, "deepseek_v3"), **latent_fields(raw)}, activation=silu(raw),
+                       o_bias=flag(raw, "attention_bias"), **expert_fields(raw), **rope,
                        attn_scale_multiplier=attention_scale(raw, rope))
 
 

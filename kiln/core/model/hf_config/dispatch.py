@@ -14,6 +14,7 @@ from kiln.core.model.config import ARCHITECTURES, ModelConfig
 from kiln.core.errors import BadInput
 from kiln.core.model.hf_config.deepseek import DEEPSEEK_V3
 from kiln.core.model.hf_config.deepseek_v4 import DEEPSEEK_V4
+from kiln.core.model.hf_config.dsa import DEEPSEEK_V32, GLM_MOE_DSA
 from kiln.core.model.hf_config.common import FEATURES, INERT, Family, shared_hf
 from kiln.core.model.hf_config.gemma import GEMMA2, GEMMA3_TEXT
 from kiln.core.model.hf_config.gpt_oss import GPT_OSS
@@ -30,7 +31,7 @@ from kiln.core.model.hf_config.rope import rope_positions, rope_scaling
 
 FAMILIES = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE, GEMMA2, GEMMA3_TEXT,
                                 PHI3, DEEPSEEK_V3, DEEPSEEK_V4, GPT_OSS, MINIMAX_M2, MISTRAL4,
-                                LLAMA4_TEXT)}
+                                LLAMA4_TEXT, DEEPSEEK_V32, GLM_MOE_DSA)}
 """model_type -> its Family: every family Kiln reads."""
 
 

@@ -57,6 +57,10 @@ def read_quantization(raw: dict, family: str) -> WeightQuant | None:
         what = f"quant_method={method!r}" if method != "fp8" else "quant_method 'fp8' without a weight_block_size"
         raise BadInput(f"config.json: {FIELD} {what}: {_READS}. Export an unquantized checkpoint of this model "
                        "instead.")
+    if family in ("deepseek_v32", "glm_moe_dsa"):
+        raise BadInput(f"config.json: {FIELD}={quant!r}: Kiln does not read FP8 blocks of {family}'s lightning indexer "
+                       "(which of its projections are FP8 is not yet held to a published checkpoint); export a "
+                       "bfloat16 checkpoint of it.")
     if family in ("phi3", "mistral4", "llama4_text"):
         fused = "qkv_proj and gate_up_proj" if family == "phi3" else "3-D experts (gate_up_proj, down_proj)"
         raise BadInput(f"config.json: {FIELD}={quant!r}: Kiln does not read FP8 blocks over {family}'s fused "

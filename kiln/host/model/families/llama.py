@@ -39,15 +39,15 @@ def is_expert_layer(cfg: ModelConfig, p: dict[str, torch.Tensor]) -> bool:
 
 
 def pre_norm_layer(attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Layer:
-    """Llama's layer around `attention(cfg, tp, p, h, kv, window, ctx) -> (output, cache entry)`: DeepSeek-V3's
-    layer is this one with latent attention."""
+    """Llama's layer around `attention(cfg, tp, p, h, kv, window, ctx, picks) -> (output, cache entry)`:
+    DeepSeek-V3's layer is this one with latent attention (whose sparse kind makes choices, into `picks`)."""
     def layer(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], x: torch.Tensor, kv: torch.Tensor,
               window: torch.Tensor | None, ctx: StepContext,
               picks: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         def norm(name: str, y: torch.Tensor) -> torch.Tensor:
             return rms_norm(y, p[f"{name}.weight"], cfg.rms_norm_eps, cfg.norm_unit_offset)
 
-        attended, entry = attention(cfg, tp, p, norm("input_layernorm", x), kv, window, ctx)
+        attended, entry = attention(cfg, tp, p, norm("input_layernorm", x), kv, window, ctx, picks)
         x = x + attended
         h = norm("post_attention_layernorm", x)
         if is_expert_layer(cfg, p):

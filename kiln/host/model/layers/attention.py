@@ -53,8 +53,8 @@ def attention_scale(cfg: ModelConfig) -> float:
 
 
 def grouped_query_attention(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor], h: torch.Tensor,
-                            kv: torch.Tensor, window: torch.Tensor | None,
-                            ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+                            kv: torch.Tensor, window: torch.Tensor | None, ctx: StepContext,
+                            picks: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the attention's output [b, t, hidden] summed over the ranks, this step's cache entry
     [2, b, t, the rank's KV heads, head_dim]: its rotated keys and its values). Its head counts are its
     weights' (kiln.core.model.shares); query heads that straddle KV groups unevenly (ctx.kv_runs) attend in
@@ -62,7 +62,7 @@ def grouped_query_attention(cfg: ModelConfig, tp: int, p: dict[str, torch.Tensor
 
     `p` holds the layer's tensors by checkpoint suffix (`self_attn.q_proj.weight`, ...), `h` the normed
     input, `kv` the layer's cache, `window` a 0-d window (tokens a query may look back, itself included)
-    or None.
+    or None. It makes no choices (`picks`, latent attention's, is left alone).
     """
     b, t, _ = h.shape
     hd = cfg.head_dim

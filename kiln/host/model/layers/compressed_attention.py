@@ -23,8 +23,7 @@ import torch.nn.functional as F
 
 from kiln.core.model.config import ModelConfig
 from kiln.core.model.v4_fields import CSA, SLIDING
-from kiln.host.model.layers import choices
-from kiln.host.model.layers.choices import INDEXER_SITE
+from kiln.host.model.layers import lightning_indexer
 from kiln.host.model.layers.collectives import reduce
 from kiln.host.model.layers.compressor import compress, pair_tables, ring_read, ring_write, rotate_pairs
 from kiln.host.model.layers.norms import rms_norm32
@@ -44,18 +43,11 @@ def indexer_picks(cfg: ModelConfig, p: dict[str, torch.Tensor], x: torch.Tensor,
     for it (fewer when fewer are ready). The picks [b, t, min(index_topk, entries)] go into `picks`
     (kiln.host.model.layers.choices), `entries` where none: fewer were ready."""
     v4, (b, t, _) = cfg.v4, x.shape
-    n = keys.shape[1]
     q = F.linear(q_low, p["attn.indexer.wq_b.weight"]).view(b, t, -1, v4.index_head_dim)
     cos, sin = pair_tables(cfg, positions, x.dtype)
     q = rotate_pairs(q, cos[:, :, None], sin[:, :, None])
-    scores = F.relu(torch.einsum("bthd,bnd->bthn", q.float(), keys.float())) * v4.index_head_dim ** -0.5
     heads = F.linear(x, p["attn.indexer.weights_proj.weight"]).float() * v4.index_n_heads ** -0.5
-    score = (scores * heads[..., None]).sum(dim=2).masked_fill(~ready, float("-inf"))  # [b, t, n]
-    best = score.topk(min(v4.index_topk, n), dim=-1).indices
-    best = torch.where(ready.gather(-1, best), best, n)  # a pick among entries not ready: none
-    best = choices.decide(INDEXER_SITE, score, best)
-    choices.report(picks, INDEXER_SITE, best)
-    return torch.zeros(b, t, n + 1, dtype=torch.bool, device=x.device).scatter(-1, best, True)[..., :n]
+    return lightning_indexer.best(lightning_indexer.scores(q, keys, heads), ready, v4.index_topk, picks)
 
 
 def attention(cfg: ModelConfig, tp: int, kind: str, p: dict[str, torch.Tensor], x: torch.Tensor, start: torch.Tensor,
