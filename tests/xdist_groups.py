@@ -46,7 +46,7 @@ SPLIT_BY_CASE = {
         "test_a_realistic_bfloat16_export_runs_with_torch_alone": "llama-realistic-bf16",
         "test_a_mixture_of_experts_export_runs_with_torch_alone": "qwen3-moe",
         "test_a_fused_checkpoint_export_runs_with_torch_alone": "phi3-longrope",
-        "test_a_latent_attention_export_caches_latents": "deepseek-v3",
+        "test_a_latent_attention_export_caches_latents": "deepseek-v32",
         "test_an_image_text_export_says_what_it_left_out_and_runs_with_torch_alone": "gemma3-image-text",
     },
     "tests/reference/test_uneven_export.py": {

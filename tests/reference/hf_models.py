@@ -232,8 +232,10 @@ CASES = {
                                         num_experts_per_tok=1, attention_chunk_size=8, floor_scale=4, attn_scale=0.1,
                                         initializer_range=0.05), "bfloat16"),
     # DeepSeek sparse attention: DeepSeek-V3's shape, each query attending to the 4 tokens (of up to 20) its lightning
-    # indexer (8 heads of 48, the leading 32 dims rotated in halves; GLM-5's in interleaved pairs) scores best.
-    "deepseek-v32": ("deepseek_v32", dict(DEEPSEEK, index_topk=4, index_head_dim=48, index_n_heads=8), "float32"),
+    # indexer (8 heads of 48, the leading 32 dims rotated in halves; GLM-5's in interleaved pairs) scores best;
+    # DeepSeek-V3.2 with attention_bias (q_a, kv_a and o), as the "deepseek-v3" case.
+    "deepseek-v32": ("deepseek_v32", dict(DEEPSEEK, attention_bias=True, index_topk=4, index_head_dim=48,
+                                          index_n_heads=8), "float32"),
     "glm5": ("glm_moe_dsa", dict(DEEPSEEK, index_topk=4, index_head_dim=48, index_n_heads=8), "float32"),
     # At a real shape in bfloat16: heads of 128 + 64 rotating dims, the indexer's 16 heads of 128 keeping 8 tokens.
     "deepseek-v32-bf16": ("deepseek_v32", dict(DEEPSEEK, hidden_size=256, qk_nope_head_dim=128, qk_rope_head_dim=64,

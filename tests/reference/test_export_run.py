@@ -22,7 +22,8 @@ NEW_TOKENS = 6
 BUCKETS = "1x4,1x8"
 """One forward, 1x4-8@1x8: every step of every case runs on a range package."""
 E2E = {
-    # case: why it is exported end to end (each feature alone is checked in eager mode too). Mistral, dense
+    # case: why it is exported end to end (each feature alone is checked in eager mode too). DeepSeek-V3 is
+    # exported as DeepSeek-V3.2 (its layer, sparse) here and at tp 3 (test_uneven_export). Mistral, dense
     # Qwen3 and dense Qwen2 are eager only (test_eager_reference): a window over the paged cache is exported with
     # Qwen2-MoE's and Phi-3's, q/k norms with Qwen3-MoE's, Qwen2's attention (sharded q/k/v biases, its window
     # from max_window_layers, yarn) with Qwen2-MoE's; one export less is about 3 CPU-minutes. gpt-oss is exported
@@ -41,9 +42,6 @@ E2E = {
     "gemma3-image-text": "Gemma 3 as published, an image-text checkpoint (Gemma3ForConditionalGeneration): its text "
                          "decoder, Gemma's layers with q/k norms, full layers rotating at 1e6 scaled by 8, sliding "
                          "ones at 1e4; the vision tower left out, the manifest naming the checkpoint's own tensors",
-    "deepseek-v3": "DeepSeek-V3: latent attention (the cache holds each token's latent and rotary key, the same on "
-                   "every rank; q and kv up-projections split by heads), a dense layer then 16 experts chosen by "
-                   "corrected sigmoid scores within the best 2 of 4 groups, scaled, plus a shared expert",
     "phi3-longrope": "Phi-3.5: fused qkv_proj and gate_up_proj cut into each rank's q/k/v and gate/up rows, a "
                      "partial rotary (48 of 64 dims), a sliding window of 6, and longrope: the 12-token prompt is "
                      "fed with the short factors (its length is 12), the decode steps past the original context of "
@@ -59,9 +57,11 @@ E2E = {
               "8 (the prompt and the decode cross two), a layer with no rope whose queries grow with the attention "
               "temperature, every other layer experts read from input-major fused tensors, each chosen expert taking "
               "its token scaled by its sigmoid, a shared expert beside",
-    "deepseek-v32": "DeepSeek-V3.2: DeepSeek-V3's latent attention made sparse, each query attending to the 4 "
-                    "tokens a lightning indexer (whole on every rank, its key cached with the latent) scores best; "
-                    "the picks a choice output",
+    "deepseek-v32": "DeepSeek-V3.2: DeepSeek-V3's layer (latent attention: the cache holds each token's latent and "
+                    "rotary key, the same on every rank, q and kv up-projections split by heads; a dense layer then "
+                    "16 experts chosen by corrected sigmoid scores within the best 2 of 4 groups, scaled, plus a "
+                    "shared expert) made sparse: each query attends to the 4 tokens a lightning indexer (whole on "
+                    "every rank, its key cached after the latent) scores best, the picks a choice output",
     "llama-realistic-bf16": "bfloat16, head_dim 128, 4 layers, vocabulary 32000",
 }
 
@@ -220,25 +220,27 @@ def test_a_fused_checkpoint_export_runs_with_torch_alone(export_and_run, tmp_pat
 
 
 def test_a_latent_attention_export_caches_latents(export_and_run, kiln, prefect_server, tmp_path):
-    """DeepSeek-V3's export keeps the latent cache: its interface states one entry per token of the latent and
-    the rotary key (kv_lora_rank + qk_rope_head_dim wide, one for every head, not split over the ranks);
-    `kiln verify` runs both ranks on one whole cache and finds their latents alike and the unsharded model's;
-    torch alone runs it from the manifest as Kiln's loader does."""
+    """DeepSeek-V3.2's export keeps the latent cache: its interface states one entry per token of the latent, the
+    rotary key and the indexer's key (kv_lora_rank + qk_rope_head_dim + index_head_dim wide, one for every head,
+    not split over the ranks), and the indexer's picks as an output; `kiln verify` runs both ranks on one whole
+    cache and finds their latents alike and the unsharded model's; torch alone runs it from the manifest as Kiln's
+    loader does."""
     from pathlib import Path
 
-    got = export_and_run("deepseek-v3")
+    got = export_and_run("deepseek-v32")
     root = Path(got["store"].removeprefix("file://"))
     manifest_path = root / got["report"]["manifest"]
     manifest = json.loads(manifest_path.read_text())
     interface = manifest["forwards"][0]["interface"]
-    assert interface["kv_cache"] == {"entries": ["latent_and_rope_key"], "heads": 1, "width": 64 + 32,
+    assert interface["kv_cache"] == {"entries": ["latent_rope_and_index_key"], "heads": 1, "width": 64 + 32 + 48,
                                      "sharded": False,
                                      "dims": ["layers", "entries", "num_pages", "page_tokens", "heads", "width"]}
     shapes = {a["name"]: a["shape"] for a in interface["inputs"] + interface["outputs"]}
     # tokens is a range (1x4-8): named, with its bounds under dynamic_dims
-    assert shapes["kv_cache"] == [3, 1, "num_pages", 16, 1, 96] and shapes["new_kv"] == [3, 1, 1, "tokens", 1, 96]
+    assert shapes["kv_cache"] == [3, 1, "num_pages", 16, 1, 144] and shapes["new_kv"] == [3, 1, 1, "tokens", 1, 144]
+    assert shapes["indexer_picks"] == [3, 1, "tokens", 4]  # every layer's picks, index_topk wide
     assert interface["dynamic_dims"]["tokens"] == {"min": 4, "max": 8}
-    verified = kiln("verify", "ref-deepseek-v3", "--store", got["store"], env={"PREFECT_API_URL": prefect_server})
+    verified = kiln("verify", "ref-deepseek-v32", "--store", got["store"], env={"PREFECT_API_URL": prefect_server})
     assert verified.code == 0 and "verify ok: 2 ranks match the unsharded model" in verified.out, verified.err[-3000:]
     torch_alone_is_kiln(manifest_path, root, manifest, tmp_path, got["verify_key"])
 
