@@ -30,7 +30,8 @@ def test_the_defaults_are_llama4_scouts():
         theirs.num_local_experts, theirs.num_experts_per_tok, theirs.rms_norm_eps,
         theirs.rope_parameters["rope_theta"], theirs.attention_chunk_size)
     assert cfg.nope_layers == tuple(i for i, rope in enumerate(theirs.no_rope_layers) if not rope)
-    assert cfg.moe_layers == tuple(theirs.moe_layers) and cfg.shared_expert_intermediate_size == theirs.intermediate_size
+    assert cfg.moe_layers == tuple(theirs.moe_layers)
+    assert cfg.shared_expert_intermediate_size == theirs.intermediate_size
     assert (cfg.qk_l2_norm, cfg.temperature_floor, cfg.temperature_scale) == (
         theirs.use_qk_norm, theirs.floor_scale, theirs.attn_scale)
     assert cfg.router == "sigmoid_input" and not cfg.tie_word_embeddings

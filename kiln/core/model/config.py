@@ -202,7 +202,7 @@ class ModelConfig:
     temperature_scale: float = 0.0
     """Llama 4's attn_scale (with temperature_floor)."""
     dsa: DsaFields | None = None
-    """DeepSeek sparse attention's lightning indexer (kiln.core.model.dsa_fields), exactly for DeepSeek-V3.2 and GLM-5."""
+    """DeepSeek sparse attention's lightning indexer (kiln.core.model.dsa_fields): DeepSeek-V3.2's, GLM-5's."""
     v4: V4Fields | None = None
     """DeepSeek-V4's own settings (kiln.core.model.v4_fields), exactly when architecture is deepseek_v4; its rope_*
     fields are then the compressed layers' rope, qk_rope_head_dim the trailing rotated dims of its heads."""

@@ -26,7 +26,8 @@ What a cached token holds is the cache layout (`cache_layout`): per-head keys
 and values (entries 2, heads kv_heads/tp, width head_dim), or, for latent
 attention, one entry of the token's latent and rotary key that every head
 reads (entries 1, heads 1, width kv_lora_rank + qk_rope_head_dim, the same on
-every rank; DeepSeek sparse attention's indexer key, index_head_dim, after them). DeepSeek-V4's cache is not per-token entries but state that is
+every rank; DeepSeek sparse attention's indexer key, index_head_dim, after
+them). DeepSeek-V4's cache is not per-token entries but state that is
 rewritten as tokens arrive (a sliding window, compressors' rings, compressed
 entries and a CSA layer's indexer keys): a slot per sequence
 (kv_cache[num_slots, slot_values], one `slots[batch]` input naming each

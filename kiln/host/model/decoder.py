@@ -103,8 +103,8 @@ class ShardedDecoder(nn.Module):
 
     def _windows(self, device) -> torch.Tensor | None:
         """[layers] int64: each layer's window, FULL_ATTENTION (a value no distance reaches) on full-attention
-        layers (Llama 4's: its chunks, FULL_ATTENTION on its layers with no rope); None when no layer has a window. Computed in the graph (a buffer would become a package
-        constant)."""
+        layers (Llama 4's: its chunks, FULL_ATTENTION on its layers with no rope); None when no layer has a
+        window. Computed in the graph (a buffer would become a package constant)."""
         cfg = self.cfg
         layer = torch.arange(cfg.num_layers, device=device)
         if llama4_fields.windowed(cfg):  # Llama 4: its chunk where it rotates, FULL_ATTENTION where it does not

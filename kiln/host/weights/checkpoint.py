@@ -81,8 +81,8 @@ MTP_FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 
 def _spare(name: str, cfg: ModelConfig) -> bool:
     """Tensors a checkpoint may hold that the model does not read: a tied head's copy, cached rotary tables,
-    DeepSeek-V3's (V3.2's, GLM-5's) multi-token-prediction module (the layers after num_hidden_layers: published checkpoints
-    hold it for speculative decoding, and one step does not use it)."""
+    DeepSeek-V3's (V3.2's, GLM-5's) multi-token-prediction module (the layers after num_hidden_layers:
+    published checkpoints hold it for speculative decoding, and one step does not use it)."""
     if name == "lm_head.weight" and cfg.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"):
         return True
     layer = name.removeprefix("model.layers.").split(".", 1)[0]
