@@ -11,6 +11,7 @@ entry is latent, rotary key, index key) and the indexer is computed whole on eve
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kiln.core.errors import BadInput
@@ -63,4 +64,4 @@ def indexer_shapes(cfg, a: str) -> dict[str, tuple[int, ...]]:
 
 def indexer_params(cfg) -> int:
     """Parameters of one layer's indexer (every rank holds it whole)."""
-    return sum(a * (b[0] if b else 1) for a, *b in indexer_shapes(cfg, "").values())
+    return sum(math.prod(shape) for shape in indexer_shapes(cfg, "").values())

@@ -85,8 +85,9 @@ def _reader(family: str):
                            "always turns interleaved pairs.")
         layers = positive_int(raw, "num_hidden_layers", 0)
         moe = _layer_lists(raw, family, layers)
-        given = {k: raw[k] for k in ("head_dim", "qk_head_dim") if k in raw}
-        latent = latent_fields({k: v for k, v in raw.items() if k not in given} | {"rope_interleave": True})
+        # head_dim and qk_head_dim are what the class overwrites them with (inert): not held to DeepSeek-V3's rule
+        latent = latent_fields({k: v for k, v in raw.items() if k not in ("head_dim", "qk_head_dim")}
+                               | {"rope_interleave": True})
         rope = rope_fields(raw, family)
         dsa = DsaFields(index_heads=positive_int(raw, "index_n_heads", 0),
                         index_head_dim=positive_int(raw, "index_head_dim", 0),
